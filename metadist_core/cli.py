@@ -1,0 +1,265 @@
+"""The ``metadist`` command: plugins, rules, plan, demo, calibrate."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from . import __version__
+
+log = logging.getLogger("metadist")
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        raise CliError(f"{message} (see `{self.prog} --help`)")
+
+
+def _parse_shape(text: str) -> tuple[int, ...]:
+    if text in ("", "scalar", "()"):
+        return ()
+    try:
+        return tuple(int(p) for p in text.lower().replace(",", "x").split("x"))
+    except ValueError:
+        raise CliError(f"cannot read a shape from {text!r}; write it like 8x16") from None
+
+
+def _parse_attr(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise CliError(f"--attr takes KEY=VALUE (VALUE as JSON), got {text!r}")
+    k, v = text.split("=", 1)
+    try:
+        return k, json.loads(v)
+    except json.JSONDecodeError:
+        return k, v
+
+
+def load_graph(path: str):
+    """A MetaIR from a JSON file: a MetaIR dump (``ops``) or a recorded fx graph (``nodes``)."""
+    from .ir import MetaIR
+
+    p = Path(path)
+    if not p.is_file():
+        raise CliError(f"no such file: {path}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise CliError(f"{path} is not JSON: {e}") from None
+    if "nodes" in data:
+        from .recorded import load_recorded_graph
+        return load_recorded_graph(p)
+    if "ops" in data:
+        return MetaIR.from_json(data)
+    raise CliError(f"{path} is neither a MetaIR dump (with 'ops') nor a recorded graph (with 'nodes')")
+
+
+# -- commands -----------------------------------------------------------------
+
+
+def cmd_plugins(args) -> int:
+    from .plugins import PluginManager
+
+    pm = PluginManager()
+    rows = [("kind", "name", "module", "distribution", "status")]
+    for r in sorted(pm.records, key=lambda r: (r.kind, r.name)):
+        rows.append((r.kind, r.name, r.module, r.distribution or "-", "FAILED: " + r.error if r.error else "ok"))
+    _print_table(rows)
+    return 0
+
+
+def cmd_rules(args) -> int:
+    from .discover import discover_op
+    from .ir import MetaIR
+    from .plugins import PluginManager
+    from .rules import RuleBook
+
+    pm = PluginManager()
+    if args.target.endswith(".json"):
+        graph = load_graph(args.target)
+        book = RuleBook.load(args.cache_dir) if not args.no_cache else RuleBook()
+        from .discover import discover
+        discover(graph, pm.hook, book, axis_size=args.axis_size, save=not args.no_cache)
+        rows = [("op signature", "status", "#rules", "rules")]
+        for sig, op in graph.unique_signatures().items():
+            e = book.get(sig)
+            rows.append((_short_sig(sig), e.status, str(len(e.rules)), "; ".join(map(str, e.rules[: args.max_rules]))
+                         + (" ..." if len(e.rules) > args.max_rules else "")))
+        _print_table(rows)
+        return 0
+    # a single op: KEY SHAPE [SHAPE ...]
+    g = MetaIR("rules")
+    names = []
+    for i, s in enumerate(args.shapes):
+        names.append(f"in{i}")
+        g.add_input(f"in{i}", _parse_shape(s), args.dtype)
+    attrs = dict(_parse_attr(a) for a in args.attr)
+    out_shape = _parse_shape(args.out_shape) if args.out_shape else None
+    op = g.add_op(args.target, names, [("out0", out_shape if out_shape is not None else (), args.dtype)], attrs)
+    if out_shape is None:
+        _infer_out_shape(pm, g, op)
+    entry = discover_op(op, g, pm.hook, args.axis_size)
+    print(f"{args.target} on ({', '.join(args.shapes)}), axis of {args.axis_size}: {entry.status}"
+          + (f" ({entry.note})" if entry.note else ""))
+    rows = [tuple(f"in{i}" for i in range(len(names))) + ("->", "out")]
+    for r in entry.rules:
+        rows.append(tuple(map(str, r.inputs)) + ("->", ", ".join(map(str, r.outputs))))
+    _print_table(rows)
+    return 0
+
+
+def _infer_out_shape(pm, g, op) -> None:
+    spec = pm.hook.metadist_op_spec(op=op, graph=g)
+    if spec is None:
+        known = ", ".join(pm.names("frontend"))
+        raise CliError(f"no loaded frontend runs op {op.key!r} (frontends: {known})")
+    import numpy as np
+
+    out = spec.fn(*spec.example_inputs)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    g.vars.pop(op.outputs[0])
+    op.outputs = []
+    for i, o in enumerate(outs):
+        v = g.add_var(f"out{i}", np.shape(o), g.vars[op.inputs[0]].dtype if op.inputs else "float32")
+        v.producer = op.id
+        op.outputs.append(v.id)
+
+
+def cmd_plan(args) -> int:
+    from .pipeline import plan_graph
+    from .placement import Mesh
+
+    if args.target.endswith(".py"):
+        raise CliError("planning a Python script needs the PyTorch frontend's tracer, which is not built yet; "
+                       "pass a graph file (.json: a MetaIR dump or a recorded graph) instead")
+    graph = load_graph(args.target)
+    mesh = _mesh(args)
+    result = plan_graph(graph, mesh, solver=args.solver, memory_budget=args.memory_budget,
+                        cache_dir=args.cache_dir, progress=None)
+    print(result.plan)
+    out = Path(args.out or f"{Path(args.target).stem}.plan.json")
+    out.write_text(json.dumps(result.plan.to_json(), indent=1))
+    print(f"plan saved to {out}; timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
+    return 0
+
+
+def _mesh(args):
+    from .placement import Mesh
+    from .profile import load_mesh_profile
+
+    try:
+        shape = Mesh.parse(args.mesh).shape
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    return load_mesh_profile(shape, getattr(args, "profile", None))
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(mesh_text=args.mesh, solver=args.solver, cache_dir=args.cache_dir)
+
+
+def cmd_calibrate(args) -> int:
+    try:
+        from metadist_torch.calibrate import run_calibrate
+    except ImportError as e:
+        raise CliError(f"calibrate times collectives with torch.distributed, which could not be imported ({e}); "
+                       f"install the torch extra: pip install 'metadist[torch]'") from None
+    path = run_calibrate(args.out)
+    print(f"mesh profile written to {path}")
+    return 0
+
+
+def _short_sig(sig: str) -> str:
+    key, shapes, dtypes, _ = sig.split("|")
+    return f"{key} {shapes}"
+
+
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(max(len(r) for r in rows))]
+    for j, r in enumerate(rows):
+        print("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="metadist", description="Trace a step, discover how every op splits (ShardCombine), "
+                                             "solve for the cheapest plan, run it distributed.")
+    p.add_argument("--version", action="version", version=f"metadist {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log to stderr (-v info, -vv debug)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    s = sub.add_parser("plugins", help="the frontends and solvers found, and where from")
+    s.set_defaults(func=cmd_plugins)
+
+    s = sub.add_parser("rules", help="the rules ShardCombine finds, as a table",
+                       description="Either OP SHAPE [SHAPE ...] (e.g. `metadist rules np.matmul 8x16 16x4`, "
+                                   "`metadist rules aten.mm.default 8x16 16x4`) or a graph file (.json).")
+    s.add_argument("target", metavar="OP_OR_MODEL")
+    s.add_argument("shapes", nargs="*", metavar="SHAPE", help="input shapes of a single op, like 8x16")
+    s.add_argument("--attr", action="append", default=[], metavar="KEY=VALUE", help="a static attribute (JSON value)")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--out-shape", default=None, help="output shape, for reshape-like ops")
+    s.add_argument("--axis-size", type=int, default=2)
+    s.add_argument("--max-rules", type=int, default=8)
+    s.add_argument("--cache-dir", default=None)
+    s.add_argument("--no-cache", action="store_true")
+    s.set_defaults(func=cmd_rules)
+
+    s = sub.add_parser("plan", help="trace, discover, solve; print and save the plan")
+    s.add_argument("target", metavar="SCRIPT_OR_GRAPH")
+    s.add_argument("--mesh", default="2", help="mesh shape, like 8 or 2x4 (default 2)")
+    s.add_argument("--solver", default=None)
+    s.add_argument("--memory-budget", type=int, default=None, help="bytes per device")
+    s.add_argument("--profile", default=None, help="mesh profile file (default: $METADIST_MESH_PROFILE)")
+    s.add_argument("--cache-dir", default=None)
+    s.add_argument("--out", default=None, help="where to save the plan JSON")
+    s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("demo", help="the main job on an embedded default, end to end")
+    s.add_argument("--mesh", default="4")
+    s.add_argument("--solver", default=None)
+    s.add_argument("--cache-dir", default=None)
+    s.set_defaults(func=cmd_demo)
+
+    s = sub.add_parser("calibrate", help="time real collectives and write a mesh profile")
+    s.add_argument("--out", default="metadist-mesh-profile.json")
+    s.set_defaults(func=cmd_calibrate)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
+                            format="%(levelname)s %(name)s: %(message)s")
+        if not getattr(args, "command", None):
+            parser.print_help()
+            return 0
+        return int(args.func(args) or 0)
+    except CliError as e:
+        print(f"metadist: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
+        if os.environ.get("METADIST_DEBUG"):
+            raise
+        msg = str(e).strip("'\"") or type(e).__name__
+        print(f"metadist: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("metadist: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

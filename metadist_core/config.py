@@ -1,0 +1,76 @@
+"""Settings: explicit argument > environment variable > ``[tool.metadist]`` in pyproject.toml > default.
+
+| setting        | environment                | pyproject key   | default            |
+|----------------|----------------------------|-----------------|--------------------|
+| solver         | METADIST_SOLVER            | solver          | ilp                |
+| memory_budget  | METADIST_MEMORY_BUDGET     | memory_budget   | none (bytes/device)|
+| cache_dir      | METADIST_CACHE_DIR         | cache_dir       | user cache dir     |
+| mesh_profile   | METADIST_MESH_PROFILE      | mesh_profile    | built-in defaults  |
+| axis_size      | METADIST_AXIS_SIZE         | axis_size       | 2 (discovery)      |
+| time_limit     | METADIST_TIME_LIMIT        | time_limit      | 60 (solver, s)     |
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ImportError:  # pragma: no cover - Python 3.10
+    tomllib = None  # type: ignore[assignment]
+
+DEFAULT_SOLVER = "ilp"
+
+
+@dataclass
+class Settings:
+    solver: str = DEFAULT_SOLVER
+    memory_budget: int | None = None
+    cache_dir: str | None = None
+    mesh_profile: str | None = None
+    axis_size: int = 2
+    time_limit: float = 60.0
+
+
+def _pyproject_settings(start: Path | None = None) -> dict[str, Any]:
+    if tomllib is None:
+        return {}
+    d = (start or Path.cwd()).resolve()
+    for folder in (d, *d.parents):
+        f = folder / "pyproject.toml"
+        if f.is_file():
+            try:
+                with open(f, "rb") as fh:
+                    return dict(tomllib.load(fh).get("tool", {}).get("metadist", {}))
+            except (OSError, ValueError) as e:
+                raise ValueError(f"cannot read [tool.metadist] from {f}: {e}") from e
+    return {}
+
+
+def load_settings(**explicit: Any) -> Settings:
+    """Resolve every setting; ``explicit`` values that are not None win."""
+    s = Settings()
+    file_vals = _pyproject_settings()
+    for f in fields(Settings):
+        value = explicit.get(f.name)
+        if value is None:
+            value = os.environ.get(f"METADIST_{f.name.upper()}")
+        if value is None:
+            value = file_vals.get(f.name)
+        if value is None:
+            continue
+        if f.name in ("memory_budget", "axis_size"):
+            try:
+                value = int(float(value))
+            except ValueError:
+                raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
+        elif f.name == "time_limit":
+            value = float(value)
+        else:
+            value = str(value)
+        setattr(s, f.name, value)
+    if s.axis_size < 2:
+        raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
+    return s

@@ -1,0 +1,312 @@
+"""Placements, Shardings and the device Mesh.
+
+A ``Placement`` says how one tensor lies along one mesh **axis**:
+``Shard(dim)`` splits tensor **dim** ``dim`` across the axis, ``Replicate()``
+keeps a full copy on every device of the axis, ``Partial(reduce)`` keeps a
+per-device value whose reduction (sum, avg, max, min) over the axis is the
+full value. A ``Sharding`` holds one Placement per mesh axis.
+
+Uneven splits follow ``torch.chunk``: every device but the last few holds
+``ceil(size / n)`` elements, so some trailing devices may hold fewer or none.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence, Union
+
+REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
+
+# Default per-axis link cost: a 25 GB/s link with 10 microseconds latency.
+DEFAULT_ALPHA = 1e-5
+DEFAULT_BETA = 1.0 / 25e9
+
+
+class IndivisibleError(ValueError):
+    """A tensor dim does not divide evenly over a mesh axis where that is required."""
+
+
+class Placement:
+    """Base of Shard, Replicate and Partial; placements are immutable values."""
+
+    __slots__ = ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self) -> bool:
+        return False
+
+    def to_json(self) -> str:
+        return str(self)
+
+    @staticmethod
+    def from_json(text: str) -> "Placement":
+        return parse_placement(text)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard(Placement):
+    dim: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dim, int) or isinstance(self.dim, bool):
+            raise TypeError(f"Shard(dim) needs an int dim, got {self.dim!r}")
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+    def __repr__(self) -> str:
+        return f"Shard({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate(Placement):
+    def is_replicate(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "R"
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial(Placement):
+    reduce: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce not in REDUCE_OPS:
+            raise ValueError(
+                f"Partial(reduce) takes one of {', '.join(REDUCE_OPS)}; got {self.reduce!r}"
+            )
+
+    def is_partial(self) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return f"P({self.reduce})"
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce!r})"
+
+
+def parse_placement(text: str) -> Placement:
+    """Parse the short form written by ``str(placement)``: ``R``, ``S(0)``, ``P(sum)``."""
+    t = text.strip()
+    if t == "R":
+        return Replicate()
+    if t.startswith("S(") and t.endswith(")"):
+        return Shard(int(t[2:-1]))
+    if t.startswith("P(") and t.endswith(")"):
+        return Partial(t[2:-1])
+    raise ValueError(f"not a placement: {text!r} (expected R, S(<dim>) or P(<reduce>))")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """One Placement per mesh axis, in mesh axis order."""
+
+    placements: tuple[Placement, ...]
+
+    def __init__(self, placements: Iterable[Placement]) -> None:
+        object.__setattr__(self, "placements", tuple(placements))
+        for p in self.placements:
+            if not isinstance(p, Placement):
+                raise TypeError(f"Sharding takes Placements, got {p!r}")
+
+    @classmethod
+    def replicated(cls, ndim_mesh: int) -> "Sharding":
+        return cls((Replicate(),) * ndim_mesh)
+
+    def __len__(self) -> int:
+        return len(self.placements)
+
+    def __iter__(self):
+        return iter(self.placements)
+
+    def __getitem__(self, axis: int) -> Placement:
+        return self.placements[axis]
+
+    def is_fully_replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+    def has_partial(self) -> bool:
+        return any(p.is_partial() for p in self.placements)
+
+    def sharded_dims(self) -> dict[int, list[int]]:
+        """Tensor dim -> mesh axes that split it, in mesh axis order."""
+        out: dict[int, list[int]] = {}
+        for axis, p in enumerate(self.placements):
+            if isinstance(p, Shard):
+                out.setdefault(p.dim, []).append(axis)
+        return out
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(str(p) for p in self.placements) + "]"
+
+    def __repr__(self) -> str:
+        return f"Sharding({list(self.placements)!r})"
+
+    def to_json(self) -> list[str]:
+        return [str(p) for p in self.placements]
+
+    @classmethod
+    def from_json(cls, data: Sequence[str]) -> "Sharding":
+        return cls(parse_placement(x) for x in data)
+
+
+def chunk_sizes(size: int, n: int) -> list[int]:
+    """Sizes of the ``n`` pieces of a dim of ``size`` under ``torch.chunk`` semantics."""
+    if n <= 0:
+        raise ValueError(f"cannot split into {n} pieces")
+    c = -(-size // n) if size else 0
+    return [max(0, min(c, size - i * c)) for i in range(n)]
+
+
+def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
+    """[start, stop) of piece ``index`` of ``n`` of a dim of ``size``."""
+    c = -(-size // n) if size else 0
+    start = min(size, index * c)
+    return start, min(size, start + c)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """The logical device mesh: shape, axis names and per-axis link cost.
+
+    ``alpha`` is the latency of one collective step on an axis (seconds) and
+    ``beta`` the seconds per byte on its links; both are per axis.
+    """
+
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...] = ()
+    alpha: tuple[float, ...] = ()
+    beta: tuple[float, ...] = ()
+
+    def __init__(
+        self,
+        shape: Union[int, Sequence[int]],
+        axis_names: Sequence[str] | None = None,
+        alpha: Union[float, Sequence[float], None] = None,
+        beta: Union[float, Sequence[float], None] = None,
+    ) -> None:
+        shp = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if not shp or any(s < 1 for s in shp):
+            raise ValueError(f"a mesh shape needs one or more positive sizes, got {shape!r}")
+        names = tuple(axis_names) if axis_names is not None else tuple(
+            ("dp", "tp", "pp")[i] if len(shp) <= 3 else f"axis{i}" for i in range(len(shp))
+        )
+        if len(names) != len(shp):
+            raise ValueError(
+                f"mesh shape {shp} has {len(shp)} axes but {len(names)} axis names {names}"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"mesh axis names must be distinct, got {names}")
+        object.__setattr__(self, "shape", shp)
+        object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "alpha", _per_axis(alpha, DEFAULT_ALPHA, len(shp), "alpha"))
+        object.__setattr__(self, "beta", _per_axis(beta, DEFAULT_BETA, len(shp), "beta"))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def axis_index(self, axis: Union[int, str]) -> int:
+        if isinstance(axis, str):
+            if axis not in self.axis_names:
+                raise KeyError(f"no mesh axis {axis!r}; the axes are {self.axis_names}")
+            return self.axis_names.index(axis)
+        return axis
+
+    def coordinates(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinates of a flat (row-major) device rank."""
+        if not 0 <= rank < self.size:
+            raise IndexError(f"rank {rank} is outside a mesh of {self.size} devices")
+        coords = []
+        for s in reversed(self.shape):
+            coords.append(rank % s)
+            rank //= s
+        return tuple(reversed(coords))
+
+    def __str__(self) -> str:
+        return "x".join(str(s) for s in self.shape)
+
+    def to_json(self) -> dict:
+        return {
+            "shape": list(self.shape),
+            "axis_names": list(self.axis_names),
+            "alpha": list(self.alpha),
+            "beta": list(self.beta),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Mesh":
+        return cls(data["shape"], data.get("axis_names"), data.get("alpha"), data.get("beta"))
+
+    @classmethod
+    def parse(cls, text: str) -> "Mesh":
+        """``"2x4"`` or ``"8"`` or ``"2,4"`` -> Mesh."""
+        parts = text.replace(",", "x").replace("*", "x").split("x")
+        try:
+            return cls(tuple(int(p) for p in parts if p.strip()))
+        except ValueError:
+            raise ValueError(f"cannot read a mesh shape from {text!r}; write it like 8 or 2x4") from None
+
+
+def _per_axis(value, default: float, n: int, name: str) -> tuple[float, ...]:
+    if value is None:
+        return (default,) * n
+    if isinstance(value, (int, float)):
+        return (float(value),) * n
+    vals = tuple(float(v) for v in value)
+    if len(vals) != n:
+        raise ValueError(f"mesh has {n} axes but {name} gives {len(vals)} values: {vals}")
+    return vals
+
+
+def shard_shape(
+    shape: Sequence[int], sharding: Sharding, mesh: Mesh, coords: Sequence[int] | None = None,
+    *, even: bool = False,
+) -> tuple[int, ...]:
+    """Local shape of a tensor of ``shape`` under ``sharding`` on ``mesh``.
+
+    ``coords`` picks a device (default: the first device, which holds the
+    largest piece). With ``even=True`` a dim that does not divide raises
+    :class:`IndivisibleError` naming the axis, the split, the dim and the shape.
+    """
+    if len(sharding) != mesh.ndim:
+        raise ValueError(
+            f"sharding {sharding} has {len(sharding)} placements for a {mesh.ndim}-axis mesh {mesh}"
+        )
+    coords = tuple(coords) if coords is not None else (0,) * mesh.ndim
+    local = list(shape)
+    for axis, p in enumerate(sharding):
+        if isinstance(p, Shard):
+            if not -len(shape) <= p.dim < len(shape):
+                raise ValueError(
+                    f"{p!r} on mesh axis {mesh.axis_names[axis]!r} names dim {p.dim} "
+                    f"of a {len(shape)}-dim tensor of shape {tuple(shape)}"
+                )
+            d = p.dim % len(shape)
+            n = mesh.shape[axis]
+            if even and local[d] % n:
+                raise IndivisibleError(
+                    f"mesh axis {mesh.axis_names[axis]!r} splits {n} ways, but dim {d} of "
+                    f"shape {tuple(shape)} has {local[d]} elements here, which {n} does not divide; "
+                    f"pick a size divisible by {n} or another placement"
+                )
+            lo, hi = chunk_bounds(local[d], n, coords[axis])
+            local[d] = hi - lo
+    return tuple(local)

@@ -1,0 +1,371 @@
+"""ShardCombine: find how one op may be split on one mesh axis by running it on pieces.
+
+For every combination of candidate input placements (Replicate, Shard(dim) for
+each dim, Partial(reduce) for sum/avg/max/min) the op is run once per simulated
+device on that device's piece of every input; the per-device outputs are then
+tried against every way of combining them (identity, concat along a dim, sum,
+avg, max, min). A combination becomes a :class:`~metadist_core.rules.ShardingRule`
+only if the same combine reproduces the full op's result on every verification
+draw: two independent random draws plus one integer-valued draw, where an
+integer-valued full result must be matched exactly.
+
+The op itself comes from a frontend as an :class:`OpSpec` working on numpy arrays.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .placement import REDUCE_OPS, Partial, Placement, Replicate, Shard, chunk_bounds, chunk_sizes
+from .reshape import reshape_local_shape
+from .rules import ShardingRule
+
+log = logging.getLogger("metadist.shardcombine")
+
+
+class Unrunnable(Exception):
+    """An op that cannot be run in isolation for discovery (random, data-dependent, custom)."""
+
+
+@dataclass
+class OpSpec:
+    """One op made runnable on numpy arrays.
+
+    ``fn(*tensors)`` returns one value or a tuple/list of values (numpy arrays
+    or Python scalars). ``example_inputs`` fixes the shapes and dtypes and is
+    the first verification draw. For a reshape/view op set ``reshape_fn(x,
+    target_shape)`` and ``out_shape``: a sharded input is then run at the local
+    target shape found by shape analysis. ``sampler(rng, integer_valued)`` may
+    replace the default random draws (say, to keep indices in range).
+    """
+
+    fn: Callable[..., Any]
+    example_inputs: Sequence[np.ndarray]
+    name: str = "op"
+    reshape_fn: Callable[[np.ndarray, tuple[int, ...]], Any] | None = None
+    out_shape: tuple[int, ...] | None = None
+    sampler: Callable[[np.random.Generator, bool], list[np.ndarray]] | None = None
+    partial_inputs: bool = True   # False prunes all Partial input candidates (say, for index inputs)
+
+
+@dataclass
+class DiscoveryStats:
+    candidates: int = 0
+    screened_out: int = 0
+    raised: int = 0
+    runs: int = 0
+    seconds: float = 0.0
+
+
+def _as_list(out: Any) -> list[Any]:
+    items = list(out) if isinstance(out, (tuple, list)) else [out]
+    return [np.asarray(x) if isinstance(x, np.generic) else x for x in items]
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def _is_float(a: np.ndarray) -> bool:
+    return np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.complexfloating)
+
+
+def _tolerance(a: np.ndarray) -> float:
+    if a.dtype == np.float64 or a.dtype == np.complex128:
+        return 1e-9
+    if a.dtype == np.float32 or a.dtype == np.complex64:
+        return 2e-5
+    return 1e-2
+
+
+def _same(full: Any, got: Any, exact: bool) -> bool:
+    """Does ``got`` reproduce ``full``? Exact for integer data, else a dtype-scaled tolerance."""
+    if _is_tensor(full) != _is_tensor(got):
+        if _is_tensor(got) and got.ndim == 0 and not _is_tensor(full):
+            got = got.item()
+        elif _is_tensor(full) and full.ndim == 0 and not _is_tensor(got):
+            full = full.item()
+        else:
+            return False
+    if not _is_tensor(full):
+        if isinstance(full, (int, float, complex, np.number)) and isinstance(got, (int, float, complex, np.number)):
+            full, got = np.asarray(full), np.asarray(got)
+        else:
+            try:
+                return bool(full == got)
+            except Exception:
+                return False
+    if full.shape != got.shape:
+        return False
+    if not _is_float(full) or exact:
+        if _is_float(full):
+            return bool(np.array_equal(full, got, equal_nan=True))
+        return bool(np.array_equal(full, got))
+    if not np.array_equal(np.isnan(full), np.isnan(got)):
+        return False
+    fin = np.isfinite(full)
+    if not np.array_equal(full[~fin & ~np.isnan(full)], got[~fin & ~np.isnan(full)]):
+        return False
+    f, g = full[fin], got[fin]
+    if f.size == 0:
+        return True
+    tol = _tolerance(full)
+    scale = max(float(np.max(np.abs(f))), 1e-30)
+    return bool(np.all(np.abs(f - g) <= tol * (np.abs(f) + 1e-3 * scale)))
+
+
+# -- candidate input placements and the pieces they give ------------------------
+
+
+def input_candidates(x: np.ndarray, n: int, allow_partial: bool) -> list[Placement]:
+    cands: list[Placement] = [Replicate()]
+    if _is_tensor(x):
+        cands += [Shard(d) for d in range(x.ndim) if x.shape[d] >= n]
+        if allow_partial and _is_float(x) and x.size > 0:
+            cands += [Partial(r) for r in REDUCE_OPS]
+    return cands
+
+
+def split_input(x: np.ndarray, p: Placement, n: int, rng: np.random.Generator, integer: bool) -> list[np.ndarray]:
+    """The ``n`` per-device pieces of a full input ``x`` under placement ``p``."""
+    if isinstance(p, Replicate) or not _is_tensor(x):
+        return [x] * n
+    if isinstance(p, Shard):
+        return [x[(slice(None),) * p.dim + (slice(*chunk_bounds(x.shape[p.dim], n, r)),)] for r in range(n)]
+    assert isinstance(p, Partial)
+
+    def noise() -> np.ndarray:
+        if integer:
+            return rng.integers(-3, 4, size=x.shape).astype(x.dtype)
+        return rng.standard_normal(x.shape).astype(x.dtype)
+
+    if p.reduce in ("sum", "avg"):
+        target = x if p.reduce == "sum" else x * n
+        pieces = [noise() for _ in range(n - 1)]
+        rest = target - sum(pieces) if pieces else target
+        return pieces + [rest.astype(x.dtype)]
+    # max/min: a random device holds the true value per element, the others hold strictly less/more
+    owner = rng.integers(0, n, size=x.shape)
+    sign = -1 if p.reduce == "max" else 1
+    pieces = []
+    for r in range(n):
+        gap = (np.abs(noise()) + 1).astype(x.dtype)
+        pieces.append(np.where(owner == r, x, x + sign * gap).astype(x.dtype))
+    return pieces
+
+
+# -- combining per-device outputs --------------------------------------------
+
+
+def output_combines(ndim: int | None) -> list[Placement]:
+    """Every way to combine per-device outputs, in order of preference."""
+    if ndim is None:
+        return [Replicate()]
+    return [Replicate()] + [Shard(d) for d in range(ndim)] + [Partial(r) for r in REDUCE_OPS]
+
+
+def combine(pieces: list[Any], p: Placement, full: Any) -> Any | None:
+    """Put per-device outputs together as placement ``p`` says; None when they cannot be."""
+    n = len(pieces)
+    if isinstance(p, Replicate):
+        return pieces  # every piece must equal the full value: checked by the caller
+    if not all(_is_tensor(x) for x in pieces) or not _is_tensor(full):
+        return None
+    if isinstance(p, Shard):
+        if full.ndim == 0 or any(x.ndim != full.ndim for x in pieces):
+            return None
+        sizes = chunk_sizes(full.shape[p.dim], n)
+        if [x.shape[p.dim] for x in pieces] != sizes:
+            return None
+        try:
+            return np.concatenate(pieces, axis=p.dim)
+        except ValueError:
+            return None
+    if any(x.shape != full.shape for x in pieces):
+        return None
+    if full.dtype == np.bool_:
+        return None
+    stack = np.stack(pieces)
+    if p.reduce == "sum":
+        return stack.sum(axis=0).astype(full.dtype)
+    if p.reduce == "avg":
+        if not _is_float(full):
+            return None
+        return stack.mean(axis=0).astype(full.dtype)
+    if p.reduce == "max":
+        return stack.max(axis=0)
+    return stack.min(axis=0)
+
+
+def valid_combines(pieces: list[Any], full: Any, exact: bool) -> set[Placement]:
+    ndim = full.ndim if _is_tensor(full) else None
+    ok = set()
+    for p in output_combines(ndim):
+        got = combine(pieces, p, full)
+        if got is None:
+            continue
+        if isinstance(p, Replicate):
+            if all(_same(full, x, exact) for x in got):
+                ok.add(p)
+        elif _same(full, got, exact):
+            ok.add(p)
+    return ok
+
+
+# -- draws ------------------------------------------------------------------
+
+
+def _integral(x: Any) -> bool:
+    if _is_tensor(x):
+        if not _is_float(x):
+            return True
+        fin = x[np.isfinite(x)]
+        return bool(np.all(fin == np.round(fin)))
+    return isinstance(x, (int, bool, np.integer))
+
+
+def default_sampler(examples: Sequence[np.ndarray]) -> Callable[[np.random.Generator, bool], list[np.ndarray]]:
+    """Random inputs like the examples: normal (or small integer-valued) floats; integers
+    drawn from the example's own range, so indices stay valid; random bools."""
+
+    def sample(rng: np.random.Generator, integer: bool) -> list[np.ndarray]:
+        out = []
+        for x in examples:
+            if not _is_tensor(x):
+                out.append(x)
+            elif _is_float(x):
+                if integer:
+                    out.append(rng.integers(-4, 5, size=x.shape).astype(x.dtype))
+                else:
+                    out.append(rng.standard_normal(x.shape).astype(x.dtype))
+            elif x.dtype == np.bool_:
+                out.append(rng.random(x.shape) < 0.5)
+            elif x.size == 0:
+                out.append(x.copy())
+            else:
+                lo, hi = int(x.min()), int(x.max())
+                out.append(rng.integers(lo, hi + 1, size=x.shape).astype(x.dtype))
+        return out
+
+    return sample
+
+
+# -- the search -------------------------------------------------------------
+
+
+def _combos(cands: list[list[Placement]]) -> list[tuple[Placement, ...]]:
+    """All input combinations, pruned: Partial inputs only next to Replicate or the same Partial."""
+    out = []
+    for combo in itertools.product(*cands):
+        partials = {p for p in combo if isinstance(p, Partial)}
+        if partials:
+            if len(partials) > 1 or any(isinstance(p, Shard) for p in combo):
+                continue
+        out.append(combo)
+    return out
+
+
+class _Runner:
+    def __init__(self, spec: OpSpec, n: int, stats: DiscoveryStats) -> None:
+        self.spec, self.n, self.stats = spec, n, stats
+
+    def full(self, inputs: Sequence[np.ndarray]) -> list[Any]:
+        self.stats.runs += 1
+        return _as_list(self.spec.fn(*inputs))
+
+    def pieces(self, combo: tuple[Placement, ...], inputs: Sequence[np.ndarray], rng: np.random.Generator,
+               integer: bool) -> list[list[Any]] | None:
+        """Run the op on each device's pieces; per output, the list of per-device values. None if it raised."""
+        split = [split_input(x, p, self.n, rng, integer) for x, p in zip(inputs, combo)]
+        per_rank = []
+        for r in range(self.n):
+            local = [s[r] for s in split]
+            try:
+                self.stats.runs += 1
+                if self.spec.reshape_fn is not None:
+                    target = reshape_local_shape(inputs[0].shape, self.spec.out_shape, combo[0], self.n, r)
+                    if target is None:
+                        return None
+                    out = _as_list(self.spec.reshape_fn(local[0], target))
+                else:
+                    out = _as_list(self.spec.fn(*local))
+            except Exception:  # a candidate the op refuses is a rejected candidate, never a crash
+                self.stats.raised += 1
+                return None
+            per_rank.append(out)
+        if len({len(o) for o in per_rank}) != 1:
+            return None
+        return [[o[i] for o in per_rank] for i in range(len(per_rank[0]))]
+
+
+def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: int = 0,
+                   stats: DiscoveryStats | None = None) -> list[ShardingRule]:
+    """Every verified one-axis ShardingRule of the op in ``spec`` on an axis of ``axis_size`` devices.
+
+    Raises :class:`Unrunnable` when the op cannot be run on its examples or
+    does not give the same result twice (a random op).
+    """
+    t0 = time.perf_counter()
+    stats = stats if stats is not None else DiscoveryStats()
+    n = axis_size
+    if n < 2:
+        raise ValueError(f"discovery needs an axis of at least 2 devices, got {axis_size}")
+    examples = list(spec.example_inputs)
+    runner = _Runner(spec, n, stats)
+    rng = np.random.default_rng(seed)
+    sampler = spec.sampler or default_sampler(examples)
+
+    # Verification draws: the examples, `draws` random draws, one integer-valued draw.
+    draw_inputs: list[tuple[list[np.ndarray], bool]] = [(examples, False)]
+    for _ in range(max(draws, 2) - 1):
+        draw_inputs.append((sampler(rng, False), False))
+    if any(_is_tensor(x) and _is_float(x) for x in examples):
+        draw_inputs.append((sampler(rng, True), True))
+    fulls = []
+    for inputs, integer in draw_inputs:
+        try:
+            out = runner.full(inputs)
+            again = runner.full(inputs)
+        except Exception as e:
+            raise Unrunnable(f"{spec.name} raised on its example inputs: {type(e).__name__}: {e}") from e
+        if len(out) != len(again) or not all(_same(a, b, True) for a, b in zip(out, again)):
+            raise Unrunnable(f"{spec.name} gives different results on the same inputs (random or stateful)")
+        # an integer-valued draw is checked exactly only where the full result stays integral
+        fulls.append((out, integer and all(_integral(o) for o in out)))
+
+    cands = [input_candidates(x, n, spec.partial_inputs) for x in examples]
+    if spec.reshape_fn is not None:
+        cands[0] = [p for p in cands[0]
+                    if not isinstance(p, Shard) or reshape_local_shape(examples[0].shape, spec.out_shape, p, n, 0) is not None]
+    combos = _combos(cands)
+    stats.candidates += len(combos)
+
+    rules: list[ShardingRule] = []
+    for combo in combos:
+        allowed: list[set[Placement]] | None = None
+        for (inputs, integer), (full, exact) in zip(draw_inputs, fulls):
+            outs = runner.pieces(combo, inputs, rng, integer)
+            if outs is None or len(outs) != len(full):
+                allowed = None
+                break
+            ok = [valid_combines(p, f, exact) for p, f in zip(outs, full)]
+            allowed = ok if allowed is None else [a & b for a, b in zip(allowed, ok)]
+            if any(not a for a in allowed):
+                allowed = None
+                break
+        if allowed is None:
+            stats.screened_out += 1
+            continue
+        outputs = []
+        for a, f in zip(allowed, fulls[0][0]):
+            order = output_combines(f.ndim if _is_tensor(f) else None)
+            outputs.append(next(p for p in order if p in a))
+        rules.append(ShardingRule(combo, tuple(outputs)))
+    stats.seconds += time.perf_counter() - t0
+    return rules

@@ -1,0 +1,13 @@
+import os
+
+# Tests never draw the progress bar and never touch the user's real cache.
+os.environ.setdefault("METADIST_PROGRESS", "0")
+
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("METADIST_CACHE_DIR", str(tmp_path / "metadist-cache"))
+    yield

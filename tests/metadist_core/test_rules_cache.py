@@ -1,0 +1,109 @@
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from metadist_core.discover import discover
+from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.plugins import PluginManager
+from metadist_core.reference import transformer_block
+from metadist_core.rules import CACHE_FILE, OpRules, RuleBook, ShardingRule, expand_rules
+
+
+class CountingFrontend:
+    """Wraps the reference frontend and counts how many op specs discovery asked for."""
+
+    def __init__(self):
+        from metadist_core import reference
+        self.ref = reference
+        self.calls = 0
+
+    from metadist_core.hookspecs import hookimpl
+
+    @hookimpl
+    def metadist_op_spec(self, op, graph):
+        self.calls += 1
+        return self.ref.op_spec(op, graph)
+
+
+def _pm():
+    pm = PluginManager(load_entry_points=False)
+    front = CountingFrontend()
+    pm.register(front, "frontend", "counting")
+    return pm, front
+
+
+def test_rulebook_json_round_trip(tmp_path):
+    book = RuleBook(cache_dir=tmp_path)
+    book.add("k|8x4|float32|x", OpRules("np.relu", [ShardingRule((Shard(0),), (Shard(0),)),
+                                                    ShardingRule((Partial("max"),), (Partial("max"),))]))
+    path = book.save()
+    assert path.name == CACHE_FILE
+    again = RuleBook.load(tmp_path)
+    assert again.rules("k|8x4|float32|x") == book.rules("k|8x4|float32|x")
+    assert json.loads(path.read_text())["version"] == 1
+
+
+def test_second_discovery_reads_the_cache(tmp_path):
+    ir = transformer_block()
+    pm, front = _pm()
+    book = discover(ir, pm.hook, RuleBook.load(tmp_path))
+    n_sigs = len(ir.unique_signatures())
+    assert front.calls == n_sigs and book.discovered == n_sigs
+    pm2, front2 = _pm()
+    book2 = discover(ir, pm2.hook, RuleBook.load(tmp_path))
+    assert front2.calls == 0 and book2.cache_hits == n_sigs
+    assert {s: book2.rules(s) for s in book2.entries} == {s: book.rules(s) for s in book.entries}
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 0, "entries": {}}),
+                                     json.dumps({"version": 1, "entries": {"x": {"rules": 3}}})])
+def test_corrupt_or_old_cache_warns_once_and_is_rebuilt(tmp_path, caplog, content):
+    (tmp_path / CACHE_FILE).write_text(content)
+    with caplog.at_level(logging.WARNING, logger="metadist"):
+        book = RuleBook.load(tmp_path)
+    assert len(book) == 0
+    assert len([r for r in caplog.records if "unreadable" in r.message]) == 1
+    pm, _ = _pm()
+    discover(transformer_block(), pm.hook, book)
+    assert len(RuleBook.load(tmp_path)) == len(book) > 0
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("METADIST_CACHE_DIR", str(tmp_path / "here"))
+    pm, _ = _pm()
+    discover(transformer_block(), pm.hook, RuleBook.load())
+    assert (tmp_path / "here" / CACHE_FILE).exists()
+
+
+def test_op_without_runner_runs_replicated_with_one_warning(caplog):
+    from metadist_core.ir import MetaIR
+    g = MetaIR()
+    g.add_input("x", (4, 4), "float32")
+    g.add_op("custom.thing", ["x"], [("y", (4, 4), "float32")])
+    g.add_op("custom.thing", ["y"], [("z", (4, 4), "float32")])
+    pm, _ = _pm()
+    with caplog.at_level(logging.WARNING, logger="metadist"):
+        book = discover(g, pm.hook, RuleBook())
+    (entry,) = book.entries.values()
+    assert entry.status == "replicated" and entry.rules == [ShardingRule((Replicate(),), (Replicate(),))]
+    assert len([r for r in caplog.records if "custom.thing" in r.message]) == 1
+
+
+def test_expand_rules_to_2d_mesh():
+    rules = [ShardingRule((Shard(0), Replicate()), (Shard(0),)),
+             ShardingRule((Replicate(), Shard(1)), (Shard(1),)),
+             ShardingRule((Shard(1), Shard(0)), (Partial("sum"),))]
+    mesh = Mesh((2, 2))
+    strategies = expand_rules(rules, mesh, [(8, 8), (8, 4)], [(8, 4)])
+    as_text = {str(s) for s in strategies}
+    assert "([S(0), R], [R, S(1)]) -> ([S(0), S(1)])" in as_text  # 2-D: rows on one axis, columns on the other
+    assert "([S(1), S(1)], [S(0), S(0)]) -> ([P(sum), P(sum)])" in as_text
+    assert len(strategies) == len(as_text) == 16  # (1 replicated + 3 rules) per axis, all shapes allow it
+    # an axis of size 1 only replicates; a dim too small to split is dropped
+    assert len(expand_rules(rules, Mesh((1, 2)), [(8, 6), (6, 4)], [(8, 4)])) == 4
+    assert all(s.inputs[0][0] != Shard(0) for s in expand_rules(rules, Mesh((2,)), [(1, 6), (6, 4)], [(1, 4)]))
+    # rules verified on an axis of 2 only split evenly on an axis of 4
+    assert not any(s.inputs[0][0] == Shard(0) for s in expand_rules(rules, Mesh((4,)), [(6, 8), (8, 4)], [(6, 4)]))
+    assert any(s.inputs[0][0] == Shard(0) for s in expand_rules(rules, Mesh((2,)), [(7, 8), (8, 4)], [(7, 4)]))
