@@ -189,3 +189,10 @@ def rules_for(key: str, *example_inputs: np.ndarray, axis_size: int = 2, **attrs
     else:
         spec = OpSpec(lambda *a: run_op(key, a, attrs), xs, key)
     return discover_rules(spec, axis_size)
+
+
+def run_local(op: MetaOp, inputs: list, out_shapes: list) -> Any:
+    """Run one reference op on one simulated device's pieces (for :mod:`metadist_core.simulate`)."""
+    if op.key in RESHAPES:
+        return np.reshape(inputs[0], out_shapes[0])
+    return run_op(op.key, inputs, op.attrs)

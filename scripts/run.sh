@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: makes .venv, installs MetaDist with what
+# the command needs, then runs it.
+#   bash scripts/run.sh demo [ARGS...]   the main job: `metadist demo`
+#   bash scripts/run.sh test [ARGS...]   the whole test suite (what CI runs)
+# torch comes pinned as torch==2.13.0 (a CPU build on these machines); never an
+# unpinned torch, which would pull gigabytes of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmd="${1:-test}"; shift || true
+
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+pipq() {  # quiet pip that still fails loudly; hides this machine's notes about absent local indexes
+    local log; log="$(mktemp)"
+    if ! pip install -q "$@" >"$log" 2>&1; then
+        grep -v "is ignored: it is neither" "$log" >&2 || true; rm -f "$log"; return 1
+    fi
+    grep -v "is ignored: it is neither" "$log" || true; rm -f "$log"
+}
+# torch first and pinned, so nothing later can ask for a newer one
+pipq "torch==2.13.0"
+pipq -e ".[torch,dev]"
+python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '2.13.0' else 'torch ' + torch.__version__ + ' installed; expected 2.13.0')"
+
+case "$cmd" in
+    demo) exec metadist demo "$@" ;;
+    test) exec python -m pytest -q "$@" ;;
+    *) echo "usage: bash scripts/run.sh demo|test [ARGS...]" >&2; exit 2 ;;
+esac
