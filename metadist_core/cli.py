@@ -152,13 +152,13 @@ def cmd_plan(args) -> int:
 
 def _mesh(args):
     from .placement import Mesh
-    from .profile import load_mesh_profile
+    from .profile import load_profile
 
     try:
         shape = Mesh.parse(args.mesh).shape
     except ValueError as e:
         raise CliError(str(e)) from None
-    return load_mesh_profile(shape, getattr(args, "profile", None))
+    return load_profile(getattr(args, "profile", None)).mesh(shape)
 
 
 def cmd_demo(args) -> int:
@@ -173,8 +173,9 @@ def cmd_calibrate(args) -> int:
     except ImportError as e:
         raise CliError(f"calibrate times collectives with torch.distributed, which could not be imported ({e}); "
                        f"install the torch extra: pip install 'metadist[torch]'") from None
-    path = run_calibrate(args.out)
-    print(f"mesh profile written to {path}")
+    profile = run_calibrate(args.out, nprocs=args.nprocs)
+    print(profile)
+    print(f"mesh profile written to {args.out}; use it with --profile {args.out} or METADIST_MESH_PROFILE={args.out}")
     return 0
 
 
@@ -233,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("calibrate", help="time real collectives and write a mesh profile")
     s.add_argument("--out", default="metadist-mesh-profile.json")
+    s.add_argument("--nprocs", type=int, default=None, help="local processes to spawn outside torchrun (default 2)")
     s.set_defaults(func=cmd_calibrate)
     return p
 

@@ -29,8 +29,9 @@ def run_demo(mesh_text: str = "4", solver: str | None = None, cache_dir: str | N
     print(f"MetaDist demo: a transformer block ({len(graph.ops)} ops, numpy reference frontend) "
           f"on a simulated mesh {mesh} with solver {settings.solver!r}")
     result = plan_graph(graph, mesh, plugins=pm, settings=settings, progress=True)
-    n_sig = len(result.rulebook.entries)
-    n_rules = sum(len(e.rules) for e in result.rulebook.entries.values())
+    sigs = graph.unique_signatures()
+    n_sig = len(sigs)
+    n_rules = sum(len(result.rulebook.rules(s)) for s in sigs)
     print(f"rules: {n_rules} verified one-axis rules over {n_sig} op signatures "
           f"({result.rulebook.cache_hits} read from the cache)")
     print(result.plan)

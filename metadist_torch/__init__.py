@@ -1,0 +1,23 @@
+"""MetaDist's PyTorch frontend."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2):
+    """The verified one-axis ``ShardingRule``s of ``op`` (an ``OpOverload`` or a callable).
+
+    ``example_inputs`` are the op's positional arguments, tensors and others
+    alike; each tensor, also each tensor inside a list argument (as for
+    ``cat``), is one input of the rules, in order. Floats run in float64 during
+    discovery. Raises ``metadist_core.shardcombine.Unrunnable`` for an op that
+    cannot be run in isolation (random, data-dependent).
+
+    >>> rules_for(torch.ops.aten.mm.default, torch.randn(8, 4), torch.randn(4, 6))  # doctest: +SKIP
+    """
+    from .oprunner import rules_for as _rules_for
+    return _rules_for(op, *example_inputs, axis_size=axis_size)
+
+
+__all__ = ["rules_for"]
+

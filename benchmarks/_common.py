@@ -1,0 +1,52 @@
+"""Helpers for benchmarks: timing, and writing results/NAME.json, NAME.md and NAME.png."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def timed(fn: Callable, repeats: int = 1, warmup: int = 0):
+    """(median seconds, last result) of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    ts, out = [], None
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        out = fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), out
+
+
+def machine() -> str:
+    import os
+    return f"{platform.machine()} {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        if v != v:
+            return "-"
+        return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
+    return "-" if v is None else str(v)
+
+
+def write_results(name: str, records: Sequence[dict], columns: Sequence[str], title: str, notes: str = "") -> Path:
+    """Write ``results/NAME.json`` (flat records) and ``results/NAME.md`` (a table of ``columns``)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(list(records), indent=1, default=str))
+    lines = [f"# {title}", "", f"Machine: {machine()}.", ""]
+    if notes:
+        lines += [notes, ""]
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "---|" * len(columns))
+    for r in records:
+        lines.append("| " + " | ".join(fmt(r.get(c)) for c in columns) + " |")
+    path = RESULTS / f"{name}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

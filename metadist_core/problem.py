@@ -1,0 +1,370 @@
+"""ShardingProblem: what a solver reads, built from MetaIR + RuleBook + Mesh.
+
+A problem has one **node** per decision: one per graph input tensor (how it is
+stored: parameters and optimizer state may live sharded, the batch may be split
+on entry) and one per op (which N-D strategy it runs). Each node has
+**options**: the input and output Shardings of that choice. Edges carry the
+resharding cost from a value's producer to each reader; graph outputs are
+returned whole (priced as a reshard to Replicate), and an updated state output
+reshards back to its state input's sharding. Memory terms give the bytes per
+device of every value under each option, over its liveness.
+
+The problem is self-contained: :meth:`ShardingProblem.to_json` keeps the mesh,
+value shapes, options and all cost tables, so recorded problems re-solve
+without the MetaIR.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_constraints
+from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, local_bytes, reshard_cost, strategy_split, _local_shape
+from .ir import MetaIR
+from .placement import Mesh, Replicate, Shard, Sharding
+from .rules import RuleBook, expand_rules
+from .terms import EdgeTerm, MemTerm, Terms
+
+log = logging.getLogger("metadist.problem")
+
+OUTPUT = "<output>"   # consumer name of the final reshard of a graph output
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the memory budget."""
+
+    def __init__(self, budget: int, needed: int, mesh: Mesh, how: str = "needs") -> None:
+        self.budget, self.needed = int(budget), int(needed)
+        super().__init__(
+            f"memory budget of {self.budget:,} bytes per device ({self.budget / 2**30:.3f} GiB) cannot be met "
+            f"on mesh {mesh}: the plan with the least memory {how} {self.needed:,} bytes per device "
+            f"({self.needed / 2**30:.3f} GiB); raise memory_budget to at least {self.needed:,} "
+            f"or use more devices")
+
+
+@dataclass
+class Option:
+    """One choice of a node: a Sharding per tensor input slot and per output."""
+
+    inputs: tuple[Sharding, ...]
+    outputs: tuple[Sharding, ...]
+
+    def __str__(self) -> str:
+        return f"({', '.join(map(str, self.inputs))}) -> ({', '.join(map(str, self.outputs))})"
+
+    def to_json(self) -> list:
+        return [[s.to_json() for s in self.inputs], [s.to_json() for s in self.outputs]]
+
+    @classmethod
+    def from_json(cls, d) -> "Option":
+        return cls(tuple(Sharding.from_json(s) for s in d[0]), tuple(Sharding.from_json(s) for s in d[1]))
+
+
+@dataclass
+class Node:
+    """A decision: an op (``kind='op'``) or a graph input tensor (``kind='input'``)."""
+
+    id: str
+    kind: str
+    key: str                 # op key, or the input's role
+    inputs: list[str]        # tensor input var per slot (op nodes)
+    outputs: list[str]       # vars defined by this node
+    options: list[Option]
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "kind": self.kind, "key": self.key, "inputs": self.inputs,
+                "outputs": self.outputs, "options": [o.to_json() for o in self.options]}
+
+    @classmethod
+    def from_json(cls, d) -> "Node":
+        return cls(d["id"], d["kind"], d["key"], list(d["inputs"]), list(d["outputs"]),
+                   [Option.from_json(o) for o in d["options"]])
+
+
+@dataclass
+class Edge:
+    """Value ``var`` flows from node ``src`` (output ``src_slot``) to node ``dst`` (input ``dst_slot``).
+
+    ``dst == -1`` is the final reshard of a graph output to Replicate (folded
+    into the unary costs, kept for the plan). An alias edge goes from an
+    updated state to its input node; its ``dst_slot`` is -1.
+    """
+
+    src: int
+    src_slot: int
+    dst: int
+    dst_slot: int
+    var: str
+    src_map: np.ndarray
+    dst_map: np.ndarray
+    table: np.ndarray
+
+    def to_json(self) -> dict:
+        return {"src": self.src, "src_slot": self.src_slot, "dst": self.dst, "dst_slot": self.dst_slot,
+                "var": self.var, "src_map": self.src_map.tolist(), "dst_map": self.dst_map.tolist(),
+                "table": self.table.tolist()}
+
+    @classmethod
+    def from_json(cls, d) -> "Edge":
+        return cls(d["src"], d["src_slot"], d["dst"], d["dst_slot"], d["var"],
+                   np.asarray(d["src_map"], dtype=np.int32), np.asarray(d["dst_map"], dtype=np.int32),
+                   np.asarray(d["table"], dtype=float))
+
+
+@dataclass
+class ShardingProblem:
+    """Candidate strategies per node, reshard tables per edge, memory terms and constraints."""
+
+    name: str
+    mesh: Mesh
+    device: DeviceSpec
+    vars: dict[str, dict]                 # id -> {"shape", "dtype", "role", "live": [start, end]}
+    nodes: list[Node]
+    compute: list[np.ndarray]             # seconds per option
+    edges: list[Edge]                     # dst -1: final output reshard
+    allowed: list[np.ndarray]
+    n_steps: int
+    memory_budget: int | None = None
+    constraints: list[Constraint] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    # -- structure ----------------------------------------------------------
+    def __post_init__(self) -> None:
+        self._index = {n.id: i for i, n in enumerate(self.nodes) if n.kind == "op"}
+        self._definer: dict[str, tuple[int, int]] = {}
+        for i, n in enumerate(self.nodes):
+            for s, v in enumerate(n.outputs):
+                self._definer[v] = (i, s)
+
+    def op_node(self, op_id: str) -> int:
+        """Node index of op ``op_id``."""
+        return self._index[op_id]
+
+    def definer(self, var: str) -> tuple[int, int]:
+        """(node index, output slot) that defines ``var``."""
+        return self._definer[var]
+
+    def size(self) -> dict:
+        return {"nodes": len(self.nodes), "options": int(sum(len(n.options) for n in self.nodes)),
+                "edges": sum(1 for e in self.edges if e.dst >= 0),
+                "edge_cells": int(sum(e.table.size for e in self.edges if e.dst >= 0))}
+
+    def terms(self) -> Terms:
+        """The numeric problem, uncoarsened; output reshards are folded into unary costs (cached)."""
+        import copy
+        cached = self.__dict__.get("_terms_cache")
+        if cached is None:
+            cached = self.__dict__["_terms_cache"] = self._make_terms()
+        t = copy.copy(cached)
+        t.budget = self.memory_budget
+        return t
+
+    def _make_terms(self) -> Terms:
+        unary = [c.astype(float).copy() for c in self.compute]
+        edges = []
+        for e in self.edges:
+            if e.dst < 0:
+                unary[e.src] += e.table[e.src_map, 0]
+            else:
+                edges.append(EdgeTerm(e.src, e.dst, e.src_map, e.dst_map, e.table))
+        mem = []
+        for i, n in enumerate(self.nodes):
+            for s, v in enumerate(n.outputs):
+                info = self.vars[v]
+                if info["shape"] is None:
+                    continue
+                b = np.array([local_bytes(info["shape"], info["dtype"], o.outputs[s], self.mesh) for o in n.options],
+                             dtype=float)
+                mem.append(MemTerm(i, b, info["live"][0], info["live"][1]))
+        return Terms(unary, edges, mem, [a.copy() for a in self.allowed], self.n_steps, self.memory_budget, 0.0,
+                     [n.id for n in self.nodes])
+
+    def replicated_choice(self) -> np.ndarray:
+        """Per node, the index of its fully replicated option."""
+        out = np.zeros(len(self.nodes), dtype=np.int64)
+        for i, n in enumerate(self.nodes):
+            for k, o in enumerate(n.options):
+                if all(s.is_fully_replicated() for s in (*o.inputs, *o.outputs)):
+                    out[i] = k
+                    break
+        return out
+
+    def with_budget(self, budget: int | None) -> "ShardingProblem":
+        """The same problem under another memory budget (shares all tables)."""
+        import copy
+        p = copy.copy(self)
+        p.memory_budget = budget
+        return p
+
+    # -- JSON ---------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": "metadist.ShardingProblem/1", "name": self.name, "mesh": self.mesh.to_json(),
+            "device": self.device.to_json(), "vars": self.vars, "nodes": [n.to_json() for n in self.nodes],
+            "compute": [c.tolist() for c in self.compute], "edges": [e.to_json() for e in self.edges],
+            "allowed": [a.astype(int).tolist() for a in self.allowed], "n_steps": self.n_steps,
+            "memory_budget": self.memory_budget, "constraints": [c.to_json() for c in self.constraints],
+            "outputs": self.outputs, "aliases": self.aliases,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "ShardingProblem":
+        if d.get("format") != "metadist.ShardingProblem/1":
+            raise ValueError(f"not a ShardingProblem JSON (format {d.get('format')!r}, expected "
+                             f"'metadist.ShardingProblem/1')")
+        vars_ = {k: {**v, "shape": None if v["shape"] is None else tuple(v["shape"])} for k, v in d["vars"].items()}
+        return cls(d["name"], Mesh.from_json(d["mesh"]), DeviceSpec.from_json(d["device"]), vars_,
+                   [Node.from_json(n) for n in d["nodes"]], [np.asarray(c, dtype=float) for c in d["compute"]],
+                   [Edge.from_json(e) for e in d["edges"]], [np.asarray(a, dtype=bool) for a in d["allowed"]],
+                   int(d["n_steps"]), d.get("memory_budget"), parse_constraints(d.get("constraints") or []),
+                   list(d.get("outputs", [])), dict(d.get("aliases", {})))
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def loads(cls, text: str) -> "ShardingProblem":
+        return cls.from_json(json.loads(text))
+
+
+# -- building ------------------------------------------------------------------
+
+def estimate_op_cost(op, graph: MetaIR) -> tuple[float, float]:
+    """(flops, bytes) of an op from its tensor sizes when no frontend reports them."""
+    ins = [graph.vars[v] for v in op.inputs if graph.vars[v].is_tensor]
+    outs = [graph.vars[v] for v in op.outputs if graph.vars[v].is_tensor]
+    nbytes = float(sum(v.nbytes for v in ins + outs))
+    out_numel = float(sum(v.numel for v in outs))
+    name = op.key.split(".")[1] if op.key.count(".") >= 1 else op.key
+    if name in ("mm", "addmm", "bmm", "matmul", "dot_general", "linear") and ins and outs and ins[-1].shape:
+        k = ins[0].shape[-1] if name != "addmm" else ins[1].shape[-1]
+        return 2.0 * out_numel * k, nbytes
+    return out_numel, nbytes
+
+
+def input_options(shape: tuple[int, ...] | None, mesh: Mesh) -> list[Option]:
+    """Storage choices of a graph input: every Replicate/Shard combination that splits evenly enough."""
+    if shape is None:
+        return [Option((), (Sharding.replicated(mesh.ndim),))]
+    per_axis = [[Replicate()] + ([Shard(d) for d in range(len(shape))] if n > 1 else []) for n in mesh.shape]
+    out = []
+    for combo in itertools.product(*per_axis):
+        if _local_shape(tuple(shape), combo, mesh.shape) is not None:
+            out.append(Option((), (Sharding(combo),)))
+    return out
+
+
+def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
+                  op_costs: Mapping[str, tuple[float, float]] | None = None,
+                  constraints: Iterable[Constraint | Mapping] | None = None,
+                  memory_budget: int | None = None,
+                  device: DeviceSpec | None = None) -> ShardingProblem:
+    """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
+
+    ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them
+    (missing ops are estimated from tensor sizes). ``constraints`` pin a
+    value's sharding or forbid a placement. ``memory_budget`` is bytes per device.
+    """
+    device = device or DEVICE_PRESETS["cpu"]
+    live = graph.liveness()
+    vars_ = {v.id: {"shape": v.shape, "dtype": v.dtype, "role": v.role, "live": list(live.get(v.id, (0, 0)))}
+             for v in graph.vars.values()}
+    nodes: list[Node] = []
+    compute: list[np.ndarray] = []
+    strat_cache: dict[str, tuple[list[Option], list[int]]] = {}
+    warned: set[str] = set()
+    for v in graph.inputs:
+        mv = graph.vars[v]
+        opts = input_options(mv.shape, mesh)
+        nodes.append(Node(v, "input", mv.role, [], [v], opts))
+        compute.append(np.zeros(len(opts)))
+    for op in graph.ops:
+        t_in = [v for v in op.inputs if graph.vars[v].is_tensor]
+        in_shapes = [graph.vars[v].shape for v in t_in]
+        out_shapes = [graph.vars[v].shape for v in op.outputs]
+        sig = op.signature(graph)
+        if sig not in strat_cache:
+            entry = rulebook.get(sig)
+            rules = [] if entry is None or entry.status != "ok" else list(entry.rules)
+            rules = [r for r in rules if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs)]
+            if not rules and op.key not in warned:
+                warned.add(op.key)
+                log.debug("op %s (%s) has no sharding rules here; it runs replicated", op.id, op.key)
+            strats = expand_rules(rules, mesh, in_shapes, out_shapes)
+            opts = [Option(s.inputs, s.outputs) for s in strats] or [
+                Option(tuple(Sharding.replicated(mesh.ndim) for _ in t_in),
+                       tuple(Sharding.replicated(mesh.ndim) for _ in op.outputs))]
+            splits = [strategy_split(o.inputs, o.outputs, mesh) for o in opts]
+            strat_cache[sig] = (opts, splits)
+        opts, splits = strat_cache[sig]
+        flops, nbytes = (op_costs or {}).get(op.id) or estimate_op_cost(op, graph)
+        compute.append(np.array([compute_cost(flops, nbytes, s, device) for s in splits]))
+        nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
+    allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
+    cons = parse_constraints(constraints or [])
+    prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),
+                           memory_budget, cons, list(graph.outputs), dict(graph.aliases))
+    apply_constraints(prob)
+    prob.edges = _build_edges(prob)
+    return prob
+
+
+def _distinct(shardings: Sequence[Sharding]) -> tuple[list[Sharding], np.ndarray]:
+    uniq: dict[Sharding, int] = {}
+    idx = [uniq.setdefault(s, len(uniq)) for s in shardings]
+    return list(uniq), np.asarray(idx, dtype=np.int32)
+
+
+def _build_edges(prob: ShardingProblem) -> list[Edge]:
+    mesh = prob.mesh
+    table_cache: dict[tuple, np.ndarray] = {}
+    src_info: dict[str, tuple[int, int, list[Sharding], np.ndarray]] = {}
+
+    def source(var: str):
+        if var not in src_info:
+            i, s = prob.definer(var)
+            uniq, m = _distinct([o.outputs[s] for o in prob.nodes[i].options])
+            src_info[var] = (i, s, uniq, m)
+        return src_info[var]
+
+    def table(var: str, srcs: list[Sharding], dsts: list[Sharding]) -> np.ndarray:
+        info = prob.vars[var]
+        key = (info["shape"], info["dtype"], tuple(srcs), tuple(dsts))
+        if key not in table_cache:
+            t = np.zeros((len(srcs), len(dsts)))
+            for r, a in enumerate(srcs):
+                for c, b in enumerate(dsts):
+                    t[r, c] = reshard_cost(a, b, info["shape"], info["dtype"], mesh)
+            table_cache[key] = t
+        return table_cache[key]
+
+    edges: list[Edge] = []
+    for j, n in enumerate(prob.nodes):
+        if n.kind != "op":
+            continue
+        for slot, var in enumerate(n.inputs):
+            i, s, srcs, smap = source(var)
+            dsts, dmap = _distinct([o.inputs[slot] for o in n.options])
+            edges.append(Edge(i, s, j, slot, var, smap, dmap, table(var, srcs, dsts)))
+    rep = Sharding.replicated(mesh.ndim)
+    aliased_outputs = set(prob.aliases.values())
+    for var in prob.outputs:
+        if var in aliased_outputs or prob.vars[var]["shape"] is None:
+            continue
+        i, s, srcs, smap = source(var)
+        edges.append(Edge(i, s, -1, -1, var, smap, np.zeros(1, dtype=np.int32), table(var, srcs, [rep])))
+    for state, updated in prob.aliases.items():
+        if prob.vars[state]["shape"] is None:
+            continue
+        i, s, srcs, smap = source(updated)
+        j = prob.definer(state)[0]
+        dsts, dmap = _distinct([o.outputs[0] for o in prob.nodes[j].options])
+        edges.append(Edge(i, s, j, -1, updated, smap, dmap, table(updated, srcs, dsts)))
+    return edges

@@ -1,0 +1,137 @@
+"""Mesh profiles: nodes, devices per node and link cost (alpha, beta) per link level.
+
+A profile is the measured successor of a resource spec: ``metadist calibrate``
+times real collectives and writes one (see ``metadist_torch.calibrate``), and
+:func:`load_profile` reads it from a path or ``$METADIST_MESH_PROFILE``, or
+falls back to :data:`DEFAULT_PROFILE`. :meth:`MeshProfile.mesh` gives a Mesh
+whose per-axis alpha/beta come from the level each axis's groups cross.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .cost import DeviceSpec, DEVICE_PRESETS
+from .placement import DEFAULT_ALPHA, DEFAULT_BETA, Mesh
+
+PROFILE_ENV = "METADIST_MESH_PROFILE"
+FORMAT = "metadist.MeshProfile/1"
+
+
+@dataclass
+class MeshProfile:
+    """Devices ``nodes x devices_per_node``; ``levels['intra']`` and ``levels['inter']`` hold alpha (s) and beta (s/byte)."""
+
+    nodes: int = 1
+    devices_per_node: int = 8
+    levels: dict = field(default_factory=lambda: {
+        "intra": {"alpha": DEFAULT_ALPHA, "beta": DEFAULT_BETA},
+        "inter": {"alpha": 3 * DEFAULT_ALPHA, "beta": 2 * DEFAULT_BETA},
+    })
+    backend: str = "default"
+    measured: bool = False
+    device: DeviceSpec = field(default_factory=lambda: DEVICE_PRESETS["cpu"])
+    samples: list = field(default_factory=list)   # raw timings: level, collective, n, bytes, seconds
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def axis_level(self, shape: Sequence[int], axis: int) -> str:
+        """'intra' when every group along ``axis`` stays inside one node (row-major ranks), else 'inter'."""
+        stride = math.prod(shape[axis + 1:])
+        return "intra" if stride * shape[axis] <= self.devices_per_node else "inter"
+
+    def mesh(self, shape: Sequence[int], axis_names: Sequence[str] | None = None) -> Mesh:
+        """A Mesh of ``shape`` with per-axis alpha/beta from this profile."""
+        shape = tuple(int(s) for s in shape)
+        levels = [self.axis_level(shape, a) for a in range(len(shape))]
+        return Mesh(shape, axis_names, [self.levels[lv]["alpha"] for lv in levels],
+                    [self.levels[lv]["beta"] for lv in levels])
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
+                "levels": self.levels, "backend": self.backend, "measured": self.measured,
+                "device": self.device.to_json(), "samples": self.samples}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "MeshProfile":
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a mesh profile (format {d.get('format')!r}, expected {FORMAT!r})")
+        for lv in ("intra", "inter"):
+            if lv not in d["levels"] or not {"alpha", "beta"} <= set(d["levels"][lv]):
+                raise ValueError(f"mesh profile needs levels.{lv}.alpha and .beta; got {d['levels'].get(lv)}")
+        return cls(int(d["nodes"]), int(d["devices_per_node"]), d["levels"], d.get("backend", "?"),
+                   bool(d.get("measured", False)), DeviceSpec.from_json(d["device"]) if "device" in d
+                   else DEVICE_PRESETS["cpu"], list(d.get("samples", [])))
+
+    def save(self, path: str | os.PathLike) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        os.replace(tmp, p)
+        return p
+
+
+DEFAULT_PROFILE = MeshProfile()
+
+
+def load_profile(path: str | os.PathLike | None = None) -> MeshProfile:
+    """The profile at ``path``, else at ``$METADIST_MESH_PROFILE``, else the defaults."""
+    src = path or os.environ.get(PROFILE_ENV)
+    if not src:
+        return MeshProfile()
+    p = Path(src)
+    if not p.exists():
+        raise FileNotFoundError(f"mesh profile {p} does not exist (from {'the path given' if path else PROFILE_ENV}); "
+                                f"write one with `metadist calibrate --out {p}` or unset {PROFILE_ENV}")
+    return MeshProfile.from_json(json.loads(p.read_text()))
+
+
+# -- fitting (framework-neutral half of calibrate) ------------------------------
+
+def collective_factors(kind: str, n: int) -> tuple[float, float]:
+    """(latency steps, byte factor) of the ring model used in cost.py for ``kind`` on ``n`` devices."""
+    if kind == "all_reduce":
+        return 2.0 * (n - 1), 2.0 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return float(n - 1), (n - 1) / n
+    if kind == "send_recv":
+        return 1.0, 1.0
+    raise ValueError(f"no ring model for {kind!r}")
+
+
+def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]]) -> tuple[float, float]:
+    """Least-squares (alpha, beta) >= 0 from ``(kind, n, nbytes, seconds)`` samples."""
+    if not samples:
+        raise ValueError("no timings to fit alpha and beta from")
+    A = np.array([[collective_factors(k, n)[0], collective_factors(k, n)[1] * b] for k, n, b, _ in samples])
+    y = np.array([s for *_, s in samples])
+    from scipy.optimize import nnls
+    w = 1.0 / np.maximum(y, 1e-9)         # relative error: small messages count as much as big ones
+    coef, _ = nnls(A * w[:, None], y * w)
+    alpha, beta = float(coef[0]), float(coef[1])
+    return max(alpha, 1e-9), max(beta, 1e-15)
+
+
+def profile_from_samples(samples: Sequence[dict], nodes: int, devices_per_node: int, backend: str,
+                         device: DeviceSpec | None = None) -> MeshProfile:
+    """A measured profile from raw samples (dicts with level, kind, n, nbytes, seconds)."""
+    levels = {}
+    for lv in ("intra", "inter"):
+        rows = [(s["kind"], s["n"], s["nbytes"], s["seconds"]) for s in samples if s["level"] == lv]
+        if rows:
+            a, b = fit_alpha_beta(rows)
+            levels[lv] = {"alpha": a, "beta": b}
+    if "intra" not in levels:
+        levels["intra"] = dict(DEFAULT_PROFILE.levels["intra"])
+    if "inter" not in levels:     # single node: crossing nodes never happens; keep a pessimistic guess
+        levels["inter"] = {"alpha": 3 * levels["intra"]["alpha"], "beta": 2 * levels["intra"]["beta"]}
+    return MeshProfile(nodes, devices_per_node, levels, backend, True, device or DEVICE_PRESETS["cpu"], list(samples))

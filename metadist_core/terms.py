@@ -1,0 +1,183 @@
+"""The numeric view of a sharding problem that solvers optimise.
+
+``Terms`` is a pairwise cost problem: every node takes one option; a node's
+option has a unary cost (compute, final resharding of outputs); an edge between
+two nodes costs ``table[src_map[a], dst_map[b]]`` for options ``a``, ``b``
+(rows and columns are the distinct shardings on each side). Memory terms say
+how many bytes per device a value takes under each option of the node that
+defines it, and over which op positions it is live. :func:`contract` maps
+options of a finer Terms onto a coarser one (followers, tied layers, fixed
+nodes), which is all coarsening needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class EdgeTerm:
+    src: int
+    dst: int
+    src_map: np.ndarray   # option of src -> row of table
+    dst_map: np.ndarray   # option of dst -> column of table
+    table: np.ndarray     # seconds, rows x columns
+
+    def cost(self, a: int, b: int) -> float:
+        return float(self.table[self.src_map[a], self.dst_map[b]])
+
+    def dense(self) -> np.ndarray:
+        return self.table[np.ix_(self.src_map, self.dst_map)]
+
+
+@dataclass
+class MemTerm:
+    node: int
+    nbytes: np.ndarray    # bytes per device under each option of ``node``
+    start: int            # first op position where the value is live (-1: before the first op)
+    end: int              # last op position (n_steps - 1 ... n_steps: held to the end)
+
+
+@dataclass
+class Terms:
+    unary: list[np.ndarray]
+    edges: list[EdgeTerm]
+    mem: list[MemTerm]
+    allowed: list[np.ndarray]          # bool per option
+    n_steps: int = 0                   # op positions span -1 .. n_steps
+    budget: int | None = None
+    offset: float = 0.0                # constant cost folded out of the problem
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def n_nodes(self) -> int:
+        return len(self.unary)
+
+    @property
+    def n_options(self) -> list[int]:
+        return [len(u) for u in self.unary]
+
+    def size(self) -> dict:
+        """Problem size figures: nodes, options, edges and edge table cells."""
+        return {"nodes": self.n_nodes, "options": int(sum(self.n_options)), "edges": len(self.edges),
+                "edge_cells": int(sum(e.table.size for e in self.edges))}
+
+    def masked_unary(self, i: int) -> np.ndarray:
+        u = self.unary[i].astype(float).copy()
+        u[~self.allowed[i]] = np.inf
+        return u
+
+    # -- evaluation ---------------------------------------------------------
+    def objective(self, choice: np.ndarray) -> float:
+        c = self.offset + sum(float(self.unary[i][k]) for i, k in enumerate(choice))
+        for e in self.edges:
+            c += e.cost(choice[e.src], choice[e.dst])
+        return c
+
+    def memory_profile(self, choice: np.ndarray) -> np.ndarray:
+        """Bytes per device live at each position -1 .. n_steps (index 0 is position -1)."""
+        prof = np.zeros(self.n_steps + 3)
+        for m in self.mem:
+            b = m.nbytes[0 if m.node < 0 else choice[m.node]]
+            prof[m.start + 1] += b
+            prof[m.end + 2] -= b
+        return np.cumsum(prof)[:-1]
+
+    def peak_memory(self, choice: np.ndarray) -> int:
+        if not self.mem:
+            return 0
+        return int(self.memory_profile(choice).max())
+
+    def is_allowed(self, choice: np.ndarray) -> bool:
+        return all(self.allowed[i][k] for i, k in enumerate(choice))
+
+    def adjacency(self) -> list[list[tuple[int, bool]]]:
+        """node -> [(edge index, node is the edge's src)]."""
+        adj: list[list[tuple[int, bool]]] = [[] for _ in range(self.n_nodes)]
+        for j, e in enumerate(self.edges):
+            adj[e.src].append((j, True))
+            adj[e.dst].append((j, False))
+        return adj
+
+
+def _compress(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dense option x option matrix -> (src_map, dst_map, table) over distinct rows and columns."""
+    rows, src_map = np.unique(dense, axis=0, return_inverse=True)
+    cols, dst_map = np.unique(rows, axis=1, return_inverse=True)
+    return src_map.reshape(-1).astype(np.int32), dst_map.reshape(-1).astype(np.int32), cols
+
+
+def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options: list[int],
+             names: list[str] | None = None) -> Terms:
+    """Coarser Terms in which fine node ``i`` takes option ``maps[i][k]`` when coarse node ``assign[i]`` takes ``k``.
+
+    ``assign[i] == -1`` fixes fine node ``i`` to option ``maps[i][0]``: its
+    cost becomes a constant and its edges unary terms of their other side.
+    Edges inside one coarse node become unary costs; parallel edges between two
+    coarse nodes are summed into one table; memory terms follow their node.
+    """
+    n = len(n_options)
+    unary = [np.zeros(k) for k in n_options]
+    allowed = [np.ones(k, dtype=bool) for k in n_options]
+    offset = terms.offset
+    for i, (c, m) in enumerate(zip(assign, maps)):
+        if c < 0:
+            offset += float(terms.unary[i][m[0]])
+            continue
+        unary[c] += terms.unary[i][m]
+        allowed[c] &= terms.allowed[i][m]
+    pairs: dict[tuple[int, int], list] = {}
+    for e in terms.edges:
+        cu, cw = assign[e.src], assign[e.dst]
+        smap, dmap = e.src_map[maps[e.src]], e.dst_map[maps[e.dst]]
+        if cu < 0 and cw < 0:
+            offset += float(e.table[smap[0], dmap[0]])
+            continue
+        if cu < 0:
+            unary[cw] += e.table[smap[0], dmap]
+            continue
+        if cw < 0:
+            unary[cu] += e.table[smap, dmap[0]]
+            continue
+        if cu == cw:
+            unary[cu] += e.table[smap, dmap]
+            continue
+        if cu > cw:
+            pairs.setdefault((cw, cu), []).append((dmap, smap, e.table.T))
+        else:
+            pairs.setdefault((cu, cw), []).append((smap, dmap, e.table))
+    edges = []
+    for (u, w), parts in pairs.items():
+        if len(parts) == 1 and n_options[u] > 1 and n_options[w] > 1:
+            sm, dm, tab = parts[0]
+            ru, sm = np.unique(sm, return_inverse=True)
+            cu_, dm = np.unique(dm, return_inverse=True)
+            tab = tab[np.ix_(ru, cu_)]
+            if tab.shape[0] > 1 and tab.shape[1] > 1:
+                edges.append(EdgeTerm(u, w, sm.astype(np.int32), dm.astype(np.int32), tab))
+                continue
+            parts = [(sm, dm, tab)]
+        dense = sum(tab[np.ix_(sm, dm)] for sm, dm, tab in parts)
+        # a side with one option makes the edge a unary term of the other side
+        if dense.shape[0] == 1:
+            unary[w] += dense[0]
+            continue
+        if dense.shape[1] == 1:
+            unary[u] += dense[:, 0]
+            continue
+        if np.all(dense == dense.flat[0]):
+            offset += float(dense.flat[0])
+            continue
+        sm, dm, tab = _compress(dense)
+        edges.append(EdgeTerm(u, w, sm, dm, tab))
+    mem = []
+    for m in terms.mem:
+        if m.node < 0:
+            mem.append(m)
+        elif assign[m.node] < 0:
+            mem.append(MemTerm(-1, m.nbytes[maps[m.node][:1]], m.start, m.end))
+        else:
+            mem.append(MemTerm(assign[m.node], m.nbytes[maps[m.node]], m.start, m.end))
+    return Terms(unary, edges, mem, allowed, terms.n_steps, terms.budget, offset,
+                 names or [f"n{i}" for i in range(n)])

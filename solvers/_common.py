@@ -1,0 +1,248 @@
+"""Shared solver machinery: coarsen -> solve Terms -> expand -> ShardingPlan, memory repair, local search."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from metadist_core.coarsen import coarsen
+from metadist_core.plan import ShardingPlan
+from metadist_core.problem import InfeasibleBudgetError, ShardingProblem
+from metadist_core.terms import Terms
+
+log = logging.getLogger("metadist.solvers")
+
+# A Terms solver returns (coarse choice, lower bound or None, stats dict).
+TermsSolver = Callable[[Terms, dict], tuple[np.ndarray, float | None, dict]]
+
+
+def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsSolver) -> ShardingPlan:
+    """Coarsen (unless ``options['coarsen']`` is False), run ``fn`` on the Terms, and build the plan."""
+    t0 = time.perf_counter()
+    co_opts = options.get("coarsen", True)
+    if co_opts is False:
+        co = coarsen(problem, followers=False, fixed=True, tie_layers=False)
+    else:
+        co = coarsen(problem, tie_layers=bool(options.get("tie_layers", True)))
+    t1 = time.perf_counter()
+    co.terms.mesh_name = str(problem.mesh)
+    choice, lb, stats = fn(co.terms, options)
+    t2 = time.perf_counter()
+    fine = co.expand(choice)
+    stats = {**stats, "coarsen_seconds": t1 - t0, "search_seconds": t2 - t1, "sizes": co.stages,
+             "coarse_objective": co.terms.objective(np.asarray(choice))}
+    plan = ShardingPlan.from_choices(problem, fine, solver=name, solve_seconds=t2 - t0, lower_bound=lb, stats=stats)
+    if problem.memory_budget is not None and plan.memory_per_device > problem.memory_budget:
+        raise RuntimeError(f"solver {name} returned a plan of {plan.memory_per_device:,} bytes per device over the "
+                           f"budget of {problem.memory_budget:,}; this is a solver bug")
+    return plan
+
+
+class MemIndex:
+    """Vectorised peak-memory evaluation of a Terms."""
+
+    def __init__(self, t: Terms) -> None:
+        self.t = t
+        m = t.mem
+        self.node = np.array([x.node for x in m], dtype=np.int64)
+        self.start = np.array([x.start + 1 for x in m], dtype=np.int64)
+        self.stop = np.array([x.end + 2 for x in m], dtype=np.int64)
+        kmax = max([len(x.nbytes) for x in m] + [1])
+        self.bytes = np.zeros((len(m), kmax))
+        for r, x in enumerate(m):
+            self.bytes[r, :len(x.nbytes)] = x.nbytes
+        self.by_node: dict[int, np.ndarray] = {}
+        for r, x in enumerate(m):
+            self.by_node.setdefault(x.node, []).append(r)
+        self.by_node = {k: np.asarray(v) for k, v in self.by_node.items()}
+        self.length = t.n_steps + 3
+
+    def profile(self, choice: np.ndarray) -> np.ndarray:
+        if not len(self.node):
+            return np.zeros(1)
+        k = np.where(self.node < 0, 0, np.asarray(choice)[np.maximum(self.node, 0)])
+        b = self.bytes[np.arange(len(k)), k]
+        prof = np.zeros(self.length)
+        np.add.at(prof, self.start, b)
+        np.add.at(prof, self.stop, -b)
+        return np.cumsum(prof)[:-1]
+
+    def peak(self, choice: np.ndarray) -> float:
+        return float(self.profile(choice).max())
+
+    def live_at(self, node: int, step_index: int) -> np.ndarray:
+        """Bytes at profile index ``step_index`` that node's options hold (per option)."""
+        rows = self.by_node.get(node)
+        if rows is None:
+            return np.zeros(self.t.n_options[node])
+        live = (self.start[rows] <= step_index) & (self.stop[rows] > step_index)
+        k = self.t.n_options[node]
+        return self.bytes[rows[live]][:, :k].sum(axis=0) if live.any() else np.zeros(k)
+
+
+def local_costs(t: Terms, adj, choice: np.ndarray, i: int, lookahead: bool = False,
+                ref: np.ndarray | None = None) -> np.ndarray:
+    """Cost of each option of node ``i`` given its assigned neighbours (choice < 0: unassigned).
+
+    An unassigned neighbour counts at its option in ``ref`` when given, else
+    (``lookahead``) at its best option for each of ours, else not at all.
+    """
+    cost = t.masked_unary(i)
+    for j, is_src in adj[i]:
+        e = t.edges[j]
+        other = e.dst if is_src else e.src
+        k = choice[other]
+        if k < 0 and ref is not None:
+            k = ref[other]
+        if k >= 0:
+            cost = cost + (e.table[e.src_map, e.dst_map[k]] if is_src else e.table[e.src_map[k], e.dst_map])
+        elif lookahead:
+            ou = t.masked_unary(other)
+            dense = e.dense() if is_src else e.dense().T
+            cost = cost + (dense + ou[None, :]).min(axis=1) - ou.min()
+    return cost
+
+
+def icm(t: Terms, adj, choice: np.ndarray, mem: MemIndex | None = None, budget: float | None = None,
+        max_passes: int = 10) -> np.ndarray:
+    """Iterated conditional modes: move one node at a time to its best option while that lowers the cost."""
+    choice = choice.copy()
+    for _ in range(max_passes):
+        improved = False
+        for i in range(t.n_nodes):
+            cost = local_costs(t, adj, choice, i)
+            cur = cost[choice[i]]
+            order = np.argsort(cost, kind="stable")
+            for k in order:
+                if cost[k] >= cur - 1e-15 * max(1.0, abs(cur)):
+                    break
+                if budget is not None and mem is not None:
+                    trial = choice.copy()
+                    trial[i] = k
+                    if mem.peak(trial) > budget:
+                        continue
+                choice[i] = k
+                improved = True
+                break
+        if not improved:
+            break
+    return choice
+
+
+def min_memory_choice(t: Terms, mem: MemIndex) -> np.ndarray:
+    """Per node, the allowed option whose values take the fewest bytes (summed over its lifetimes)."""
+    choice = np.zeros(t.n_nodes, dtype=np.int64)
+    for i in range(t.n_nodes):
+        rows = mem.by_node.get(i)
+        k = t.n_options[i]
+        w = (mem.bytes[rows][:, :k] * (mem.stop[rows] - mem.start[rows])[:, None]).sum(axis=0) if rows is not None \
+            else np.zeros(k)
+        w = np.where(t.allowed[i], w, np.inf)
+        tie = t.unary[i] * 1e-30
+        choice[i] = int(np.argmin(w + tie))
+    return choice
+
+
+def repair_memory(t: Terms, adj, choice: np.ndarray, mem: MemIndex, budget: float, max_moves: int = 2000) -> np.ndarray | None:
+    """Move nodes to smaller options at the peak, cheapest cost per byte saved first, until the budget holds."""
+    choice = choice.copy()
+    for _ in range(max_moves):
+        prof = mem.profile(choice)
+        tpk = int(np.argmax(prof))
+        if prof[tpk] <= budget:
+            return choice
+        best = None
+        for node in mem.by_node:
+            if node < 0:
+                continue
+            held = mem.live_at(node, tpk)
+            saving = held[choice[node]] - held
+            if not (saving > 0).any():
+                continue
+            cost = local_costs(t, adj, choice, node)
+            delta = cost - cost[choice[node]]
+            for k in np.flatnonzero((saving > 0) & np.isfinite(cost)):
+                score = delta[k] / saving[k]
+                if best is None or score < best[0]:
+                    best = (score, node, int(k))
+        if best is None:
+            return None
+        choice[best[1]] = best[2]
+    return None
+
+
+def enforce_budget(t: Terms, adj, choice: np.ndarray, solver: str) -> np.ndarray:
+    """Make ``choice`` fit ``t.budget`` (repair, else the least-memory plan), or raise InfeasibleBudgetError."""
+    if t.budget is None or not t.mem:
+        return choice
+    mem = MemIndex(t)
+    if mem.peak(choice) <= t.budget:
+        return choice
+    fixed = repair_memory(t, adj, choice, mem, t.budget)
+    if fixed is None:
+        low = min_memory_choice(t, mem)
+        need = mem.peak(low)
+        if need > t.budget:
+            raise InfeasibleBudgetError(t.budget, int(need), _MeshName(t), how=f"that {solver} found needs")
+        fixed = repair_memory(t, adj, low, mem, t.budget) or low
+    return icm(t, adj, fixed, mem, t.budget)
+
+
+def sweep(t: Terms, adj, width: int, ref: np.ndarray | None) -> tuple[float, np.ndarray]:
+    """One beam sweep in node order; unassigned neighbours count at ``ref`` (or by lookahead when None).
+
+    Returns the best full choice and its exact objective.
+    """
+    beams = [(0.0, np.full(t.n_nodes, -1, dtype=np.int64))]
+    for i in range(t.n_nodes):
+        cands = []
+        for bi, (real, ch) in enumerate(beams):
+            exact = local_costs(t, adj, ch, i)
+            score = local_costs(t, adj, ch, i, lookahead=ref is None, ref=ref)
+            for k in np.argsort(score, kind="stable")[:width]:
+                if np.isfinite(exact[k]):
+                    cands.append((real + score[k], real + exact[k], bi, int(k)))
+        cands.sort(key=lambda c: (c[0], c[1]))
+        new_beams = []
+        for _, real, bi, k in cands[:width]:
+            ch = beams[bi][1].copy()
+            ch[i] = k
+            new_beams.append((real, ch))
+        beams = new_beams
+    best = min(beams, key=lambda b: b[0])[1]
+    return t.objective(best), best
+
+
+def multi_sweep(t: Terms, width: int, passes: int, icm_passes: int = 10) -> tuple[np.ndarray, list[float]]:
+    """Sweeps (first with lookahead, then against the best so far), each polished by ICM; also tries all-first options."""
+    adj = t.adjacency()
+    trace = []
+    obj, best = sweep(t, adj, width, None)
+    best = icm(t, adj, best, max_passes=icm_passes)
+    obj = t.objective(best)
+    trace.append(obj)
+    start = np.array([int(np.flatnonzero(a)[0]) for a in t.allowed], dtype=np.int64)
+    start = icm(t, adj, start, max_passes=icm_passes)
+    if t.objective(start) < obj:
+        obj, best = t.objective(start), start
+    for _ in range(max(0, passes - 1)):
+        o2, c2 = sweep(t, adj, width, best)
+        c2 = icm(t, adj, c2, max_passes=icm_passes)
+        o2 = t.objective(c2)
+        trace.append(o2)
+        if o2 >= obj - 1e-15 * abs(obj):
+            break
+        obj, best = o2, c2
+    return best, trace
+
+
+class _MeshName:
+    """Stands in for the mesh in messages when only Terms are at hand."""
+
+    def __init__(self, t: Terms) -> None:
+        self.text = getattr(t, "mesh_name", "?")
+
+    def __str__(self) -> str:
+        return self.text

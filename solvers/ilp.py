@@ -1,0 +1,214 @@
+"""ILP solver: every mesh axis at once, through scipy.optimize.milp (HiGHS).
+
+One binary per (node, option) of the coarsened problem: a node's option fixes
+its shardings on all mesh axes together. Each edge gets continuous variables
+only over its *distinct* source and destination shardings (a transportation
+polytope: row sums equal the source's choice, column sums the destination's),
+which is exact for 0/1 choices and keeps the LP tight. The memory budget is a
+constraint per op position, added lazily where the solution's peak breaks it.
+Options: ``time_limit`` (s, default 60), ``mip_rel_gap`` (default 1e-4).
+The plan carries the objective, the LP/MIP lower bound and the gap.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from metadist_core.hookspecs import hookimpl
+from metadist_core.problem import InfeasibleBudgetError
+from metadist_core.terms import Terms
+
+from ._common import MemIndex, min_memory_choice, solve_problem
+
+NAME = "ilp"
+
+
+class _Model:
+    """The MILP of a Terms: variables, the fixed rows, and memory rows added on demand."""
+
+    def __init__(self, t: Terms) -> None:
+        self.t = t
+        self.xoff = np.cumsum([0] + t.n_options[:-1]).astype(np.int64) if t.n_nodes else np.zeros(0, np.int64)
+        nx = int(sum(t.n_options))
+        c = [np.asarray(u, dtype=float) for u in t.unary]
+        ub = [a.astype(float) for a in t.allowed]
+        rows, cols, vals, lo, hi = [], [], [], [], []
+        r = 0
+        for i, k in enumerate(t.n_options):       # one option per node
+            rows += [r] * k
+            cols += list(range(self.xoff[i], self.xoff[i] + k))
+            vals += [1.0] * k
+            lo.append(1.0)
+            hi.append(1.0)
+            r += 1
+        nv = nx
+        for e in t.edges:                           # transportation polytope per edge
+            R, C = e.table.shape
+            y0 = nv
+            nv += R * C
+            c.append(e.table.reshape(-1))
+            ub.append(np.full(R * C, np.inf))
+            yidx = y0 + np.arange(R * C).reshape(R, C)
+            for rr in range(R):
+                rows += [r] * C
+                cols += yidx[rr].tolist()
+                vals += [1.0] * C
+                ks = np.flatnonzero(e.src_map == rr)
+                rows += [r] * len(ks)
+                cols += (self.xoff[e.src] + ks).tolist()
+                vals += [-1.0] * len(ks)
+                lo.append(0.0)
+                hi.append(0.0)
+                r += 1
+            for cc in range(C):
+                rows += [r] * R
+                cols += yidx[:, cc].tolist()
+                vals += [1.0] * R
+                ks = np.flatnonzero(e.dst_map == cc)
+                rows += [r] * len(ks)
+                cols += (self.xoff[e.dst] + ks).tolist()
+                vals += [-1.0] * len(ks)
+                lo.append(0.0)
+                hi.append(0.0)
+                r += 1
+        self.nx, self.nv = nx, nv
+        self.c = np.concatenate(c) if c else np.zeros(0)
+        self.ub = np.concatenate(ub) if ub else np.zeros(0)
+        self.A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
+        self.lo, self.hi = np.asarray(lo), np.asarray(hi)
+        self.mem = MemIndex(t) if t.mem else None
+        finite = np.abs(self.c[np.isfinite(self.c)])
+        # HiGHS tolerances are absolute: bring costs (seconds, often 1e-9..1e-1) to order one
+        self.scale = 1.0 / finite.max() * 1e3 if finite.size and finite.max() > 0 else 1.0
+        self.mem_unit = float(max(1.0, self.mem.bytes.max())) if self.mem is not None else 1.0
+        self.mem_rows: dict[int, tuple[np.ndarray, float]] = {}
+
+    def memory_row(self, step: int) -> tuple[np.ndarray, float]:
+        """Coefficients over x of the bytes live at profile index ``step``, and the constant part."""
+        if step not in self.mem_rows:
+            m = self.mem
+            live = (m.start <= step) & (m.stop > step)
+            coef = np.zeros(self.nv)
+            const = 0.0
+            for rr in np.flatnonzero(live):
+                node = m.node[rr]
+                if node < 0:
+                    const += m.bytes[rr, 0]
+                else:
+                    k = self.t.n_options[node]
+                    coef[self.xoff[node]:self.xoff[node] + k] += m.bytes[rr, :k]
+            self.mem_rows[step] = (coef, const)
+        return self.mem_rows[step]
+
+    def solve(self, steps: list[int], budget: float, time_limit: float, gap: float,
+              objective: np.ndarray | None = None, peak_var: bool = False):
+        c = self.c if objective is None else objective
+        c = c * self.scale
+        A, lo, hi = self.A, self.lo, self.hi
+        nv = self.nv
+        integrality = np.zeros(nv + int(peak_var))
+        integrality[:self.nx] = 1
+        ub = self.ub
+        cons = [LinearConstraint(A if not peak_var else _pad(A), lo, hi)]
+        if steps:
+            M = np.array([self.memory_row(s)[0] for s in steps])
+            consts = np.array([self.memory_row(s)[1] for s in steps])
+            if peak_var:   # minimise the peak P (in units of mem_unit): rows - P <= -const
+                M = np.hstack([M / self.mem_unit, -np.ones((len(steps), 1))])
+                cons.append(LinearConstraint(M, -np.inf, -consts / self.mem_unit))
+            else:
+                cons.append(LinearConstraint(M / self.mem_unit, -np.inf, (budget - consts) / self.mem_unit))
+        if peak_var:
+            c = np.concatenate([np.zeros(nv), [1.0]])
+            ub = np.concatenate([ub, [np.inf]])
+        lb = np.zeros(len(ub))
+        return milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
+                    options={"time_limit": max(0.1, time_limit), "mip_rel_gap": gap, "disp": False})
+
+    def choice(self, x: np.ndarray) -> np.ndarray:
+        return np.array([int(np.argmax(x[o:o + k])) for o, k in zip(self.xoff, self.t.n_options)], dtype=np.int64)
+
+
+def _pad(A):
+    from scipy.sparse import hstack, csr_matrix
+    return hstack([A, csr_matrix((A.shape[0], 1))]).tocsr()
+
+
+def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float, gap: float,
+          peak_var: bool = False):
+    """Solve, adding the memory row of each violated peak, until the budget holds everywhere."""
+    steps = list(dict.fromkeys(start_steps))
+    rounds = 0
+    while True:
+        rounds += 1
+        res = model.solve(steps, budget, deadline - time.perf_counter(), gap, peak_var=peak_var)
+        if res.x is None:
+            return res, None, steps, rounds
+        ch = model.choice(res.x)
+        if model.mem is None:
+            return res, ch, steps, rounds
+        prof = model.mem.profile(ch)
+        tpk = int(np.argmax(prof))
+        limit = res.x[-1] * model.mem_unit if peak_var else budget
+        if prof[tpk] <= limit * (1 + 1e-9) + 1 or tpk in steps or time.perf_counter() > deadline:
+            return res, ch, steps, rounds
+        steps.append(tpk)
+
+
+def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
+    """Solve Terms exactly (up to ``mip_rel_gap``) within ``time_limit``; returns (choice, lower bound, stats)."""
+    t0 = time.perf_counter()
+    time_limit = float(options.get("time_limit", 60.0))
+    gap = float(options.get("mip_rel_gap", 1e-4))
+    deadline = t0 + time_limit
+    if t.n_nodes == 0:
+        return np.zeros(0, dtype=np.int64), t.offset, {"status": "trivial"}
+    model = _Model(t)
+    stats = {"variables": model.nv, "binaries": model.nx, "constraints": model.A.shape[0],
+             "build_seconds": time.perf_counter() - t0}
+    budget = t.budget
+    steps: list[int] = []
+    if budget is not None and model.mem is not None:
+        mem = model.mem
+        steps = [int(np.argmax(mem.profile(min_memory_choice(t, mem))))]
+    res, ch, steps, rounds = _lazy(model, steps, budget if budget is not None else np.inf, deadline, gap)
+    stats.update({"status": res.message, "memory_rows": len(steps), "lazy_rounds": rounds,
+                  "milp_seconds": time.perf_counter() - t0 - stats["build_seconds"]})
+    if ch is None:
+        if res.status == 2 and budget is not None:
+            need = _min_peak(model, t, deadline + 30.0, gap)
+            raise InfeasibleBudgetError(budget, need, getattr(t, "mesh_name", "?"))
+        if budget is None:
+            # no incumbent in time: hand back a beam plan, with the ILP's bound when it has one
+            from ._common import multi_sweep
+            ch, _ = multi_sweep(t, 8, 3)
+            stats["status"] = f"no ILP incumbent within time_limit={time_limit:g} s; beam plan returned"
+        else:
+            raise RuntimeError(f"the ILP found no plan within time_limit={time_limit:g} s ({res.message}); "
+                               f"raise time_limit or use solver='beam'")
+    lb = getattr(res, "mip_dual_bound", None)
+    lb = None if lb is None or not np.isfinite(lb) else float(lb) / model.scale + t.offset
+    return ch, lb, stats
+
+
+def _min_peak(model: _Model, t: Terms, deadline: float, gap: float) -> int:
+    """The least peak memory any plan of ``t`` can have (ILP, lazily over op positions)."""
+    start = [int(np.argmax(model.mem.profile(min_memory_choice(t, model.mem))))]
+    res, ch, _, _ = _lazy(model, start, np.inf, deadline, gap, peak_var=True)
+    if ch is None:
+        return int(model.mem.peak(min_memory_choice(t, model.mem)))
+    return int(np.ceil(model.mem.peak(ch)))
+
+
+@hookimpl
+def metadist_solver_info():
+    return {"name": NAME, "description": "exact ILP over all mesh axes at once (scipy milp / HiGHS), "
+                                         "memory budget as a constraint; objective, lower bound and gap"}
+
+
+@hookimpl
+def metadist_solve(problem, options):
+    return solve_problem(problem, options or {}, NAME, ilp_terms)

@@ -1,0 +1,34 @@
+"""Small MetaIR graphs with hand-derived rules, for problem and solver tests."""
+from metadist_core.ir import MetaIR
+from metadist_core.rules import OpRules, RuleBook
+
+
+def rulebook(graph: MetaIR) -> RuleBook:
+    from benchmarks.synthetic_rules import rules_for_op
+    book = RuleBook()
+    for sig, op in graph.unique_signatures().items():
+        book.add(sig, OpRules(op.key, rules_for_op(op, graph)))
+    return book
+
+
+def linear_step(m=8, k=4, n=6) -> MetaIR:
+    """loss = sum(relu-free scale(x @ w)); w updated by a scaled gradient stand-in."""
+    g = MetaIR("linear")
+    g.add_input("x", (m, k), "float32", "input")
+    g.add_input("w", (k, n), "float32", "parameter")
+    g.add_op("aten.mm.default", ["x", "w"], [("y", (m, n), "float32")], id="mm")
+    g.add_op("aten.mul.Tensor", ["y"], [("z", (m, n), "float32")], {"scalar": 0.5}, id="scale")
+    g.add_op("aten.sum.dim_IntList", ["z"], [("s", (n,), "float32")], {"dims": [0]}, id="sum")
+    g.add_op("aten.mul.Tensor", ["w"], [("w2", (k, n), "float32")], {"scalar": 0.9}, id="decay")
+    g.set_outputs(["s", "w2"])
+    g.alias("w", "w2")
+    return g
+
+
+def mm_only(m=8, k=4, n=8) -> MetaIR:
+    g = MetaIR("mm")
+    g.add_input("x", (m, k), "float32", "input")
+    g.add_input("w", (k, n), "float32", "parameter")
+    g.add_op("aten.mm.default", ["x", "w"], [("y", (m, n), "float32")], id="mm")
+    g.set_outputs(["y"])
+    return g

@@ -1,0 +1,114 @@
+"""Solvers: the ILP equals brute force on small problems, greedy and beam never beat it, budgets hold or are refused."""
+import itertools
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metadist_core.placement import Mesh
+from metadist_core.plugins import PluginManager, UnknownSolverError
+from metadist_core.problem import InfeasibleBudgetError, build_problem
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_core"))
+from _small_graphs import linear_step, mm_only, rulebook  # noqa: E402
+
+SOLVERS = ("greedy", "beam", "ilp")
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return PluginManager()
+
+
+def brute_force(problem, budget=None):
+    """(best objective, least peak memory) over every combination of allowed options."""
+    t = problem.terms()
+    allowed = [np.flatnonzero(a) for a in t.allowed]
+    best, least = np.inf, np.inf
+    for ch in itertools.product(*allowed):
+        ch = np.array(ch)
+        peak = t.peak_memory(ch)
+        least = min(least, peak)
+        if budget is not None and peak > budget:
+            continue
+        best = min(best, t.objective(ch))
+    return best, least
+
+
+CASES = [("linear", linear_step, (2,)), ("linear-uneven", lambda: linear_step(6, 3, 5), (3,)),
+         ("mm", mm_only, (2, 2)), ("mm-2x3", lambda: mm_only(6, 6, 6), (2, 3))]
+
+
+@pytest.mark.parametrize("name,make,mesh", CASES, ids=[c[0] for c in CASES])
+def test_ilp_equals_brute_force_and_heuristics_never_beat_it(pm, name, make, mesh):
+    g = make()
+    # tiny links make communication matter against compute
+    p = build_problem(g, rulebook(g), Mesh(mesh, alpha=1e-7, beta=1e-9))
+    best, _ = brute_force(p)
+    for coarse in (False, True):
+        plan = pm.solve("ilp", p, {"coarsen": coarse})
+        assert plan.objective == pytest.approx(best, rel=1e-9, abs=1e-15)
+        assert plan.gap is not None and plan.gap <= 1e-3
+        assert plan.lower_bound <= plan.objective * (1 + 1e-9) + 1e-15
+    for s in ("greedy", "beam"):
+        assert pm.solve(s, p, {}).objective >= best * (1 - 1e-9)
+
+
+def test_memory_budget_is_honoured_or_refused(pm):
+    g = linear_step(16, 8, 16)
+    p = build_problem(g, rulebook(g), Mesh((4,)))
+    free, least = brute_force(p)
+    free_plan = pm.solve("ilp", p, {})
+    budget = int((least + free_plan.memory_per_device) / 2)
+    if budget >= free_plan.memory_per_device:
+        budget = free_plan.memory_per_device - 1
+    assert least <= budget
+    pb = p.with_budget(budget)
+    best, _ = brute_force(pb, budget)
+    plan = pm.solve("ilp", pb, {})
+    assert plan.memory_per_device <= budget
+    assert plan.objective == pytest.approx(best, rel=1e-9)
+    for s in ("greedy", "beam"):
+        hp = pm.solve(s, pb, {})
+        assert hp.memory_per_device <= budget and hp.objective >= best * (1 - 1e-9)
+    too_small = int(least) - 1
+    with pytest.raises(InfeasibleBudgetError) as err:
+        pm.solve("ilp", p.with_budget(too_small), {})
+    msg = str(err.value)
+    assert f"{int(least):,} bytes per device" in msg and f"{too_small:,} bytes per device" in msg
+    assert err.value.needed == least
+    for s in ("greedy", "beam"):
+        with pytest.raises(InfeasibleBudgetError, match="bytes per device"):
+            pm.solve(s, p.with_budget(too_small), {})
+
+
+def test_plans_carry_collectives_and_figures(pm):
+    g = linear_step()
+    p = build_problem(g, rulebook(g), Mesh((2,), alpha=1e-7, beta=1e-9))
+    plan = pm.solve("ilp", p, {"time_limit": 5})
+    assert plan.solver == "ilp" and plan.solve_seconds > 0
+    assert set(plan.var_shardings) >= {"x", "w", "y", "z", "s", "w2"}
+    assert set(plan.op_strategies) == {"mm", "scale", "sum", "decay"}
+    for e in plan.edges:
+        assert sum(c.cost for c in e.collectives) == pytest.approx(e.cost)
+    assert plan.comm_seconds == pytest.approx(sum(e.cost for e in plan.edges))
+    assert "ilp on mesh 2" in plan.summary()
+
+
+def test_unknown_solver_lists_known_ones(pm):
+    with pytest.raises(UnknownSolverError) as err:
+        pm.solve("simplex", None, {})
+    for s in SOLVERS:
+        assert s in str(err.value)
+
+
+def test_gpt2_tiny_heuristics_not_better_than_ilp(pm):
+    from benchmarks.synthetic_gpt2 import build_gpt2
+    from benchmarks.synthetic_rules import synthetic_rulebook
+    G = build_gpt2("gpt2-tiny-2l")
+    p = build_problem(G.graph, synthetic_rulebook(G.graph), Mesh((2, 2)), op_costs=G.op_costs)
+    ilp = pm.solve("ilp", p, {"time_limit": 30})
+    assert ilp.gap <= 1e-3
+    for s in ("greedy", "beam"):
+        assert pm.solve(s, p, {}).objective >= ilp.objective * (1 - 1e-9)
