@@ -315,10 +315,14 @@ def compute_cost(flops: float, nbytes: float, split: int = 1, device: DeviceSpec
 
 
 def strategy_split(inputs: Sequence[Sharding], outputs: Sequence[Sharding], mesh: Mesh) -> int:
-    """How many ways a strategy divides an op's work: the product of the axes where it is not all-replicated."""
+    """How many ways a strategy divides an op's work: the product of the axes on which it splits a dim.
+
+    An axis on which values are only Partial does not divide the work: every
+    device still runs the op on a full-size (partial) value.
+    """
     split = 1
     for axis, n in enumerate(mesh.shape):
-        if any(not sh[axis].is_replicate() for sh in (*inputs, *outputs)):
+        if any(sh[axis].is_shard() for sh in (*inputs, *outputs)):
             split *= n
     return split
 

@@ -28,6 +28,7 @@ from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_const
 from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, local_bytes, reshard_cost, strategy_split, _local_shape
 from .ir import MetaIR
 from .placement import Mesh, Replicate, Shard, Sharding
+from .prune import useful_rules
 from .rules import RuleBook, expand_rules
 from .terms import EdgeTerm, MemTerm, Terms
 
@@ -265,12 +266,15 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   op_costs: Mapping[str, tuple[float, float]] | None = None,
                   constraints: Iterable[Constraint | Mapping] | None = None,
                   memory_budget: int | None = None,
-                  device: DeviceSpec | None = None) -> ShardingProblem:
+                  device: DeviceSpec | None = None,
+                  prune: bool = True) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them
     (missing ops are estimated from tensor sizes). ``constraints`` pin a
     value's sharding or forbid a placement. ``memory_budget`` is bytes per device.
+    ``prune`` drops dominated rules first (:mod:`metadist_core.prune`); the
+    optimum does not change, the problem gets smaller.
     """
     device = device or DEVICE_PRESETS["cpu"]
     live = graph.liveness()
@@ -278,8 +282,11 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
              for v in graph.vars.values()}
     nodes: list[Node] = []
     compute: list[np.ndarray] = []
-    strat_cache: dict[str, tuple[list[Option], list[int]]] = {}
+    strat_cache: dict[tuple, tuple[list[Option], list[int]]] = {}
     warned: set[str] = set()
+    useful = useful_rules(graph, rulebook) if prune else {
+        op.id: ([] if (e := rulebook.get(op.signature(graph))) is None or e.status != "ok" else list(e.rules))
+        for op in graph.ops}
     for v in graph.inputs:
         mv = graph.vars[v]
         opts = input_options(mv.shape, mesh)
@@ -289,11 +296,9 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
         t_in = [v for v in op.inputs if graph.vars[v].is_tensor]
         in_shapes = [graph.vars[v].shape for v in t_in]
         out_shapes = [graph.vars[v].shape for v in op.outputs]
-        sig = op.signature(graph)
+        rules = [r for r in useful[op.id] if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs)]
+        sig = (op.signature(graph), tuple(rules))
         if sig not in strat_cache:
-            entry = rulebook.get(sig)
-            rules = [] if entry is None or entry.status != "ok" else list(entry.rules)
-            rules = [r for r in rules if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs)]
             if not rules and op.key not in warned:
                 warned.add(op.key)
                 log.debug("op %s (%s) has no sharding rules here; it runs replicated", op.id, op.key)
