@@ -1,0 +1,26 @@
+"""Two processes under torchrun: TVM kernels per rank, collectives on torch.distributed (gloo) through
+DLPack; a dense-relu-dense-softmax graph (forced tensor parallel, a forced all_reduce, and random plans
+exercising every collective kind) and a conv-relu-pool graph match numpy on both ranks."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("_dist_worker.py")
+
+
+def test_two_processes_match_numpy(tmp_path):
+    pytest.importorskip("torch.distributed")
+    env = dict(os.environ, METADIST_CACHE_DIR=str(tmp_path / "cache"), METADIST_PROGRESS="0", OMP_NUM_THREADS="1",
+               METADIST_TEST_OUT=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-4000:]
+    lines = [(tmp_path / f"rank{r}.txt").read_text().strip() for r in range(2)]
+    assert [ln.split()[1] for ln in lines] == ["0/2", "1/2"], lines
+    assert all(" OK " in ln for ln in lines), "\n".join(lines)
+    kinds = set(lines[0].split("collectives ")[1].split(","))
+    assert {"all_gather", "all_reduce"} <= kinds, lines[0]
