@@ -15,6 +15,7 @@ from .discover import discover
 from .ir import MetaIR
 from .placement import Mesh
 from .plugins import PluginManager
+from .progress import Ticker
 from .rules import RuleBook
 
 log = logging.getLogger("metadist.pipeline")
@@ -58,7 +59,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
 
     t = time.perf_counter()
     options = {"time_limit": s.time_limit, **(solver_options or {})}
-    plan = pm.solve(s.solver, problem, options)
+    with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=progress):
+        plan = pm.solve(s.solver, problem, options)
     timings["solve"] = time.perf_counter() - t
     log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, getattr(plan, "summary", lambda: "")())
     return CompileResult(graph, book, problem, plan, None, timings)

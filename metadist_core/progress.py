@@ -64,3 +64,46 @@ def track(items: Iterable[T], total: int, desc: str) -> Iterator[T]:
         for x in items:
             yield x
             bar.update(1)
+
+
+class Ticker:
+    """``with Ticker("solve (ilp)"): ...``: one line with the elapsed time, redrawn while the work runs.
+
+    For long single calls that cannot report steps (a MILP solve). Shown under
+    the same conditions as :class:`Progress`.
+    """
+
+    def __init__(self, desc: str, enabled: bool | None = None, interval: float = 0.5) -> None:
+        self.desc, self.interval = desc, interval
+        self.enabled = progress_enabled() if enabled is None else enabled
+        self._stop = None
+        self._thread = None
+        self.t0 = 0.0
+
+    def _draw(self) -> None:
+        sys.stderr.write(f"\r{self.desc} {time.perf_counter() - self.t0:6.1f}s")
+        sys.stderr.flush()
+
+    def __enter__(self) -> "Ticker":
+        self.t0 = time.perf_counter()
+        if self.enabled:
+            import threading
+
+            self._stop = threading.Event()
+
+            def run() -> None:
+                while not self._stop.wait(self.interval):
+                    self._draw()
+
+            self._draw()
+            self._thread = threading.Thread(target=run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._draw()
+            sys.stderr.write(" done\n" if exc[0] is None else " failed\n")
+            sys.stderr.flush()
