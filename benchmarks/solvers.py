@@ -36,7 +36,7 @@ from metadist_core.problem import build_problem
 from metadist_core.profile import load_profile
 
 from ._common import RESULTS, fmt, timed, write_results
-from .synthetic_gpt2 import build_gpt2
+from .synthetic_gpt2 import Gpt2Graph, build_gpt2
 from .synthetic_rules import synthetic_rulebook
 
 NAME = "solvers"
@@ -59,17 +59,41 @@ def synthetic_source(model: str):
     return g, synthetic_rulebook(g.graph)
 
 
+GPT2_LAYER_KINDS = ["ln", "ln", "col_w", "col_b", "row_w", "row_b", "ln", "ln", "col_w", "col_b", "row_w", "row_b"]
+DISCOVERABLE = ("gpt2-tiny-2l",)  # full-size discovery of GPT-2 small/XL ops is hours on 2 cores
+
+
 def discovered_source(model: str):
-    """The recorded graph with rules from ShardCombine (needs the PyTorch frontend's op runner)."""
-    from metadist_core.recorded import load_recorded_graph
+    """The recorded graph with rules found by ShardCombine through the PyTorch op runner (rule cache used).
+
+    Parameters are classified by their position in transformers' GPT2LMHeadModel
+    (wte, wpe, 12 per block: ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
+    mlp.c_proj, then ln_f); Conv1D weights are [in, out], so c_attn/c_fc split
+    columns and the projections split rows in the Megatron hand plan.
+    """
     from metadist_core.discover import discover
     from metadist_core.plugins import PluginManager as PM
+    from metadist_core.recorded import load_recorded_graph
+    from metadist_core.rules import RuleBook
+
+    if model not in DISCOVERABLE:
+        raise ValueError(f"--rules discovered runs on {', '.join(DISCOVERABLE)}: discovering every op of {model} "
+                         f"at full size (50,257-wide logits in float64) is impractical on this machine")
     path = Path(__file__).resolve().parents[2] / "shared" / "graphs" / f"{model}-adamw.json"
     graph = load_recorded_graph(path)
-    book = discover(graph, PM().hook)
-    raise NotImplementedError(
-        f"--rules discovered: graph {path.name} and {len(book)} rule entries load, but the hand-plan pins need "
-        f"parameter kinds and residual values for the recorded graph; add them here") from None
+    pm = PM()
+    book = discover(graph, pm.hook, RuleBook.load())
+    costs = {op.id: tuple(c) for op in graph.ops if (c := pm.hook.metadist_op_cost(op=op, graph=graph)) is not None}
+    params = [v for v in graph.inputs if graph.vars[v].role == "parameter"]
+    kinds = ["wte", "wpe"] + GPT2_LAYER_KINDS * ((len(params) - 4) // 12) + ["ln", "ln"]
+    if len(kinds) != len(params):
+        raise ValueError(f"{path.name}: {len(params)} parameters do not fit the GPT-2 layout (2 + 12 per block + 2)")
+    i = {v: k for k, v in enumerate(params)}
+    states = {p: tuple(v for v in graph.inputs if graph.vars[v].role == "optimizer_state"
+                       and v.rsplit("_", 1)[-1] == p.rsplit("_", 1)[-1]) for p in params}
+    info = Gpt2Graph(graph, costs, {p: kinds[i[p]] for p in params}, states,
+                     [v for v in graph.inputs if graph.vars[v].role == "input"], [])
+    return info, book
 
 
 RULE_SOURCES = {"synthetic": synthetic_source, "discovered": discovered_source}
@@ -208,7 +232,9 @@ def main(argv=None) -> None:
     ap.add_argument("--time-limit", type=float, default=None, help="ILP time limit per solve (s)")
     ap.add_argument("--beam-width", type=int, default=8)
     args = ap.parse_args(argv)
-    if args.quick:
+    if args.rules == "discovered":
+        cases = [(m, s) for m in DISCOVERABLE for s in MESHES]
+    elif args.quick:
         cases = [("gpt2-tiny-2l", m) for m in MESHES] + [("gpt2-small-12l", (2, 4))]
     else:
         cases = [(m, s) for m in ("gpt2-tiny-2l", "gpt2-small-12l", "gpt2-xl-48l") for s in MESHES]
@@ -232,9 +258,10 @@ def main(argv=None) -> None:
              "`nodes -> nodes_coarse`: decisions before and after coarsening (followers, fixed, tied layers). "
              "`ilp-uncoarsened` solves the full problem to check that coarsening did not make the optimum worse. "
              "Hand plans are the best plan of their family (pinned layouts, the rest filled in by the ILP).")
-    write_results(NAME, records, cols, "Solvers: greedy, beam and ILP vs hand-written plans", notes)
-    png = plot(records, RESULTS / f"{NAME}.png")
-    print(f"wrote {RESULTS / (NAME + '.md')}" + (f" and {png}" if png else ""))
+    name = NAME if args.rules == "synthetic" else f"{NAME}_{args.rules}"
+    write_results(name, records, cols, "Solvers: greedy, beam and ILP vs hand-written plans", notes)
+    png = plot(records, RESULTS / f"{name}.png")
+    print(f"wrote {RESULTS / (name + '.md')}" + (f" and {png}" if png else ""))
 
 
 if __name__ == "__main__":
