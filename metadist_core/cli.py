@@ -162,9 +162,20 @@ def _mesh(args):
 
 
 def cmd_demo(args) -> int:
+    import importlib.util
+
+    if not args.reference and importlib.util.find_spec("torch") is not None:
+        from metadist_torch.demo import run  # the core imports no framework: only this command does, lazily
+
+        extra = []
+        if args.mesh:
+            extra += ["--mesh", args.mesh]
+        if args.solver:
+            extra += ["--solver", args.solver]
+        return run(nproc=args.nproc, args=extra)
     from .demo import run_demo
 
-    return run_demo(mesh_text=args.mesh, solver=args.solver, cache_dir=args.cache_dir)
+    return run_demo(mesh_text=args.mesh or "4", solver=args.solver, cache_dir=args.cache_dir)
 
 
 def cmd_calibrate(args) -> int:
@@ -226,8 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default=None, help="where to save the plan JSON")
     s.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("demo", help="the main job on an embedded default, end to end")
-    s.add_argument("--mesh", default="4")
+    s = sub.add_parser("demo", help="the main job on an embedded default, end to end",
+                       description="With PyTorch installed: the GPT example on NPROC local CPU ranks under torchrun "
+                                   "(gloo), its plan, its loss next to the single-device loss and its step time. "
+                                   "Without it, or with --reference: a transformer block of numpy reference ops "
+                                   "planned and run on simulated devices.")
+    s.add_argument("--mesh", default=None, help="mesh shape, like 4 or 2x2 (default: the world as one axis)")
+    s.add_argument("--nproc", type=int, default=4, help="local ranks for the PyTorch demo (default 4)")
+    s.add_argument("--reference", action="store_true", help="run the framework-free reference demo")
     s.add_argument("--solver", default=None)
     s.add_argument("--cache-dir", default=None)
     s.set_defaults(func=cmd_demo)

@@ -113,7 +113,8 @@ class MetaIR:
     """Ops in topological order over vars, with graph inputs/outputs and state aliasing.
 
     ``aliases`` maps a graph input (a parameter, optimizer state or buffer) to
-    the graph output that holds its updated value after the step.
+    the graph output that holds its updated value after the step. ``payload``
+    is what a frontend's trace leaves for its own lowering.
     """
 
     def __init__(self, name: str = "step") -> None:
@@ -124,6 +125,7 @@ class MetaIR:
         self.outputs: list[str] = []
         self.aliases: dict[str, str] = {}
         self._op_index: dict[str, int] = {}
+        self.payload: Any = None  # frontend-private data from tracing, handed to lowering; never serialised
 
     # -- building -------------------------------------------------------
     def add_var(self, id: str, shape: Sequence[int] | None, dtype: Any, role: str = "intermediate") -> MetaVar:

@@ -34,8 +34,12 @@ class CompileResult:
 def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None, solver: str | None = None,
                memory_budget: int | None = None, cache_dir: str | None = None, constraints: Any = None,
                settings: Settings | None = None, progress: bool | None = None,
-               solver_options: dict | None = None) -> CompileResult:
-    """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it."""
+               solver_options: dict | None = None, device: Any = None) -> CompileResult:
+    """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
+
+    ``device`` is the cost model's DeviceSpec; by default the one of the mesh
+    profile (``mesh_profile`` setting), else the CPU preset.
+    """
     from .problem import build_problem  # the solve half of the flow
 
     s = settings or load_settings(solver=solver, memory_budget=memory_budget, cache_dir=cache_dir)
@@ -53,8 +57,11 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
         c = pm.hook.metadist_op_cost(op=op, graph=graph)
         if c is not None:
             op_costs[op.id] = tuple(c)
+    if device is None and s.mesh_profile:
+        from .profile import load_profile
+        device = load_profile(s.mesh_profile).device
     problem = build_problem(graph, book, mesh, op_costs=op_costs, constraints=constraints,
-                            memory_budget=s.memory_budget)
+                            memory_budget=s.memory_budget, device=device)
     timings["build_problem"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -21,3 +21,15 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2):
 
 __all__ = ["rules_for"]
 
+
+def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget: int | None = None,
+                     cache_dir: str | None = None):
+    """Decorate a training step so that MetaDist traces, plans and runs it split over ``mesh``.
+
+    See :func:`metadist_torch.compile.metadist_compile`.
+    """
+    from .compile import metadist_compile as _metadist_compile
+    return _metadist_compile(mesh=mesh, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir)
+
+
+__all__ = ["rules_for", "metadist_compile"]

@@ -31,3 +31,18 @@ def metadist_op_cost(op, graph):
     from .oprunner import op_cost
     return op_cost(op, graph)
 
+
+@hookimpl
+def metadist_trace(frontend, fn, args, kwargs):
+    if frontend != "torch":
+        return None
+    from .compile import trace_for_hook
+    return trace_for_hook(fn, tuple(args), dict(kwargs or {}))
+
+
+@hookimpl
+def metadist_lower(frontend, graph, plan, mesh, context):
+    if frontend != "torch":
+        return None
+    from .compile import lower_for_hook
+    return lower_for_hook(graph, plan, mesh, context)

@@ -24,7 +24,7 @@ pipq() {  # quiet pip that still fails loudly; hides this machine's notes about 
 }
 # torch first and pinned, so nothing later can ask for a newer one
 pipq "torch==2.13.0"
-pipq -e ".[torch,dev]"
+pipq -e ".[all,dev]"
 python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '2.13.0' else 'torch ' + torch.__version__ + ' installed; expected 2.13.0')"
 
 case "$cmd" in

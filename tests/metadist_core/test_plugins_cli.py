@@ -71,3 +71,10 @@ def test_console_script_help():
     assert out.returncode == 0 and "plugins" in out.stdout and "demo" in out.stdout
     bad = subprocess.run([exe, "nonsense"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_reference_demo_runs_end_to_end(capsys):
+    """`metadist demo --reference`: discover, solve, run the plan on simulated devices, same loss."""
+    assert cli.main(["demo", "--reference", "--mesh", "2x2"]) == 0
+    out = capsys.readouterr().out
+    assert "on 4 simulated devices" in out and "|diff| 0.0e+00" in out

@@ -1,0 +1,183 @@
+"""The engine: torch.distributed process group, the torch DeviceMesh, and mesh validation.
+
+Launched by ``torchrun`` (``WORLD_SIZE``/``RANK`` set), the default process
+group is created on first use: NCCL when CUDA is available and NCCL is
+built, gloo otherwise. A plain process (no torchrun) is world size 1 and needs
+no process group at all.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from metadist_core.placement import Mesh
+
+log = logging.getLogger("metadist.torch.engine")
+
+
+def dist_available() -> bool:
+    return torch.distributed.is_available()
+
+
+def world_info() -> tuple[int, int]:
+    """(rank, world size) of the running job: the process group when there is one, else torchrun's env."""
+    if dist_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def default_backend() -> str:
+    if torch.cuda.is_available() and torch.distributed.is_nccl_available():
+        return "nccl"
+    return "gloo"
+
+
+def ensure_process_group() -> tuple[int, int]:
+    """Start the default process group when launched by torchrun and none is running yet."""
+    rank, world = world_info()
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(backend)
+        log.info("started process group %s: rank %d of %d", backend, rank, world)
+    return world_info()
+
+
+def device() -> torch.device:
+    """The device this rank computes on."""
+    if torch.cuda.is_available() and default_backend() == "nccl" and world_info()[1] > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _is_device_mesh(x: Any) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, DeviceMesh)
+
+
+def resolve_mesh(mesh: Any, world_size: int) -> tuple[Mesh, Any]:
+    """The MetaDist ``Mesh`` for the ``mesh`` argument, and the torch DeviceMesh given with it (or None).
+
+    ``mesh`` is None (the whole world as one axis), a shape such as ``(2, 2)``
+    or ``"2x2"``, a metadist ``Mesh`` or a torch ``DeviceMesh``. A mesh whose
+    size is not the world size is a ValueError that quotes both.
+    """
+    dm = None
+    if mesh is None:
+        m = Mesh((world_size,))
+    elif isinstance(mesh, Mesh):
+        m = mesh
+    elif _is_device_mesh(mesh):
+        dm = mesh
+        names = tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None
+        m = Mesh(tuple(int(s) for s in mesh.shape), names)
+    elif isinstance(mesh, str):
+        m = Mesh.parse(mesh)
+    elif isinstance(mesh, int):
+        m = Mesh((mesh,))
+    elif isinstance(mesh, Sequence):
+        m = Mesh(tuple(int(s) for s in mesh))
+    else:
+        raise TypeError(f"mesh must be None, a shape such as (2, 2), a metadist Mesh or a torch DeviceMesh; "
+                        f"got {type(mesh).__name__} {mesh!r}")
+    if m.size != world_size:
+        shape = "x".join(map(str, m.shape))
+        raise ValueError(f"mesh {shape} has {m.size} devices but the world size is {world_size}; "
+                         f"launch with torchrun --nproc_per_node={m.size} or pass a mesh of {world_size} devices "
+                         f"(the default mesh=None uses the whole world as one axis)")
+    return m, dm
+
+
+@dataclass
+class Engine:
+    """This rank's view of the job: rank, world size, the Mesh, the torch DeviceMesh and its axis groups."""
+
+    rank: int
+    world_size: int
+    mesh: Mesh
+    device_mesh: Any            # torch DeviceMesh, or None at world size 1
+    coords: tuple[int, ...]
+    device: torch.device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def groups(self) -> list[Any] | None:
+        if self.device_mesh is None:
+            return None
+        return [self.device_mesh.get_group(a) for a in range(self.mesh.ndim)]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``obj`` from rank ``src`` on every rank (a no-op at world size 1)."""
+        if not self.distributed:
+            return obj
+        box = [obj if self.rank == src else None]
+        torch.distributed.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def sync_rng(self) -> None:
+        """Give every rank rank 0's random state, so replicated random ops draw the same numbers everywhere."""
+        if not self.distributed:
+            return
+        states = self.broadcast((torch.get_rng_state(),
+                                 torch.cuda.get_rng_state() if self.device.type == "cuda" else None))
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state(states[1])
+
+
+def make_engine(mesh: Any = None) -> Engine:
+    """Set up (or find) the process group and the DeviceMesh for ``mesh``; validate the mesh size."""
+    rank, world = ensure_process_group() if dist_available() else (0, 1)
+    m, dm = resolve_mesh(mesh, world)
+    dev = device()
+    if world > 1 and dm is None:
+        from torch.distributed.device_mesh import init_device_mesh
+        dm = init_device_mesh(dev.type, tuple(m.shape), mesh_dim_names=tuple(m.axis_names))
+    coords = m.coordinates(rank)
+    if dm is not None:
+        got = tuple(int(c) for c in dm.get_coordinate())
+        if got != coords:
+            raise ValueError(f"the DeviceMesh puts rank {rank} at {got}, but MetaDist expects the row-major "
+                             f"position {coords}; build the DeviceMesh from torch.arange(world).reshape(shape)")
+    return Engine(rank, world, m, dm, coords, dev)
+
+
+__all__ = ["Engine", "make_engine", "resolve_mesh", "ensure_process_group", "world_info", "default_backend"]
+
+
+def measure_device(seconds: float = 0.5):
+    """Time this process's matmul FLOP/s and copy bandwidth (for the cost model's roofline DeviceSpec)."""
+    import time as _time
+    from metadist_core.cost import DeviceSpec
+    dev = device()
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    n = 1024 if dev.type == "cuda" else 256
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+
+    def rate(fn, work):
+        fn()
+        sync()
+        best = float("inf")
+        t_end = _time.perf_counter() + seconds / 2
+        while _time.perf_counter() < t_end:
+            t = _time.perf_counter()
+            fn()
+            sync()
+            best = min(best, _time.perf_counter() - t)
+        return work / best
+
+    flops = rate(lambda: a @ b, 2 * n ** 3)
+    x = torch.randn(1 << 20, device=dev)
+    bw = rate(lambda: x.add(1.0), 2 * x.numel() * 4)
+    return DeviceSpec(f"measured-{dev.type}", float(flops), float(bw))
