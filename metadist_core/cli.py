@@ -116,13 +116,20 @@ def cmd_rules(args) -> int:
 
 
 def _infer_out_shape(pm, g, op) -> None:
-    spec = pm.hook.metadist_op_spec(op=op, graph=g)
+    try:
+        spec = pm.hook.metadist_op_spec(op=op, graph=g)
+    except Exception as e:
+        raise CliError(f"cannot run {op.key} on inputs {[g.vars[v].shape for v in op.inputs]}: {e}") from None
     if spec is None:
         known = ", ".join(pm.names("frontend"))
         raise CliError(f"no loaded frontend runs op {op.key!r} (frontends: {known})")
     import numpy as np
 
-    out = spec.fn(*spec.example_inputs)
+    try:
+        out = spec.fn(*spec.example_inputs)
+    except Exception as e:
+        raise CliError(f"{op.key} raised on inputs of shapes {[g.vars[v].shape for v in op.inputs]}: "
+                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     g.vars.pop(op.outputs[0])
     op.outputs = []

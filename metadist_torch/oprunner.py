@@ -418,8 +418,9 @@ def build_spec(call: Callable[..., Any], args_t: Sequence[Any], kwargs_t: Mappin
 def op_spec(op: MetaOp, graph: MetaIR) -> OpSpec:
     """The OpSpec of an ``aten.*`` MetaOp of ``graph``; raises Unrunnable for ops that cannot run alone."""
     overload = resolve_overload(op.key)
-    if "args" not in op.attrs:
-        raise Unrunnable(f"{op.key} ({op.id}) has no 'args' in its attrs; cannot rebuild the call")
+    if "args" not in op.attrs:  # a bare op (say from `metadist rules`): its tensor inputs, in order, are the call
+        op = MetaOp(op.id, op.key, list(op.inputs), list(op.outputs),
+                    {**op.attrs, "args": [{"$in": i} for i in range(len(op.inputs))], "kwargs": {}})
     metas = []
     for v in op.inputs:
         mv = graph.vars[v]

@@ -7,13 +7,10 @@ with a ``(inputs, outputs)`` pair).
 """
 from __future__ import annotations
 
+from metadist_core.frontend_hooks import op_hooks
 from metadist_core.hookspecs import hookimpl
 
 OP_PREFIXES = ("te.",)
-
-
-def _owned(op) -> bool:
-    return isinstance(getattr(op, "key", None), str) and op.key.startswith(OP_PREFIXES)
 
 
 @hookimpl
@@ -22,20 +19,7 @@ def metadist_frontend_info():
             "description": "TVM Tensor Expression: topi operators and TE builders rebuilt at shard shapes, llvm"}
 
 
-@hookimpl
-def metadist_op_spec(op, graph):
-    if not _owned(op):
-        return None
-    from .oprunner import op_spec
-    return op_spec(op, graph)
-
-
-@hookimpl
-def metadist_op_cost(op, graph):
-    if not _owned(op):
-        return None
-    from .oprunner import op_cost
-    return op_cost(op, graph)
+metadist_op_spec, metadist_op_cost = op_hooks(OP_PREFIXES, "metadist_tvm.oprunner")
 
 
 @hookimpl
