@@ -10,7 +10,7 @@ from typing import Any, Iterable, Mapping, Sequence
 # Canonical dtype strings and their sizes in bytes.
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
     "complex64": 8, "complex128": 16,
 }
 ROLES: tuple[str, ...] = ("input", "parameter", "optimizer_state", "buffer", "intermediate", "output")
