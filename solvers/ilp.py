@@ -21,7 +21,7 @@ from metadist_core.hookspecs import hookimpl
 from metadist_core.problem import InfeasibleBudgetError
 from metadist_core.terms import Terms
 
-from ._common import MemIndex, min_memory_choice, solve_problem
+from ._common import MemIndex, enforce_budget, min_memory_choice, solve_problem
 
 NAME = "ilp"
 
@@ -189,6 +189,13 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
         else:
             raise RuntimeError(f"the ILP found no plan within time_limit={time_limit:g} s ({res.message}); "
                                f"raise time_limit or use solver='beam'")
+    if budget is not None and model.mem is not None and model.mem.peak(ch) > budget * (1 + 1e-9) + 1:
+        # the lazy memory rows ran out of time (or a row was already in): the incumbent is over budget;
+        # repair it rather than return it (the bound below still holds for the repaired plan)
+        over = int(model.mem.peak(ch))
+        ch = enforce_budget(t, t.adjacency(), ch, NAME)
+        stats["status"] = (f"{res.message}; the ILP incumbent needed {over:,} bytes per device over the budget "
+                           f"of {int(budget):,} when time ran out, repaired by local search")
     lb = getattr(res, "mip_dual_bound", None)
     lb = None if lb is None or not np.isfinite(lb) else float(lb) / model.scale + t.offset
     return ch, lb, stats

@@ -83,6 +83,26 @@ def test_memory_budget_is_honoured_or_refused(pm):
             pm.solve(s, p.with_budget(too_small), {})
 
 
+def test_ilp_out_of_time_with_lazy_memory_rows_still_honours_the_budget(pm, monkeypatch):
+    """When time runs out before every memory row is in, the incumbent may be over budget: it is repaired."""
+    from metadist_solvers import ilp
+
+    g = linear_step(16, 8, 16)
+    p = build_problem(g, rulebook(g), Mesh((4,)))
+    free, least = brute_force(p)
+    free_plan = pm.solve("ilp", p, {})
+    budget = int((least + free_plan.memory_per_device) / 2)
+    if budget >= free_plan.memory_per_device:
+        budget = free_plan.memory_per_device - 1
+    real = ilp._lazy
+    # as if the deadline hit before the first memory row went in: the unbudgeted optimum comes back
+    monkeypatch.setattr(ilp, "_lazy", lambda model, steps, b, deadline, gap, peak_var=False:
+                        real(model, [], float("inf"), deadline, gap, peak_var))
+    plan = pm.solve("ilp", p.with_budget(budget), {})
+    assert plan.memory_per_device <= budget < free_plan.memory_per_device
+    assert "repaired" in plan.stats["status"]
+
+
 def test_plans_carry_collectives_and_figures(pm):
     g = linear_step()
     p = build_problem(g, rulebook(g), Mesh((2,), alpha=1e-7, beta=1e-9))
