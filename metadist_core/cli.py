@@ -144,8 +144,7 @@ def cmd_plan(args) -> int:
     from .placement import Mesh
 
     if args.target.endswith(".py"):
-        raise CliError("planning a Python script needs the PyTorch frontend's tracer, which is not built yet; "
-                       "pass a graph file (.json: a MetaIR dump or a recorded graph) instead")
+        return _plan_script(args)
     graph = load_graph(args.target)
     mesh = _mesh(args)
     result = plan_graph(graph, mesh, solver=args.solver, memory_budget=args.memory_budget,
@@ -155,6 +154,40 @@ def cmd_plan(args) -> int:
     out.write_text(json.dumps(result.plan.to_json(), indent=1))
     print(f"plan saved to {out}; timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
     return 0
+
+
+def _plan_script(args) -> int:
+    """Run SCRIPT until its first metadist_compile'd step; the frontend plans it and stops the script."""
+    import runpy
+
+    from .planonly import ENV, PlanOnlyDone
+    from .placement import Mesh
+
+    script = Path(args.target)
+    if not script.is_file():
+        raise CliError(f"no such file: {args.target}")
+    try:
+        shape = Mesh.parse(args.mesh).shape
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    request = {"mesh": list(shape), "out": args.out or f"{script.stem}.plan.json", "solver": args.solver,
+               "memory_budget": args.memory_budget, "cache_dir": args.cache_dir, "profile": args.profile}
+    old_env, old_argv = os.environ.get(ENV), sys.argv
+    os.environ[ENV] = json.dumps(request)
+    sys.argv = [str(script)] + list(args.script_args)
+    sys.path.insert(0, str(script.resolve().parent))
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except PlanOnlyDone:
+        return 0
+    finally:
+        sys.argv = old_argv
+        sys.path.remove(str(script.resolve().parent))
+        if old_env is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old_env
+    raise CliError(f"{args.target} finished without calling a metadist_compile'd step, so there was nothing to plan")
 
 
 def _mesh(args):
@@ -234,8 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-cache", action="store_true")
     s.set_defaults(func=cmd_rules)
 
-    s = sub.add_parser("plan", help="trace, discover, solve; print and save the plan")
-    s.add_argument("target", metavar="SCRIPT_OR_GRAPH")
+    s = sub.add_parser("plan", help="trace, discover, solve; print and save the plan",
+                       epilog="Arguments after -- go to the script: metadist plan train.py --mesh 2x2 -- --batch 32")
+    s.add_argument("target", metavar="SCRIPT_OR_GRAPH",
+                   help="a Python script whose decorated step is planned (it runs until its first step), "
+                        "or a graph file (.json: a MetaIR dump or a recorded graph)")
     s.add_argument("--mesh", default="2", help="mesh shape, like 8 or 2x4 (default 2)")
     s.add_argument("--solver", default=None)
     s.add_argument("--memory-budget", type=int, default=None, help="bytes per device")
@@ -265,8 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args: list[str] = []
+    if "--" in argv:  # what follows goes to the script of `metadist plan SCRIPT`
+        i = argv.index("--")
+        argv, script_args = argv[:i], argv[i + 1:]
     try:
         args = parser.parse_args(argv)
+        args.script_args = script_args
         logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
                             format="%(levelname)s %(name)s: %(message)s")
         if not getattr(args, "command", None):

@@ -100,6 +100,13 @@ class MetaDistStep:
         if hit is not None:
             self._last = hit
             return hit
+        from metadist_core import planonly
+        if planonly.requested():  # `metadist plan SCRIPT`: plan for the mesh asked, stop the script
+            from metadist_core.placement import Mesh as _Mesh
+            graph, _ = trace_step(self.fn, args, kwargs)
+            shape = _Mesh(tuple(planonly.requested()["mesh"]))
+            planonly.finish(graph, plugins=self._plugins or PluginManager(),
+                            constraints=self.constraints + even_split_constraints(graph, shape))
         if self.mesh is None:
             self.mesh, self.jax_mesh = resolve_mesh(self._mesh_arg)
         mesh = self.mesh

@@ -182,7 +182,13 @@ class MetadistStep:
 
     # -- compiling ----------------------------------------------------------
     def compile(self, *args: Any, **kwargs: Any) -> CompiledEntry:
+        from metadist_core import planonly
         from metadist_core.plugins import PluginManager
+        if planonly.requested():  # `metadist plan SCRIPT`: trace here, plan for the mesh asked, stop the script
+            pm = PluginManager()
+            init_optimizer_state(_optimizers(args, kwargs))
+            graph = pm.hook.metadist_trace(frontend="torch", fn=self.fn, args=args, kwargs=kwargs)
+            planonly.finish(graph, plugins=pm)
         if self.engine is None:
             self.engine = make_engine(self.mesh_arg)
         eng = self.engine

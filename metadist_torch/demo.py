@@ -80,7 +80,7 @@ def run_example(name: str, build: Callable[[], tuple], make_batch: Callable[[int
         torch.manual_seed(seed + 1)
         for b in batches:
             t = time.perf_counter()
-            ref_losses.append(float(step(model, opt, *b)))
+            ref_losses.append(float(step(model, opt, *b).detach()))
             ref_times.append(time.perf_counter() - t)
         del model, opt
     model, opt = build()

@@ -49,7 +49,7 @@ def _close(a, b, what):
 
 def _run_and_compare(build, batches, step_fn, **compile_kw):
     model_ref, opt_ref = build()
-    losses_ref = [float(step_fn(model_ref, opt_ref, *b)) for b in batches]
+    losses_ref = [float(step_fn(model_ref, opt_ref, *b).detach()) for b in batches]
     model, opt = build()
     step = metadist_compile(**compile_kw)(step_fn)
     losses = [float(step(model, opt, *b)) for b in batches]
