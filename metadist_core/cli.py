@@ -225,7 +225,11 @@ def cmd_calibrate(args) -> int:
         raise CliError(f"calibrate times collectives with torch.distributed, which could not be imported ({e}); "
                        f"install the torch extra: pip install 'metadist[torch]'") from None
     profile = run_calibrate(args.out, nprocs=args.nprocs)
-    print(profile)
+    print(f"{profile.backend}: {profile.nodes} node(s) x {profile.devices_per_node} devices, "
+          f"{len(profile.samples)} timed collectives")
+    for level, lv in profile.levels.items():
+        print(f"  {level:<6} alpha {lv['alpha'] * 1e6:8.1f} us   beta {lv['beta'] * 1e9:7.3f} ns/byte "
+              f"({1 / lv['beta'] / 1e9:.2f} GB/s)")
     print(f"mesh profile written to {args.out}; use it with --profile {args.out} or METADIST_MESH_PROFILE={args.out}")
     return 0
 
