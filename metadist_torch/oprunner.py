@@ -349,6 +349,32 @@ def _batch_norm_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, An
     return check
 
 
+# Kernels that size their loops by one input and read the others without checking them: on
+# mismatched pieces they read past the end (native_layer_norm_backward with a shorter mean/rstd or
+# grad, _log_softmax_backward_data with a shorter grad, both checked here on torch 2.13), which now
+# and then crashes the process. During discovery each call first goes through torch's reference
+# decomposition, which is the same computation in checked ops and raises on such pieces; only
+# then does the native kernel run (its own checks, such as a bias matching normalized_shape, still
+# apply, and its result is the one verified).
+DECOMPOSE_FOR_DISCOVERY = {"native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data",
+                           "native_group_norm_backward"}
+
+
+def _checked_call(overload, call: Callable[..., Any]) -> Callable[..., Any]:
+    if overload is None or overload._schema.name.split("::")[-1] not in DECOMPOSE_FOR_DISCOVERY:
+        return call
+    from torch._decomp import decomposition_table
+    reference = decomposition_table.get(overload)
+    if reference is None:
+        return call
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        reference(*args, **kwargs)  # raises where the native kernel would read past an input
+        return call(*args, **kwargs)
+
+    return checked
+
+
 # -- the OpSpec -------------------------------------------------------------------
 
 
@@ -375,6 +401,7 @@ def build_spec(call: Callable[..., Any], args_t: Sequence[Any], kwargs_t: Mappin
 
     guard = (_attention_guard(overload, args_t, kwargs_t) or _batch_norm_guard(overload, args_t, kwargs_t)) \
         if overload is not None else None
+    call = _checked_call(overload, call)
 
     def fn(*arrays: np.ndarray) -> Any:
         if guard is not None:

@@ -1,0 +1,47 @@
+"""Kernels that do not check their inputs' shapes never see mismatched pieces during discovery."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from metadist_core.ir import MetaIR  # noqa: E402
+from metadist_core.placement import Replicate, Shard  # noqa: E402
+from metadist_torch.oprunner import op_spec  # noqa: E402
+from metadist_core.shardcombine import discover_rules  # noqa: E402
+
+
+def _graph(key, shapes, attrs, outs):
+    g = MetaIR("one")
+    for i, (s, dt) in enumerate(shapes):
+        g.add_input(f"in{i}", s, dt)
+    g.add_op(key, [f"in{i}" for i in range(len(shapes))], [(f"out{i}", o, "float32") for i, o in enumerate(outs)],
+             attrs)
+    return g
+
+
+def test_log_softmax_backward_rejects_mismatched_pieces_instead_of_reading_past_them():
+    g = _graph("aten._log_softmax_backward_data.default", [((8, 16), "float32"), ((8, 16), "float32")],
+               {"args": [{"$in": 0}, {"$in": 1}, 1, {"$dtype": "float32"}], "kwargs": {}}, [(8, 16)])
+    spec = op_spec(g.ops[0], g)
+    x = np.random.default_rng(0).standard_normal((8, 16))
+    with pytest.raises(Exception):  # the native kernel would run on a half-size grad and read past it
+        spec.fn(x[:4], x)
+    rules = discover_rules(spec, 2)
+    assert {(r.inputs, r.outputs) for r in rules} >= {((Shard(0), Shard(0)), (Shard(0),))}
+    shard_vs_whole = [r for r in rules if {type(p) for p in r.inputs} == {Shard, Replicate}]
+    assert not shard_vs_whole, shard_vs_whole
+
+
+def test_layer_norm_backward_rejects_mismatched_statistics():
+    args = [{"$in": 0}, {"$in": 1}, [16], {"$in": 2}, {"$in": 3}, {"$in": 4}, {"$in": 5}, [True, True, True]]
+    g = _graph("aten.native_layer_norm_backward.default",
+               [((8, 16), "float32"), ((8, 16), "float32"), ((8, 1), "float32"), ((8, 1), "float32"),
+                ((16,), "float32"), ((16,), "float32")],
+               {"args": args, "kwargs": {}}, [(8, 16), (16,), (16,)])
+    spec = op_spec(g.ops[0], g)
+    ex = [np.asarray(x) for x in spec.example_inputs]
+    with pytest.raises(Exception):  # mean/rstd for half the rows: the native kernel reads past them
+        spec.fn(ex[0], ex[1], ex[2][:4], ex[3][:4], ex[4], ex[5])
+    rules = discover_rules(spec, 2)
+    batch = (Shard(0), Shard(0), Shard(0), Shard(0), Replicate(), Replicate())
+    assert any(r.inputs == batch for r in rules)
