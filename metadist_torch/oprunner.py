@@ -357,7 +357,9 @@ def _batch_norm_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, An
 # then does the native kernel run (its own checks, such as a bias matching normalized_shape, still
 # apply, and its result is the one verified).
 DECOMPOSE_FOR_DISCOVERY = {"native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data",
-                           "native_group_norm_backward"}
+                           "native_group_norm_backward",
+                           # writes through indices taken from the whole input: a row piece corrupts the heap
+                           "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"}
 
 
 def _checked_call(overload, call: Callable[..., Any]) -> Callable[..., Any]:

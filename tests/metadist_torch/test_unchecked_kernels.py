@@ -45,3 +45,21 @@ def test_layer_norm_backward_rejects_mismatched_statistics():
     rules = discover_rules(spec, 2)
     batch = (Shard(0), Shard(0), Shard(0), Shard(0), Replicate(), Replicate())
     assert any(r.inputs == batch for r in rules)
+
+
+def test_max_pool_backward_never_writes_through_indices_of_another_piece():
+    """Row pieces of the max-pool indices point past a row piece of the input: the native kernel
+    writes out of bounds (heap corruption); discovery must reject the candidate, not run it."""
+    kw = [[2, 2], [2, 2], [0, 0], [1, 1], False]
+    g = _graph("aten.max_pool2d_with_indices_backward.default",
+               [((2, 3, 4, 4), "float32"), ((2, 3, 8, 8), "float32"), ((2, 3, 4, 4), "int64")],
+               {"args": [{"$in": 0}, {"$in": 1}, *kw, {"$in": 2}], "kwargs": {}}, [(2, 3, 8, 8)])
+    spec = op_spec(g.ops[0], g)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    _, idx = torch.ops.aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
+    gr = np.random.default_rng(0).standard_normal((2, 3, 4, 4))
+    with pytest.raises(Exception):
+        spec.fn(gr[:, :, 2:], x.numpy()[:, :, 4:], idx.numpy()[:, :, 2:])
+    rules = discover_rules(spec, 2)
+    assert any(r.inputs == (Shard(0), Shard(0), Shard(0)) for r in rules)
+    assert not any(r.inputs[1] == Shard(2) for r in rules)
