@@ -322,6 +322,29 @@ def _attention_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any
     return check
 
 
+POOL_BACKWARD = {"_adaptive_avg_pool2d_backward": 2, "_adaptive_avg_pool3d_backward": 3, "avg_pool2d_backward": 2,
+                 "avg_pool3d_backward": 3, "adaptive_max_pool2d_backward": 2, "adaptive_max_pool3d_backward": 3}
+
+
+def _pool_backward_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]):
+    """The CPU pooling backward kernels loop over the input's batch and channel dims and read the
+    gradient (and indices) at the same positions unchecked: a gradient piece with fewer channels
+    corrupts the heap (seen: "free(): corrupted unsorted chunks"). Check the leading dims agree."""
+    spatial = POOL_BACKWARD.get(overload._schema.name.split("::")[-1])
+    if spatial is None:
+        return None
+    pos = [p for p in (_in_index(_schema_arg(overload, args_t, kwargs_t, n)) for n in ("grad_output", "self", "indices"))
+           if p is not None]
+
+    def check(arrays: Sequence[np.ndarray]) -> None:
+        lead = {tuple(arrays[p].shape[:-spatial]) for p in pos}
+        if len(lead) != 1:
+            raise ValueError(f"{overload}: batch/channel dims of grad, input and indices differ: "
+                             f"{[tuple(arrays[p].shape) for p in pos]}")
+
+    return check
+
+
 def _batch_norm_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]):
     """The CPU batch-norm kernels (forward and backward) trust that every per-channel tensor (weight,
     bias, running stats, saved mean/invstd) has one entry per channel of the input; a shorter piece
@@ -401,8 +424,8 @@ def build_spec(call: Callable[..., Any], args_t: Sequence[Any], kwargs_t: Mappin
                 size[lead + d] = -1
         args_t[1] = size
 
-    guard = (_attention_guard(overload, args_t, kwargs_t) or _batch_norm_guard(overload, args_t, kwargs_t)) \
-        if overload is not None else None
+    guard = (_attention_guard(overload, args_t, kwargs_t) or _batch_norm_guard(overload, args_t, kwargs_t)
+             or _pool_backward_guard(overload, args_t, kwargs_t)) if overload is not None else None
     call = _checked_call(overload, call)
 
     def fn(*arrays: np.ndarray) -> Any:

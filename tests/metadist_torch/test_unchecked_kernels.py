@@ -63,3 +63,15 @@ def test_max_pool_backward_never_writes_through_indices_of_another_piece():
     rules = discover_rules(spec, 2)
     assert any(r.inputs == (Shard(0), Shard(0), Shard(0)) for r in rules)
     assert not any(r.inputs[1] == Shard(2) for r in rules)
+
+
+def test_adaptive_avg_pool_backward_checks_channels_before_running():
+    g = _graph("aten._adaptive_avg_pool2d_backward.default", [((2, 8, 1, 1), "float32"), ((2, 8, 4, 4), "float32")],
+               {"args": [{"$in": 0}, {"$in": 1}], "kwargs": {}}, [(2, 8, 4, 4)])
+    spec = op_spec(g.ops[0], g)
+    gr, x = (np.asarray(a) for a in spec.example_inputs)
+    with pytest.raises(ValueError, match="channel dims"):  # natively: heap corruption
+        spec.fn(gr, x[:, :4])
+    rules = discover_rules(spec, 2)
+    assert any(r.inputs == (Shard(1), Shard(1)) for r in rules) and any(r.inputs == (Shard(0), Shard(0)) for r in rules)
+    assert not any(r.inputs[0] != r.inputs[1] and Shard(1) in r.inputs for r in rules)
