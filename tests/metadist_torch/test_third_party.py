@@ -91,8 +91,8 @@ def test_transformers_gpt2_on_2_gloo_ranks_with_sharded_state(tmp_path):
     env = dict(os.environ, MD_TEST_OUT=str(out), OMP_NUM_THREADS="1", METADIST_PROGRESS="0",
                PYTHONWARNINGS="ignore", METADIST_CACHE_DIR=str(tmp_path / "rules"))
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(torchrun_cmd(__file__, 2, ["--worker"]), env=env, capture_output=True, text=True,
-                          timeout=900)
+    from test_compile_distributed import run_torchrun
+    proc = run_torchrun(torchrun_cmd(__file__, 2, ["--worker"]), env, out)
     if proc.returncode != 0 or not out.exists():
         pytest.fail("torchrun failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
     res = json.loads(out.read_text())
@@ -101,6 +101,10 @@ def test_transformers_gpt2_on_2_gloo_ranks_with_sharded_state(tmp_path):
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
+    import torch.distributed as dist
+
     result = run(memory_budget=2_000_000)  # ~1.3x the least-memory plan: parameters and moments must split
     if int(os.environ.get("RANK", "0")) == 0:
         Path(os.environ["MD_TEST_OUT"]).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
