@@ -181,3 +181,25 @@ def measure_device(seconds: float = 0.5):
     x = torch.randn(1 << 20, device=dev)
     bw = rate(lambda: x.add(1.0), 2 * x.numel() * 4)
     return DeviceSpec(f"measured-{dev.type}", float(flops), float(bw))
+
+
+def finish_worker(code: int = 0) -> None:
+    """End a torchrun worker: tear the process group down, flush output, and exit without running
+    C++ static destructors.
+
+    On this CPU build a gloo rank has been seen to abort at interpreter teardown ("terminate called
+    without an active exception", std::terminate in a torch/gloo thread) after all its work was done
+    and its process group destroyed; torchrun then reports the whole job as failed. ``os._exit``
+    skips that teardown. Call it last, in place of ``sys.exit``.
+    """
+    import sys as _sys
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+        except Exception as e:  # a broken group must not hide the exit code
+            log.warning("process group teardown failed: %s", e)
+    _sys.stdout.flush()
+    _sys.stderr.flush()
+    os._exit(int(code))

@@ -122,4 +122,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from metadist_torch.engine import finish_worker
+
+    finish_worker(main())

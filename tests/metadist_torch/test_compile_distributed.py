@@ -164,8 +164,6 @@ def worker() -> int:
     if dist.get_rank() == 0:
         out = {"errors": [e for errs in gathered for e in errs], "report": report}
         Path(os.environ["MD_TEST_OUT"]).write_text(json.dumps(out, indent=1, default=str))
-    dist.barrier()
-    dist.destroy_process_group()
     return 0
 
 
@@ -231,4 +229,6 @@ def test_compiled_steps_match_single_device_on_2_and_4_gloo_ranks(tmp_path):
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    raise SystemExit(worker())
+    from metadist_torch.engine import finish_worker
+
+    finish_worker(worker())

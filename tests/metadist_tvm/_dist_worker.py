@@ -70,8 +70,9 @@ def main() -> None:
     if out_dir:   # one file per rank: stdout of the ranks interleaves
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
             fh.write(line + "\n")
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    from metadist_torch.engine import finish_worker
+
+    finish_worker(0 if ok else 1)
 
 
 if __name__ == "__main__":
