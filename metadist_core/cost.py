@@ -29,6 +29,17 @@ COLLECTIVE_KINDS: tuple[str, ...] = (
     "local_split",    # free: keep this device's slice of a replicated dim
     "local_partial",  # free: make a replicated value Partial (sum: zero it off coordinate 0)
 )
+# What reshard() emits, hence what a ShardingPlan holds and every lowering implements;
+# send_recv is priced (for solvers that model pipelines) but never part of a reshard.
+RESHARD_KINDS: tuple[str, ...] = tuple(k for k in COLLECTIVE_KINDS if k != "send_recv")
+
+
+class UnknownCollectiveError(ValueError):
+    """A plan step that no reshard emits, so no lowering runs it (a hand-edited or foreign plan)."""
+
+    def __init__(self, kind: str, where: str) -> None:
+        super().__init__(f"{where} cannot run collective {kind!r}: plans hold only the steps reshard() emits "
+                         f"({', '.join(RESHARD_KINDS)}); rebuild the plan with ShardingPlan.from_choices")
 
 
 # -- collective costs ------------------------------------------------------

@@ -142,6 +142,18 @@ class ShardingPlan:
         """Every collective of the plan with its edge, in edge order."""
         return [(e, c) for e in self.edges for c in e.collectives]
 
+    def edge_index(self) -> tuple[dict[tuple[str, int], PlanEdge], dict[tuple[str, str], PlanEdge]]:
+        """The edges by consumer: ``{(op id, input slot): edge}`` and, for the final reshard of a graph
+        output or of updated state, ``{(var, dst): edge}`` with dst ``<output>`` or the state input."""
+        inputs: dict[tuple[str, int], PlanEdge] = {}
+        finals: dict[tuple[str, str], PlanEdge] = {}
+        for e in self.edges:
+            if e.slot >= 0:
+                inputs[(e.dst, e.slot)] = e
+            else:
+                finals[(e.var, e.dst)] = e
+        return inputs, finals
+
     def edge_collectives(self, var: str, dst: str, slot: int = -1) -> list[Collective]:
         """The collectives between value ``var`` and consumer ``dst`` (op id, ``<output>`` or state input)."""
         for e in self.edges:

@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from .cost import UnknownCollectiveError
 from .ir import MetaIR, MetaOp
 from .placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds, shard_shape
 
@@ -32,7 +33,7 @@ def devices(mesh: Mesh) -> list[Device]:
     return list(itertools.product(*(range(s) for s in mesh.shape)))
 
 
-def _groups(mesh: Mesh, axis: int) -> list[list[Device]]:
+def axis_groups(mesh: Mesh, axis: int) -> list[list[Device]]:
     """Device groups along ``axis``: the devices that differ only in their coordinate on it."""
     others = [range(s) if a != axis else [0] for a, s in enumerate(mesh.shape)]
     out = []
@@ -62,7 +63,7 @@ def assemble(vals: Values, sharding: Sharding, mesh: Mesh) -> np.ndarray:
     for axis in reversed(range(mesh.ndim)):
         p = sharding[axis]
         nxt: Values = {}
-        for group in _groups(mesh, axis):
+        for group in axis_groups(mesh, axis):
             pieces = [np.asarray(cur[d]) for d in group]
             if isinstance(p, Shard):
                 v = np.concatenate(pieces, axis=p.dim)
@@ -81,7 +82,7 @@ def apply_collective(vals: Values, c: Any, mesh: Mesh) -> Values:
     axis = c.axis
     before, after = c.before[axis], c.after[axis]
     out: Values = {}
-    for group in _groups(mesh, axis):
+    for group in axis_groups(mesh, axis):
         pieces = [np.asarray(vals[d]) for d in group]
         n = len(group)
         if c.kind == "all_reduce":
@@ -110,7 +111,7 @@ def apply_collective(vals: Values, c: Any, mesh: Mesh) -> Values:
             else:
                 new = pieces
         else:
-            raise SimulationError(f"the simulator does not know collective {c.kind!r}")
+            raise UnknownCollectiveError(c.kind, "the simulator")
         for d, v in zip(group, new):
             out[d] = v
     return out
@@ -138,13 +139,7 @@ def simulate(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarr
         sh = plan.input_shardings.get(v, Sharding.replicated(mesh.ndim))
         env[v] = distribute(np.asarray(inputs[v]), sh, mesh) if graph.vars[v].is_tensor else \
             {d: inputs[v] for d in devices(mesh)}
-    incoming: dict[tuple[str, int], Any] = {}
-    finals: dict[tuple[str, str], Any] = {}
-    for e in plan.edges:
-        if e.slot >= 0:
-            incoming[(e.dst, e.slot)] = e
-        else:
-            finals[(e.var, e.dst)] = e
+    incoming, finals = plan.edge_index()
     devs = devices(mesh)
     for op in graph.ops:
         local_inputs: list[Values] = []

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from metadist_core.cost import UnknownCollectiveError
 from metadist_core.ir import MetaIR
 from metadist_core.placement import IndivisibleError, Mesh, Sharding, shard_shape
 
@@ -119,7 +120,7 @@ def apply_collective(x: Any, c: Any, mesh: Mesh) -> Any:
         if c.reduce == "sum":
             return jnp.where(lax.axis_index(name) == 0, x, jnp.zeros_like(x))
         return x
-    raise LoweringError(f"collective {kind!r} on mesh axis {name!r} has no shard_map lowering")
+    raise UnknownCollectiveError(kind, f"the shard_map lowering (mesh axis {name!r})")
 
 
 # -- the program ----------------------------------------------------------------
@@ -151,13 +152,7 @@ def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str], 
 
     ``tap(op, outputs)``, when given, sees every op's local outputs (for checking).
     """
-    incoming: dict[tuple[str, int], Any] = {}
-    finals: dict[tuple[str, str], Any] = {}
-    for e in plan.edges:
-        if e.slot >= 0:
-            incoming[(e.dst, e.slot)] = e
-        else:
-            finals[(e.var, e.dst)] = e
+    incoming, finals = plan.edge_index()
     state_of = {out: s_in for s_in, out in graph.aliases.items()}
     rep = Sharding.replicated(mesh.ndim)
     steps = []

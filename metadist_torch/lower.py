@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from metadist_core.cost import UnknownCollectiveError
 from metadist_core.ir import MetaIR
 from metadist_core.placement import Mesh, Sharding, chunk_bounds, chunk_sizes, shard_shape
 
@@ -270,13 +271,7 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     env: dict[str, fx.Node] = {}
     for v in graph.inputs:
         env[v] = g.placeholder(_safe(v))
-    incoming: dict[tuple[str, int], Any] = {}
-    finals: dict[tuple[str, str], Any] = {}
-    for e in plan.edges:
-        if e.slot >= 0:
-            incoming[(e.dst, e.slot)] = e
-        else:
-            finals[(e.var, e.dst)] = e
+    incoming, finals = plan.edge_index()
     shared: dict[tuple, fx.Node] = {}
     reduces: dict[fx.Node, tuple] = {}
     n_coll = 0
@@ -307,7 +302,7 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
             elif c.kind == "local_partial":
                 node = g.call_function(coll_fn(c.axis, "local_partial"), (node, c.reduce))
             else:
-                raise NotImplementedError(f"collective {c.kind!r} has no torch lowering")
+                raise UnknownCollectiveError(c.kind, "the torch lowering")
             if not c.is_free:
                 n_coll += 1
         shared[key] = node

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import tvm
 
+from metadist_core.cost import UnknownCollectiveError
 from metadist_core.placement import Mesh, Partial, Shard, Sharding, chunk_bounds, shard_shape
-from metadist_core.simulate import _groups
+from metadist_core.simulate import axis_groups
 
 log = logging.getLogger("metadist.tvm")
 
@@ -97,7 +98,7 @@ class TorchEngine:
         self.coords = mesh.coordinates(self.rank)
         self.groups: dict[int, Any] = {}
         for axis in range(mesh.ndim):
-            for grp in _groups(mesh, axis):   # every rank creates every group, in the same order
+            for grp in axis_groups(mesh, axis):   # every rank creates every group, in the same order
                 ranks = [_flat(d, mesh) for d in grp]
                 pg = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
                 if self.rank in ranks:
@@ -191,7 +192,7 @@ class TorchEngine:
             if after.reduce == "sum" and self.coords[axis] != 0:
                 return torch.zeros_like(t)
             return t
-        raise NotImplementedError(f"collective {kind!r} is not lowered to torch.distributed")
+        raise UnknownCollectiveError(kind, "the TVM torch.distributed engine")
 
     # -- the program ------------------------------------------------------------------
     def run(self, traced: Any, plan: Any, inputs: Mapping[str, np.ndarray], runner: Any) -> dict[str, np.ndarray]:
@@ -199,12 +200,7 @@ class TorchEngine:
         env: dict[str, torch.Tensor] = {}
         for v in g.inputs:
             env[v] = self.local_input(inputs[v], plan.input_shardings.get(v, Sharding.replicated(mesh.ndim)))
-        incoming, finals = {}, {}
-        for e in plan.edges:
-            if e.slot >= 0:
-                incoming[(e.dst, e.slot)] = e
-            else:
-                finals[(e.var, e.dst)] = e
+        incoming, finals = plan.edge_index()
         for op in g.ops:
             xs = []
             for slot, v in enumerate(op.inputs):

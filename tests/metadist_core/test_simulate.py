@@ -67,3 +67,16 @@ def test_distribute_and_assemble_are_inverse():
             np.testing.assert_array_equal(assemble(distribute(x2, s, mesh), s, mesh), x2)
         else:
             np.testing.assert_array_equal(assemble(distribute(x, s, mesh), s, mesh), x)
+
+
+def test_a_step_no_reshard_emits_is_a_clear_error():
+    from metadist_core.cost import RESHARD_KINDS, Collective, UnknownCollectiveError, reshard
+    from metadist_core.placement import Replicate, Sharding
+    from metadist_core.simulate import apply_collective
+
+    mesh = Mesh((2,))
+    s, r = Sharding([Shard(0)]), Sharding([Replicate()])
+    assert {c.kind for c in reshard(s, r, (4, 2), "float32", mesh)} <= set(RESHARD_KINDS)
+    step = Collective("send_recv", 0, (), None, 32, 1e-5, s, r)
+    with pytest.raises(UnknownCollectiveError, match="plans hold only the steps reshard"):
+        apply_collective(distribute(np.ones((4, 2)), s, mesh), step, mesh)

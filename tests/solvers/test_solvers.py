@@ -55,7 +55,8 @@ def test_ilp_equals_brute_force_and_heuristics_never_beat_it(pm, name, make, mes
         assert pm.solve(s, p, {}).objective >= best * (1 - 1e-9)
 
 
-def test_memory_budget_is_honoured_or_refused(pm):
+def _binding_budget(pm):
+    """A problem, its unbudgeted ILP plan, the least memory any plan needs, and a budget between the two."""
     g = linear_step(16, 8, 16)
     p = build_problem(g, rulebook(g), Mesh((4,)))
     free, least = brute_force(p)
@@ -63,6 +64,11 @@ def test_memory_budget_is_honoured_or_refused(pm):
     budget = int((least + free_plan.memory_per_device) / 2)
     if budget >= free_plan.memory_per_device:
         budget = free_plan.memory_per_device - 1
+    return p, free_plan, least, budget
+
+
+def test_memory_budget_is_honoured_or_refused(pm):
+    p, free_plan, least, budget = _binding_budget(pm)
     assert least <= budget
     pb = p.with_budget(budget)
     best, _ = brute_force(pb, budget)
@@ -87,13 +93,7 @@ def test_ilp_out_of_time_with_lazy_memory_rows_still_honours_the_budget(pm, monk
     """When time runs out before every memory row is in, the incumbent may be over budget: it is repaired."""
     from metadist_solvers import ilp
 
-    g = linear_step(16, 8, 16)
-    p = build_problem(g, rulebook(g), Mesh((4,)))
-    free, least = brute_force(p)
-    free_plan = pm.solve("ilp", p, {})
-    budget = int((least + free_plan.memory_per_device) / 2)
-    if budget >= free_plan.memory_per_device:
-        budget = free_plan.memory_per_device - 1
+    p, free_plan, _, budget = _binding_budget(pm)
     real = ilp._lazy
     # as if the deadline hit before the first memory row went in: the unbudgeted optimum comes back
     monkeypatch.setattr(ilp, "_lazy", lambda model, steps, b, deadline, gap, peak_var=False:
