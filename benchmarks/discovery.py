@@ -47,10 +47,10 @@ def main(argv=None) -> None:
     for name, g in graphs(args.quick):
         with tempfile.TemporaryDirectory() as cache:
             t = time.perf_counter()
-            book = discover(g, pm.hook, RuleBook.load(cache), progress=None)
+            book = discover(g, pm, RuleBook.load(cache), progress=None)
             cold = time.perf_counter() - t
             t = time.perf_counter()
-            warm_book = discover(g, pm.hook, RuleBook.load(cache), progress=False)
+            warm_book = discover(g, pm, RuleBook.load(cache), progress=False)
             warm = time.perf_counter() - t
         sigs = g.unique_signatures()
         statuses = [book.get(s).status for s in sigs]

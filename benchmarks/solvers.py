@@ -29,10 +29,12 @@ import numpy as np
 
 from metadist_core.coarsen import coarsen
 from metadist_core.constraints import Pin, apply_constraints
-from metadist_core.cost import DEVICE_PRESETS, _local_shape
+from metadist_core.cost import DEVICE_PRESETS
+from metadist_core.placement import largest_local_shape
 from metadist_core.placement import Replicate, Shard, Sharding
 from metadist_core.plugins import PluginManager
 from metadist_core.problem import build_problem
+from metadist_core.pipeline import op_costs
 from metadist_core.profile import load_profile
 
 from ._common import RESULTS, fmt, timed, write_results
@@ -82,8 +84,8 @@ def discovered_source(model: str):
     path = Path(__file__).resolve().parents[2] / "shared" / "graphs" / f"{model}-adamw.json"
     graph = load_recorded_graph(path)
     pm = PM()
-    book = discover(graph, pm.hook, RuleBook.load())
-    costs = {op.id: tuple(c) for op in graph.ops if (c := pm.hook.metadist_op_cost(op=op, graph=graph)) is not None}
+    book = discover(graph, pm, RuleBook.load())
+    costs = op_costs(graph, pm)
     params = [v for v in graph.inputs if graph.vars[v].role == "parameter"]
     kinds = ["wte", "wpe"] + GPT2_LAYER_KINDS * ((len(params) - 4) // 12) + ["ln", "ln"]
     if len(kinds) != len(params):
@@ -102,7 +104,7 @@ RULE_SOURCES = {"synthetic": synthetic_source, "discovered": discovered_source}
 # -- hand plans ------------------------------------------------------------------
 
 def _fits(shape, placements, mesh_shape) -> bool:
-    return _local_shape(tuple(shape), tuple(placements), tuple(mesh_shape)) is not None
+    return largest_local_shape(tuple(shape), tuple(placements), tuple(mesh_shape)) is not None
 
 
 def hand_pins(info, mesh_shape, roles) -> list[Pin]:

@@ -86,7 +86,7 @@ def cmd_rules(args) -> int:
         graph = load_graph(args.target)
         book = RuleBook.load(args.cache_dir) if not args.no_cache else RuleBook()
         from .discover import discover
-        discover(graph, pm.hook, book, axis_size=args.axis_size, save=not args.no_cache)
+        discover(graph, pm, book, axis_size=args.axis_size, save=not args.no_cache)
         rows = [("op signature", "status", "#rules", "rules")]
         for sig, op in graph.unique_signatures().items():
             e = book.get(sig)
@@ -105,7 +105,7 @@ def cmd_rules(args) -> int:
     op = g.add_op(args.target, names, [("out0", out_shape if out_shape is not None else (), args.dtype)], attrs)
     if out_shape is None:
         _infer_out_shape(pm, g, op)
-    entry = discover_op(op, g, pm.hook, args.axis_size)
+    entry = discover_op(op, g, pm, args.axis_size)
     print(f"{args.target} on ({', '.join(args.shapes)}), axis of {args.axis_size}: {entry.status}"
           + (f" ({entry.note})" if entry.note else ""))
     rows = [tuple(f"in{i}" for i in range(len(names))) + ("->", "out")]
@@ -117,7 +117,7 @@ def cmd_rules(args) -> int:
 
 def _infer_out_shape(pm, g, op) -> None:
     try:
-        spec = pm.hook.metadist_op_spec(op=op, graph=g)
+        spec = pm.op_spec(op, g)
     except Exception as e:
         raise CliError(f"cannot run {op.key} on inputs {[g.vars[v].shape for v in op.inputs]}: {e}") from None
     if spec is None:
@@ -139,16 +139,27 @@ def _infer_out_shape(pm, g, op) -> None:
         op.outputs.append(v.id)
 
 
+def _settings(args):
+    """The settings of this command: its options over the environment and pyproject; the solver checked."""
+    from .config import load_settings
+    from .plugins import PluginManager
+
+    s = load_settings(solver=getattr(args, "solver", None), memory_budget=getattr(args, "memory_budget", None),
+                      cache_dir=getattr(args, "cache_dir", None), mesh_profile=getattr(args, "profile", None))
+    pm = PluginManager()
+    pm.solver(s.solver)  # an unknown solver: one line listing the known ones, before anything runs
+    return s, pm
+
+
 def cmd_plan(args) -> int:
     from .pipeline import plan_graph
-    from .placement import Mesh
 
+    settings, pm = _settings(args)
     if args.target.endswith(".py"):
         return _plan_script(args)
     graph = load_graph(args.target)
-    mesh = _mesh(args)
-    result = plan_graph(graph, mesh, solver=args.solver, memory_budget=args.memory_budget,
-                        cache_dir=args.cache_dir, progress=None)
+    mesh = _mesh(args, settings)
+    result = plan_graph(graph, mesh, plugins=pm, settings=settings)
     print(result.plan)
     out = Path(args.out or f"{Path(args.target).stem}.plan.json")
     out.write_text(json.dumps(result.plan.to_json(), indent=1))
@@ -190,7 +201,7 @@ def _plan_script(args) -> int:
     raise CliError(f"{args.target} finished without calling a metadist_compile'd step, so there was nothing to plan")
 
 
-def _mesh(args):
+def _mesh(args, settings):
     from .placement import Mesh
     from .profile import load_profile
 
@@ -198,33 +209,39 @@ def _mesh(args):
         shape = Mesh.parse(args.mesh).shape
     except ValueError as e:
         raise CliError(str(e)) from None
-    return load_profile(getattr(args, "profile", None)).mesh(shape)
+    return load_profile(settings.mesh_profile).mesh(shape)
+
+
+def _frontend(pm, name: str, job: str):
+    from .plugins import UnknownFrontendError
+
+    try:
+        return pm.frontend(name)
+    except UnknownFrontendError:
+        failed = [r for r in pm.records if r.kind == "frontend" and r.name == name and r.error]
+        why = f" (it failed to load: {failed[0].error})" if failed else ""
+        raise CliError(f"{job} needs the {name} frontend, which is not loaded{why}; "
+                       f"install it with pip install 'metadist[{name}]'") from None
 
 
 def cmd_demo(args) -> int:
-    import importlib.util
-
-    if not args.reference and importlib.util.find_spec("torch") is not None:
-        from metadist_torch.demo import run  # the core imports no framework: only this command does, lazily
-
-        extra = []
-        if args.mesh:
-            extra += ["--mesh", args.mesh]
-        if args.solver:
-            extra += ["--solver", args.solver]
-        return run(nproc=args.nproc, args=extra)
-    from .demo import run_demo
-
-    return run_demo(mesh_text=args.mesh or "4", solver=args.solver, cache_dir=args.cache_dir)
+    if args.mesh:
+        try:
+            from .placement import Mesh
+            Mesh.parse(args.mesh)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+    _, pm = _settings(args)
+    extra = (["--mesh", args.mesh] if args.mesh else []) + (["--solver", args.solver] if args.solver else [])
+    if args.reference or "torch" not in pm.frontends():
+        return _frontend(pm, "reference", "the reference demo").demo(extra)
+    return _frontend(pm, "torch", "the demo").demo(["--nproc", str(args.nproc), *extra])
 
 
 def cmd_calibrate(args) -> int:
-    try:
-        from metadist_torch.calibrate import run_calibrate
-    except ImportError as e:
-        raise CliError(f"calibrate times collectives with torch.distributed, which could not be imported ({e}); "
-                       f"install the torch extra: pip install 'metadist[torch]'") from None
-    profile = run_calibrate(args.out, nprocs=args.nprocs)
+    from .plugins import PluginManager
+
+    profile = _frontend(PluginManager(), args.frontend, "calibrate").calibrate(args.out, args.nprocs)
     print(f"{profile.backend}: {profile.nodes} node(s) x {profile.devices_per_node} devices, "
           f"{len(profile.samples)} timed collectives")
     for level, lv in profile.levels.items():
@@ -298,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("calibrate", help="time real collectives and write a mesh profile")
     s.add_argument("--out", default="metadist-mesh-profile.json")
+    s.add_argument("--frontend", default="torch", help="the engine to time (default torch: gloo on CPU, NCCL on GPU)")
     s.add_argument("--nprocs", type=int, default=None, help="local processes to spawn outside torchrun (default 2)")
     s.set_defaults(func=cmd_calibrate)
     return p

@@ -8,6 +8,11 @@
 | mesh_profile   | METADIST_MESH_PROFILE      | mesh_profile    | built-in defaults  |
 | axis_size      | METADIST_AXIS_SIZE         | axis_size       | 2 (discovery)      |
 | time_limit     | METADIST_TIME_LIMIT        | time_limit      | 60 (solver, s)     |
+| coalesce       | METADIST_COALESCE          | coalesce        | true (bucket all-reduces) |
+| bucket_mb      | METADIST_BUCKET_MB         | bucket_mb       | 25 (MiB per bucket)|
+| beam_width     | METADIST_BEAM_WIDTH        | beam_width      | 8 (beam solver)    |
+| verify_draws   | METADIST_VERIFY_DRAWS      | verify_draws    | 2 (random draws per rule) |
+| progress       | METADIST_PROGRESS          | progress        | on a terminal      |
 """
 from __future__ import annotations
 
@@ -32,6 +37,19 @@ class Settings:
     mesh_profile: str | None = None
     axis_size: int = 2
     time_limit: float = 60.0
+    coalesce: bool = True
+    bucket_mb: float = 25.0
+    beam_width: int = 8
+    verify_draws: int = 2
+    progress: bool | None = None
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
+
+    def solver_options(self) -> dict[str, Any]:
+        """The options every solver receives (unknown keys are ignored by a solver)."""
+        return {"time_limit": self.time_limit, "beam_width": self.beam_width}
 
 
 def _pyproject_settings(start: Path | None = None) -> dict[str, Any]:
@@ -61,16 +79,31 @@ def load_settings(**explicit: Any) -> Settings:
             value = file_vals.get(f.name)
         if value is None:
             continue
-        if f.name in ("memory_budget", "axis_size"):
+        if f.name in ("coalesce", "progress"):
+            value = _bool(f.name, value)
+        elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws"):
             try:
                 value = int(float(value))
             except ValueError:
                 raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
-        elif f.name == "time_limit":
+        elif f.name in ("time_limit", "bucket_mb"):
             value = float(value)
         else:
             value = str(value)
         setattr(s, f.name, value)
+    if s.verify_draws < 1:
+        raise ValueError(f"verify_draws must be at least 1, got {s.verify_draws}")
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
     return s
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"setting {name} must be true or false (1/0, yes/no, on/off), got {value!r}")

@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import Sequence
 
 from .ir import DTYPE_BYTES
-from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, parse_placement
+from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, largest_local_shape, parse_placement
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
@@ -151,18 +151,6 @@ def itemsize(dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 4)
 
 
-def _local_shape(shape: tuple[int, ...], state: tuple[Placement, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """Largest local piece under ``state``; None when some device would get an empty piece."""
-    local = list(shape)
-    for axis, p in enumerate(state):
-        if isinstance(p, Shard):
-            n = mesh_shape[axis]
-            if local[p.dim] < n:
-                return None
-            local[p.dim] = -(-local[p.dim] // n)
-    return tuple(local)
-
-
 def _inner_splits(state: tuple[Placement, ...], axis: int, dim: int) -> bool:
     """Does an axis behind ``axis`` split tensor ``dim``?"""
     return any(isinstance(p, Shard) and p.dim == dim for p in state[axis + 1:])
@@ -184,7 +172,7 @@ def _normalise(sharding: Sharding, ndim: int, mesh: Mesh, what: str) -> tuple[Pl
 
 def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces):
     """Every legal one-axis step out of ``state``: (next_state, kind, axis, dims, reduce, nbytes, cost)."""
-    local = _local_shape(shape, state, mesh_shape)
+    local = largest_local_shape(shape, state, mesh_shape)
     local_bytes = math.prod(local) * isz
     ndim = len(shape)
     for axis, p in enumerate(state):
@@ -216,12 +204,12 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces):
             if _inner_splits(state, axis, d):
                 continue
             gathered = nxt(Replicate())
-            g_bytes = math.prod(_local_shape(shape, gathered, mesh_shape)) * isz
+            g_bytes = math.prod(largest_local_shape(shape, gathered, mesh_shape)) * isz
             yield gathered, "all_gather", axis, (d,), None, g_bytes, all_gather_cost(g_bytes, n, a, b)
             for e in range(ndim):
                 if e != d and not _inner_splits(state, axis, e):
                     cand = nxt(Shard(e))
-                    if _local_shape(shape, cand, mesh_shape) is not None:
+                    if largest_local_shape(shape, cand, mesh_shape) is not None:
                         yield cand, "all_to_all", axis, (d, e), None, local_bytes, all_to_all_cost(local_bytes, n, a, b)
 
 
@@ -263,9 +251,9 @@ def reshard(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: str, mesh
     d = _normalise(dst, len(shape), mesh, "destination")
     if s == d:
         return []
-    if _local_shape(shape, s, mesh.shape) is None:
+    if largest_local_shape(shape, s, mesh.shape) is None:
         raise ValueError(f"source sharding {src} leaves a device an empty piece of shape {shape} on mesh {mesh}")
-    if _local_shape(shape, d, mesh.shape) is None:
+    if largest_local_shape(shape, d, mesh.shape) is None:
         raise ValueError(f"destination sharding {dst} leaves a device an empty piece of shape {shape} "
                          f"on mesh {mesh}; choose a split that every axis size fits")
     reduces = tuple(sorted({p.reduce for p in s + d if isinstance(p, Partial)}))
@@ -344,7 +332,7 @@ def local_bytes(shape: Sequence[int] | None, dtype: str, sharding: Sharding, mes
     """Bytes of the largest local piece of a tensor under ``sharding`` (0 for a non-tensor)."""
     if shape is None:
         return 0
-    local = _local_shape(tuple(shape), _normalise(sharding, len(shape), mesh, "memory"), mesh.shape)
+    local = largest_local_shape(tuple(shape), _normalise(sharding, len(shape), mesh, "memory"), mesh.shape)
     if local is None:
         local = tuple(shape)
     return math.prod(local) * itemsize(dtype)

@@ -22,13 +22,13 @@ def _n_tensor_io(op: MetaOp, graph: MetaIR) -> tuple[int, int]:
     return len(op.inputs), len(op.outputs)
 
 
-def discover(graph: MetaIR, hook: Any, rulebook: RuleBook | None = None, *, axis_size: int = 2,
-             save: bool = True, progress: bool | None = None) -> RuleBook:
+def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_size: int = 2,
+             save: bool = True, progress: bool | None = None, draws: int = 2) -> RuleBook:
     """Fill ``rulebook`` with rules for every distinct op signature in ``graph``.
 
-    ``hook`` is a pluggy hook relay (``PluginManager.hook``) with
-    ``metadist_op_spec``. Rules found are saved to the rulebook's cache file
-    when ``save`` is true and the rulebook has a cache dir.
+    ``ops`` answers ``op_spec(op, graph)`` (a ``PluginManager``: the frontend that
+    owns the op). Rules found are saved to the rulebook's cache file when
+    ``save`` is true and the rulebook has a cache dir.
     """
     book = rulebook if rulebook is not None else RuleBook()
     sigs = graph.unique_signatures()
@@ -40,7 +40,7 @@ def discover(graph: MetaIR, hook: Any, rulebook: RuleBook | None = None, *, axis
     show = False if not todo else progress  # None: the bar decides from the terminal and METADIST_PROGRESS
     with Progress(len(todo), "discover", enabled=show) as bar:
         for sig, op in todo.items():
-            book.add(sig, discover_op(op, graph, hook, axis_size, warned))
+            book.add(sig, discover_op(op, graph, ops, axis_size, warned, draws=draws))
             book.discovered += 1
             bar.update(1, op.key)
     if todo and save:
@@ -48,17 +48,18 @@ def discover(graph: MetaIR, hook: Any, rulebook: RuleBook | None = None, *, axis
     return book
 
 
-def discover_op(op: MetaOp, graph: MetaIR, hook: Any, axis_size: int = 2, warned: set[str] | None = None) -> OpRules:
+def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned: set[str] | None = None, *,
+                draws: int = 2) -> OpRules:
     """Rules for one op; never raises for a bad op (it runs replicated instead)."""
     warned = warned if warned is not None else set()
     n_in, n_out = _n_tensor_io(op, graph)
     t0 = time.perf_counter()
     try:
-        spec = hook.metadist_op_spec(op=op, graph=graph)
+        spec = ops.op_spec(op, graph)
         if spec is None:
             raise Unrunnable(f"no loaded frontend runs ops with key {op.key!r}")
         stats = DiscoveryStats()
-        rules = discover_rules(spec, axis_size, stats=stats)
+        rules = discover_rules(spec, axis_size, stats=stats, draws=draws)
         if not rules:
             raise Unrunnable("no candidate placement reproduced the full result, not even replication")
         _check_arity(op, rules, n_in, n_out)

@@ -1,17 +1,25 @@
-"""The one driver: trace -> discover -> solve -> lower, through the plugin hooks.
+"""The one driver: trace -> discover -> solve -> share -> lower, for every frontend.
 
-Frontends hand their step here (:func:`compile_step`); tools and tests that
-already hold a MetaIR call :func:`plan_graph`.
+:func:`compile_step` is the only caller of that sequence for torch, JAX and
+TVM; each frontend is a :class:`~metadist_core.frontend.Frontend` adapter that
+supplies the framework-specific steps. It alone handles plan-only runs
+(``metadist plan SCRIPT``), mesh profiles (link and device costs for every
+frontend), the frontend's engine constraints and the timings.
+:class:`CompiledStep` is the step decorator bound to an adapter (each
+frontend's ``metadist_compile`` is one). :func:`plan_graph` discovers, builds
+and solves a graph already traced (tools, benchmarks, tests).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Hashable, Iterable
 
 from .config import Settings, load_settings
 from .discover import discover
+from .frontend import Frontend, Traced
 from .ir import MetaIR
 from .placement import Mesh
 from .plugins import PluginManager
@@ -23,70 +31,201 @@ log = logging.getLogger("metadist.pipeline")
 
 @dataclass
 class CompileResult:
+    """Everything one compile produced: the graph, its rules, problem and plan, and the runnable step."""
+
     graph: MetaIR
     rulebook: RuleBook
     problem: Any = None
     plan: Any = None
     runnable: Callable | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    traced: Traced | None = None
+    mesh: Mesh | None = None
 
 
-def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None, solver: str | None = None,
-               memory_budget: int | None = None, cache_dir: str | None = None, constraints: Any = None,
-               settings: Settings | None = None, progress: bool | None = None,
-               solver_options: dict | None = None, device: Any = None) -> CompileResult:
+def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, float]]:
+    """``(flops, bytes)`` per op id, from the frontend that owns each op (missing: the core estimates)."""
+    out = {}
+    for op in graph.ops:
+        c = plugins.op_cost(op, graph)
+        if c is not None:
+            out[op.id] = tuple(c)
+    return out
+
+
+def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
+               settings: Settings | None = None, constraints: Iterable[Any] | None = None,
+               solver_options: dict | None = None, device: Any = None, **setting_values: Any) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
 
-    ``device`` is the cost model's DeviceSpec; by default the one of the mesh
-    profile (``mesh_profile`` setting), else the CPU preset.
+    ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
+    cache_dir, progress...) says how. ``device`` is the cost model's DeviceSpec;
+    by default the one of the mesh profile (``mesh_profile`` setting), else the
+    CPU preset.
     """
     from .problem import build_problem  # the solve half of the flow
 
-    s = settings or load_settings(solver=solver, memory_budget=memory_budget, cache_dir=cache_dir)
+    s = settings or load_settings(**setting_values)
     pm = plugins or PluginManager()
     pm.solver(s.solver)  # fail fast on an unknown solver name, before any discovery
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
-    book = discover(graph, pm.hook, RuleBook.load(s.cache_dir), axis_size=s.axis_size, progress=progress)
+    book = discover(graph, pm, RuleBook.load(s.cache_dir), axis_size=s.axis_size, progress=s.progress,
+                    draws=s.verify_draws)
     timings["discover"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    op_costs = {}
-    for op in graph.ops:
-        c = pm.hook.metadist_op_cost(op=op, graph=graph)
-        if c is not None:
-            op_costs[op.id] = tuple(c)
     if device is None and s.mesh_profile:
         from .profile import load_profile
         device = load_profile(s.mesh_profile).device
-    problem = build_problem(graph, book, mesh, op_costs=op_costs, constraints=constraints,
+    problem = build_problem(graph, book, mesh, op_costs=op_costs(graph, pm), constraints=list(constraints or []),
                             memory_budget=s.memory_budget, device=device)
     timings["build_problem"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    options = {"time_limit": s.time_limit, **(solver_options or {})}
-    with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=progress):
+    options = {**s.solver_options(), **(solver_options or {})}
+    with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
         plan = pm.solve(s.solver, problem, options)
     timings["solve"] = time.perf_counter() - t
-    log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, getattr(plan, "summary", lambda: "")())
+    log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
     return CompileResult(graph, book, problem, plan, None, timings)
 
 
-def compile_step(frontend: str, fn: Callable, args: tuple, kwargs: dict, mesh: Mesh, *,
-                 plugins: PluginManager | None = None, context: Any = None, **plan_kwargs: Any) -> CompileResult:
-    """Trace ``fn`` with ``frontend``, plan it on ``mesh`` and lower the plan to a runnable step."""
+def replicated_plan(graph: MetaIR, mesh: Mesh) -> tuple[Any, Any]:
+    """The all-replicated plan and its problem (a mesh of one device: nothing to discover or solve)."""
+    from .plan import ShardingPlan
+    from .problem import build_problem
+    problem = build_problem(graph, RuleBook(), mesh)
+    return ShardingPlan.replicated(problem), problem
+
+
+def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: dict,
+                 settings: Settings | None = None, *, mesh: Any = None, plugins: PluginManager | None = None,
+                 constraints: Iterable[Any] | None = None, solver_options: dict | None = None) -> CompileResult:
+    """Trace ``fn(*args, **kwargs)`` with ``frontend``, plan it on ``mesh`` and lower the plan.
+
+    ``mesh`` is the user's mesh argument, resolved by the frontend against its
+    engine. In a plan-only run (``metadist plan SCRIPT``) this plans for the
+    mesh asked for, prints and saves the plan, and ends the script.
+    """
+    from . import planonly
+    from .profile import load_profile
+
+    s = settings or load_settings()
     pm = plugins or PluginManager()
-    pm.frontend(frontend)
+    pm.solver(s.solver)  # an unknown solver is an error on every process, before any work
+    user_constraints = list(constraints or [])
+    timings: dict[str, float] = {}
+
+    request = planonly.requested()
+    if request is not None:
+        s = planonly.settings_for(request, s)
+        traced = frontend.trace(fn, tuple(args), dict(kwargs))
+        plan_mesh = load_profile(request.get("profile") or s.mesh_profile).mesh(tuple(request.get("mesh", [2])))
+        result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
+                            constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh))
+        planonly.finish(result, plan_mesh, request)
+
     t = time.perf_counter()
-    graph = pm.hook.metadist_trace(frontend=frontend, fn=fn, args=args, kwargs=kwargs)
-    if graph is None:
-        raise RuntimeError(f"frontend {frontend!r} returned no graph from metadist_trace")
-    t_trace = time.perf_counter() - t
-    result = plan_graph(graph, mesh, plugins=pm, **plan_kwargs)
-    result.timings = {"trace": t_trace, **result.timings}
+    traced = frontend.trace(fn, tuple(args), dict(kwargs))
+    timings["trace"] = time.perf_counter() - t
+    graph = traced.graph
+    run_mesh = frontend.resolve_mesh(mesh, load_profile(s.mesh_profile))
+    book, problem, plan = RuleBook(), None, None
+    if run_mesh.size == 1:
+        t = time.perf_counter()
+        plan, problem = replicated_plan(graph, run_mesh)
+        timings["solve"] = time.perf_counter() - t
+    elif frontend.is_planner():
+        try:
+            res = plan_graph(graph, run_mesh, plugins=pm, settings=s, solver_options=solver_options,
+                             constraints=user_constraints + frontend.constraints(graph, run_mesh))
+        except BaseException as e:
+            frontend.share_error(e)   # the other processes wait for a plan: tell them instead
+            raise
+        book, problem, plan = res.rulebook, res.problem, res.plan
+        timings.update(res.timings)
     t = time.perf_counter()
-    result.runnable = pm.hook.metadist_lower(frontend=frontend, graph=graph, plan=result.plan, mesh=mesh,
-                                             context=context)
-    result.timings["lower"] = time.perf_counter() - t
-    return result
+    if run_mesh.size > 1:
+        plan = frontend.share(plan, traced)
+        timings["share"] = time.perf_counter() - t
+    t = time.perf_counter()
+    runnable = frontend.lower(traced, plan, run_mesh, s)
+    timings["lower"] = time.perf_counter() - t
+    log.info("compiled %s with %s on mesh %s: %s", graph.name, frontend.name, run_mesh,
+             ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    return CompileResult(graph, book, problem, plan, runnable, timings, traced, run_mesh)
+
+
+class CompiledStep:
+    """A step compiled by MetaDist for one frontend: call it like the original step.
+
+    Each new call signature (as the frontend defines it) is traced, planned and
+    lowered once through :func:`compile_step`. ``.plan``, ``.graph``,
+    ``.timings``, ``.problem`` and ``.mesh`` describe the last compile used.
+    """
+
+    def __init__(self, frontend: Frontend, fn: Callable | None, *, mesh: Any = None,
+                 constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
+                 plugins: PluginManager | None = None, **settings: Any) -> None:
+        if fn is not None:
+            functools.update_wrapper(self, fn)
+        self.fn = fn
+        self.frontend = frontend
+        self.mesh_arg = mesh
+        self.constraints = list(constraints or [])
+        self.solver_options = dict(solver_options or {})
+        self.plugins = plugins
+        self.settings = load_settings(**settings)
+        (plugins or PluginManager()).solver(self.settings.solver)  # an unknown solver fails at decoration
+        self.cache: dict[Hashable, CompileResult] = {}
+        self.last: CompileResult | None = None
+
+    def compile(self, *args: Any, **kwargs: Any) -> CompileResult:
+        """Trace, plan and lower the step for these arguments (cached by signature), without running it."""
+        key = self.frontend.signature(args, kwargs)
+        hit = self.cache.get(key)
+        if hit is None:
+            hit = compile_step(self.frontend, self.fn, args, kwargs, self.settings, mesh=self.mesh_arg,
+                               plugins=self.plugins, constraints=self.constraints,
+                               solver_options=self.solver_options)
+            self.cache[key] = hit
+        self.last = hit
+        return hit
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compile(*args, **kwargs).runnable(*args, **kwargs)
+
+    @property
+    def plan(self) -> Any:
+        """The ShardingPlan of the last compile (None before the first call)."""
+        return None if self.last is None else self.last.plan
+
+    @property
+    def graph(self) -> MetaIR | None:
+        return None if self.last is None else self.last.graph
+
+    @property
+    def problem(self) -> Any:
+        return None if self.last is None else self.last.problem
+
+    @property
+    def mesh(self) -> Mesh | None:
+        return None if self.last is None else self.last.mesh
+
+    @property
+    def runnable(self) -> Callable | None:
+        return None if self.last is None else self.last.runnable
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds of the last compile: trace, discover, build_problem, solve, share, lower."""
+        return {} if self.last is None else dict(self.last.timings)
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__name__", "step")
+        return f"<CompiledStep {name} ({self.frontend.name}), {len(self.cache)} compiled>"
+
+
+__all__ = ["CompileResult", "CompiledStep", "compile_step", "plan_graph", "replicated_plan", "op_costs"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence, Union
+from typing import Any, Callable, Iterable, Sequence, Union
 
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 
@@ -310,3 +310,51 @@ def shard_shape(
             lo, hi = chunk_bounds(local[d], n, coords[axis])
             local[d] = hi - lo
     return tuple(local)
+
+
+def largest_local_shape(shape: Sequence[int], placements: Sequence[Placement],
+                        mesh_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The largest device's local shape under per-axis ``placements`` (what memory and compute are priced
+    on); None when some device would get an empty piece."""
+    local = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d = p.dim % len(local)
+            n = mesh_shape[axis]
+            if local[d] < n:
+                return None
+            local[d] = -(-local[d] // n)
+    return tuple(local)
+
+
+def group_extents(shape: Sequence[int], sharding: Sharding, mesh: Mesh, coords: Sequence[int], axis: int,
+                  dim: int) -> list[int]:
+    """The extent of ``dim`` on each device of this device's group along ``axis`` (they differ only there),
+    under ``sharding``: what an all_gather or all_to_all over ``axis`` receives from each member."""
+    out = []
+    for i in range(mesh.shape[axis]):
+        c = list(coords)
+        c[axis] = i
+        out.append(shard_shape(shape, sharding, mesh, tuple(c))[dim % len(shape)])
+    return out
+
+
+def local_piece(x: Any, sharding: Sharding, mesh: Mesh, coords: Sequence[int],
+                zeros_like: Callable[[Any], Any] | None = None) -> Any:
+    """This device's piece of a whole array ``x`` (numpy, torch, jax: anything sliceable) under ``sharding``.
+
+    Shard(d) takes the ``torch.chunk`` piece of dim d at this device's coordinate
+    on that axis; Partial(sum) keeps the value on coordinate 0 and zeros elsewhere
+    (``zeros_like``, default numpy's); Replicate and the other Partials keep it.
+    """
+    for axis, p in enumerate(sharding):
+        if isinstance(p, Shard):
+            d = p.dim % len(x.shape)
+            lo, hi = chunk_bounds(x.shape[d], mesh.shape[axis], coords[axis])
+            x = x[(slice(None),) * d + (slice(lo, hi),)]
+        elif isinstance(p, Partial) and p.reduce == "sum" and coords[axis] != 0:
+            if zeros_like is None:
+                import numpy as np
+                zeros_like = np.zeros_like
+            x = zeros_like(x)
+    return x

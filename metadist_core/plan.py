@@ -14,7 +14,8 @@ import numpy as np
 
 from .cost import Collective, reshard
 from .placement import Sharding
-from .problem import OUTPUT, Option, ShardingProblem
+from .problem import OUTPUT, ShardingProblem
+from .rules import Strategy
 
 
 @dataclass
@@ -52,7 +53,7 @@ class ShardingPlan:
     var_shardings: dict[str, Sharding]
     op_strategies: dict[str, int]                  # op id -> option index in the problem
     input_shardings: dict[str, Sharding]           # graph input -> how it is stored
-    strategies: dict[str, Option]                  # op id -> the chosen Option (input and output shardings)
+    strategies: dict[str, Strategy]                  # op id -> the chosen Strategy (input and output shardings)
     edges: list[PlanEdge]
     objective: float                               # seconds per step under the cost model
     compute_seconds: float = 0.0
@@ -98,7 +99,7 @@ class ShardingPlan:
         var_sh: dict[str, Sharding] = {}
         op_str: dict[str, int] = {}
         in_sh: dict[str, Sharding] = {}
-        strategies: dict[str, Option] = {}
+        strategies: dict[str, Strategy] = {}
         compute = 0.0
         for i, (n, k) in enumerate(zip(problem.nodes, ch)):
             opt = n.options[k]
@@ -212,7 +213,7 @@ class ShardingPlan:
         return cls(tuple(d["mesh_shape"]), {k: Sharding.from_json(v) for k, v in d["var_shardings"].items()},
                    {k: int(v) for k, v in d["op_strategies"].items()},
                    {k: Sharding.from_json(v) for k, v in d["input_shardings"].items()},
-                   {k: Option.from_json(v) for k, v in d["strategies"].items()},
+                   {k: Strategy.from_json(v) for k, v in d["strategies"].items()},
                    [PlanEdge.from_json(e) for e in d["edges"]], float(d["objective"]),
                    float(d.get("compute_seconds", 0.0)), float(d.get("comm_seconds", 0.0)),
                    int(d.get("memory_per_device", 0)), d.get("lower_bound"), d.get("solver", ""),

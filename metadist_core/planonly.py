@@ -2,13 +2,14 @@
 plans that step on the mesh asked for, prints and saves the plan, and stops the script.
 
 The command sets ``METADIST_PLAN_ONLY`` (JSON: mesh shape, output path, solver,
-memory budget, mesh profile); a frontend's decorated step calls :func:`requested`
-first and, when it is set, traces the step and hands the graph to :func:`finish`,
-which never returns. No devices or process group are needed: the mesh may be
-larger than this machine.
+memory budget, mesh profile, cache dir); the driver (:func:`metadist_core.pipeline.compile_step`)
+checks :func:`requested` for every frontend, traces the step, plans it and calls
+:func:`finish`, which never returns. No devices or process group are needed:
+the mesh may be larger than this machine.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -31,18 +32,20 @@ def requested() -> dict[str, Any] | None:
     return json.loads(text) if text else None
 
 
-def finish(graph: Any, plugins: Any = None, constraints: Any = None) -> None:
-    """Plan ``graph`` as requested, print the plan, save it as JSON, and raise :class:`PlanOnlyDone`."""
-    from .pipeline import plan_graph
-    from .profile import load_profile
+def settings_for(request: dict[str, Any], settings: Any) -> Any:
+    """``settings`` with what the command line asked for (solver, budget, cache dir, profile) on top."""
+    over = {k: request[k] for k in ("solver", "memory_budget", "cache_dir") if request.get(k) is not None}
+    if request.get("profile"):
+        over["mesh_profile"] = request["profile"]
+    return dataclasses.replace(settings, **over)
 
-    req = requested() or {}
-    mesh = load_profile(req.get("profile")).mesh(tuple(req.get("mesh", [2])))
-    result = plan_graph(graph, mesh, plugins=plugins, solver=req.get("solver"), memory_budget=req.get("memory_budget"),
-                        cache_dir=req.get("cache_dir"), constraints=constraints, progress=None)
+
+def finish(result: Any, mesh: Any, request: dict[str, Any]) -> None:
+    """Print the planned ``result``, save its plan as JSON, and raise :class:`PlanOnlyDone`."""
+    graph = result.graph
     print(f"{graph.name}: {len(graph.ops)} ops, {len(graph.inputs)} inputs; planned on mesh {mesh}")
     print(result.plan)
-    out = Path(req.get("out") or f"{graph.name}.plan.json")
+    out = Path(request.get("out") or f"{graph.name}.plan.json")
     out.write_text(json.dumps(result.plan.to_json(), indent=1))
     print(f"plan saved to {out}; timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
     raise PlanOnlyDone(str(out))

@@ -44,6 +44,7 @@ class PluginManager:
         self.pm = pluggy.PluginManager("metadist")
         self.pm.add_hookspecs(hookspecs)
         self.records: list[PluginRecord] = []
+        self._adapters: dict[str, Any] | None = None
         if load_entry_points:
             self.load_entry_points()
 
@@ -62,18 +63,35 @@ class PluginManager:
                                 kind, ep.name, ep.value, dist or "?", msg)
                     self.records.append(PluginRecord(kind, ep.name, ep.value, dist, msg))
                     continue
-                self.register(module, kind, ep.name, dist)
+                try:
+                    self.register(module, kind, ep.name, dist)
+                except ValueError as e:  # a misspelled hook: named, and the plugin skipped
+                    log.warning("%s", e)
+                    self.records.append(PluginRecord(kind, ep.name, ep.value, dist, str(e)))
 
     def register(self, plugin: Any, kind: str, name: str, distribution: str = "") -> None:
-        """Register a frontend or solver object (module or instance) under ``name``."""
+        """Register a frontend or solver object (module or instance) under ``name``.
+
+        A hook implementation whose name no spec knows (a misspelled hook) is an
+        error naming the plugin and the hook; nothing of that plugin stays registered.
+        """
         if kind not in ("frontend", "solver"):
             raise ValueError(f"plugin kind must be 'frontend' or 'solver', got {kind!r}")
+        pname = f"{kind}:{name}"
         try:
-            self.pm.register(plugin, name=f"{kind}:{name}")
+            self.pm.register(plugin, name=pname)
         except Exception as e:
             raise ValueError(f"{kind} plugin {name!r} could not be registered: {e}") from e
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError as e:
+            self.pm.unregister(name=pname)
+            known = ", ".join(sorted(n for n in dir(hookspecs) if n.startswith("metadist_")))
+            raise ValueError(f"{kind} plugin {name!r} ({getattr(plugin, '__name__', plugin)}): {e}; "
+                             f"the hooks are {known}") from None
         mod = getattr(plugin, "__name__", type(plugin).__module__)
         self.records.append(PluginRecord(kind, name, mod, distribution))
+        self._adapters = None
 
     # -- queries ------------------------------------------------------------
     @property
@@ -103,9 +121,43 @@ class PluginManager:
                                f"returned no plan from metadist_solve")
         return result
 
+    def frontends(self) -> dict[str, Any]:
+        """The loaded frontend adapters by name (each plugin's ``metadist_frontend()``)."""
+        if self._adapters is None:
+            adapters = {}
+            for pname, plugin in self.pm.list_name_plugin():
+                if not pname.startswith("frontend:") or not hasattr(plugin, "metadist_frontend"):
+                    continue
+                fe = plugin.metadist_frontend()
+                if fe is None:
+                    continue
+                if not fe.name:
+                    raise ValueError(f"frontend plugin {pname[9:]!r} returned an adapter with no name")
+                adapters[fe.name] = fe
+            self._adapters = adapters
+        return self._adapters
+
     def frontend(self, name: str):
-        plugin = self.pm.get_plugin(f"frontend:{name}")
-        if plugin is None:
-            known = ", ".join(self.names("frontend")) or "(none loaded)"
+        """The adapter of frontend ``name``; an unknown name raises naming the known ones."""
+        fe = self.frontends().get(name)
+        if fe is None:
+            known = ", ".join(sorted(self.frontends())) or "(none loaded)"
             raise UnknownFrontendError(f"unknown frontend {name!r}; known frontends: {known}")
-        return plugin
+        return fe
+
+    def owner(self, op: Any):
+        """The frontend adapter that owns ``op``'s key (by prefix), or None."""
+        for fe in self.frontends().values():
+            if fe.owns(op):
+                return fe
+        return None
+
+    def op_spec(self, op: Any, graph: Any):
+        """The OpSpec of ``op`` from the frontend that owns it; None when no loaded frontend does."""
+        fe = self.owner(op)
+        return None if fe is None else fe.op_spec(op, graph)
+
+    def op_cost(self, op: Any, graph: Any):
+        """``(flops, bytes)`` of ``op`` from its frontend, or None (the core then estimates)."""
+        fe = self.owner(op)
+        return None if fe is None else fe.op_cost(op, graph)

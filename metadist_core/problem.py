@@ -25,11 +25,11 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_constraints
-from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, local_bytes, reshard_cost, strategy_split, _local_shape
+from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, local_bytes, reshard_cost, strategy_split
 from .ir import MetaIR
-from .placement import Mesh, Replicate, Shard, Sharding
+from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
 from .prune import useful_rules
-from .rules import RuleBook, expand_rules
+from .rules import RuleBook, Strategy, expand_rules
 from .terms import EdgeTerm, MemTerm, Terms
 
 log = logging.getLogger("metadist.problem")
@@ -50,24 +50,6 @@ class InfeasibleBudgetError(ValueError):
 
 
 @dataclass
-class Option:
-    """One choice of a node: a Sharding per tensor input slot and per output."""
-
-    inputs: tuple[Sharding, ...]
-    outputs: tuple[Sharding, ...]
-
-    def __str__(self) -> str:
-        return f"({', '.join(map(str, self.inputs))}) -> ({', '.join(map(str, self.outputs))})"
-
-    def to_json(self) -> list:
-        return [[s.to_json() for s in self.inputs], [s.to_json() for s in self.outputs]]
-
-    @classmethod
-    def from_json(cls, d) -> "Option":
-        return cls(tuple(Sharding.from_json(s) for s in d[0]), tuple(Sharding.from_json(s) for s in d[1]))
-
-
-@dataclass
 class Node:
     """A decision: an op (``kind='op'``) or a graph input tensor (``kind='input'``)."""
 
@@ -76,7 +58,7 @@ class Node:
     key: str                 # op key, or the input's role
     inputs: list[str]        # tensor input var per slot (op nodes)
     outputs: list[str]       # vars defined by this node
-    options: list[Option]
+    options: list[Strategy]
 
     def to_json(self) -> dict:
         return {"id": self.id, "kind": self.kind, "key": self.key, "inputs": self.inputs,
@@ -85,7 +67,7 @@ class Node:
     @classmethod
     def from_json(cls, d) -> "Node":
         return cls(d["id"], d["kind"], d["key"], list(d["inputs"]), list(d["outputs"]),
-                   [Option.from_json(o) for o in d["options"]])
+                   [Strategy.from_json(o) for o in d["options"]])
 
 
 @dataclass
@@ -185,7 +167,7 @@ class ShardingProblem:
                              dtype=float)
                 mem.append(MemTerm(i, b, info["live"][0], info["live"][1]))
         return Terms(unary, edges, mem, [a.copy() for a in self.allowed], self.n_steps, self.memory_budget, 0.0,
-                     [n.id for n in self.nodes])
+                     [n.id for n in self.nodes], str(self.mesh))
 
     def replicated_choice(self) -> np.ndarray:
         """Per node, the index of its fully replicated option."""
@@ -250,15 +232,15 @@ def estimate_op_cost(op, graph: MetaIR) -> tuple[float, float]:
     return out_numel, nbytes
 
 
-def input_options(shape: tuple[int, ...] | None, mesh: Mesh) -> list[Option]:
+def input_options(shape: tuple[int, ...] | None, mesh: Mesh) -> list[Strategy]:
     """Storage choices of a graph input: every Replicate/Shard combination that splits evenly enough."""
     if shape is None:
-        return [Option((), (Sharding.replicated(mesh.ndim),))]
+        return [Strategy((), (Sharding.replicated(mesh.ndim),))]
     per_axis = [[Replicate()] + ([Shard(d) for d in range(len(shape))] if n > 1 else []) for n in mesh.shape]
     out = []
     for combo in itertools.product(*per_axis):
-        if _local_shape(tuple(shape), combo, mesh.shape) is not None:
-            out.append(Option((), (Sharding(combo),)))
+        if largest_local_shape(tuple(shape), combo, mesh.shape) is not None:
+            out.append(Strategy((), (Sharding(combo),)))
     return out
 
 
@@ -282,7 +264,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
              for v in graph.vars.values()}
     nodes: list[Node] = []
     compute: list[np.ndarray] = []
-    strat_cache: dict[tuple, tuple[list[Option], list[int]]] = {}
+    strat_cache: dict[tuple, tuple[list[Strategy], list[int]]] = {}
     warned: set[str] = set()
     useful = useful_rules(graph, rulebook) if prune else {
         op.id: ([] if (e := rulebook.get(op.signature(graph))) is None or e.status != "ok" else list(e.rules))
@@ -303,8 +285,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                 warned.add(op.key)
                 log.debug("op %s (%s) has no sharding rules here; it runs replicated", op.id, op.key)
             strats = expand_rules(rules, mesh, in_shapes, out_shapes)
-            opts = [Option(s.inputs, s.outputs) for s in strats] or [
-                Option(tuple(Sharding.replicated(mesh.ndim) for _ in t_in),
+            opts = [Strategy(s.inputs, s.outputs) for s in strats] or [
+                Strategy(tuple(Sharding.replicated(mesh.ndim) for _ in t_in),
                        tuple(Sharding.replicated(mesh.ndim) for _ in op.outputs))]
             splits = [strategy_split(o.inputs, o.outputs, mesh) for o in opts]
             strat_cache[sig] = (opts, splits)

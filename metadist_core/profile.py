@@ -84,13 +84,16 @@ DEFAULT_PROFILE = MeshProfile()
 
 
 def load_profile(path: str | os.PathLike | None = None) -> MeshProfile:
-    """The profile at ``path``, else at ``$METADIST_MESH_PROFILE``, else the defaults."""
-    src = path or os.environ.get(PROFILE_ENV)
+    """The profile at ``path``, else at the ``mesh_profile`` setting (``$METADIST_MESH_PROFILE``), else the defaults."""
+    if not path:
+        from .config import load_settings
+        path = load_settings().mesh_profile
+    src = path
     if not src:
         return MeshProfile()
     p = Path(src)
     if not p.exists():
-        raise FileNotFoundError(f"mesh profile {p} does not exist (from {'the path given' if path else PROFILE_ENV}); "
+        raise FileNotFoundError(f"mesh profile {p} does not exist (the mesh_profile setting or {PROFILE_ENV}); "
                                 f"write one with `metadist calibrate --out {p}` or unset {PROFILE_ENV}")
     return MeshProfile.from_json(json.loads(p.read_text()))
 

@@ -12,8 +12,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .frontend import Frontend, Traced
 from .hookspecs import hookimpl
 from .ir import MetaIR, MetaOp
+from .placement import Mesh
 from .shardcombine import OpSpec
 
 # -- the ops: key -> fn(*inputs, **attrs) ------------------------------------
@@ -134,13 +136,7 @@ def transformer_block(batch: int = 4, seq: int = 8, width: int = 16, hidden: int
     return g.ir
 
 
-# -- the frontend hooks -----------------------------------------------------------
-
-
-@hookimpl
-def metadist_frontend_info():
-    return {"name": "reference", "op_prefixes": ["np."],
-            "description": "numpy reference ops, for tests and the framework-free demo"}
+# -- the frontend adapter -----------------------------------------------------------
 
 
 def op_spec(op: MetaOp, graph: MetaIR, seed: int = 0) -> OpSpec:
@@ -155,26 +151,73 @@ def op_spec(op: MetaOp, graph: MetaIR, seed: int = 0) -> OpSpec:
     return OpSpec(lambda *xs: run_op(op.key, xs, attrs), examples, op.key)
 
 
-@hookimpl
-def metadist_op_spec(op, graph):
-    if not op.key.startswith("np."):
-        return None
-    return op_spec(op, graph)
-
-
-@hookimpl
-def metadist_op_cost(op, graph):
-    if not op.key.startswith("np."):
-        return None
+def op_cost(op: MetaOp, graph: MetaIR) -> tuple[float, float]:
     ins = [graph.vars[v] for v in op.inputs]
     outs = [graph.vars[v] for v in op.outputs]
     nbytes = sum(v.nbytes for v in ins + outs)
     if op.key == "np.matmul":
-        a, b = ins[0].shape, ins[1].shape
+        a = ins[0].shape
         flops = 2 * math.prod(outs[0].shape) * a[-1]
     else:
         flops = sum(v.numel for v in ins + outs)
     return (float(flops), float(nbytes))
+
+
+class ReferenceFrontend(Frontend):
+    """The numpy reference frontend: a "step" is a MetaIR of ``np.*`` ops; it runs on simulated devices.
+
+    ``trace(fn, args, kwargs)`` takes ``fn(*args, **kwargs) -> MetaIR`` (a graph
+    builder); the lowered step takes one numpy array per graph input and
+    returns ``(outputs, state)`` dicts, split over the mesh exactly as the plan
+    says (:mod:`metadist_core.simulate`).
+    """
+
+    name = "reference"
+    op_prefixes = ("np.",)
+    description = "numpy reference ops, for tests and the framework-free demo"
+    runner_module = "metadist_core.reference"
+
+    def signature(self, args: tuple, kwargs: dict) -> Any:
+        return (tuple(repr(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+
+    def trace(self, fn: Any, args: tuple, kwargs: dict) -> Traced:
+        graph = fn(*args, **kwargs)
+        if not isinstance(graph, MetaIR):
+            raise TypeError(f"the reference frontend traces functions that return a MetaIR; "
+                            f"{getattr(fn, '__name__', fn)!r} returned {type(graph).__name__}")
+        return Traced(graph)
+
+    def resolve_mesh(self, mesh: Any, profile: Any) -> Mesh:
+        if mesh is None:
+            mesh = (2,)
+        if isinstance(mesh, Mesh):
+            return mesh
+        shape = Mesh.parse(mesh).shape if isinstance(mesh, str) else \
+            ((mesh,) if isinstance(mesh, int) else tuple(mesh))
+        return profile.mesh(shape)
+
+    def lower(self, traced: Traced, plan: Any, mesh: Mesh, settings: Any) -> Any:
+        from .simulate import simulate
+        graph = traced.graph
+
+        def run(*arrays: np.ndarray) -> tuple[dict, dict]:
+            if len(arrays) != len(graph.inputs):
+                raise TypeError(f"{graph.name} takes {len(graph.inputs)} inputs ({', '.join(graph.inputs)}), "
+                                f"got {len(arrays)}")
+            return simulate(graph, plan, mesh, dict(zip(graph.inputs, arrays)), run_local)
+
+        return run
+
+    def demo(self, args: Sequence[str]) -> int:
+        from .demo import run_demo
+        mesh = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--mesh"), "4")
+        solver = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--solver"), None)
+        return run_demo(mesh_text=mesh, solver=solver)
+
+
+@hookimpl
+def metadist_frontend() -> ReferenceFrontend:
+    return ReferenceFrontend()
 
 
 def rules_for(key: str, *example_inputs: np.ndarray, axis_size: int = 2, **attrs: Any):

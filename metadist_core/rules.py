@@ -13,7 +13,7 @@ import logging
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -60,14 +60,21 @@ class ShardingRule:
 
 @dataclass(frozen=True)
 class Strategy:
-    """An N-D strategy: one Sharding per tensor input and per output, from one rule per mesh axis."""
+    """One N-D choice of an op: a Sharding per tensor input slot and per output (from one rule per mesh axis)."""
 
     inputs: tuple[Sharding, ...]
     outputs: tuple[Sharding, ...]
-    rules: tuple[ShardingRule, ...]  # the rule used on each mesh axis
+    rules: tuple[ShardingRule, ...] = field(default=(), compare=False)  # the rule used on each mesh axis
 
     def __str__(self) -> str:
         return f"({', '.join(map(str, self.inputs))}) -> ({', '.join(map(str, self.outputs))})"
+
+    def to_json(self) -> list:
+        return [[s.to_json() for s in self.inputs], [s.to_json() for s in self.outputs]]
+
+    @classmethod
+    def from_json(cls, d) -> "Strategy":
+        return cls(tuple(Sharding.from_json(s) for s in d[0]), tuple(Sharding.from_json(s) for s in d[1]))
 
 
 @dataclass
@@ -251,10 +258,11 @@ class RuleBook:
 
 
 def default_cache_dir() -> Path:
-    """``$METADIST_CACHE_DIR`` if set, else the user cache dir for ``metadist``."""
-    env = os.environ.get("METADIST_CACHE_DIR")
-    if env:
-        return Path(env)
+    """The ``cache_dir`` setting (``$METADIST_CACHE_DIR``, ``[tool.metadist]``) if set, else the user cache dir."""
+    from .config import load_settings
+    configured = load_settings().cache_dir
+    if configured:
+        return Path(configured)
     try:
         import platformdirs
         return Path(platformdirs.user_cache_dir("metadist"))

@@ -14,8 +14,9 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .cost import UnknownCollectiveError
+from .interpret import COLLECTIVE_KINDS, Collectives, PlanError, interpret
 from .ir import MetaIR, MetaOp
-from .placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds, shard_shape
+from .placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds, local_piece, shard_shape
 
 Device = tuple[int, ...]
 Values = dict[Device, Any]
@@ -44,17 +45,8 @@ def axis_groups(mesh: Mesh, axis: int) -> list[list[Device]]:
 
 def distribute(x: np.ndarray, sharding: Sharding, mesh: Mesh) -> Values:
     """Each device's piece of a full value under ``sharding`` (Partial(sum) keeps it on coordinate 0)."""
-    out: Values = {}
-    for dev in devices(mesh):
-        local = np.asarray(x)
-        for axis, p in enumerate(sharding):
-            if isinstance(p, Shard):
-                lo, hi = chunk_bounds(local.shape[p.dim], mesh.shape[axis], dev[axis])
-                local = np.take(local, range(lo, hi), axis=p.dim)
-            elif isinstance(p, Partial) and p.reduce == "sum" and dev[axis] != 0:
-                local = np.zeros_like(local)
-        out[dev] = local
-    return out
+    x = np.asarray(x)
+    return {dev: np.ascontiguousarray(local_piece(x, sharding, mesh, dev)) for dev in devices(mesh)}
 
 
 def assemble(vals: Values, sharding: Sharding, mesh: Mesh) -> np.ndarray:
@@ -68,7 +60,7 @@ def assemble(vals: Values, sharding: Sharding, mesh: Mesh) -> np.ndarray:
             if isinstance(p, Shard):
                 v = np.concatenate(pieces, axis=p.dim)
             elif isinstance(p, Partial):
-                v = _REDUCE[p.reduce](np.stack(pieces), axis=0)
+                v = reduce_pieces(pieces, p.reduce)
             else:
                 v = pieces[0]
             for d in group:
@@ -77,44 +69,64 @@ def assemble(vals: Values, sharding: Sharding, mesh: Mesh) -> np.ndarray:
     return np.asarray(cur[devices(mesh)[0]])
 
 
+class SimCollectives(Collectives):
+    """The plan's collectives on simulated devices: a value is ``{device: numpy array}``."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def _groups(self, vals: Values, axis: int, make: Callable[[list[np.ndarray], int], list[np.ndarray]]) -> Values:
+        out: Values = {}
+        for group in axis_groups(self.mesh, axis):
+            new = make([np.asarray(vals[d]) for d in group], len(group))
+            for d, v in zip(group, new):
+                out[d] = v
+        return out
+
+    def all_reduce(self, vals: Values, c: Any, shape: tuple) -> Values:
+        _expect(c, isinstance(c.before[c.axis], Partial) and c.after[c.axis] == Replicate())
+        return self._groups(vals, c.axis, lambda p, n: [reduce_pieces(p, c.reduce)] * n)
+
+    def all_gather(self, vals: Values, c: Any, shape: tuple) -> Values:
+        _expect(c, c.before[c.axis] == Shard(c.dims[0]) and c.after[c.axis] == Replicate())
+        return self._groups(vals, c.axis, lambda p, n: [np.concatenate(p, axis=c.dims[0])] * n)
+
+    def reduce_scatter(self, vals: Values, c: Any, shape: tuple) -> Values:
+        _expect(c, isinstance(c.before[c.axis], Partial) and c.after[c.axis] == Shard(c.dims[0]))
+        return self._groups(vals, c.axis, lambda p, n: [_chunk(reduce_pieces(p, c.reduce), c.dims[0], n, i)
+                                                        for i in range(n)])
+
+    def all_to_all(self, vals: Values, c: Any, shape: tuple) -> Values:
+        src, dst = c.dims
+        _expect(c, c.before[c.axis] == Shard(src) and c.after[c.axis] == Shard(dst))
+        return self._groups(vals, c.axis, lambda p, n: [_chunk(np.concatenate(p, axis=src), dst, n, i)
+                                                        for i in range(n)])
+
+    def local_split(self, vals: Values, c: Any, shape: tuple) -> Values:
+        _expect(c, c.before[c.axis] == Replicate() and c.after[c.axis] == Shard(c.dims[0]))
+        return self._groups(vals, c.axis, lambda p, n: [_chunk(p[i], c.dims[0], n, i) for i in range(n)])
+
+    def local_partial(self, vals: Values, c: Any, shape: tuple) -> Values:
+        after = c.after[c.axis]
+        _expect(c, c.before[c.axis] == Replicate() and isinstance(after, Partial))
+        if after.reduce != "sum":
+            return dict(vals)
+        return self._groups(vals, c.axis, lambda p, n: [p[i] if i == 0 else np.zeros_like(p[i]) for i in range(n)])
+
+
+def reduce_pieces(pieces: list[np.ndarray], reduce: str) -> np.ndarray:
+    """The reduction of one group's pieces, in their dtype (``avg`` is the sum divided by the group size)."""
+    if reduce == "avg":
+        return (np.sum(np.stack(pieces), axis=0) / len(pieces)).astype(pieces[0].dtype)
+    return _REDUCE[reduce](np.stack(pieces), axis=0).astype(pieces[0].dtype)
+
+
 def apply_collective(vals: Values, c: Any, mesh: Mesh) -> Values:
     """Apply one cost-model Collective to per-device values."""
-    axis = c.axis
-    before, after = c.before[axis], c.after[axis]
-    out: Values = {}
-    for group in axis_groups(mesh, axis):
-        pieces = [np.asarray(vals[d]) for d in group]
-        n = len(group)
-        if c.kind == "all_reduce":
-            _expect(c, isinstance(before, Partial) and after == Replicate())
-            v = _REDUCE[c.reduce](np.stack(pieces), axis=0).astype(pieces[0].dtype)
-            new = [v] * n
-        elif c.kind == "all_gather":
-            _expect(c, before == Shard(c.dims[0]) and after == Replicate())
-            new = [np.concatenate(pieces, axis=c.dims[0])] * n
-        elif c.kind == "reduce_scatter":
-            _expect(c, isinstance(before, Partial) and after == Shard(c.dims[0]))
-            v = _REDUCE[c.reduce](np.stack(pieces), axis=0).astype(pieces[0].dtype)
-            new = [_chunk(v, c.dims[0], n, i) for i in range(n)]
-        elif c.kind == "all_to_all":
-            src, dst = c.dims
-            _expect(c, before == Shard(src) and after == Shard(dst))
-            v = np.concatenate(pieces, axis=src)
-            new = [_chunk(v, dst, n, i) for i in range(n)]
-        elif c.kind == "local_split":
-            _expect(c, before == Replicate() and after == Shard(c.dims[0]))
-            new = [_chunk(pieces[i], c.dims[0], n, i) for i in range(n)]
-        elif c.kind == "local_partial":
-            _expect(c, before == Replicate() and isinstance(after, Partial))
-            if after.reduce == "sum":
-                new = [pieces[i] if i == 0 else np.zeros_like(pieces[i]) for i in range(n)]
-            else:
-                new = pieces
-        else:
-            raise UnknownCollectiveError(c.kind, "the simulator")
-        for d, v in zip(group, new):
-            out[d] = v
-    return out
+    fn = getattr(SimCollectives(mesh), c.kind, None) if c.kind in COLLECTIVE_KINDS else None
+    if fn is None:
+        raise UnknownCollectiveError(c.kind, "the simulator")
+    return fn(vals, c, ())
 
 
 def _chunk(x: np.ndarray, dim: int, n: int, i: int) -> np.ndarray:
@@ -129,66 +141,38 @@ def _expect(c: Any, ok: bool) -> None:
 
 def simulate(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarray], run_local: LocalRunner,
              ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Run ``graph`` under ``plan`` on simulated devices.
+    """Run ``graph`` under ``plan`` on simulated devices (through :func:`metadist_core.interpret.interpret`).
 
     Returns (graph outputs, updated state by state-input id), each whole as the
     plan's final collectives make them on device 0; every device must agree.
     """
-    env: dict[str, Values] = {}
-    for v in graph.inputs:
-        sh = plan.input_shardings.get(v, Sharding.replicated(mesh.ndim))
-        env[v] = distribute(np.asarray(inputs[v]), sh, mesh) if graph.vars[v].is_tensor else \
-            {d: inputs[v] for d in devices(mesh)}
-    incoming, finals = plan.edge_index()
     devs = devices(mesh)
-    for op in graph.ops:
-        local_inputs: list[Values] = []
-        for slot, v in enumerate(op.inputs):
-            vals = env[v]
-            e = incoming.get((op.id, slot))
-            if e is not None:
-                for c in e.collectives:
-                    vals = apply_collective(vals, c, mesh)
-            local_inputs.append(vals)
-        strategy = plan.strategies.get(op.id)
-        out_sh = list(strategy.outputs) if strategy is not None else [Sharding.replicated(mesh.ndim)] * len(op.outputs)
+    rep = Sharding.replicated(mesh.ndim)
+    local: dict[str, Values] = {}
+    for v in graph.inputs:
+        sh = plan.input_shardings.get(v, rep)
+        local[v] = distribute(np.asarray(inputs[v]), sh, mesh) if graph.vars[v].is_tensor else \
+            {d: inputs[v] for d in devs}
+
+    def run_op(op: MetaOp, ins: list[Values], out_sh: list[Sharding]) -> list[Values]:
         results: dict[Device, list[Any]] = {}
         for d in devs:
             shapes = [None if graph.vars[o].shape is None else shard_shape(graph.vars[o].shape, s, mesh, d)
                       for o, s in zip(op.outputs, out_sh)]
-            r = run_local(op, [li[d] for li in local_inputs], shapes)
+            r = run_local(op, [x[d] for x in ins], shapes)
             results[d] = list(r) if isinstance(r, (tuple, list)) else [r]
-        for i, o in enumerate(op.outputs):
-            env[o] = {d: results[d][i] for d in devs}
+        return [{d: results[d][i] for d in devs} for i in range(len(op.outputs))]
 
-    def final(var: str, dst: str) -> np.ndarray:
-        vals = env[var]
-        e = finals.get((var, dst))
-        if e is not None:
-            for c in e.collectives:
-                vals = apply_collective(vals, c, mesh)
-            sh = e.dst_sharding
-        else:
-            sh = plan.var_shardings.get(var, Sharding.replicated(mesh.ndim))
-        return vals, sh
-
+    try:
+        res = interpret(graph, plan, mesh, local, run_op, SimCollectives(mesh))
+    except PlanError as e:
+        raise SimulationError(str(e)) from None
     outputs = {}
-    for o in graph.outputs:
-        if o in graph.aliases.values():
-            continue
-        vals, sh = final(o, "<output>")
-        if not sh.is_fully_replicated():
-            raise SimulationError(f"graph output {o} ends as {sh}, not whole on every device")
+    for o, vals in res.outputs.items():
         first = np.asarray(vals[devs[0]])
         for d in devs[1:]:
             if not np.array_equal(np.asarray(vals[d]), first):
                 raise SimulationError(f"graph output {o} differs between devices {devs[0]} and {d}")
         outputs[o] = first
-    state = {}
-    for s_in, s_out in graph.aliases.items():
-        vals, sh = final(s_out, s_in)
-        want = plan.input_shardings.get(s_in, Sharding.replicated(mesh.ndim))
-        if sh != want:
-            raise SimulationError(f"updated state {s_out} ends as {sh}, but its input {s_in} is stored as {want}")
-        state[s_in] = assemble(vals, sh, mesh)
+    state = {s_in: assemble(vals, plan.input_shardings.get(s_in, rep), mesh) for s_in, vals in res.state.items()}
     return outputs, state

@@ -49,6 +49,7 @@ class Terms:
     budget: int | None = None
     offset: float = 0.0                # constant cost folded out of the problem
     names: list[str] = field(default_factory=list)
+    mesh_name: str = "?"               # the mesh, for messages (an infeasible budget names it)
 
     @property
     def n_nodes(self) -> int:
@@ -180,4 +181,4 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
         else:
             mem.append(MemTerm(assign[m.node], m.nbytes[maps[m.node]], m.start, m.end))
     return Terms(unary, edges, mem, allowed, terms.n_steps, terms.budget, offset,
-                 names or [f"n{i}" for i in range(n)])
+                 names or [f"n{i}" for i in range(n)], terms.mesh_name)

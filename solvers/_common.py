@@ -27,7 +27,6 @@ def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsS
     else:
         co = coarsen(problem, tie_layers=bool(options.get("tie_layers", True)))
     t1 = time.perf_counter()
-    co.terms.mesh_name = str(problem.mesh)
     choice, lb, stats = fn(co.terms, options)
     t2 = time.perf_counter()
     fine = co.expand(choice)
@@ -185,7 +184,7 @@ def enforce_budget(t: Terms, adj, choice: np.ndarray, solver: str) -> np.ndarray
         low = min_memory_choice(t, mem)
         need = mem.peak(low)
         if need > t.budget:
-            raise InfeasibleBudgetError(t.budget, int(need), _MeshName(t), how=f"that {solver} found needs")
+            raise InfeasibleBudgetError(t.budget, int(need), t.mesh_name, how=f"that {solver} found needs")
         fixed = repair_memory(t, adj, low, mem, t.budget) or low
     return icm(t, adj, fixed, mem, t.budget)
 
@@ -236,13 +235,3 @@ def multi_sweep(t: Terms, width: int, passes: int, icm_passes: int = 10) -> tupl
             break
         obj, best = o2, c2
     return best, trace
-
-
-class _MeshName:
-    """Stands in for the mesh in messages when only Terms are at hand."""
-
-    def __init__(self, t: Terms) -> None:
-        self.text = getattr(t, "mesh_name", "?")
-
-    def __str__(self) -> str:
-        return self.text

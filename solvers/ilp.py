@@ -180,7 +180,7 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
     if ch is None:
         if res.status == 2 and budget is not None:
             need = _min_peak(model, t, deadline + 30.0, gap)
-            raise InfeasibleBudgetError(budget, need, getattr(t, "mesh_name", "?"))
+            raise InfeasibleBudgetError(budget, need, t.mesh_name)
         if budget is None:
             # no incumbent in time: hand back a beam plan, with the ILP's bound when it has one
             from ._common import multi_sweep

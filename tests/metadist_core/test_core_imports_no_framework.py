@@ -19,3 +19,67 @@ def test_core_modules_import_no_framework():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"metadist_core loaded framework modules: {out.stdout.strip()}"
+
+
+FRONTEND_PACKAGES = ("metadist_torch", "metadist_jax", "metadist_tvm", "metadist_solvers")
+FRAMEWORKS = ("torch", "jax", "jaxlib", "tvm", "flax", "optax")
+
+
+def test_core_source_imports_no_frontend_or_framework():
+    """Not even lazily: no import statement in metadist_core names a frontend, a solver package or a framework."""
+    import ast
+    from pathlib import Path
+
+    bad = []
+    for path in sorted(Path(metadist_core.__path__[0]).glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for n in names:
+                if n.split(".")[0] in FRONTEND_PACKAGES + FRAMEWORKS:
+                    bad.append(f"{path.name}:{node.lineno} imports {n}")
+        text = path.read_text()
+        for pkg in FRONTEND_PACKAGES[:3]:   # importlib/__import__ with a frontend's name in the source
+            for needle in (f'import_module("{pkg}', f"import_module('{pkg}", f'__import__("{pkg}'):
+                if needle in text:
+                    bad.append(f"{path.name} imports {pkg} dynamically")
+    assert not bad, "metadist_core reaches up the flow: " + "; ".join(bad)
+
+
+def test_core_modules_have_no_import_cycle():
+    """The core's modules import each other (at module level) without a cycle."""
+    import ast
+    from pathlib import Path
+
+    root = Path(metadist_core.__path__[0])
+    deps = {}
+    for path in root.glob("*.py"):
+        mod = path.stem
+        deps[mod] = set()
+        for node in ast.parse(path.read_text()).body:   # module level only: lazy imports break cycles on purpose
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                target = (node.module or "").split(".")[0]
+                if target:
+                    deps[mod].add(target)
+                else:
+                    deps[mod].update(a.name for a in node.names)
+    seen, stack = set(), []
+
+    def visit(m):
+        if m in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
+        if m in seen or m not in deps:
+            return
+        stack.append(m)
+        for d in deps[m]:
+            visit(d)
+        stack.pop()
+        seen.add(m)
+
+    for m in deps:
+        visit(m)

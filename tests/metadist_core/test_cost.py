@@ -4,9 +4,9 @@ import itertools
 import numpy as np
 import pytest
 
-from metadist_core.cost import (_local_shape, Collective, all_gather_cost, all_reduce_cost, compute_cost, local_bytes, reshard,
+from metadist_core.cost import (Collective, all_gather_cost, all_reduce_cost, compute_cost, local_bytes, reshard,
                                 reshard_cost)
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds
+from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds, largest_local_shape
 
 R, P = Replicate(), Partial("sum")
 
@@ -87,7 +87,7 @@ def check_equal(pieces, full, sh, mesh):
 def all_shardings(ndim, mesh, shape):
     per_axis = [[R, P] + [Shard(d) for d in range(ndim)] for _ in mesh.shape]
     for combo in itertools.product(*per_axis):
-        if _local_shape(tuple(shape), combo, mesh.shape) is not None:
+        if largest_local_shape(tuple(shape), combo, mesh.shape) is not None:
             yield Sharding(combo)
 
 

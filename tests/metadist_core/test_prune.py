@@ -14,7 +14,7 @@ from metadist_core.rules import RuleBook
 @pytest.fixture(scope="module")
 def block():
     ir = transformer_block(batch=4, seq=8, width=16, hidden=64)
-    return ir, discover(ir, PluginManager().hook, RuleBook())
+    return ir, discover(ir, PluginManager(), RuleBook())
 
 
 def test_partial_inputs_kept_only_where_a_producer_makes_them(block):

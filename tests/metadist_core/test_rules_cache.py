@@ -14,17 +14,26 @@ from metadist_core.rules import CACHE_FILE, OpRules, RuleBook, ShardingRule, exp
 class CountingFrontend:
     """Wraps the reference frontend and counts how many op specs discovery asked for."""
 
-    def __init__(self):
-        from metadist_core import reference
-        self.ref = reference
-        self.calls = 0
-
     from metadist_core.hookspecs import hookimpl
 
+    def __init__(self):
+        from metadist_core.reference import ReferenceFrontend
+
+        outer = self
+        self.calls = 0
+
+        class Counting(ReferenceFrontend):
+            name = "counting"
+
+            def op_spec(self, op, graph):
+                outer.calls += 1
+                return super().op_spec(op, graph)
+
+        self.adapter = Counting()
+
     @hookimpl
-    def metadist_op_spec(self, op, graph):
-        self.calls += 1
-        return self.ref.op_spec(op, graph)
+    def metadist_frontend(self):
+        return self.adapter
 
 
 def _pm():
@@ -48,11 +57,11 @@ def test_rulebook_json_round_trip(tmp_path):
 def test_second_discovery_reads_the_cache(tmp_path):
     ir = transformer_block()
     pm, front = _pm()
-    book = discover(ir, pm.hook, RuleBook.load(tmp_path))
+    book = discover(ir, pm, RuleBook.load(tmp_path))
     n_sigs = len(ir.unique_signatures())
     assert front.calls == n_sigs and book.discovered == n_sigs
     pm2, front2 = _pm()
-    book2 = discover(ir, pm2.hook, RuleBook.load(tmp_path))
+    book2 = discover(ir, pm2, RuleBook.load(tmp_path))
     assert front2.calls == 0 and book2.cache_hits == n_sigs
     assert {s: book2.rules(s) for s in book2.entries} == {s: book.rules(s) for s in book.entries}
 
@@ -66,14 +75,14 @@ def test_corrupt_or_old_cache_warns_once_and_is_rebuilt(tmp_path, caplog, conten
     assert len(book) == 0
     assert len([r for r in caplog.records if "unreadable" in r.message]) == 1
     pm, _ = _pm()
-    discover(transformer_block(), pm.hook, book)
+    discover(transformer_block(), pm, book)
     assert len(RuleBook.load(tmp_path)) == len(book) > 0
 
 
 def test_cache_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("METADIST_CACHE_DIR", str(tmp_path / "here"))
     pm, _ = _pm()
-    discover(transformer_block(), pm.hook, RuleBook.load())
+    discover(transformer_block(), pm, RuleBook.load())
     assert (tmp_path / "here" / CACHE_FILE).exists()
 
 
@@ -85,7 +94,7 @@ def test_op_without_runner_runs_replicated_with_one_warning(caplog):
     g.add_op("custom.thing", ["y"], [("z", (4, 4), "float32")])
     pm, _ = _pm()
     with caplog.at_level(logging.WARNING, logger="metadist"):
-        book = discover(g, pm.hook, RuleBook())
+        book = discover(g, pm, RuleBook())
     (entry,) = book.entries.values()
     assert entry.status == "replicated" and entry.rules == [ShardingRule((Replicate(),), (Replicate(),))]
     assert len([r for r in caplog.records if "custom.thing" in r.message]) == 1

@@ -16,7 +16,7 @@ from metadist_core.simulate import SimulationError, assemble, distribute, simula
 @pytest.fixture(scope="module")
 def block():
     ir = transformer_block()
-    book = discover(ir, PluginManager().hook, RuleBook())
+    book = discover(ir, PluginManager(), RuleBook())
     rng = np.random.default_rng(0)
     inputs = {v: rng.standard_normal(ir.vars[v].shape) for v in ir.inputs}
     return ir, book, inputs, run_graph(ir, inputs)

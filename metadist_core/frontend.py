@@ -1,0 +1,132 @@
+"""The Frontend adapter: what a framework plugs into the one driver (:mod:`metadist_core.pipeline`).
+
+A frontend plugin implements one hook, ``metadist_frontend()``, returning an
+instance of a :class:`Frontend` subclass. The driver calls, in this order and
+nowhere else::
+
+    traced = fe.trace(fn, args, kwargs)            # every process
+    mesh   = fe.resolve_mesh(mesh_arg, profile)    # shape from the engine, link costs from the profile
+    extra  = fe.constraints(traced.graph, mesh)    # what the engine cannot run (say, uneven splits)
+    if fe.is_planner(): discover, build, solve     # core; op_spec / op_cost are called here
+    plan   = fe.share(plan, traced)                # the one way this engine agrees on a plan
+    step   = fe.lower(traced, plan, mesh, settings) # a callable running one step on this process
+
+``signature(args, kwargs)`` is the cache key of a call (a new key compiles
+again). ``op_spec``/``op_cost`` serve discovery and the cost model for op keys
+starting with one of ``op_prefixes``. ``demo`` and ``calibrate`` are optional
+(the ``metadist`` command reaches them through the adapter).
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover - types only
+    from .config import Settings
+    from .ir import MetaIR, MetaOp
+    from .placement import Mesh
+    from .plan import ShardingPlan
+    from .profile import MeshProfile
+    from .shardcombine import OpSpec
+
+
+@dataclass
+class Traced:
+    """A traced step: the frontend-neutral graph and the frontend's own context for lowering and running."""
+
+    graph: "MetaIR"
+    context: Any = None
+
+
+class NotSupported(RuntimeError):
+    """A frontend was asked for something it does not offer (names the frontend and the feature)."""
+
+
+class Frontend:
+    """Base class of frontend adapters; override what your framework supports.
+
+    Subclasses set ``name`` (what users pass), ``op_prefixes`` (op keys they
+    own, e.g. ``("aten.",)``) and ``description`` (one line).
+    """
+
+    name: str = ""
+    op_prefixes: tuple[str, ...] = ()
+    description: str = ""
+    runner_module: str = ""   # a module with op_spec(op, graph) and op_cost(op, graph), imported on first use
+
+    # -- the flow ---------------------------------------------------------------
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        """The compile-cache key of a call; calls with equal keys reuse one compiled step."""
+        raise NotImplementedError(f"frontend {self.name!r} does not define signature()")
+
+    def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
+        """Trace the step ``fn(*args, **kwargs)`` into MetaIR (plus what lowering needs)."""
+        raise NotImplementedError(f"frontend {self.name!r} does not define trace()")
+
+    def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> "Mesh":
+        """The Mesh this process runs on for the user's ``mesh`` argument, priced with ``profile``.
+
+        A mesh whose size differs from the engine's device count is an error quoting both.
+        """
+        raise NotImplementedError(f"frontend {self.name!r} does not define resolve_mesh()")
+
+    def constraints(self, graph: "MetaIR", mesh: "Mesh") -> list:
+        """Constraints (``Pin``/``Forbid``) the engine needs on every plan of ``graph`` (default none)."""
+        return []
+
+    def is_planner(self) -> bool:
+        """Does this process discover and solve? (One per job; the others receive the plan in ``share``.)"""
+        return True
+
+    def share(self, plan: "ShardingPlan | None", traced: Traced) -> "ShardingPlan":
+        """Make every process hold the same plan. ``plan`` is None on processes that did not plan."""
+        if plan is None:
+            raise RuntimeError(f"frontend {self.name!r}: this process did not plan and has no way to receive one")
+        return plan
+
+    def share_error(self, error: BaseException) -> None:
+        """The planner failed with ``error``: tell the other processes so that none waits for a plan."""
+
+    def lower(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
+        """A callable that runs one step of ``plan`` on this process, called with the step's arguments.
+
+        ``settings`` carries the lowering's knobs (``coalesce``, ``bucket_bytes``...)."""
+        raise NotImplementedError(f"frontend {self.name!r} does not define lower()")
+
+    # -- ops, for discovery and the cost model ----------------------------------
+    def owns(self, op: "MetaOp") -> bool:
+        return isinstance(getattr(op, "key", None), str) and op.key.startswith(tuple(self.op_prefixes))
+
+    def op_spec(self, op: "MetaOp", graph: "MetaIR") -> "OpSpec":
+        """An OpSpec that runs ``op`` on numpy inputs for ShardCombine; raise ``Unrunnable`` when it cannot.
+
+        By default ``runner_module.op_spec(op, graph)``, the module imported on first use (so that
+        loading the plugin imports no framework)."""
+        if not self.runner_module:
+            raise NotImplementedError(f"frontend {self.name!r} does not define op_spec()")
+        return importlib.import_module(self.runner_module).op_spec(op, graph)
+
+    def op_cost(self, op: "MetaOp", graph: "MetaIR") -> tuple[float, float] | None:
+        """``(flops, bytes moved)`` of the whole op, or None to let the core estimate from tensor sizes.
+
+        By default ``runner_module.op_cost(op, graph)`` when that module has one."""
+        if not self.runner_module:
+            return None
+        fn = getattr(importlib.import_module(self.runner_module), "op_cost", None)
+        return None if fn is None else fn(op, graph)
+
+    # -- optional command-line jobs ------------------------------------------------
+    def demo(self, args: Sequence[str]) -> int:
+        """Run this frontend's end-to-end demo with command-line ``args``; return an exit code."""
+        raise NotSupported(f"frontend {self.name!r} has no demo")
+
+    def calibrate(self, out: str, nprocs: int | None = None) -> Any:
+        """Measure link and device costs on this engine; write and return a MeshProfile."""
+        raise NotSupported(f"frontend {self.name!r} cannot calibrate")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"
+
+
+__all__ = ["Frontend", "Traced", "NotSupported"]

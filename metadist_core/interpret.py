@@ -1,0 +1,166 @@
+"""The one plan interpreter: walk a ShardingPlan, run each op through a callback, each edge's
+collectives through a :class:`Collectives` object.
+
+It serves the numpy simulator (values are dicts of per-device arrays) and the
+three lowerings (torch fx nodes, JAX values inside ``shard_map``, torch tensors
+for TVM kernels): each supplies only its op runner and its collectives, so a
+plan means the same thing everywhere.
+
+What it fixes for every engine:
+
+- graph inputs arrive as this engine's local values under ``plan.input_shardings``;
+- before an op reads a value, that edge's collectives run in order; the same
+  collectives on the same value run **once** however many ops read it (the
+  cost model charges them once too);
+- a graph output leaves whole (its ``<output>`` edge must end replicated),
+  updated state leaves with its state edge's collectives, stored as its input
+  is (both checked on the plan before anything runs);
+- the reduce of a mixed-Partial Sharding is applied axis by axis from the last
+  mesh axis to the first (:func:`metadist_core.simulate.assemble`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
+
+from .cost import Collective, UnknownCollectiveError
+from .ir import MetaIR, MetaOp
+from .placement import Mesh, Sharding
+
+V = TypeVar("V")
+OUTPUT = "<output>"
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_split", "local_partial")
+
+
+class PlanError(ValueError):
+    """The plan cannot run as it stands: names the value, the edge and the shardings."""
+
+
+class Collectives(Generic[V]):
+    """The collectives of one engine. Each method takes this engine's value of a tensor, the
+    cost-model :class:`~metadist_core.cost.Collective` to apply (kind, mesh axis, dims, reduce,
+    Shardings before and after) and the tensor's whole shape, and returns the new value.
+
+    Semantics (exactly those of :func:`metadist_core.simulate.apply_collective`):
+    ``all_reduce`` Partial -> Replicate (``avg`` is the sum divided by the axis size);
+    ``all_gather`` Shard(d) -> Replicate (``torch.chunk`` pieces, uneven allowed);
+    ``reduce_scatter`` Partial -> Shard(d); ``all_to_all`` Shard(src) -> Shard(dst);
+    ``local_split`` Replicate -> Shard(d) (no communication); ``local_partial``
+    Replicate -> Partial (``sum`` keeps the value on coordinate 0, zeros elsewhere).
+    """
+
+    def all_reduce(self, x: V, c: Collective, shape: tuple[int, ...]) -> V:
+        raise UnknownCollectiveError("all_reduce", type(self).__name__)
+
+    def all_gather(self, x: V, c: Collective, shape: tuple[int, ...]) -> V:
+        raise UnknownCollectiveError("all_gather", type(self).__name__)
+
+    def reduce_scatter(self, x: V, c: Collective, shape: tuple[int, ...]) -> V:
+        raise UnknownCollectiveError("reduce_scatter", type(self).__name__)
+
+    def all_to_all(self, x: V, c: Collective, shape: tuple[int, ...]) -> V:
+        raise UnknownCollectiveError("all_to_all", type(self).__name__)
+
+    def local_split(self, x: V, c: Collective, shape: tuple[int, ...]) -> V:
+        raise UnknownCollectiveError("local_split", type(self).__name__)
+
+    def local_partial(self, x: V, c: Collective, shape: tuple[int, ...]) -> V:
+        raise UnknownCollectiveError("local_partial", type(self).__name__)
+
+
+# run_op(op, local input values, output shardings) -> list of local output values, one per op.outputs
+OpRunner = Callable[[MetaOp, list, list[Sharding]], Sequence]
+
+
+@dataclass
+class Interpretation(Generic[V]):
+    """What one walk of the plan produced."""
+
+    outputs: dict[str, V]                      # graph output (not state) -> value, whole
+    state: dict[str, V]                        # state input -> its updated value, stored as the input is
+    values: dict[str, V] = field(default_factory=dict)   # every op output, local, before any edge
+    collectives: list[tuple[str, Collective]] = field(default_factory=list)  # (var, collective) as run
+
+
+def edge_key(var: str, collectives: Sequence[Collective]) -> tuple:
+    """Two edges with equal keys move the same value the same way: they share one result."""
+    return (var, tuple((c.kind, c.axis, c.dims, c.reduce, str(c.before), str(c.after)) for c in collectives))
+
+
+def op_output_shardings(plan: Any, op: MetaOp, mesh: Mesh) -> list[Sharding]:
+    """The Shardings of ``op``'s outputs under ``plan`` (replicated when the plan chose no strategy)."""
+    st = plan.strategies.get(op.id)
+    return list(st.outputs) if st is not None else [Sharding.replicated(mesh.ndim)] * len(op.outputs)
+
+
+def final_sharding(plan: Any, var: str, edge: Any, mesh: Mesh) -> Sharding:
+    if edge is not None:
+        return edge.dst_sharding
+    return plan.var_shardings.get(var, Sharding.replicated(mesh.ndim))
+
+
+def check_plan_ends(graph: MetaIR, plan: Any, mesh: Mesh) -> None:
+    """Graph outputs must end whole and updated state as its input is stored; raise PlanError if not."""
+    _, finals = plan.edge_index()
+    state_outs = set(graph.aliases.values())
+    rep = Sharding.replicated(mesh.ndim)
+    for o in graph.outputs:
+        if o in state_outs:
+            continue
+        sh = final_sharding(plan, o, finals.get((o, OUTPUT)), mesh)
+        if not sh.is_fully_replicated():
+            raise PlanError(f"graph output {o} ends as {sh}, not whole on every device; the plan needs an "
+                            f"<output> edge that gathers it")
+    for s_in, s_out in graph.aliases.items():
+        sh = final_sharding(plan, s_out, finals.get((s_out, s_in)), mesh)
+        want = plan.input_shardings.get(s_in, rep)
+        if sh != want:
+            raise PlanError(f"updated state {s_out} ends as {sh}, but its input {s_in} is stored as {want}")
+
+
+def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run_op: OpRunner,
+              collectives: Collectives, *, keep_values: bool = False) -> Interpretation:
+    """Walk ``plan`` over ``graph``: ``inputs`` are the local values of the graph inputs."""
+    check_plan_ends(graph, plan, mesh)
+    incoming, finals = plan.edge_index()
+    env: dict[str, Any] = dict(inputs)
+    shared: dict[tuple, Any] = {}
+    result = Interpretation({}, {})
+
+    def move(var: str, edge: Any) -> Any:
+        x = env[var]
+        if edge is None or not edge.collectives:
+            return x
+        key = edge_key(var, edge.collectives)
+        if key in shared:
+            return shared[key]
+        shape = tuple(graph.vars[var].shape or ())
+        for c in edge.collectives:
+            fn = getattr(collectives, c.kind, None) if c.kind in COLLECTIVE_KINDS else None
+            if fn is None:
+                raise UnknownCollectiveError(c.kind, type(collectives).__name__)
+            x = fn(x, c, shape)
+            result.collectives.append((var, c))
+        shared[key] = x
+        return x
+
+    for op in graph.ops:
+        ins = [move(v, incoming.get((op.id, slot))) for slot, v in enumerate(op.inputs)]
+        outs = list(run_op(op, ins, op_output_shardings(plan, op, mesh)))
+        if len(outs) != len(op.outputs):
+            raise RuntimeError(f"op {op.id} ({op.key}) gave {len(outs)} outputs, the graph has {len(op.outputs)}")
+        for v, x in zip(op.outputs, outs):
+            env[v] = x
+            if keep_values:
+                result.values[v] = x
+    state_outs = set(graph.aliases.values())
+    for o in graph.outputs:
+        if o not in state_outs:
+            result.outputs[o] = move(o, finals.get((o, OUTPUT)))
+    for s_in, s_out in graph.aliases.items():
+        result.state[s_in] = move(s_out, finals.get((s_out, s_in)))
+    return result
+
+
+__all__ = ["Collectives", "Interpretation", "OpRunner", "PlanError", "interpret", "edge_key",
+           "op_output_shardings", "check_plan_ends", "COLLECTIVE_KINDS", "OUTPUT"]

@@ -1,0 +1,104 @@
+"""The one driver: a toy frontend (the numpy reference frontend) registered through the same hook as
+torch, JAX and TVM, compiled through compile_step / CompiledStep, and checked against the unsplit run."""
+import numpy as np
+import pytest
+
+from metadist_core import cli, planonly
+from metadist_core.frontend import Frontend, Traced
+from metadist_core.hookspecs import hookimpl
+from metadist_core.pipeline import CompiledStep, compile_step
+from metadist_core.config import load_settings
+from metadist_core.plugins import PluginManager, UnknownSolverError
+from metadist_core.reference import ReferenceFrontend, run_graph, transformer_block
+
+
+class ToyPlugin:
+    """A plugin module's worth of hooks: one hook, returning the adapter."""
+
+    @hookimpl
+    def metadist_frontend(self):
+        fe = ReferenceFrontend()
+        fe.name = "toy"
+        return fe
+
+
+def _pm():
+    pm = PluginManager()
+    pm.register(ToyPlugin(), "frontend", "toy")
+    return pm
+
+
+def _inputs(graph, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(graph.vars[v].shape) for v in graph.inputs]
+
+
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)])
+def test_toy_frontend_compiles_through_the_driver(tmp_path, mesh):
+    pm = _pm()
+    fe = pm.frontend("toy")
+    assert isinstance(fe, Frontend) and fe.owns(type("Op", (), {"key": "np.matmul"})())
+    res = compile_step(fe, transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32},
+                       load_settings(cache_dir=str(tmp_path), progress=False), mesh=mesh, plugins=pm)
+    assert set(res.timings) >= {"trace", "discover", "build_problem", "solve", "lower"}
+    assert res.mesh.shape == mesh and res.plan.mesh_shape == mesh
+    for seed in (1, 2):   # data the planner never saw
+        ins = _inputs(res.graph, seed)
+        outs, _ = res.runnable(*ins)
+        ref = run_graph(res.graph, dict(zip(res.graph.inputs, ins)))
+        for k, v in outs.items():
+            np.testing.assert_allclose(v, ref[k], rtol=1e-12, atol=1e-12)
+
+
+def test_compiled_step_caches_by_signature(tmp_path):
+    pm = _pm()
+    calls = []
+
+    def build(width):
+        calls.append(width)
+        return transformer_block(batch=4, seq=4, width=width, hidden=2 * width)
+
+    step = CompiledStep(pm.frontend("toy"), build, mesh=(2,), plugins=pm, cache_dir=str(tmp_path), progress=False)
+    assert step.plan is None and step.timings == {}
+    step.compile(8)
+    first = step.plan
+    step.compile(8)
+    assert calls == [8] and step.plan is first
+    step.compile(16)
+    assert calls == [8, 16] and step.plan is not first and len(step.cache) == 2
+
+
+def test_unknown_solver_fails_before_any_work():
+    with pytest.raises(UnknownSolverError, match="unknown solver 'nope'; known solvers: .*ilp"):
+        CompiledStep(ReferenceFrontend(), transformer_block, solver="nope")
+
+
+def test_plan_only_is_handled_by_the_driver(tmp_path, monkeypatch, capsys):
+    """Any frontend gets `metadist plan`: the driver plans for the requested mesh and ends the script."""
+    out = tmp_path / "p.json"
+    monkeypatch.setenv(planonly.ENV, '{"mesh": [2, 4], "out": "%s", "cache_dir": "%s"}' % (out, tmp_path))
+    pm = _pm()
+    with pytest.raises(planonly.PlanOnlyDone):
+        compile_step(pm.frontend("toy"), transformer_block, (), {}, load_settings(progress=False), plugins=pm)
+    assert out.is_file() and "planned on mesh 2x4" in capsys.readouterr().out
+
+
+class Misspelled:
+    @hookimpl
+    def metadist_frontnd(self):  # noqa: the typo is the point
+        return None
+
+
+def test_misspelled_hook_is_an_error_naming_it():
+    pm = PluginManager(load_entry_points=False)
+    with pytest.raises(ValueError, match="metadist_frontnd"):
+        pm.register(Misspelled(), "frontend", "typo")
+    assert "typo" not in pm.names("frontend")
+
+
+@pytest.mark.parametrize("argv", [["demo", "--solver", "nope"], ["demo", "--reference", "--solver", "nope"],
+                                  ["plan", "x.py", "--solver", "nope"], ["plan", "g.json", "--solver", "nope"]])
+def test_cli_unknown_solver_is_one_line_and_launches_nothing(capsys, argv):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'nope'" in err and "ilp" in err and "beam" in err and "Traceback" not in err
