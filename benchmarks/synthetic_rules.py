@@ -126,6 +126,6 @@ def synthetic_rulebook(graph: MetaIR) -> RuleBook:
     book = RuleBook()
     for sig, op in graph.unique_signatures().items():
         rules = rules_for_op(op, graph)
-        book.add(sig, OpRules(op.key, rules, 2, "ok" if rules else "replicated",
+        book.add_op(op, graph, OpRules(op.key, rules, 2, "ok" if rules else "replicated",
                               "" if rules else "no hand-derived rule"))
     return book

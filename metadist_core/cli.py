@@ -86,10 +86,10 @@ def cmd_rules(args) -> int:
         graph = load_graph(args.target)
         book = RuleBook.load(args.cache_dir) if not args.no_cache else RuleBook()
         from .discover import discover
-        discover(graph, pm, book, axis_size=args.axis_size, save=not args.no_cache)
+        discover(graph, pm, book, axis_sizes=(args.axis_size,), save=not args.no_cache)
         rows = [("op signature", "status", "#rules", "rules")]
         for sig, op in graph.unique_signatures().items():
-            e = book.get(sig)
+            e = book.lookup(op, graph, args.axis_size)
             rows.append((_short_sig(sig), e.status, str(len(e.rules)), "; ".join(map(str, e.rules[: args.max_rules]))
                          + (" ..." if len(e.rules) > args.max_rules else "")))
         _print_table(rows)

@@ -28,12 +28,16 @@ def run_demo(mesh_text: str = "4", solver: str | None = None, cache_dir: str | N
     graph = transformer_block(batch=8, seq=16, width=32, hidden=128, name="demo-block")
     print(f"MetaDist demo: a transformer block ({len(graph.ops)} ops, numpy reference frontend) "
           f"on a simulated mesh {mesh} with solver {settings.solver!r}")
-    result = plan_graph(graph, mesh, plugins=pm, settings=settings, progress=True)
-    sigs = graph.unique_signatures()
-    n_sig = len(sigs)
-    n_rules = sum(len(result.rulebook.rules(s)) for s in sigs)
-    print(f"rules: {n_rules} verified one-axis rules over {n_sig} op signatures "
+    import dataclasses
+    result = plan_graph(graph, mesh, plugins=pm, settings=dataclasses.replace(settings, progress=True))
+    sizes = sorted({n for n in mesh.shape if n > 1})
+    keys = {(e.key, n) for n in sizes for op in graph.ops if (e := result.rulebook.lookup(op, graph, n))}
+    n_rules = sum(len(result.rulebook.rules_for(op, graph, n)) for n in sizes
+                  for op in graph.unique_signatures().values())
+    print(f"rules: {n_rules} verified one-axis rules over {len(graph.unique_signatures())} op signatures and "
+          f"{result.rulebook.discovered + result.rulebook.cache_hits} op patterns "
           f"({result.rulebook.cache_hits} read from the cache)")
+    del keys
     print(result.plan)
 
     rng = np.random.default_rng(0)

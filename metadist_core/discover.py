@@ -1,46 +1,75 @@
-"""Graph-level discovery: a RuleBook entry for every distinct op signature of a MetaIR.
+"""Graph-level discovery: a RuleBook entry for every op **pattern** of a MetaIR, per mesh axis size.
 
-Signatures already in the RuleBook (loaded from the on-disk cache) are not run
-again. An op whose frontend cannot run it in isolation, or for which no rule
-verifies, is recorded as running replicated, with one warning naming the op.
+Ops of one pattern (see :mod:`metadist_core.patterns`) share their rules, so a
+12-layer model costs no more discovery than a 2-layer one, and a wide model no
+more than a narrow one: each pattern runs once, at small proxy sizes, twice
+(two proxy instances; a rule must hold at both), on every axis size of the
+mesh. An op the frontend cannot run at proxy sizes (or whose pattern a proxy
+cannot keep) is discovered at its real shapes. Patterns already in the RuleBook
+(the on-disk cache) are not run again. An op whose frontend cannot run it in
+isolation, or for which no rule verifies, is recorded as running replicated,
+with one warning naming the op.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
 
 from .ir import MetaIR, MetaOp
+from .patterns import NoProxy, Pattern, op_pattern, proxy_op
 from .progress import Progress
 from .rules import OpRules, RuleBook, ShardingRule
-from .shardcombine import DiscoveryStats, Unrunnable, discover_rules
+from .shardcombine import DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
 
 log = logging.getLogger("metadist.discover")
 
 
-def _n_tensor_io(op: MetaOp, graph: MetaIR) -> tuple[int, int]:
-    return len(op.inputs), len(op.outputs)
+def _proxies_ok(ops: Any, op: MetaOp) -> bool:
+    """Does the frontend of ``op`` build its OpSpec from the graph's shapes and ``op.attrs`` alone?"""
+    owner = getattr(ops, "owner", None)
+    fe = owner(op) if owner is not None else None
+    return bool(getattr(fe, "proxy_shapes", False))
 
 
-def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_size: int = 2,
-             save: bool = True, progress: bool | None = None, draws: int = 2) -> RuleBook:
-    """Fill ``rulebook`` with rules for every distinct op signature in ``graph``.
+def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_sizes: Sequence[int] = (2,),
+             save: bool = True, progress: bool | None = None, draws: int = 2, axis_size: int | None = None
+             ) -> RuleBook:
+    """Fill ``rulebook`` with the rules of every op pattern of ``graph`` on axes of ``axis_sizes`` devices.
 
     ``ops`` answers ``op_spec(op, graph)`` (a ``PluginManager``: the frontend that
     owns the op). Rules found are saved to the rulebook's cache file when
     ``save`` is true and the rulebook has a cache dir.
     """
     book = rulebook if rulebook is not None else RuleBook()
-    sigs = graph.unique_signatures()
-    todo = {s: op for s, op in sigs.items() if s not in book}
-    book.cache_hits += len(sigs) - len(todo)
+    sizes = sorted({int(n) for n in ([axis_size] if axis_size else axis_sizes) if int(n) > 1})
+    todo: dict[str, tuple[MetaOp, Pattern]] = {}
+    seen: set[str] = set()
+    memo: dict[tuple[str, int, bool], Pattern] = {}
+    for n in sizes:
+        for op in graph.ops:
+            proxies = _proxies_ok(ops, op)
+            mk = (op.signature(graph), n, proxies)
+            pat = memo.get(mk)
+            if pat is None:
+                pat = memo[mk] = op_pattern(op, graph, n, proxies)
+            if pat.key in seen:
+                continue
+            seen.add(pat.key)
+            if book.lookup(op, graph, n) is None:
+                todo[pat.key] = (op, pat)
+    book.cache_hits += len(seen) - len(todo)
     if todo:
-        log.info("discovering rules for %d of %d op signatures (%d cached)", len(todo), len(sigs), len(sigs) - len(todo))
+        log.info("discovering rules for %d of %d op patterns (%d cached) on axes of %s devices",
+                 len(todo), len(seen), len(seen) - len(todo), "/".join(map(str, sizes)))
     warned: set[str] = set()
-    show = False if not todo else progress  # None: the bar decides from the terminal and METADIST_PROGRESS
-    with Progress(len(todo), "discover", enabled=show) as bar:
-        for sig, op in todo.items():
-            book.add(sig, discover_op(op, graph, ops, axis_size, warned, draws=draws))
+    show = False if not todo else progress  # None: the bar decides from the terminal and the progress setting
+    with Progress(len(todo), f"discover ({len(todo)} op patterns)", enabled=show) as bar:
+        for key, (op, pat) in todo.items():
+            entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws)
+            book.add(used, entry)
             book.discovered += 1
             bar.update(1, op.key)
     if todo and save:
@@ -48,18 +77,83 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
     return book
 
 
+def _scalars(attrs: Any) -> list[float]:
+    """The numbers among an op's static attributes (bounds, thresholds, epsilons, ignore indices...)."""
+    out: list[float] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, bool):
+            return
+        if isinstance(x, (int, float)):
+            if np.isfinite(x) and abs(x) < 2 ** 31:
+                out.append(float(x))
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict) and not (len(x) == 1 and next(iter(x)) in ("$in", "var")):
+            for v in x.values():
+                walk(v)
+    walk({k: v for k, v in (attrs or {}).items() if not k.startswith("_") and k != "select"})
+    return sorted(set(out))
+
+
+def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check_shapes: bool) -> list[ShardingRule]:
+    if check_shapes:   # the proxy must be the same op: its outputs have the proxy graph's shapes
+        outs = spec.fn(*spec.example_inputs)
+        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+        for v, o in zip(op.outputs, outs):
+            want = graph.vars[v].shape
+            if want is not None and hasattr(o, "shape") and tuple(np.shape(o)) != tuple(want):
+                raise NoProxy(f"at proxy sizes it makes {v} of shape {tuple(np.shape(o))}, not {tuple(want)}")
+    return discover_rules(spec, n, draws=draws, scalars=_scalars(op.attrs))
+
+
+def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warned: set[str] | None = None, *,
+                     draws: int = 2) -> tuple[OpRules, str]:
+    """The rules of ``op``'s pattern and the RuleBook key they belong under (the exact signature's key
+    when the op had to be discovered at its real shapes)."""
+    n = pattern.axis_size
+    if pattern.proxied:
+        t0 = time.perf_counter()
+        try:
+            found = []
+            for instance in (0, 1):
+                p_op, p_graph = proxy_op(op, graph, n, instance)
+                spec = ops.op_spec(p_op, p_graph)
+                if spec is None:
+                    raise NoProxy(f"no loaded frontend runs ops with key {op.key!r}")
+                found.append(_rules_at(spec, p_graph, p_op, n, draws, True))
+            both = [r for r in found[0] if r in set(found[1])]   # a rule must hold at two proxy sizes
+            if both:
+                return OpRules(op.key, both, n, "ok", "", time.perf_counter() - t0), pattern.key
+            raise NoProxy("no rule held at both proxy sizes")
+        except RandomOp as e:   # random at any size: it runs replicated, no need to try it at full size
+            if warned is not None and op.key not in warned:
+                warned.add(op.key)
+                log.warning("op %s (%s) runs replicated: %s", op.key, op.id, e)
+            return (OpRules(op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], n, "replicated",
+                            str(e)), pattern.key)
+        except (NoProxy, Unrunnable) as e:
+            log.info("op %s (%s) is discovered at its real shapes: %s", op.key, op.id, e)
+        except Exception as e:  # noqa: BLE001 - a frontend that fails at proxy sizes falls back to real shapes
+            log.info("op %s (%s) failed at proxy sizes (%s: %s); discovered at its real shapes",
+                     op.key, op.id, type(e).__name__, e)
+        pattern = op_pattern(op, graph, n, proxies=False)
+    return discover_op(op, graph, ops, n, warned, draws=draws), pattern.key
+
+
 def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned: set[str] | None = None, *,
                 draws: int = 2) -> OpRules:
-    """Rules for one op; never raises for a bad op (it runs replicated instead)."""
+    """Rules for one op at its own shapes; never raises for a bad op (it runs replicated instead)."""
     warned = warned if warned is not None else set()
-    n_in, n_out = _n_tensor_io(op, graph)
+    n_in, n_out = len(op.inputs), len(op.outputs)
     t0 = time.perf_counter()
     try:
         spec = ops.op_spec(op, graph)
         if spec is None:
             raise Unrunnable(f"no loaded frontend runs ops with key {op.key!r}")
         stats = DiscoveryStats()
-        rules = discover_rules(spec, axis_size, stats=stats, draws=draws)
+        rules = discover_rules(spec, axis_size, stats=stats, draws=draws, scalars=_scalars(op.attrs))
         if not rules:
             raise Unrunnable("no candidate placement reproduced the full result, not even replication")
         _check_arity(op, rules, n_in, n_out)

@@ -54,6 +54,7 @@ class Frontend:
     op_prefixes: tuple[str, ...] = ()
     description: str = ""
     runner_module: str = ""   # a module with op_spec(op, graph) and op_cost(op, graph), imported on first use
+    proxy_shapes: bool = False  # op_spec reads only the graph's shapes and op.attrs: discovery may use proxy sizes
 
     # -- the flow ---------------------------------------------------------------
     def signature(self, args: tuple, kwargs: dict) -> Hashable:

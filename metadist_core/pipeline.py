@@ -71,7 +71,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
-    book = discover(graph, pm, RuleBook.load(s.cache_dir), axis_size=s.axis_size, progress=s.progress,
+    book = discover(graph, pm, RuleBook.load(s.cache_dir), axis_sizes=mesh.shape, progress=s.progress,
                     draws=s.verify_draws)
     timings["discover"] = time.perf_counter() - t
 

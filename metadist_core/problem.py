@@ -266,9 +266,9 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     compute: list[np.ndarray] = []
     strat_cache: dict[tuple, tuple[list[Strategy], list[int]]] = {}
     warned: set[str] = set()
-    useful = useful_rules(graph, rulebook) if prune else {
-        op.id: ([] if (e := rulebook.get(op.signature(graph))) is None or e.status != "ok" else list(e.rules))
-        for op in graph.ops}
+    sizes = sorted({n for n in mesh.shape if n > 1})
+    useful = useful_rules(graph, rulebook, sizes) if prune else {
+        op.id: {n: rulebook.rules_for(op, graph, n) for n in sizes} for op in graph.ops}
     for v in graph.inputs:
         mv = graph.vars[v]
         opts = input_options(mv.shape, mesh)
@@ -278,10 +278,11 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
         t_in = [v for v in op.inputs if graph.vars[v].is_tensor]
         in_shapes = [graph.vars[v].shape for v in t_in]
         out_shapes = [graph.vars[v].shape for v in op.outputs]
-        rules = [r for r in useful[op.id] if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs)]
-        sig = (op.signature(graph), tuple(rules))
+        rules = {n: tuple(r for r in rs if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs))
+                 for n, rs in useful[op.id].items()}
+        sig = (op.signature(graph), tuple(sorted(rules.items())))
         if sig not in strat_cache:
-            if not rules and op.key not in warned:
+            if not any(rules.values()) and op.key not in warned:
                 warned.add(op.key)
                 log.debug("op %s (%s) has no sharding rules here; it runs replicated", op.id, op.key)
             strats = expand_rules(rules, mesh, in_shapes, out_shapes)

@@ -12,18 +12,28 @@ rule of its producer. One pass in topological order decides it.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from .ir import MetaIR
 from .placement import Partial
 from .rules import RuleBook, ShardingRule
 
 
-def useful_rules(graph: MetaIR, rulebook: RuleBook) -> dict[str, list[ShardingRule]]:
-    """op id -> the rules of its signature that are not dominated (see the module docstring)."""
+def useful_rules(graph: MetaIR, rulebook: RuleBook, axis_sizes: Sequence[int] = (2,)
+                 ) -> dict[str, dict[int, list[ShardingRule]]]:
+    """op id -> axis size -> the rules verified at that size that are not dominated (see the module docstring)."""
+    out: dict[str, dict[int, list[ShardingRule]]] = {op.id: {} for op in graph.ops}
+    for n in sorted(set(axis_sizes)):
+        for op_id, kept in _useful_at(graph, rulebook, n).items():
+            out[op_id][n] = kept
+    return out
+
+
+def _useful_at(graph: MetaIR, rulebook: RuleBook, n: int) -> dict[str, list[ShardingRule]]:
     genuine: dict[str, set[str]] = {}  # var id -> reduce ops it can genuinely be partial in
     out: dict[str, list[ShardingRule]] = {}
     for op in graph.ops:
-        entry = rulebook.get(op.signature(graph))
-        rules = [] if entry is None or entry.status != "ok" else entry.rules
+        rules = rulebook.rules_for(op, graph, n)
         t_in = [v for v in op.inputs if graph.vars[v].is_tensor]
         kept = []
         for r in rules:

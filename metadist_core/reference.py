@@ -176,6 +176,7 @@ class ReferenceFrontend(Frontend):
     op_prefixes = ("np.",)
     description = "numpy reference ops, for tests and the framework-free demo"
     runner_module = "metadist_core.reference"
+    proxy_shapes = True
 
     def signature(self, args: tuple, kwargs: dict) -> Any:
         return (tuple(repr(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items())))

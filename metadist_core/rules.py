@@ -21,7 +21,7 @@ from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, par
 
 log = logging.getLogger("metadist.rules")
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2   # 2: entries keyed by op pattern and axis size (metadist_core.patterns)
 CACHE_FILE = "rules-v%d.json" % CACHE_VERSION
 
 
@@ -119,7 +119,8 @@ def _tensor_ok(shape: Sequence[int] | None, placements: Sequence[Placement], mes
             n = mesh.shape[axis]
             if local[d] < n:
                 return False
-            if local[d] % n and discovered_axis_size is not None and (n != discovered_axis_size or d in split):
+            if local[d] % n and discovered_axis_size is not None and \
+                    ((discovered_axis_size and n != discovered_axis_size) or d in split):
                 return False
             split.add(d)
             local[d] = -(-local[d] // n)
@@ -127,7 +128,7 @@ def _tensor_ok(shape: Sequence[int] | None, placements: Sequence[Placement], mes
 
 
 def expand_rules(
-    rules: Sequence[ShardingRule],
+    rules: Sequence[ShardingRule] | Mapping[int, Sequence[ShardingRule]],
     mesh: Mesh,
     input_shapes: Sequence[Sequence[int] | None],
     output_shapes: Sequence[Sequence[int] | None],
@@ -136,6 +137,11 @@ def expand_rules(
     discovered_axis_size: int | None = 2,
 ) -> list[Strategy]:
     """Expand one-axis rules to N-D strategies: the product of one rule per mesh axis.
+
+    ``rules`` maps each axis size to the rules verified on an axis of that size
+    (a rule found on an axis of 4 is never used on an axis of 2: uneven splits
+    and views differ); a plain list serves every axis (verified at
+    ``discovered_axis_size``).
 
     A combination is dropped when a split dim would leave a device an empty
     piece. On a mesh axis of size 1 only the fully replicated rule is used
@@ -147,7 +153,10 @@ def expand_rules(
     rep = ShardingRule.replicated(n_in, n_out)
     per_axis: list[list[ShardingRule]] = []
     for size in mesh.shape:
-        per_axis.append([rep] if size == 1 else list(dict.fromkeys([rep, *rules])))
+        mine = rules.get(size, []) if isinstance(rules, Mapping) else rules
+        per_axis.append([rep] if size == 1 else list(dict.fromkeys([rep, *mine])))
+    if isinstance(rules, Mapping):
+        discovered_axis_size = 0   # each axis uses rules verified at its own size
     out: list[Strategy] = []
     seen = set()
     for combo in itertools.product(*per_axis):
@@ -190,6 +199,25 @@ class RuleBook:
 
     def add(self, signature: str, entry: OpRules) -> None:
         self.entries[signature] = entry
+
+    def add_op(self, op, graph, entry: OpRules, axis_sizes: Iterable[int] = (2, 4, 8, 16)) -> None:
+        """Record hand-made rules for ``op`` at its exact signature, for every axis size in ``axis_sizes``."""
+        from .patterns import op_pattern
+        for n in axis_sizes:
+            self.entries[op_pattern(op, graph, n, proxies=False).key] = entry
+
+    def lookup(self, op, graph, axis_size: int) -> OpRules | None:
+        """The rules of ``op`` on an axis of ``axis_size``: by its pattern (discovered at proxy sizes),
+        else by its exact signature (discovered at its real shapes); None when not discovered."""
+        for key in rule_keys(op, graph, axis_size):
+            e = self.entries.get(key)
+            if e is not None:
+                return e
+        return None
+
+    def rules_for(self, op, graph, axis_size: int) -> list[ShardingRule]:
+        e = self.lookup(op, graph, axis_size)
+        return [] if e is None or e.status != "ok" else list(e.rules)
 
     def to_json(self) -> dict:
         return {"version": CACHE_VERSION, "entries": {k: v.to_json() for k, v in sorted(self.entries.items())}}
@@ -255,6 +283,14 @@ class RuleBook:
                 pass
             raise
         return path
+
+
+def rule_keys(op, graph, axis_size: int) -> list[str]:
+    """The RuleBook keys that may hold ``op``'s rules on an axis of ``axis_size``, most general first."""
+    from .patterns import op_pattern
+    pat = op_pattern(op, graph, axis_size)
+    exact = op_pattern(op, graph, axis_size, proxies=False).key
+    return [pat.key, exact] if pat.key != exact else [exact]
 
 
 def default_cache_dir() -> Path:

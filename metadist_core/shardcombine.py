@@ -4,10 +4,12 @@ For every combination of candidate input placements (Replicate, Shard(dim) for
 each dim, Partial(reduce) for sum/avg/max/min) the op is run once per simulated
 device on that device's piece of every input; the per-device outputs are then
 tried against every way of combining them (identity, concat along a dim, sum,
-avg, max, min). A combination becomes a :class:`~metadist_core.rules.ShardingRule`
-only if the same combine reproduces the full op's result on every verification
-draw: two independent random draws plus one integer-valued draw, where an
-integer-valued full result must be matched exactly.
+avg, max, min; logical or/and for booleans, as max/min). A combination becomes a
+:class:`~metadist_core.rules.ShardingRule` only if the same combine reproduces
+the full op's result on every verification draw of every family in
+:mod:`metadist_core.verify` (random, integer-valued and matched exactly, wide,
+straddling each scalar argument, sparse, constant, wide integers, an integer
+argument on one shard only): data chosen against the ways a rule holds by luck.
 
 The op itself comes from a frontend as an :class:`OpSpec` working on numpy arrays.
 """
@@ -25,12 +27,17 @@ import numpy as np
 from .placement import REDUCE_OPS, Partial, Placement, Replicate, Shard, chunk_bounds, chunk_sizes
 from .reshape import reshape_local_shape
 from .rules import ShardingRule
+from .verify import families, partial_pieces
 
 log = logging.getLogger("metadist.shardcombine")
 
 
 class Unrunnable(Exception):
     """An op that cannot be run in isolation for discovery (random, data-dependent, custom)."""
+
+
+class RandomOp(Unrunnable):
+    """An op that gives different results on the same inputs (random or stateful)."""
 
 
 @dataclass
@@ -143,25 +150,7 @@ def split_input(x: np.ndarray, p: Placement, n: int, rng: np.random.Generator, i
     if isinstance(p, Shard):
         return [x[(slice(None),) * p.dim + (slice(*chunk_bounds(x.shape[p.dim], n, r)),)] for r in range(n)]
     assert isinstance(p, Partial)
-
-    def noise() -> np.ndarray:
-        if integer:
-            return rng.integers(-3, 4, size=x.shape).astype(x.dtype)
-        return rng.standard_normal(x.shape).astype(x.dtype)
-
-    if p.reduce in ("sum", "avg"):
-        target = x if p.reduce == "sum" else x * n
-        pieces = [noise() for _ in range(n - 1)]
-        rest = target - sum(pieces) if pieces else target
-        return pieces + [rest.astype(x.dtype)]
-    # max/min: a random device holds the true value per element, the others hold strictly less/more
-    owner = rng.integers(0, n, size=x.shape)
-    sign = -1 if p.reduce == "max" else 1
-    pieces = []
-    for r in range(n):
-        gap = (np.abs(noise()) + 1).astype(x.dtype)
-        pieces.append(np.where(owner == r, x, x + sign * gap).astype(x.dtype))
-    return pieces
+    return partial_pieces(x, p.reduce, n, rng, integer)
 
 
 # -- combining per-device outputs --------------------------------------------
@@ -194,7 +183,10 @@ def combine(pieces: list[Any], p: Placement, full: Any) -> Any | None:
     if any(x.shape != full.shape for x in pieces):
         return None
     if full.dtype == np.bool_:
-        return None
+        if p.reduce not in ("max", "min"):   # or / and
+            return None
+        stack = np.stack(pieces)
+        return stack.any(axis=0) if p.reduce == "max" else stack.all(axis=0)
     stack = np.stack(pieces)
     with np.errstate(invalid="ignore", over="ignore"):
         if p.reduce == "sum":
@@ -282,7 +274,8 @@ class _Runner:
 
     def full(self, inputs: Sequence[np.ndarray]) -> list[Any]:
         self.stats.runs += 1
-        return _as_list(self.spec.fn(*inputs))
+        with np.errstate(all="ignore"):   # wide draws overflow exp and friends on purpose
+            return _as_list(self.spec.fn(*inputs))
 
     def pieces(self, combo: tuple[Placement, ...], inputs: Sequence[np.ndarray], rng: np.random.Generator,
                integer: bool) -> list[list[Any]] | None:
@@ -299,7 +292,8 @@ class _Runner:
                         return None
                     out = _as_list(self.spec.reshape_fn(local[0], target))
                 else:
-                    out = _as_list(self.spec.fn(*local))
+                    with np.errstate(all="ignore"):
+                        out = _as_list(self.spec.fn(*local))
             except Exception:  # a candidate the op refuses is a rejected candidate, never a crash
                 self.stats.raised += 1
                 return None
@@ -310,11 +304,13 @@ class _Runner:
 
 
 def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: int = 0,
-                   stats: DiscoveryStats | None = None) -> list[ShardingRule]:
+                   stats: DiscoveryStats | None = None, scalars: Sequence[float] = ()) -> list[ShardingRule]:
     """Every verified one-axis ShardingRule of the op in ``spec`` on an axis of ``axis_size`` devices.
 
-    Raises :class:`Unrunnable` when the op cannot be run on its examples or
-    does not give the same result twice (a random op).
+    ``scalars`` are the op's scalar static arguments (bounds, thresholds, ignore
+    indices): verification draws straddle and exceed them. Raises
+    :class:`Unrunnable` when the op cannot be run on its examples, and
+    :class:`RandomOp` when it does not give the same result twice.
     """
     t0 = time.perf_counter()
     stats = stats if stats is not None else DiscoveryStats()
@@ -330,22 +326,20 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
     # a rule that depends on its sign could pass a few draws by luck, so take more.
     if any(_is_tensor(x) and _is_float(x) and 0 < x.size < 16 for x in examples):
         draws = max(draws, 12)
-    # Verification draws: the examples, `draws` random draws, one integer-valued draw.
-    draw_inputs: list[tuple[list[np.ndarray], bool]] = [(examples, False)]
-    for _ in range(max(draws, 2) - 1):
-        draw_inputs.append((sampler(rng, False), False))
-    if any(_is_tensor(x) and _is_float(x) for x in examples):
-        draw_inputs.append((sampler(rng, True), True))
+    draw_inputs: list[tuple[list[np.ndarray], bool]] = []
     fulls = []
-    for inputs, integer in draw_inputs:
+    for family, inputs, integer in families(examples, sampler, rng, scalars, draws):
         try:
             out = runner.full(inputs)
             again = runner.full(inputs)
         except Exception as e:
-            raise Unrunnable(f"{spec.name} raised on its example inputs: {type(e).__name__}: {e}") from e
+            if family == "examples":
+                raise Unrunnable(f"{spec.name} raised on its example inputs: {type(e).__name__}: {e}") from e
+            continue   # a family this op does not accept (say, an index out of range): not evidence
         if len(out) != len(again) or not all(_same(a, b, True) for a, b in zip(out, again)):
-            raise Unrunnable(f"{spec.name} gives different results on the same inputs (random or stateful)")
+            raise RandomOp(f"{spec.name} gives different results on the same inputs (random or stateful)")
         # an integer-valued draw is checked exactly only where the full result stays integral
+        draw_inputs.append((inputs, integer))
         fulls.append((out, integer and all(_integral(o) for o in out)))
 
     cands = [input_candidates(x, n, spec.partial_inputs) for x in examples]

@@ -7,7 +7,7 @@ def rulebook(graph: MetaIR) -> RuleBook:
     from benchmarks.synthetic_rules import rules_for_op
     book = RuleBook()
     for sig, op in graph.unique_signatures().items():
-        book.add(sig, OpRules(op.key, rules_for_op(op, graph)))
+        book.add_op(op, graph, OpRules(op.key, rules_for_op(op, graph)))
     return book
 
 

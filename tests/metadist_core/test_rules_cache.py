@@ -51,18 +51,20 @@ def test_rulebook_json_round_trip(tmp_path):
     assert path.name == CACHE_FILE
     again = RuleBook.load(tmp_path)
     assert again.rules("k|8x4|float32|x") == book.rules("k|8x4|float32|x")
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == 2
 
 
 def test_second_discovery_reads_the_cache(tmp_path):
     ir = transformer_block()
     pm, front = _pm()
     book = discover(ir, pm, RuleBook.load(tmp_path))
-    n_sigs = len(ir.unique_signatures())
-    assert front.calls == n_sigs and book.discovered == n_sigs
+    n_patterns = len(book.entries)
+    assert n_patterns <= len(ir.unique_signatures())
+    # every pattern runs at two proxy sizes (an op a proxy cannot keep runs once, at its real shapes)
+    assert n_patterns <= front.calls <= 2 * n_patterns and book.discovered == n_patterns
     pm2, front2 = _pm()
     book2 = discover(ir, pm2, RuleBook.load(tmp_path))
-    assert front2.calls == 0 and book2.cache_hits == n_sigs
+    assert front2.calls == 0 and book2.cache_hits == n_patterns
     assert {s: book2.rules(s) for s in book2.entries} == {s: book.rules(s) for s in book.entries}
 
 

@@ -1,0 +1,247 @@
+"""Op patterns and proxy shapes: what an op's sharding rules depend on, and small shapes that keep it.
+
+A rule found for one op serves every op of the same **pattern**: the same op
+key (canonical where :mod:`metadist_core.canonical` maps it), dtypes, ranks,
+static attributes that are not sizes, which dims are small (and their exact
+size: 1 stays 1, a kernel of 3 stays 3), which large sizes are equal, which are
+products or small multiples of others (what a view or a split needs), and the
+remainder of each large size divided by the mesh axis size. Everything else —
+the width, the sequence, the vocabulary, the batch — is free, so discovery runs
+each pattern once at small **proxy** sizes and the rules serve every model size.
+
+:func:`op_pattern` reads the pattern of an op; :func:`proxy_op` builds the same
+op at proxy sizes (instance 0 or 1: two different proxies, so that a rule must
+hold at two sizes). Size-bearing static arguments (view shapes, split sizes,
+slice bounds, arange ends...) are rewritten by value: every integer in the
+attributes that equals a large size of the op becomes its proxy. An integer
+that is large but is no size of the op (a slice bound in the middle of a dim,
+an index) cannot be rewritten: such an op is discovered at its real shapes
+(:class:`NoProxy` says why), never silently wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .ir import MetaIR, MetaOp
+
+SMALL = 4            # sizes up to this stay exactly as they are (1, pairs, kernels of 3, RGB...)
+MAX_MULTIPLE = 4     # a large size that is k x another (k <= this) keeps that relation (a fused qkv is 3 x width)
+SENTINEL = 2 ** 31   # integers this large in attributes mean "to the end" (slice ends), not sizes
+
+
+class NoProxy(Exception):
+    """An op whose pattern cannot be kept at proxy sizes; it is discovered at its real shapes."""
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """The pattern of one op on an axis of ``axis_size`` devices; ``key`` names it in the RuleBook."""
+
+    key: str
+    axis_size: int
+    proxied: bool                    # False: the key is the op's exact signature (discovered at real shapes)
+    basis: tuple[tuple[int, str], ...] = ()   # large size -> its symbol ("a0", "3*a0", "a0*a1")
+    reason: str = ""                 # why not proxied
+
+
+def _shapes(op: MetaOp, graph: MetaIR) -> list[tuple[int, ...] | None]:
+    return [None if graph.vars[v].shape is None else tuple(graph.vars[v].shape) for v in op.inputs + op.outputs]
+
+
+def view_relations(shapes: Sequence[Sequence[int] | None]) -> dict[int, tuple[int, ...]]:
+    """Sizes that a view or reshape merges or splits: ``{merged size: the sizes it is the product of}``.
+
+    For every two shapes of the op with the same number of elements, dims are
+    grouped where their running products meet (as a reshape moves them); a
+    group of one dim on one side and several on the other ties that size to
+    their product. Products that only happen to hold (64 = 8 x 8) are not kept.
+    """
+    rel: dict[int, tuple[int, ...]] = {}
+    full = [tuple(s) for s in shapes if s is not None and len(s) and 0 not in s]
+    for a in full:
+        for b in full:
+            if a == b or math.prod(a) != math.prod(b):
+                continue
+            i = j = 0
+            pa = pb = 1
+            ga: list[int] = []
+            gb: list[int] = []
+            while i < len(a) or j < len(b):
+                if (pa <= pb and i < len(a)) or j >= len(b):
+                    pa *= a[i]
+                    ga.append(a[i])
+                    i += 1
+                else:
+                    pb *= b[j]
+                    gb.append(b[j])
+                    j += 1
+                if pa == pb:
+                    xa, xb = [x for x in ga if x != 1], [x for x in gb if x != 1]
+                    if len(xa) == 1 and len(xb) > 1:
+                        rel.setdefault(xa[0], tuple(xb))
+                    elif len(xb) == 1 and len(xa) > 1:
+                        rel.setdefault(xb[0], tuple(xa))
+                    ga, gb = [], []
+    return rel
+
+
+def size_basis(shapes: Sequence[Sequence[int] | None]) -> dict[int, tuple]:
+    """Each large size (> SMALL) of the op's ``shapes`` as an expression over base sizes, smallest first.
+
+    ``("base", i)`` is the i-th base; ``("mul", k, s)`` is k x size s (k <= MAX_MULTIPLE: a concat,
+    a fused qkv); ``("prod", s1, s2, ...)`` is the product a view needs (:func:`view_relations`).
+    """
+    rel = view_relations(shapes)
+    sizes = {int(d) for s in shapes if s is not None for d in s}
+    out: dict[int, tuple] = {}
+    n_base = 0
+    for s in sorted(x for x in sizes if x > SMALL):
+        expr = None
+        factors = rel.get(s)
+        if factors is not None and all(f <= SMALL or f in out for f in factors):
+            expr = ("prod", *factors)
+        if expr is None:
+            for t in sorted(out):
+                if s % t == 0 and 2 <= s // t <= MAX_MULTIPLE:
+                    expr = ("mul", s // t, t)
+                    break
+        if expr is None:
+            expr = ("base", n_base)
+            n_base += 1
+        out[s] = expr
+    return out
+
+
+def _symbol(s: int, basis: Mapping[int, tuple], n: int) -> str:
+    if s <= SMALL:
+        return str(s)
+    e = basis[s]
+    if e[0] == "base":
+        return f"a{e[1]}%{s % n}"
+    if e[0] == "mul":
+        return f"{e[1]}*({_symbol(e[2], basis, n)})"
+    return "*".join(f"({_symbol(f, basis, n)})" for f in e[1:])
+
+
+def _map_attrs(x: Any, fn) -> Any:
+    """``x`` with ``fn`` applied to every integer (not bool) inside lists, tuples and dicts; references to
+    tensor inputs (``{"$in": i}``, ``{"var": name}``) are left alone."""
+    if isinstance(x, bool):
+        return x
+    if isinstance(x, dict) and len(x) == 1 and next(iter(x)) in ("$in", "var"):
+        return x
+    if isinstance(x, int):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_attrs(v, fn) for v in x)
+    if isinstance(x, dict):
+        return {k: _map_attrs(v, fn) for k, v in x.items()}
+    return x
+
+
+def _attr_ints(x: Any) -> list[int]:
+    found: list[int] = []
+    _map_attrs(x, lambda v: found.append(v) or v)
+    return found
+
+
+def op_pattern(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True) -> Pattern:
+    """The pattern of ``op`` on an axis of ``axis_size`` devices (``proxies=False``: its exact signature)."""
+    shapes = _shapes(op, graph)
+    dtypes = [graph.vars[v].dtype for v in op.inputs + op.outputs]
+    exact = Pattern(f"exact|{op.signature(graph)}|n={axis_size}", axis_size, False)
+    if not proxies:
+        return exact
+    basis = size_basis(shapes)
+    attrs = {k: v for k, v in (op.attrs or {}).items() if not k.startswith("_")}
+    bad = [v for v in _attr_ints(attrs) if v > SMALL and v < SENTINEL and v not in basis]
+    if bad:
+        return Pattern(exact.key, axis_size, False,
+                       reason=f"its static argument {bad[0]} is larger than {SMALL} but no size of its tensors")
+    sym_attrs = _map_attrs(attrs, lambda v: f"<{_symbol(v, basis, axis_size)}>" if SMALL < v < SENTINEL else v)
+    try:
+        attr_text = json.dumps(sym_attrs, sort_keys=True, default=str)
+    except (TypeError, ValueError) as e:
+        return Pattern(exact.key, axis_size, False, reason=f"its attributes are not plain data ({e})")
+    from .canonical import canonical_name
+    canon = canonical_name(op.key, op.attrs, [s for s in shapes[:len(op.inputs)]])
+    name = canon or op.key
+    if canon is not None:   # the canonical name says all the attributes say: one pattern for every frontend
+        attr_text = ""
+    dims = ";".join("-" if s is None else ",".join(_symbol(d, basis, axis_size) for d in s) or "()" for s in shapes)
+    digest = hashlib.sha1(f"{dims}|{attr_text}".encode()).hexdigest()[:16]
+    key = f"{name}|{','.join(dtypes)}|{len(op.inputs)}>{len(op.outputs)}|{digest}|n={axis_size}"
+    return Pattern(key, axis_size, True, tuple(sorted((s, _symbol(s, basis, axis_size)) for s in basis)))
+
+
+def proxy_sizes(basis: Mapping[int, tuple], axis_size: int, instance: int = 0) -> dict[int, int]:
+    """Small sizes for the large ones of ``basis``: each base keeps its remainder mod ``axis_size``, bases
+    stay distinct, products and multiples stay products and multiples. ``instance`` 0 and 1 differ."""
+    n = axis_size
+    floor = max(SMALL + 1, 2 * n)          # a proxy still splits over two axes of this size
+    used: set[int] = set()
+    out: dict[int, int] = {}
+    for s in sorted(basis):
+        e = basis[s]
+        if e[0] == "mul":
+            out[s] = e[1] * out[e[2]]
+        elif e[0] == "prod":
+            out[s] = math.prod(out.get(f, f) for f in e[1:])
+        else:
+            r = s % n
+            p = n * (-(-floor // n) + instance) + r
+            while p in used or p < floor or p <= SMALL:
+                p += n
+            out[s] = p
+        used.add(out[s])
+    return out
+
+
+def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0) -> tuple[MetaOp, MetaIR]:
+    """``op`` alone in a new graph whose large sizes are proxies (size-bearing attributes rewritten)."""
+    shapes = _shapes(op, graph)
+    basis = size_basis(shapes)
+    if not basis:
+        raise NoProxy("it has no size larger than the proxy threshold")
+    sizes = proxy_sizes(basis, axis_size, instance)
+
+    def fix(v: int) -> int:
+        if SMALL < v < SENTINEL:
+            if v not in sizes:
+                raise NoProxy(f"its static argument {v} is no size of its tensors")
+            return sizes[v]
+        return v
+
+    attrs = {k: (v if k.startswith("_") else _map_attrs(v, fix)) for k, v in (op.attrs or {}).items()}
+    g = MetaIR(f"proxy:{op.key}")
+    names = []
+    for v in op.inputs:
+        mv = graph.vars[v]
+        if v in g.vars:
+            names.append(v)
+            continue
+        shape = None if mv.shape is None else tuple(sizes.get(d, d) for d in mv.shape)
+        g.add_input(v, shape, mv.dtype, mv.role)
+        names.append(v)
+    outs = []
+    for v in op.outputs:
+        mv = graph.vars[v]
+        outs.append((v, None if mv.shape is None else tuple(sizes.get(d, d) for d in mv.shape), mv.dtype))
+    new = g.add_op(op.key, names, outs, attrs, id=op.id, payload=op.payload)
+    return new, g
+
+
+def proxy_numel(op: MetaOp, graph: MetaIR, axis_size: int) -> int:
+    """Elements of the op's tensors at proxy instance 1 (the larger): what discovery will handle."""
+    try:
+        p, g = proxy_op(op, graph, axis_size, 1)
+    except NoProxy:
+        return sum(math.prod(graph.vars[v].shape or ()) for v in op.inputs + op.outputs)
+    return sum(math.prod(g.vars[v].shape or ()) for v in p.inputs + p.outputs)
+
+
+__all__ = ["Pattern", "NoProxy", "op_pattern", "proxy_op", "proxy_sizes", "size_basis", "SMALL"]

@@ -1,0 +1,146 @@
+"""The draw families that verification uses: data chosen against the ways a rule can hold by luck.
+
+A candidate rule is accepted only if it reproduces the full op on every draw
+of every family that the op accepts. Each family targets one way a wrong rule
+survives convenient data:
+
+- ``random``: standard-normal floats, in-range integers, fair booleans;
+- ``integer``: small integer-valued floats, matched exactly where the result stays integral;
+- ``wide``: magnitudes far past every scalar static argument (bounds, thresholds, epsilons),
+  both signs, so a clamp whose bounds lie outside the drawn range is not taken for linear;
+- ``straddle``: values packed around each scalar argument, so both sides of a bound are seen;
+- ``sparse``: mostly zeros (booleans mostly False), so ``any`` over a piece is not always True;
+- ``constant``: one value everywhere (booleans all False);
+- ``int_wide``: negative and large integers for integer operands, so ``mul(float, int)`` cannot keep
+  Partial(max) and ``prod`` over integers cannot pass as Partial(min);
+- ``on_one_shard``: each integer scalar argument (an ``ignore_index``) written into the first half of
+  every integer operand only, so a loss whose ignored targets fall on one shard is seen.
+
+A family whose draw the full op refuses (an index out of range) is skipped for
+that op. :func:`partial_pieces` makes Partial(max/min) pieces whose gaps span
+several orders of magnitude, so pieces straddle a function's turning point.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+Sampler = Callable[[np.random.Generator, bool], list]
+FAMILIES = ("random", "integer", "wide", "straddle", "sparse", "constant", "int_wide", "on_one_shard")
+
+
+def _is_tensor(x: Any) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+def _is_float(x: np.ndarray) -> bool:
+    return np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.complexfloating)
+
+
+def _is_int(x: np.ndarray) -> bool:
+    return np.issubdtype(x.dtype, np.integer)
+
+
+def _fill(examples: Sequence[Any], floats: Callable[[tuple], np.ndarray] | None,
+          ints: Callable[[np.ndarray], np.ndarray] | None, bools: Callable[[tuple], np.ndarray] | None,
+          base: list) -> list:
+    """A draw: each float/int/bool tensor from its maker (or from ``base`` when that maker is None)."""
+    out = []
+    for x, b in zip(examples, base):
+        if not _is_tensor(x) or x.size == 0:
+            out.append(b)
+        elif _is_float(x):
+            out.append(b if floats is None else floats(x.shape).astype(x.dtype))
+        elif x.dtype == np.bool_:
+            out.append(b if bools is None else bools(x.shape))
+        elif _is_int(x):
+            out.append(b if ints is None else ints(x).astype(x.dtype))
+        else:
+            out.append(b)
+    return out
+
+
+def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator, scalars: Sequence[float],
+             draws: int = 2) -> Iterator[tuple[str, list, bool]]:
+    """``(family, inputs, integer_valued)`` for every verification draw, the examples first."""
+    yield "examples", list(examples), False
+    has_float = any(_is_tensor(x) and _is_float(x) for x in examples)
+    has_int = any(_is_tensor(x) and _is_int(x) for x in examples)
+    has_bool = any(_is_tensor(x) and x.dtype == np.bool_ for x in examples)
+    for _ in range(max(draws, 2) - 1):
+        yield "random", sampler(rng, False), False
+    if has_float:
+        yield "integer", sampler(rng, True), True
+    big = 4.0 * max([abs(s) for s in scalars] + [1.0]) + 10.0
+    if has_float:
+        yield "wide", _fill(examples, lambda sh: rng.standard_normal(sh) * big, None, None, sampler(rng, False)), False
+        for s in sorted(set(scalars), key=abs)[:4]:
+            span = max(abs(s) * 0.5, 1.0)
+            yield "straddle", _fill(examples, lambda sh, s=s, span=span: s + rng.uniform(-span, span, sh), None,
+                                    None, sampler(rng, False)), False
+    if has_float or has_bool:
+        def sparse(sh: tuple) -> np.ndarray:
+            out = np.zeros(sh)
+            k = max(1, out.size // 10)
+            out.flat[rng.choice(out.size, size=k, replace=False)] = rng.standard_normal(k) * 3
+            return out
+
+        def one_true(sh: tuple) -> np.ndarray:
+            out = np.zeros(sh, dtype=bool)
+            out.flat[rng.integers(0, out.size)] = True
+            return out
+
+        yield "sparse", _fill(examples, sparse, None, one_true, sampler(rng, False)), False
+        c = float(rng.standard_normal() * 3)
+        yield "constant", _fill(examples, lambda sh: np.full(sh, c), None, lambda sh: np.zeros(sh, dtype=bool),
+                                sampler(rng, False)), False
+    if has_int:
+        yield "int_wide", _fill(examples, None, lambda x: rng.integers(-1000, 1000, size=x.shape), None,
+                                sampler(rng, False)), False
+        for s in [s for s in scalars if float(s).is_integer()][:4]:
+            def on_first_half(x: np.ndarray, s: float = s) -> np.ndarray:
+                lo, hi = (int(x.min()), int(x.max())) if x.size else (0, 0)
+                y = rng.integers(lo, hi + 1, size=x.shape)
+                if x.ndim:
+                    y[: max(1, x.shape[0] // 2)] = int(s)
+                else:
+                    y = np.asarray(int(s))
+                return y
+            yield "on_one_shard", _fill(examples, None, on_first_half, None, sampler(rng, False)), False
+
+
+def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator, integer: bool) -> list[np.ndarray]:
+    """``n`` pieces whose ``reduce`` over devices is ``x``.
+
+    sum/avg: random pieces at the scale of ``x`` that add up; max/min: a random
+    device holds the true value per element, the others hold strictly less
+    (more) by gaps from 0.05 to 50 times the value's scale, so that pieces land
+    on both sides of any turning point of the op.
+    """
+    scale = float(np.max(np.abs(x))) if x.size and np.all(np.isfinite(x)) else 1.0
+    scale = max(scale, 1.0)
+
+    def noise() -> np.ndarray:
+        if integer:
+            return rng.integers(-3, 4, size=x.shape).astype(x.dtype)
+        return (rng.standard_normal(x.shape) * scale).astype(x.dtype)
+
+    if reduce in ("sum", "avg"):
+        target = x if reduce == "sum" else x * n
+        pieces = [noise() for _ in range(n - 1)]
+        rest = target - sum(pieces) if pieces else target
+        return pieces + [np.asarray(rest).astype(x.dtype)]
+    owner = rng.integers(0, n, size=x.shape)
+    sign = -1 if reduce == "max" else 1
+    pieces = []
+    for r in range(n):
+        if integer:
+            gap = rng.integers(1, 5, size=x.shape).astype(x.dtype)
+        else:
+            gap = (np.exp(rng.uniform(np.log(0.05), np.log(50.0), size=x.shape)) * scale).astype(x.dtype)
+        pieces.append(np.where(owner == r, x, x + sign * gap).astype(x.dtype))
+    return pieces
+
+
+__all__ = ["families", "partial_pieces", "FAMILIES"]
