@@ -12,11 +12,12 @@ from typing import Any
 def metadist_compile(fn: Any = None, **kwargs: Any) -> Any:
     """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``.
 
-    ``metadist_compile(mesh=None, solver=None, memory_budget=None, cache_dir=None, constraints=None)``;
+    ``metadist_compile(mesh=None, solver=None, memory_budget=None, cache_dir=None, constraints=None,
+    solver_options=None, progress=None, plugins=None)`` returns a :class:`metadist_jax.compile.JaxStep`;
     see :func:`metadist_jax.compile.metadist_compile`.
     """
-    from .compile import metadist_compile as _compile
-    return _compile(fn, **kwargs)
+    from . import compile as jax_compile
+    return jax_compile.metadist_compile(fn, **kwargs)
 
 
 def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2, **params: Any):
@@ -27,8 +28,8 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2, **params: Any):
 
     >>> rules_for(jax.numpy.matmul, np.ones((8, 4)), np.ones((4, 6)))   # doctest: +SKIP
     """
-    from .oprunner import rules_for as _rules_for
-    return _rules_for(op, *example_inputs, axis_size=axis_size, **params)
+    from . import oprunner
+    return oprunner.rules_for(op, *example_inputs, axis_size=axis_size, **params)
 
 
 __all__ = ["metadist_compile", "rules_for"]

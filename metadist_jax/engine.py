@@ -4,8 +4,8 @@ One process sees ``jax.devices()``; under ``jax.distributed.initialize`` every
 process sees the devices of all processes (its own are
 ``jax.local_devices()``), and each runs the same step on its own devices
 (multi-controller). Every process traces, discovers and solves on its own;
-:func:`agree_on_plan` checks that they reached the same plan and makes them
-adopt process 0's if not.
+:func:`agree_on_plan` (the adapter's ``share``) checks that they reached the
+same plan and makes them adopt process 0's if not.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from metadist_core.constraints import Forbid
 from metadist_core.ir import MetaIR
 from metadist_core.placement import Mesh, Shard
+from metadist_core.profile import MeshProfile
 
 log = logging.getLogger("metadist.jax.engine")
 
@@ -30,24 +31,29 @@ class MeshMismatchError(ValueError):
     """The mesh asked for does not use exactly the devices JAX has."""
 
 
-def resolve_mesh(mesh: Any = None, devices: Sequence[Any] | None = None) -> tuple[Mesh, jax.sharding.Mesh]:
+def resolve_mesh(mesh: Any = None, profile: MeshProfile | None = None, devices: Sequence[Any] | None = None
+                 ) -> tuple[Mesh, jax.sharding.Mesh]:
     """The planning Mesh and the ``jax.sharding.Mesh`` for ``mesh``.
 
     ``mesh`` is None (all devices as one axis), an int, a shape such as
-    ``(2, 4)``, a metadist ``Mesh`` or a ``jax.sharding.Mesh`` (used as is).
+    ``(2, 4)`` or ``"2x4"``, a metadist ``Mesh`` (used as is) or a
+    ``jax.sharding.Mesh`` (used as is). Link costs of a mesh given by its shape
+    come from ``profile`` (default: the built-in profile).
     """
+    prof = profile if profile is not None else MeshProfile()
     if isinstance(mesh, jax.sharding.Mesh):
         shape = tuple(int(s) for s in mesh.devices.shape)
-        return Mesh(shape, tuple(str(a) for a in mesh.axis_names)), mesh
+        names = tuple(str(a) for a in mesh.axis_names)
+        return prof.mesh(shape, names), mesh
     devs = list(devices) if devices is not None else jax.devices()
     if mesh is None:
-        md = _priced((len(devs),))
+        md = prof.mesh((len(devs),))
     elif isinstance(mesh, Mesh):
         md = mesh
     elif isinstance(mesh, str):
-        md = _priced(Mesh.parse(mesh).shape)
+        md = prof.mesh(Mesh.parse(mesh).shape)
     elif isinstance(mesh, int) or (isinstance(mesh, (tuple, list)) and all(isinstance(s, int) for s in mesh)):
-        md = _priced((mesh,) if isinstance(mesh, int) else tuple(mesh))
+        md = prof.mesh((mesh,) if isinstance(mesh, int) else tuple(mesh))
     else:
         raise TypeError(f"mesh must be None, an int, a shape like (2, 4), a metadist Mesh or a "
                         f"jax.sharding.Mesh; got {mesh!r}")
@@ -60,12 +66,6 @@ def resolve_mesh(mesh: Any = None, devices: Sequence[Any] | None = None) -> tupl
             f"whose sizes multiply to {len(devs)}, e.g. mesh=({len(devs)},), or change the device count "
             f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)")
     return md, jax.sharding.Mesh(np.asarray(devs, dtype=object).reshape(md.shape), md.axis_names)
-
-
-def _priced(shape: tuple[int, ...]) -> Mesh:
-    """A Mesh of ``shape`` with link costs from the mesh profile (``$METADIST_MESH_PROFILE``, else defaults)."""
-    from metadist_core.profile import load_profile
-    return load_profile().mesh(shape)
 
 
 def even_split_constraints(graph: MetaIR, mesh: Mesh) -> list[Forbid]:

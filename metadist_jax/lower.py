@@ -1,12 +1,13 @@
 """Lower a ShardingPlan to ``jax.shard_map`` with explicit collectives.
 
-Inside the shard_map body every device runs the MetaIR on its local pieces,
-exactly as :mod:`metadist_core.simulate` does with numpy: before an op reads a
-value, the collectives the plan priced on that edge run (``psum``/``pmean``/
-``pmax``/``pmin``, ``all_gather``, ``psum_scatter``, ``all_to_all``, a local
-slice, a local Partial), then the primitive binds on the local pieces with its
-shape params localized. Nothing is left to GSPMD propagation: the body is
-manual over every mesh axis.
+Inside the shard_map body every device walks the plan with the one plan
+interpreter, :func:`metadist_core.interpret.interpret`, exactly as the numpy
+simulator does: before an op reads a value, the collectives the plan priced on
+that edge run (:class:`JaxCollectives`: ``psum``/``pmax``/``pmin``,
+``all_gather``, ``psum_scatter``, ``all_to_all``, a local slice, a local
+Partial), then the primitive binds on the local pieces with its shape params
+localized (:func:`metadist_jax.payload.bind_payload`). Nothing is left to
+GSPMD propagation: the body is manual over every mesh axis.
 
 Graph inputs enter with the plan's ``input_shardings`` as PartitionSpecs;
 updated state leaves with the sharding of its input, the loss replicated.
@@ -17,18 +18,19 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from metadist_core.cost import UnknownCollectiveError
-from metadist_core.ir import MetaIR
+from metadist_core.cost import Collective
+from metadist_core.interpret import COLLECTIVE_KINDS, Collectives, check_plan_ends, interpret
+from metadist_core.ir import MetaIR, MetaOp
 from metadist_core.placement import IndivisibleError, Mesh, Sharding, shard_shape
 
-from .oprunner import COPY_KEY, OpPayload, bind_payload
+from .engine import put
+from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload
+from .trace import TraceContext
 
 log = logging.getLogger("metadist.jax.lower")
 
@@ -78,7 +80,7 @@ def check_even(plan: Any, graph: MetaIR, mesh: Mesh) -> None:
 
 # -- collectives ------------------------------------------------------------------
 
-_ALL_REDUCE = {"sum": lax.psum, "avg": lax.pmean, "max": lax.pmax, "min": lax.pmin}
+_ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 
 
 def _local_slice(x: Any, dim: int, n: int, name: str) -> Any:
@@ -90,37 +92,106 @@ def _local_slice(x: Any, dim: int, n: int, name: str) -> Any:
     return lax.dynamic_slice_in_dim(x, lax.axis_index(name) * part, part, axis=dim)
 
 
-def apply_collective(x: Any, c: Any, mesh: Mesh) -> Any:
-    """Apply one cost-model Collective to a local value inside shard_map (same semantics as simulate)."""
-    name = mesh.axis_names[c.axis]
-    n = mesh.shape[c.axis]
-    kind = c.kind
-    if kind == "all_reduce":
-        return _ALL_REDUCE[c.reduce](x, name)
-    if kind == "all_gather":
+def _reduce(x: Any, reduce: str, name: str, n: int) -> Any:
+    """The all-reduce of ``x`` over mesh axis ``name``; ``avg`` is the sum divided by ``n`` (in x's dtype)."""
+    if reduce == "avg":
+        return (lax.psum(x, name) / n).astype(x.dtype)
+    if reduce not in _ALL_REDUCE:
+        raise LoweringError(f"no all-reduce {reduce!r} over mesh axis {name!r}; the reductions are "
+                            f"{', '.join(sorted(_ALL_REDUCE))} and avg")
+    return _ALL_REDUCE[reduce](x, name)
+
+
+class JaxCollectives(Collectives):
+    """The plan's collectives on local values inside shard_map (the semantics of metadist_core.simulate)."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh    # axis names are the jax mesh's
+
+    def _axis(self, c: Collective) -> tuple[str, int]:
+        return self.mesh.axis_names[c.axis], self.mesh.shape[c.axis]
+
+    def all_reduce(self, x: Any, c: Collective, shape: tuple[int, ...]) -> Any:
+        name, n = self._axis(c)
+        return _reduce(x, c.reduce, name, n)
+
+    def all_gather(self, x: Any, c: Collective, shape: tuple[int, ...]) -> Any:
+        name, _ = self._axis(c)
         return lax.all_gather(x, name, axis=c.dims[0], tiled=True)
-    if kind == "reduce_scatter":
+
+    def reduce_scatter(self, x: Any, c: Collective, shape: tuple[int, ...]) -> Any:
+        name, n = self._axis(c)
         d = c.dims[0]
         if x.shape[d] % n:
             raise IndivisibleError(f"reduce_scatter of dim {d} ({x.shape[d]} elements) over mesh axis "
-                                   f"{name!r} of {n} devices is uneven")
+                                   f"{name!r} of {n} devices is uneven; shard_map needs even splits")
         if c.reduce in ("sum", "avg"):
             y = lax.psum_scatter(x, name, scatter_dimension=d, tiled=True)
-            return y / n if c.reduce == "avg" else y
-        return _local_slice(_ALL_REDUCE[c.reduce](x, name), d, n, name)
-    if kind == "all_to_all":
+            return (y / n).astype(x.dtype) if c.reduce == "avg" else y
+        return _local_slice(_reduce(x, c.reduce, name, n), d, n, name)
+
+    def all_to_all(self, x: Any, c: Collective, shape: tuple[int, ...]) -> Any:
+        name, n = self._axis(c)
         src, dst = c.dims
         if x.shape[dst] % n:
             raise IndivisibleError(f"all_to_all into dim {dst} ({x.shape[dst]} elements) over mesh axis "
-                                   f"{name!r} of {n} devices is uneven")
+                                   f"{name!r} of {n} devices is uneven; shard_map needs even splits")
         return lax.all_to_all(x, name, split_axis=dst, concat_axis=src, tiled=True)
-    if kind == "local_split":
+
+    def local_split(self, x: Any, c: Collective, shape: tuple[int, ...]) -> Any:
+        name, n = self._axis(c)
         return _local_slice(x, c.dims[0], n, name)
-    if kind == "local_partial":
+
+    def local_partial(self, x: Any, c: Collective, shape: tuple[int, ...]) -> Any:
+        name, _ = self._axis(c)
         if c.reduce == "sum":
             return jnp.where(lax.axis_index(name) == 0, x, jnp.zeros_like(x))
         return x
-    raise UnknownCollectiveError(kind, f"the shard_map lowering (mesh axis {name!r})")
+
+
+def apply_collective(x: Any, c: Collective, mesh: Mesh) -> Any:
+    """Apply one cost-model Collective to a local value inside shard_map (same semantics as simulate)."""
+    if c.kind not in COLLECTIVE_KINDS:
+        raise LoweringError(f"the shard_map lowering has no collective {c.kind!r} (mesh axis {c.axis}); "
+                            f"it runs {', '.join(COLLECTIVE_KINDS)}")
+    return getattr(JaxCollectives(mesh), c.kind)(x, c, ())
+
+
+# -- running one op on local pieces ----------------------------------------------
+
+
+def op_payload(op: MetaOp) -> OpPayload:
+    """The payload that runs ``op``; a clear error when the op was not traced by metadist_jax."""
+    if op.payload is not None:
+        return op.payload
+    if op.key == COPY_KEY:
+        return IDENTITY
+    raise LoweringError(f"op {op.id} ({op.key}) carries no primitive to run; trace the step with "
+                        f"metadist_jax so that every op keeps its JAX primitive")
+
+
+def local_op_runner(graph: MetaIR, mesh: Mesh) -> Any:
+    """``run_op(op, local inputs, output shardings)`` for :func:`~metadist_core.interpret.interpret`.
+
+    Binds the op's primitive on the local pieces (shape params localized) and
+    checks every local output against the shape its sharding gives.
+    """
+    def run_op(op: MetaOp, ins: list, out_sh: list[Sharding]) -> list:
+        payload = op_payload(op)
+        full_in = [tuple(graph.vars[v].shape) for v in op.inputs]
+        want = [None if graph.vars[v].shape is None else tuple(shard_shape(graph.vars[v].shape, sh, mesh, even=True))
+                for v, sh in zip(op.outputs, out_sh)]
+        reshape_to = want[0] if payload.name == "reshape" else None
+        outs = bind_payload(payload, ins, full_shapes=full_in, reshape_to=reshape_to)
+        for v, x, w, sh in zip(op.outputs, outs, want, out_sh):
+            if w is not None and tuple(x.shape) != w:
+                raise LoweringError(
+                    f"op {op.id} ({op.key}) made a local {v} of shape {tuple(x.shape)} under {sh}, but the "
+                    f"plan expects {w} (full shape {graph.vars[v].shape}); its inputs were "
+                    f"{[tuple(i.shape) for i in ins]}")
+        return outs
+
+    return run_op
 
 
 # -- the program ----------------------------------------------------------------
@@ -137,103 +208,70 @@ class Program:
     in_shardings: list[NamedSharding]
     out_shardings: list[NamedSharding]
     n_collectives: int
-
-
-def _local_shapes(graph: MetaIR, vars_: Sequence[str], shardings: Sequence[Sharding], mesh: Mesh) -> list:
-    out = []
-    for v, sh in zip(vars_, shardings):
-        shape = graph.vars[v].shape
-        out.append(None if shape is None else tuple(shard_shape(shape, sh, mesh, even=True)))
-    return out
-
-
-def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str], tap: Any = None):
-    """The per-device function: local graph inputs -> local outputs, collectives as the plan says.
-
-    ``tap(op, outputs)``, when given, sees every op's local outputs (for checking).
-    """
-    incoming, finals = plan.edge_index()
-    state_of = {out: s_in for s_in, out in graph.aliases.items()}
-    rep = Sharding.replicated(mesh.ndim)
-    steps = []
-    for op in graph.ops:
-        st = plan.strategies.get(op.id)
-        out_sh = list(st.outputs) if st is not None else [rep] * len(op.outputs)
-        payload: OpPayload | None = op.payload
-        if payload is None:
-            if op.key != COPY_KEY:
-                raise LoweringError(f"op {op.id} ({op.key}) carries no primitive to run; trace the step with "
-                                    f"metadist_jax so that every op keeps its JAX primitive")
-            payload = OpPayload(None, {}, [0], ())
-        colls = [incoming[(op.id, s)].collectives if (op.id, s) in incoming else [] for s in range(len(op.inputs))]
-        full_in = [tuple(graph.vars[v].shape) for v in op.inputs]
-        local_out = _local_shapes(graph, op.outputs, out_sh, mesh)
-        steps.append((op, payload, colls, full_in, local_out, out_sh))
-
-    def body(*inputs):
-        env = dict(zip(graph.inputs, inputs))
-        for op, payload, colls, full_in, local_out, out_sh in steps:
-            ins = []
-            for v, cs in zip(op.inputs, colls):
-                x = env[v]
-                for c in cs:
-                    x = apply_collective(x, c, mesh)
-                ins.append(x)
-            reshape_to = local_out[0] if payload.name == "reshape" else None
-            outs = bind_payload(payload, ins, full_shapes=full_in, reshape_to=reshape_to)
-            for v, x, want, sh in zip(op.outputs, outs, local_out, out_sh):
-                if want is not None and tuple(x.shape) != want:
-                    raise LoweringError(
-                        f"op {op.id} ({op.key}) made a local {v} of shape {tuple(x.shape)} under {sh}, but the "
-                        f"plan expects {want} (full shape {graph.vars[v].shape}); its inputs were "
-                        f"{[tuple(i.shape) for i in ins]}")
-                env[v] = x
-            if tap is not None:
-                tap(op, outs)
-        results = []
-        for o in output_ids:
-            dst = state_of.get(o, "<output>")
-            x = env[o]
-            e = finals.get((o, dst))
-            for c in (e.collectives if e is not None else []):
-                x = apply_collective(x, c, mesh)
-            results.append(x)
-        return tuple(results)
-
-    return body
+    jax_mesh: jax.sharding.Mesh
 
 
 def output_shardings(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str]) -> list[Sharding]:
     """How each output leaves the step: state as its input is stored, everything else replicated."""
     rep = Sharding.replicated(mesh.ndim)
     state_of = {out: s_in for s_in, out in graph.aliases.items()}
-    out = []
-    for o in output_ids:
-        if o in state_of:
-            out.append(plan.input_shardings.get(state_of[o], rep))
-        else:
-            out.append(rep)
-    return out
+    return [plan.input_shardings.get(state_of[o], rep) if o in state_of else rep for o in output_ids]
+
+
+def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str]) -> Any:
+    """The per-device function: local graph inputs -> local outputs in ``output_ids`` order."""
+    state_of = {out: s_in for s_in, out in graph.aliases.items()}
+    run_op = local_op_runner(graph, mesh)
+
+    def body(*inputs: Any) -> tuple:
+        res = interpret(graph, plan, mesh, dict(zip(graph.inputs, inputs)), run_op, JaxCollectives(mesh))
+        return tuple(res.state[state_of[o]] if o in state_of else res.outputs[o] for o in output_ids)
+
+    return body
 
 
 def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh,
                output_ids: Sequence[str] | None = None) -> Program:
     """Turn ``plan`` into a jitted shard_map program over ``jax_mesh``."""
-    check_even(plan, graph, mesh)
     output_ids = list(output_ids if output_ids is not None else graph.outputs)
     names = list(jax_mesh.axis_names)
     if tuple(jax_mesh.devices.shape) != tuple(mesh.shape):
         raise LoweringError(f"the JAX mesh has shape {tuple(jax_mesh.devices.shape)} but the plan is for {mesh}")
     mesh = Mesh(mesh.shape, names, mesh.alpha, mesh.beta)
+    check_even(plan, graph, mesh)
+    check_plan_ends(graph, plan, mesh)
+    for op in graph.ops:
+        op_payload(op)   # every op can run, before anything is traced
     rep = Sharding.replicated(mesh.ndim)
     in_sh = [plan.input_shardings.get(v, rep) for v in graph.inputs]
     in_specs = [partition_spec(s, graph.vars[v].ndim, names) for v, s in zip(graph.inputs, in_sh)]
     out_sh = output_shardings(graph, plan, mesh, output_ids)
     out_specs = [partition_spec(s, graph.vars[v].ndim, names) for v, s in zip(output_ids, out_sh)]
-    body = build_body(graph, plan, mesh, output_ids)
-    mapped = jax.shard_map(body, mesh=jax_mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
-                           check_vma=False)
+    mapped = jax.shard_map(build_body(graph, plan, mesh, output_ids), mesh=jax_mesh, in_specs=tuple(in_specs),
+                           out_specs=tuple(out_specs), check_vma=False)
     n_coll = sum(1 for _, c in plan.collectives() if not c.is_free)
+    log.info("lowered %s to shard_map over mesh %s: %d collectives", graph.name, mesh, n_coll)
     return Program(jax.jit(mapped), list(graph.inputs), in_specs, out_specs,
                    [NamedSharding(jax_mesh, s) for s in in_specs], [NamedSharding(jax_mesh, s) for s in out_specs],
-                   n_coll)
+                   n_coll, jax_mesh)
+
+
+class LoweredStep:
+    """A lowered program called with the user's pytrees: places inputs, runs, rebuilds the results."""
+
+    def __init__(self, program: Program, context: TraceContext) -> None:
+        self.program, self.context = program, context
+        pos = {v: i for i, v in enumerate(program.input_ids)}
+        self.consts = [put(context.const_values[v], program.in_shardings[pos[v]]) for v in context.const_ids]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        if tree != self.context.in_tree:
+            raise TypeError(f"the step was compiled for arguments shaped {self.context.in_tree}, got {tree}")
+        placed = [put(x, s) for x, s in zip(leaves, self.program.in_shardings)]
+        outs = self.program.fn(*placed, *self.consts)
+        return jax.tree_util.tree_unflatten(self.context.out_tree, list(outs))
+
+
+__all__ = ["JaxCollectives", "LoweredStep", "LoweringError", "Program", "apply_collective", "build_body",
+           "check_even", "local_op_runner", "lower_plan", "output_shardings", "partition_spec"]

@@ -5,10 +5,10 @@ in float64 under ``jax.enable_x64`` (only inside the call, so the user's float32
 step is untouched); ops carrying a nested jaxpr (scan, while, cond) run in their
 own dtypes, since their bodies are typed.
 
-A primitive whose params name shapes (``reshape``, ``broadcast_in_dim``,
-``slice``, ``dynamic_slice``, ``gather``) is run on a piece with those params
-localized from the piece's shape (:func:`localize`), the same way in discovery
-and in the lowered program, so that a rule verified here is the rule lowered.
+A primitive whose params name shapes is run on a piece with those params
+localized from the piece's shape (:func:`metadist_jax.payload.localize`), the
+same way in discovery and in the lowered program, so that a rule verified here
+is the rule lowered.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import math
 import types
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -26,123 +25,8 @@ from jax.extend import core as jcore
 
 from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
 
-KEY_PREFIX = "jax.lax."
-COPY_KEY = KEY_PREFIX + "copy"
-
-
-@dataclass
-class OpPayload:
-    """What runs a MetaOp: the primitive, its params and where literals sit among its operands.
-
-    ``layout`` has one entry per operand: an int (index into the op's tensor
-    inputs) or ``("lit", value)``. ``prim`` is None for the identity copy.
-    """
-
-    prim: Any
-    params: dict
-    layout: list
-    out_avals: tuple
-
-    @property
-    def name(self) -> str:
-        return "copy" if self.prim is None else self.prim.name
-
-    def has_jaxpr(self) -> bool:
-        return any(_holds_jaxpr(v) for v in self.params.values())
-
-
-def _holds_jaxpr(v: Any) -> bool:
-    if isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)):
-        return True
-    if isinstance(v, (tuple, list)):
-        return any(_holds_jaxpr(x) for x in v)
-    return False
-
-
-def _float_dtype(dt: Any) -> bool:
-    try:
-        return np.issubdtype(np.dtype(dt), np.floating)
-    except TypeError:
-        return False
-
-
-def x64_params(params: dict) -> dict:
-    """Params with every floating dtype raised to float64 (``new_dtype``, ``preferred_element_type``...)."""
-    out = {}
-    for k, v in params.items():
-        if (isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic))) and _float_dtype(v):
-            v = np.dtype(np.float64)
-        out[k] = v
-    return out
-
-
-def localize(name: str, params: dict, full_shapes: Sequence[tuple], local_shapes: Sequence[tuple]) -> dict:
-    """Params of primitive ``name`` for operands of ``local_shapes`` instead of ``full_shapes``.
-
-    A dim kept whole by the op (a broadcast dim that is not expanded, a slice
-    over the whole dim, a gather slice of the whole dim) follows the operand's
-    local size; anything else keeps the full value, so a split the op cannot
-    take fails (and ShardCombine rejects it).
-    """
-    if not full_shapes or list(full_shapes) == list(local_shapes):
-        return params
-    full, local = tuple(full_shapes[0]), tuple(local_shapes[0])
-    p = dict(params)
-    if name == "broadcast_in_dim":
-        shape = list(p["shape"])
-        for i, d in enumerate(p["broadcast_dimensions"]):
-            if full[i] == shape[d]:
-                shape[d] = local[i]
-        p["shape"] = tuple(shape)
-    elif name == "slice":
-        lim = list(p["limit_indices"])
-        strides = p.get("strides") or (1,) * len(lim)
-        for d in range(len(lim)):
-            if full[d] != local[d] and p["start_indices"][d] == 0 and lim[d] == full[d] and strides[d] == 1:
-                lim[d] = local[d]
-        p["limit_indices"] = tuple(lim)
-    elif name in ("dynamic_slice", "gather"):
-        sizes = list(p["slice_sizes"])
-        for d in range(len(sizes)):
-            if full[d] != local[d] and sizes[d] == full[d]:
-                sizes[d] = local[d]
-        p["slice_sizes"] = tuple(sizes)
-    return p
-
-
-def operand_shapes(payload: OpPayload, tensor_shapes: Sequence[tuple]) -> list[tuple]:
-    return [tuple(tensor_shapes[l]) if isinstance(l, int) else tuple(np.shape(l[1])) for l in payload.layout]
-
-
-def bind_payload(payload: OpPayload, tensors: Sequence[Any], *, full_shapes: Sequence[tuple] | None = None,
-                 reshape_to: tuple | None = None, x64: bool = False) -> list[Any]:
-    """Bind the op's primitive on ``tensors`` (its tensor inputs, in order); a list of outputs.
-
-    ``full_shapes`` are the unsplit input shapes (for :func:`localize`),
-    ``reshape_to`` the local target shape of a reshape, ``x64`` raises floating
-    literals and dtype params to float64.
-    """
-    operands = []
-    for l in payload.layout:
-        if isinstance(l, int):
-            operands.append(tensors[l])
-        else:
-            lit = l[1]
-            if x64 and _float_dtype(lit.dtype):
-                lit = lit.astype(np.float64)
-            operands.append(lit)
-    if payload.prim is None:
-        return [operands[0]]
-    params = x64_params(payload.params) if x64 else payload.params
-    if reshape_to is not None and payload.name == "reshape":
-        params = {**params, "new_sizes": tuple(int(s) for s in reshape_to), "dimensions": None}
-    elif full_shapes is not None:
-        local = [tuple(np.shape(t)) for t in tensors]
-        params = localize(payload.name, params, operand_shapes(payload, full_shapes),
-                          operand_shapes(payload, local))
-    out = payload.prim.bind(*operands, **params)
-    return list(out) if payload.prim.multiple_results else [out]
-
+from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload, is_float_dtype
+from .trace import GraphBuilder
 
 # -- discovery ----------------------------------------------------------------
 
@@ -161,7 +45,7 @@ _INDEX_OPERANDS = {"gather": (1,), "scatter": (1,), "scatter-add": (1,), "scatte
 def _example(aval: Any, rng: np.random.Generator, x64: bool, known: np.ndarray | None, index: bool) -> np.ndarray:
     shape = tuple(aval.shape)
     dt = np.dtype(aval.dtype)
-    if _float_dtype(dt):
+    if is_float_dtype(dt):
         return rng.standard_normal(shape).astype(np.float64 if x64 else dt)
     if known is not None and known.shape == shape:
         return np.asarray(known, dtype=dt)
@@ -243,7 +127,7 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
     ctx = getattr(graph, "payload", None)
     if payload is None:
         if op.key == COPY_KEY:
-            payload = OpPayload(None, {}, [0], ())
+            payload = IDENTITY
         else:
             raise Unrunnable(f"{op.key} ({op.id}) carries no primitive: trace the step with metadist_jax to run it")
     if payload.prim is not None and (payload.prim.name.startswith("random_") or payload.name in
@@ -316,10 +200,8 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2, **params: Any):
 
 
 def _single_op_spec(call: Any, arrays: list[np.ndarray], name: str) -> OpSpec:
-    from .trace import _Builder
-
     closed = jax.make_jaxpr(call)(*arrays)
-    b = _Builder(name)
+    b = GraphBuilder(name)
     ins = [("var", b.add_input(f"x{i}", a, "input")) for i, a in enumerate(closed.in_avals)]
     outs = b.walk(closed.jaxpr, closed.consts, ins)
     ops = b.ir.ops
@@ -347,7 +229,7 @@ def _single_op_spec(call: Any, arrays: list[np.ndarray], name: str) -> OpSpec:
 
 
 def _upcast(a: np.ndarray) -> np.ndarray:
-    return a.astype(np.float64) if _float_dtype(a.dtype) else a
+    return a.astype(np.float64) if is_float_dtype(a.dtype) else a
 
 
 # -- cost -----------------------------------------------------------------------

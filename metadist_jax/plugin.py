@@ -1,47 +1,104 @@
-"""The JAX frontend's pluggy hooks (entry point ``jax`` in group ``metadist.frontends``).
+"""The JAX frontend adapter (entry point ``jax`` in group ``metadist.frontends``).
 
-Importing this module does not import jax; each hook does, when it is called
-for work that is its own (op keys ``jax.lax.*``, frontend name ``jax``).
+Importing this module does not import jax; each method does, when it is
+called. The driver (:func:`metadist_core.pipeline.compile_step`) traces with
+``jax.make_jaxpr``, plans on every process (each reaches the same plan;
+:meth:`JaxFrontend.share` checks it), and lowers the plan to one jitted
+``jax.shard_map`` whose body walks the plan with the core's interpreter.
 """
 from __future__ import annotations
 
-from metadist_core.frontend_hooks import op_hooks
+from typing import TYPE_CHECKING, Any, Callable, Hashable
+
+from metadist_core.frontend import Frontend, NotSupported, Traced
 from metadist_core.hookspecs import hookimpl
 
-NAME = "jax"
-OP_PREFIXES = ("jax.lax.",)
+if TYPE_CHECKING:  # pragma: no cover - types only
+    from metadist_core.config import Settings
+    from metadist_core.ir import MetaIR
+    from metadist_core.placement import Mesh
+    from metadist_core.plan import ShardingPlan
+    from metadist_core.profile import MeshProfile
+
+
+class JaxFrontend(Frontend):
+    """JAX: pure steps ``(params, opt_state, batch) -> (loss, params, opt_state)`` on every JAX device."""
+
+    name = "jax"
+    op_prefixes = ("jax.lax.",)
+    description = "JAX: jaxpr primitives bound on CPU arrays for ShardCombine, lowered to shard_map"
+    runner_module = "metadist_jax.oprunner"
+
+    def __init__(self) -> None:
+        # (shape, axis names) -> the jax.sharding.Mesh resolve_mesh chose for it (say, the user's own)
+        self.jax_meshes: dict[tuple, Any] = {}
+
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        from .trace import call_signature
+        return call_signature(args, kwargs)
+
+    def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
+        from .trace import trace_step
+        graph, context = trace_step(fn, tuple(args), dict(kwargs or {}))
+        return Traced(graph, context)
+
+    def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> "Mesh":
+        from .engine import resolve_mesh
+        planning, jax_mesh = resolve_mesh(mesh, profile)
+        self.jax_meshes[(planning.shape, planning.axis_names)] = jax_mesh
+        return planning
+
+    def jax_mesh(self, mesh: "Mesh") -> Any:
+        """The ``jax.sharding.Mesh`` of planning ``mesh``: the one resolved for it, else all devices shaped so."""
+        hit = self.jax_meshes.get((mesh.shape, mesh.axis_names))
+        if hit is None:
+            from .engine import resolve_mesh
+            _, hit = resolve_mesh(mesh)
+        return hit
+
+    def constraints(self, graph: "MetaIR", mesh: "Mesh") -> list:
+        from .engine import even_split_constraints
+        return even_split_constraints(graph, mesh)   # shard_map needs even splits
+
+    def is_planner(self) -> bool:
+        return True   # every process plans; share checks they agree
+
+    def share(self, plan: "ShardingPlan | None", traced: Traced) -> "ShardingPlan":
+        if plan is None:
+            return super().share(plan, traced)
+        from .engine import agree_on_plan
+        return agree_on_plan(plan)
+
+    def lower(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
+        """A :class:`~metadist_jax.lower.LoweredStep` called with the user's pytrees.
+
+        XLA schedules and combines the collectives itself, so ``settings``' bucketing knobs do not apply.
+        """
+        from .lower import LoweredStep, lower_plan
+        from .trace import TraceContext
+
+        ctx = traced.context
+        if not isinstance(ctx, TraceContext):
+            raise ValueError("the JAX frontend lowers only graphs it traced itself (the traced step has no "
+                             "JAX context); trace it with PluginManager().frontend('jax').trace(...)")
+        program = lower_plan(traced.graph, plan, mesh, self.jax_mesh(mesh), ctx.output_ids)
+        return LoweredStep(program, ctx)
+
+    def calibrate(self, out: str, nprocs: int | None = None) -> Any:
+        """Time psum and all_gather over this process's JAX devices; write and return the MeshProfile."""
+        import jax
+
+        if (nprocs not in (None, 1)) or jax.process_count() > 1:
+            raise NotSupported(f"the JAX frontend calibrates the devices of one process (it has "
+                               f"{jax.device_count()}); got nprocs={nprocs} and {jax.process_count()} processes: "
+                               f"run it in one process, with XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                               f"for N CPU devices")
+        from .calibrate import measure_profile
+        profile = measure_profile()
+        profile.save(out)
+        return profile
 
 
 @hookimpl
-def metadist_frontend_info():
-    return {"name": NAME, "op_prefixes": list(OP_PREFIXES),
-            "description": "JAX: jaxpr primitives bound on CPU arrays for ShardCombine, lowered to shard_map"}
-
-
-metadist_op_spec, metadist_op_cost = op_hooks(OP_PREFIXES, "metadist_jax.oprunner")
-
-
-@hookimpl
-def metadist_trace(frontend, fn, args, kwargs):
-    if frontend != NAME:
-        return None
-    from .trace import trace_step
-    graph, _ = trace_step(fn, tuple(args), dict(kwargs or {}))
-    return graph
-
-
-@hookimpl
-def metadist_lower(frontend, graph, plan, mesh, context):
-    """A callable running one step with the user's pytrees, over all of ``jax.devices()`` shaped as ``mesh``."""
-    if frontend != NAME:
-        return None
-    from .engine import resolve_mesh
-    from .lower import lower_plan
-    from .compile import LoweredStep
-
-    ctx = context if context is not None else getattr(graph, "payload", None)
-    if ctx is None:
-        raise ValueError("the JAX frontend lowers only graphs it traced itself (the graph has no JAX context)")
-    md, jmesh = resolve_mesh(tuple(mesh.shape))
-    program = lower_plan(graph, plan, mesh, jmesh, ctx.output_ids)
-    return LoweredStep(program, ctx)
+def metadist_frontend() -> JaxFrontend:
+    return JaxFrontend()

@@ -6,7 +6,7 @@ through :func:`jax.make_jaxpr`; nested jaxprs (``jit``/pjit, ``custom_jvp_call``
 MetaOp is one primitive. Control flow (``scan``, ``while``, ``cond``) stays one
 op: it runs replicated unless ShardCombine verifies a rule for it.
 
-Every MetaOp keeps a :class:`~metadist_jax.oprunner.OpPayload` (the primitive,
+Every MetaOp keeps a :class:`~metadist_jax.payload.OpPayload` (the primitive,
 its params, where scalar literals sit among its operands) for running it during
 discovery and for lowering. Static params go into ``attrs`` in a JSON-able form
 (they key the rule cache); literals go into ``attrs["literals"]``.
@@ -26,12 +26,10 @@ from jax.extend import core as jcore
 
 from metadist_core.ir import MetaIR, canonical_dtype
 
-from .oprunner import OpPayload, bind_payload
+from .payload import COPY_KEY, KEY_PREFIX, OpPayload, bind_payload
 
 log = logging.getLogger("metadist.jax.trace")
 
-KEY_PREFIX = "jax.lax."
-COPY_KEY = KEY_PREFIX + "copy"
 # part of every op's attrs, hence of its rule-cache signature: bump it when the way an op is run on
 # pieces changes (localized params, examples), so that rules found the old way are not reused
 RUNNER_VERSION = 1
@@ -115,7 +113,9 @@ def _walk_params(params: dict) -> dict:
     return {k: jsonable(v) for k, v in sorted(params.items())}
 
 
-class _Builder:
+class GraphBuilder:
+    """Builds a MetaIR from a jaxpr: one MetaOp per primitive, nested jaxprs inlined."""
+
     def __init__(self, name: str) -> None:
         self.ir = MetaIR(name)
         self.avals: dict[str, Any] = {}
@@ -214,6 +214,12 @@ class _Builder:
         return out[1]
 
 
+def call_signature(args: tuple, kwargs: dict) -> Any:
+    """The compile-cache key of a call: the pytree structure, and every leaf's shape and dtype."""
+    leaves, tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
+    return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+
+
 def _leaf_name(prefix: str, path: Any) -> str:
     parts = []
     for k in path:
@@ -264,7 +270,7 @@ def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | 
         raise TraceError(f"jax.make_jaxpr could not trace {getattr(fn, '__name__', fn)!r}: "
                          f"{type(e).__name__}: {e}") from e
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
-    b = _Builder(name or getattr(fn, "__name__", "step"))
+    b = GraphBuilder(name or getattr(fn, "__name__", "step"))
     in_vals = []
     for vid, role, aval in zip(ids, roles, closed.in_avals):
         b.add_input(vid, aval, role)

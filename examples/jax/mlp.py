@@ -3,8 +3,9 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/jax/mlp.py --mesh 2x4
 
 The step is a pure function (params, opt_state, batch) -> (loss, params,
-opt_state); `metadist_compile` traces it, finds how each op splits, picks the
-cheapest plan and runs it with explicit collectives under jax.shard_map.
+opt_state); `metadist_compile` wraps it in a `JaxStep`, which traces it,
+finds how each op splits, picks the cheapest plan and runs it with explicit
+collectives under jax.shard_map.
 """
 from __future__ import annotations
 
@@ -78,6 +79,7 @@ def main(argv=None) -> None:
         loss, params, opt_state = step(params, opt_state, make_batch(i))
         print(f"step {i}: loss {float(loss):.5f}")
     print(step.plan)
+    print("compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in step.timings.items()))
     w = params["layer1"]["w"]
     print(f"layer1.w: {w.shape} stored as {w.sharding.spec} on mesh {dict(w.sharding.mesh.shape)}")
 

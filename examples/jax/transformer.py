@@ -114,6 +114,7 @@ def main(argv=None) -> None:
         loss, params, opt_state = step(params, opt_state, make_batch(i, cfg))
         print(f"step {i}: loss {float(loss):.5f}")
     print(step.plan.summary())
+    print("compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in step.timings.items()))
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         if leaf.size >= 4096:
             print(f"{jax.tree_util.keystr(path)}: {leaf.shape} as {leaf.sharding.spec}")

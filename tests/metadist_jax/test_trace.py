@@ -82,13 +82,22 @@ def test_mismatched_state_structure_is_a_clear_error():
         trace_step(step, ({"w": np.ones(3, np.float32)}, {}, np.ones(3, np.float32)))
 
 
-def test_plugin_hooks_are_registered():
+def test_plugin_adapter_is_registered():
+    from metadist_core.frontend import Traced
+    from metadist_core.plugins import UnknownFrontendError
+
     pm = PluginManager()
     assert "jax" in pm.names("frontend")
-    g = pm.hook.metadist_trace(frontend="jax", fn=_step, args=_args(), kwargs={})
+    fe = pm.frontend("jax")
+    traced = fe.trace(_step, _args(), {})
+    assert isinstance(traced, Traced) and traced.context is not None
+    g = traced.graph
     op = next(o for o in g.ops if o.key == "jax.lax.dot_general")
-    flops, nbytes = pm.hook.metadist_op_cost(op=op, graph=g)
+    assert pm.owner(op) is fe
+    flops, nbytes = fe.op_cost(op, g)
     a, b = (g.vars[v].shape for v in op.inputs)
     assert flops > 0 and nbytes == sum(g.vars[v].nbytes for v in op.inputs + op.outputs)
-    assert pm.hook.metadist_op_spec(op=op, graph=g) is not None
-    assert pm.hook.metadist_trace(frontend="torch-not-jax", fn=_step, args=_args(), kwargs={}) is None
+    assert pm.op_cost(op, g) == (flops, nbytes)
+    assert pm.op_spec(op, g) is not None
+    with pytest.raises(UnknownFrontendError):
+        pm.frontend("torch-not-jax")
