@@ -1,7 +1,9 @@
 """MetaDist's TVM Tensor Expression frontend.
 
-Build a TE graph with ``metadist_tvm.topi`` (``tvm.topi`` with every operator
-recording its call) or with builders decorated by ``@metadist_tvm.op``, then::
+Build a TE graph with plain ``tvm.topi`` and ``te.compute`` (each compute's
+body is rebuilt at the shard shapes), with ``metadist_tvm.topi`` (``tvm.topi``
+with every operator recording its call: one op per call) or with builders
+decorated by ``@metadist_tvm.op``, then::
 
     f = metadist_tvm.parallelize([x, w1, w2], y, mesh=(4,))
     out = f(x_np, w1_np, w2_np)          # numpy in, numpy out, split over the mesh
@@ -19,7 +21,8 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2, **kwargs: Any):
 
     ``op`` is a builder (a ``tvm.topi`` operator such as ``tvm.topi.nn.dense``,
     the same from ``metadist_tvm.topi``, or any function returning te tensors)
-    or a te.Tensor made by a recorded call. ``example_inputs`` are the
+    or a te.Tensor (a recorded call's output, or a plain compute's: its body is
+    rebuilt, input shapes from its input tensors). ``example_inputs`` are the
     builder's positional arguments: numpy arrays become tensor inputs (in
     order, also inside lists), anything else is passed as is; keyword
     arguments are passed to the builder too. Float ops run in float64

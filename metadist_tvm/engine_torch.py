@@ -4,10 +4,11 @@ One process per device (``torchrun --nproc_per_node=N``); rank ``r`` plays
 mesh device ``mesh.coordinates(r)``. Values live as torch CPU tensors; a
 kernel reads them as TVM tensors with ``tvm.runtime.from_dlpack`` and its
 outputs come back with ``torch.from_dlpack``, so no copy is made between the
-two. Every rank walks the ops and the plan's edges in the same order and
-issues the same collectives, each on the process group of its mesh axis.
+two. Every rank walks the plan with :func:`metadist_core.interpret.interpret`
+and issues the same collectives in the same order, each on the process group
+of its mesh axis (:class:`TorchCollectives`).
 
-The collectives do what :func:`metadist_core.simulate.apply_collective` does,
+The collectives do what :class:`metadist_core.simulate.SimCollectives` does,
 with what gloo offers: all_reduce (avg as a sum divided by the group size),
 all_gather (pieces padded to the largest chunk, so uneven splits work),
 reduce_scatter as an all_reduce followed by taking this rank's chunk, and
@@ -17,15 +18,17 @@ chunk of the target dim.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import tvm
 
-from metadist_core.cost import UnknownCollectiveError
-from metadist_core.placement import Mesh, Partial, Shard, Sharding, chunk_bounds, shard_shape
+from metadist_core.cost import Collective
+from metadist_core.interpret import Collectives, interpret
+from metadist_core.ir import MetaOp
+from metadist_core.placement import Mesh, Sharding, chunk_bounds, group_extents, local_piece, shard_shape
 from metadist_core.simulate import axis_groups
 
 log = logging.getLogger("metadist.tvm")
@@ -39,7 +42,21 @@ def ensure_process_group() -> None:
         dist.init_process_group("gloo")
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the process group, started when needed."""
+    ensure_process_group()
+    return dist.get_rank(), dist.get_world_size()
+
+
+def broadcast_from_rank0(payload: Any) -> Any:
+    """Rank 0's ``payload`` on every rank (any picklable object; the others pass None)."""
+    ensure_process_group()
+    box = [payload]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` as a compact tensor on a 64-byte boundary, as TVM's DLPack import requires (copied only if not)."""
     t = t.contiguous()
     if t.data_ptr() % 64:
@@ -47,185 +64,121 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _flat(coords: tuple[int, ...], mesh: Mesh) -> int:
+def flat_rank(coords: tuple[int, ...], mesh: Mesh) -> int:
     r = 0
     for c, s in zip(coords, mesh.shape):
         r = r * s + c
     return r
 
 
-def planned_on_rank0(traced: Any, mesh: Mesh, plan_fn: Callable[[], Any]) -> tuple[Any, Any]:
-    """Plan on rank 0 only and hand the plan (as JSON) to every rank, so that all run the same one."""
-    from metadist_core.plan import ShardingPlan
+_GROUPS: dict[tuple, dict[int, Any]] = {}
 
-    ensure_process_group()
-    world = dist.get_world_size()
+
+def axis_process_groups(mesh: Mesh) -> dict[int, Any]:
+    """This rank's process group on each mesh axis, made once per mesh and world (new_group is collective)."""
+    rank, world = rank_and_world()
     if world != mesh.size:
         raise ValueError(f"mesh {mesh} has {mesh.size} devices but torch.distributed runs {world} processes; "
                          f"launch with torchrun --nproc_per_node={mesh.size} or pick a mesh of {world} devices")
-    result = None
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        result = plan_fn()
-        box[0] = result.plan.to_json()
-    dist.broadcast_object_list(box, src=0)
-    plan = result.plan if result is not None else ShardingPlan.from_json(box[0])
-    return plan, result
-
-
-_ENGINES: dict[tuple, "TorchEngine"] = {}
-
-
-def engine_for(mesh: Mesh) -> "TorchEngine":
-    """This rank's engine for ``mesh``, made once per mesh and process group (new_group is collective)."""
-    ensure_process_group()
     key = (mesh.shape, id(dist.group.WORLD))
-    if key not in _ENGINES:
-        _ENGINES[key] = TorchEngine(mesh)
-    return _ENGINES[key]
-
-
-class TorchEngine:
-    """This rank's side of a plan: its mesh coordinates and one process group per mesh axis."""
-
-    def __init__(self, mesh: Mesh) -> None:
-        ensure_process_group()
-        self.mesh = mesh
-        self.rank = dist.get_rank()
-        world = dist.get_world_size()
-        if world != mesh.size:
-            raise ValueError(f"mesh {mesh} has {mesh.size} devices but torch.distributed runs {world} processes")
-        self.coords = mesh.coordinates(self.rank)
-        self.groups: dict[int, Any] = {}
+    if key not in _GROUPS:
+        groups: dict[int, Any] = {}
         for axis in range(mesh.ndim):
             for grp in axis_groups(mesh, axis):   # every rank creates every group, in the same order
-                ranks = [_flat(d, mesh) for d in grp]
+                ranks = [flat_rank(d, mesh) for d in grp]
                 pg = dist.new_group(ranks) if len(ranks) < world else dist.group.WORLD
-                if self.rank in ranks:
-                    self.groups[axis] = pg
+                if rank in ranks:
+                    groups[axis] = pg
+        _GROUPS[key] = groups
+    return _GROUPS[key]
 
-    # -- values ---------------------------------------------------------------
-    def local_input(self, x: np.ndarray, sharding: Sharding) -> torch.Tensor:
-        """This rank's piece of a whole input (as :func:`metadist_core.simulate.distribute`)."""
-        t = torch.from_numpy(np.ascontiguousarray(x))
-        for axis, p in enumerate(sharding):
-            if isinstance(p, Shard):
-                lo, hi = chunk_bounds(t.shape[p.dim], self.mesh.shape[axis], self.coords[axis])
-                t = t.narrow(p.dim, lo, hi - lo)
-            elif isinstance(p, Partial) and p.reduce == "sum" and self.coords[axis] != 0:
-                t = torch.zeros_like(t)
-        return t.contiguous()
 
-    def run_kernel(self, runner: Any, op: Any, xs: list[torch.Tensor], out_shapes: list) -> list[torch.Tensor]:
-        """Run op's kernel on torch tensors through DLPack (no copies between torch and TVM)."""
-        call = runner.traced.calls[op.id]
-        g = runner.traced.graph
-        if call.reshape_arg is not None:
-            target = [int(s) for s in out_shapes[0]]
-            k = runner.cache.get(call.with_arg(call.reshape_arg, target), [tuple(xs[0].shape)],
-                                 [g.vars[op.inputs[0]].dtype])
-        else:
-            k = runner.cache.get(call, [tuple(x.shape) for x in xs], [g.vars[v].dtype for v in op.inputs])
-        ins = [tvm.runtime.from_dlpack(_aligned(x)) for x in xs]
-        dev = tvm.cpu()
-        outs = [tvm.runtime.empty(s, d, dev) for s, d in zip(k.out_shapes, k.out_dtypes)]
-        k.func(*ins, *outs)
-        res = [torch.from_dlpack(o) for o in outs]
-        for r, want, v in zip(res, out_shapes, op.outputs):
-            if want is not None and tuple(r.shape) != tuple(want):
-                raise RuntimeError(f"rank {self.rank}: op {op.id} ({op.key}) made {v} with local shape "
-                                   f"{tuple(r.shape)}, the plan expects {tuple(want)}")
-        return res
+class TorchCollectives(Collectives):
+    """The plan's collectives on torch.distributed: a value is this rank's torch tensor."""
 
-    # -- collectives ------------------------------------------------------------
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self.groups = axis_process_groups(mesh)
+        self.coords = mesh.coordinates(dist.get_rank())
+
     def _gather(self, t: torch.Tensor, dim: int, axis: int, sizes: list[int]) -> torch.Tensor:
-        n = self.mesh.shape[axis]
         big = max(sizes)
         pad = list(t.shape)
         pad[dim] = big
         buf = torch.zeros(pad, dtype=t.dtype)
         buf.narrow(dim, 0, t.shape[dim]).copy_(t)
-        parts = [torch.empty_like(buf) for _ in range(n)]
+        parts = [torch.empty_like(buf) for _ in sizes]
         dist.all_gather(parts, buf, group=self.groups[axis])
         return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
-
-    def _all_reduce(self, t: torch.Tensor, reduce: str, axis: int) -> torch.Tensor:
-        t = t.clone().contiguous()
-        op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-              "min": dist.ReduceOp.MIN}[reduce]
-        dist.all_reduce(t, op=op, group=self.groups[axis])
-        if reduce == "avg":
-            t = (t / self.mesh.shape[axis]).to(t.dtype)
-        return t
 
     def _chunk(self, t: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
         lo, hi = chunk_bounds(t.shape[dim], self.mesh.shape[axis], self.coords[axis])
         return t.narrow(dim, lo, hi - lo).contiguous()
 
-    def _sizes(self, shape: tuple[int, ...], before: Sharding, dim: int, axis: int) -> list[int]:
-        """Each group member's extent of ``dim`` under ``before`` (they differ only on ``axis``)."""
-        out = []
-        for i in range(self.mesh.shape[axis]):
-            c = list(self.coords)
-            c[axis] = i
-            out.append(shard_shape(shape, before, self.mesh, tuple(c))[dim])
-        return out
+    def all_reduce(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
+        t = t.clone().contiguous()
+        op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+              "min": dist.ReduceOp.MIN}[c.reduce]
+        dist.all_reduce(t, op=op, group=self.groups[c.axis])
+        if c.reduce == "avg":   # avg is the sum divided by the axis size, in every engine
+            t = (t / self.mesh.shape[c.axis]).to(t.dtype)
+        return t
 
-    def apply(self, t: torch.Tensor, c: Any, shape: tuple[int, ...]) -> torch.Tensor:
-        """Apply one cost-model Collective to this rank's value of a tensor of whole ``shape``."""
-        axis, kind = c.axis, c.kind
-        if kind == "all_reduce":
-            return self._all_reduce(t, c.reduce, axis)
-        if kind == "all_gather":
-            d = c.dims[0]
-            return self._gather(t, d, axis, self._sizes(shape, c.before, d, axis))
-        if kind == "reduce_scatter":
-            return self._chunk(self._all_reduce(t, c.reduce, axis), c.dims[0], axis)
-        if kind == "all_to_all":
-            src, dst = c.dims
-            whole = self._gather(t, src, axis, self._sizes(shape, c.before, src, axis))
-            return self._chunk(whole, dst, axis)
-        if kind == "local_split":
-            return self._chunk(t, c.dims[0], axis)
-        if kind == "local_partial":
-            after = c.after[axis]
-            if after.reduce == "sum" and self.coords[axis] != 0:
-                return torch.zeros_like(t)
-            return t
-        raise UnknownCollectiveError(kind, "the TVM torch.distributed engine")
+    def all_gather(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
+        d = c.dims[0] % len(shape)
+        return self._gather(t, d, c.axis, group_extents(shape, c.before, self.mesh, self.coords, c.axis, d))
 
-    # -- the program ------------------------------------------------------------------
-    def run(self, traced: Any, plan: Any, inputs: Mapping[str, np.ndarray], runner: Any) -> dict[str, np.ndarray]:
-        g, mesh = traced.graph, self.mesh
-        env: dict[str, torch.Tensor] = {}
-        for v in g.inputs:
-            env[v] = self.local_input(inputs[v], plan.input_shardings.get(v, Sharding.replicated(mesh.ndim)))
-        incoming, finals = plan.edge_index()
-        for op in g.ops:
-            xs = []
-            for slot, v in enumerate(op.inputs):
-                t = env[v]
-                e = incoming.get((op.id, slot))
-                if e is not None:
-                    for c in e.collectives:
-                        t = self.apply(t, c, g.vars[v].shape)
-                xs.append(t)
-            strategy = plan.strategies.get(op.id)
-            out_sh = list(strategy.outputs) if strategy is not None else \
-                [Sharding.replicated(mesh.ndim)] * len(op.outputs)
-            shapes = [shard_shape(g.vars[o].shape, s, mesh, self.coords) for o, s in zip(op.outputs, out_sh)]
-            for o, r in zip(op.outputs, self.run_kernel(runner, op, xs, shapes)):
-                env[o] = r
-        out = {}
-        for o in g.outputs:
-            t = env[o]
-            e = finals.get((o, "<output>"))
-            sh = plan.var_shardings.get(o, Sharding.replicated(mesh.ndim))
-            if e is not None:
-                for c in e.collectives:
-                    t = self.apply(t, c, g.vars[o].shape)
-                sh = e.dst_sharding
-            if not sh.is_fully_replicated():
-                raise RuntimeError(f"graph output {o} ends as {sh}, not whole on every rank")
-            out[o] = t.numpy().copy()
-        return out
+    def reduce_scatter(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._chunk(self.all_reduce(t, c, shape), c.dims[0] % len(shape), c.axis)
+
+    def all_to_all(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
+        src, dst = (d % len(shape) for d in c.dims)
+        whole = self._gather(t, src, c.axis, group_extents(shape, c.before, self.mesh, self.coords, c.axis, src))
+        return self._chunk(whole, dst, c.axis)
+
+    def local_split(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
+        return self._chunk(t, c.dims[0] % len(shape), c.axis)
+
+    def local_partial(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
+        after = c.after[c.axis]
+        if after.reduce == "sum" and self.coords[c.axis] != 0:
+            return torch.zeros_like(t)
+        return t
+
+
+def run_kernel(kernel: Any, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run a compiled kernel (``metadist_tvm.oprunner.Kernel``) on torch tensors through DLPack, no copies."""
+    ins = [tvm.runtime.from_dlpack(aligned(x)) for x in xs]
+    dev = tvm.cpu()
+    outs = [tvm.runtime.empty(s, d, dev) for s, d in zip(kernel.out_shapes, kernel.out_dtypes)]
+    kernel.func(*ins, *outs)
+    return [torch.from_dlpack(o) for o in outs]
+
+
+def run_plan(graph: Any, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarray], kernel_for: Any
+             ) -> dict[str, np.ndarray]:
+    """This rank's run of ``plan``: its pieces of the whole ``inputs``, TVM kernels, torch collectives.
+
+    ``kernel_for(op, local input shapes, local output shapes)`` gives the compiled kernel of an op.
+    Returns the graph outputs, whole (every rank gets the same).
+    """
+    coll = TorchCollectives(mesh)
+    rank = dist.get_rank()
+    rep = Sharding.replicated(mesh.ndim)
+    local = {}
+    for v in graph.inputs:
+        t = torch.from_numpy(np.ascontiguousarray(inputs[v]))
+        local[v] = local_piece(t, plan.input_shardings.get(v, rep), mesh, coll.coords,
+                               zeros_like=torch.zeros_like).contiguous()
+
+    def run_op(op: MetaOp, xs: list[torch.Tensor], out_sh: list[Sharding]) -> list[torch.Tensor]:
+        shapes = [shard_shape(graph.vars[o].shape, s, mesh, coll.coords) for o, s in zip(op.outputs, out_sh)]
+        res = run_kernel(kernel_for(op, [tuple(x.shape) for x in xs], shapes), xs)
+        for r, want, v in zip(res, shapes, op.outputs):
+            if tuple(r.shape) != tuple(want):
+                raise RuntimeError(f"rank {rank}: op {op.id} ({op.key}) made {v} with local shape "
+                                   f"{tuple(r.shape)}, the plan expects {tuple(want)}")
+        return res
+
+    result = interpret(graph, plan, mesh, local, run_op, coll)
+    return {o: t.numpy().copy() for o, t in result.outputs.items()}

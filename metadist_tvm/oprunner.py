@@ -25,7 +25,9 @@ from metadist_core.ir import MetaIR, MetaOp
 from metadist_core.rules import ShardingRule
 from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
 
-from .record import Call, lookup, template
+from .plain import plain_call
+from .rebuild import ComputeRebuilder
+from .record import Call, template
 
 log = logging.getLogger("metadist.tvm")
 
@@ -199,6 +201,8 @@ def op_spec(op: MetaOp, graph: MetaIR, seed: int = 0) -> OpSpec:
     call = op.payload
     if not isinstance(call, Call):
         raise Unrunnable(f"{op.key} ({op.id}) carries no TE call to rebuild; trace the graph in this process")
+    if call.opaque:
+        raise Unrunnable(f"{op.key} cannot be rebuilt at shard shapes: {call.opaque}")
     rng = np.random.default_rng(seed)
     examples = [_example(graph.vars[v].shape, graph.vars[v].dtype, rng) for v in op.inputs]
     out_shape = graph.vars[op.outputs[0]].shape if call.reshape_arg is not None else None
@@ -217,6 +221,13 @@ def op_cost(op: MetaOp, graph: MetaIR) -> tuple[float, float]:
         ta = isinstance(call, Call) and bool(call.kwargs.get("transpose_a", False))
         red = ins[0].shape[-2] if ta else ins[0].shape[-1]
         return 2.0 * out_elems * red, nbytes
+    call = op.payload
+    if isinstance(call, Call) and isinstance(call.fn, ComputeRebuilder):   # a plain compute: its loops
+        rb = call.fn
+        red = 1
+        for e in rb.extents[rb.n_axis:]:
+            red *= e
+        return (2.0 * out_elems * red if red > 1 else float(sum(v.numel for v in ins) + out_elems)), nbytes
     if k.startswith("te.topi.nn.conv") and len(ins) >= 2:
         w = ins[1].shape
         per_out = 1
@@ -238,11 +249,9 @@ def _is_array(x: Any) -> bool:
 def call_from(builder: Any, example_inputs: Sequence[Any], kwargs: dict | None = None) -> tuple[Call, list[np.ndarray]]:
     """A Call and float64/int numpy examples from a builder (or a recorded te.Tensor) and example inputs."""
     if isinstance(builder, te.Tensor):
-        rec = lookup(builder)
-        if rec is None:
-            raise ValueError(f"tensor {builder.op.name!r} was not made by a recorded call; pass its builder "
-                             f"(say tvm.topi.nn.dense) with example inputs, or build it with metadist_tvm.topi")
-        call = rec[0]
+        call = plain_call(builder)
+        if call.opaque:
+            raise ValueError(f"{call.key} cannot be rebuilt at other shapes, so it has no split: {call.opaque}")
         if example_inputs:
             arrays = [np.asarray(x) for x in example_inputs]
         else:

@@ -1,56 +1,147 @@
-"""The TVM frontend's pluggy hooks (entry point ``tvm`` in group ``metadist.frontends``).
+"""The TVM frontend adapter (entry point ``tvm`` in group ``metadist.frontends``).
 
-It owns op keys starting with ``te.``. Ops are traced by
-:func:`metadist_tvm.parallelize` (TE graphs are not Python step functions,
-so ``metadist_trace`` and ``metadist_lower`` answer only for frontend ``tvm``
-with a ``(inputs, outputs)`` pair).
+It owns op keys starting with ``te.``. A TE graph is not a Python step
+function: the driver's "step" is ``fn=None`` with ``args == (inputs,
+outputs)`` (placeholders and output tensors) and ``kwargs`` may hold
+``name``. Importing this module imports neither tvm nor torch.
 """
 from __future__ import annotations
 
-from metadist_core.frontend_hooks import op_hooks
+import os
+from typing import Any, Callable, Hashable
+
+from metadist_core.frontend import Frontend, Traced
 from metadist_core.hookspecs import hookimpl
+from metadist_core.placement import Mesh
 
-OP_PREFIXES = ("te.",)
-
-
-@hookimpl
-def metadist_frontend_info():
-    return {"name": "tvm", "op_prefixes": list(OP_PREFIXES),
-            "description": "TVM Tensor Expression: topi operators and TE builders rebuilt at shard shapes, llvm"}
+ENGINES = ("auto", "simulate", "torch")
 
 
-metadist_op_spec, metadist_op_cost = op_hooks(OP_PREFIXES, "metadist_tvm.oprunner")
+def torch_world() -> int:
+    """World size of a running or announced torch.distributed job (torchrun's ``WORLD_SIZE``), else 0."""
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "0") or 0)
 
 
-@hookimpl
-def metadist_trace(frontend, fn, args, kwargs):
-    """For frontend ``tvm``: ``fn`` is ignored; ``args`` is ``(inputs, outputs)``, lists of te tensors."""
-    if frontend != "tvm":
-        return None
-    from .trace import trace
-    inputs, outputs = args[:2]
-    traced = trace(inputs, outputs if isinstance(outputs, (list, tuple)) else [outputs],
-                   (kwargs or {}).get("name", "te_graph"))
-    return traced.graph
+def mesh_shape(mesh: Any) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """(shape, axis names or None) of a mesh argument: a shape, an int, a string like '2x2', a torch DeviceMesh."""
+    if isinstance(mesh, Mesh):
+        return mesh.shape, mesh.axis_names
+    if isinstance(mesh, str):
+        m = Mesh.parse(mesh)
+        return m.shape, m.axis_names
+    if isinstance(mesh, int):
+        return (mesh,), None
+    if isinstance(mesh, (tuple, list)):
+        return tuple(int(s) for s in mesh), None
+    shape = getattr(mesh, "shape", None)   # a torch DeviceMesh
+    if shape is not None:
+        return tuple(int(s) for s in shape), tuple(getattr(mesh, "mesh_dim_names", None) or ()) or None
+    raise TypeError(f"mesh must be a Mesh, a shape such as (2, 2), or a string like '2x2'; got {mesh!r}")
 
 
-@hookimpl
-def metadist_lower(frontend, graph, plan, mesh, context):
-    """For frontend ``tvm``: a :class:`~metadist_tvm.execute.Parallelized` running ``plan`` in this process.
+class TvmFrontend(Frontend):
+    """TVM Tensor Expression graphs, split by rebuilding each operator at the shard shapes.
 
-    ``context`` may be the ``Traced`` of the graph; without it the calls are
-    taken from the ops' payloads (the graph must have been traced in this process).
+    ``engine`` is ``simulate`` (every device in this process), ``torch`` (one
+    process per device under torchrun, collectives on torch.distributed) or
+    ``auto`` (torch when torchrun started this process with more than one
+    rank, else simulate).
     """
-    if frontend != "tvm":
-        return None
-    from .execute import Parallelized
-    from .record import Call
-    from .trace import Traced
-    traced = context
-    if not isinstance(traced, Traced):
-        missing = [op.id for op in graph.ops if not isinstance(op.payload, Call)]
-        if missing:
-            raise ValueError(f"ops {missing[:5]} of {graph.name!r} carry no TE call; lower a graph traced by "
-                             f"metadist_tvm in this process")
-        traced = Traced(graph, {op.id: op.payload for op in graph.ops})
-    return Parallelized(traced, plan, mesh, "simulate", len(graph.outputs) == 1)
+
+    name = "tvm"
+    op_prefixes = ("te.",)
+    description = "TVM Tensor Expression: topi operators and TE computes rebuilt at shard shapes, llvm"
+    runner_module = "metadist_tvm.oprunner"
+
+    def __init__(self, engine: str = "auto") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+        self.engine_choice = engine
+
+    @property
+    def engine(self) -> str:
+        """The engine this adapter runs on: ``simulate`` or ``torch``."""
+        if self.engine_choice == "auto":
+            return "torch" if torch_world() > 1 else "simulate"
+        return self.engine_choice
+
+    # -- the flow -------------------------------------------------------------------
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        inputs, outputs = args[:2]
+        outs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        return (tuple(id(t) for t in inputs), tuple(id(t) for t in outs), isinstance(outputs, (list, tuple)),
+                kwargs.get("name", "te_graph"))
+
+    def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
+        """``args`` is ``(inputs, outputs)``: te placeholders and one output tensor or a list of them."""
+        from .trace import trace
+        if len(args) < 2:
+            raise TypeError(f"the tvm frontend traces (inputs, outputs) of a TE graph; got {len(args)} arguments")
+        te_traced = trace(args[0], args[1], kwargs.get("name", "te_graph"))
+        return Traced(te_traced.graph, context=te_traced)
+
+    def resolve_mesh(self, mesh: Any, profile: Any) -> Mesh:
+        engine = self.engine
+        if mesh is None:
+            if engine == "torch":
+                from .engine_torch import rank_and_world
+                mesh = (rank_and_world()[1],)
+            else:
+                mesh = (2,)
+        if isinstance(mesh, Mesh):
+            m = mesh
+        else:
+            shape, names = mesh_shape(mesh)
+            m = profile.mesh(shape, names)
+        if engine == "torch":
+            from .engine_torch import rank_and_world
+            world = rank_and_world()[1]
+            if world != m.size:
+                raise ValueError(f"mesh {m} has {m.size} devices but torch.distributed runs {world} processes; "
+                                 f"launch with torchrun --nproc_per_node={m.size} or pick a mesh of {world} devices")
+        return m
+
+    def is_planner(self) -> bool:
+        if self.engine != "torch":
+            return True
+        from .engine_torch import rank_and_world
+        return rank_and_world()[0] == 0
+
+    def share(self, plan: Any, traced: Traced) -> Any:
+        if self.engine != "torch":
+            return super().share(plan, traced)
+        from metadist_core.plan import ShardingPlan
+
+        from .engine_torch import broadcast_from_rank0
+        msg = broadcast_from_rank0({"plan": plan.to_json()} if plan is not None else None)
+        if msg is None or "error" in msg:
+            why = "no plan" if msg is None else msg["error"]
+            raise RuntimeError(f"rank 0 failed to plan {traced.graph.name!r}: {why}")
+        return plan if plan is not None else ShardingPlan.from_json(msg["plan"])
+
+    def share_error(self, error: BaseException) -> None:
+        if self.engine == "torch":
+            from .engine_torch import broadcast_from_rank0
+            broadcast_from_rank0({"error": f"{type(error).__name__}: {error}"})
+
+    def lower(self, traced: Traced, plan: Any, mesh: Mesh, settings: Any) -> Callable:
+        """A :class:`~metadist_tvm.runtime.Parallelized` running ``plan`` on this process's engine."""
+        from .runtime import Parallelized
+        from .trace import Traced as TeTraced
+        te_traced = traced.context
+        if not isinstance(te_traced, TeTraced):
+            raise ValueError(f"{traced.graph.name!r} was not traced by the tvm frontend in this process "
+                             f"(its context is {type(te_traced).__name__}); trace it with TvmFrontend().trace")
+        return Parallelized(te_traced, plan, mesh, self.engine)
+
+    def __repr__(self) -> str:
+        return f"<TvmFrontend 'tvm' engine={self.engine_choice}>"
+
+
+@hookimpl
+def metadist_frontend() -> TvmFrontend:
+    return TvmFrontend()

@@ -1,16 +1,17 @@
 """Recorded TE calls: how each operator of a TE graph can be built again at other shapes.
 
-A ``te.compute`` is defined for fixed shapes, and TVM 0.27 offers no Python
-way to rewrite a compute body onto new input tensors. So every operator that
-MetaDist may split is a *call*: a builder function (a ``tvm.topi`` operator or
-a user function returning ``te.compute`` tensors) with its tensor arguments and
-its static arguments. :class:`Call` keeps both; :meth:`Call.build` runs the
+A ``te.compute`` is defined for fixed shapes. Every operator that MetaDist
+may split is a *call*: a builder function (a ``tvm.topi`` operator, a user
+function returning ``te.compute`` tensors, or for a plain compute the
+:class:`~metadist_tvm.rebuild.ComputeRebuilder` of its body) with its tensor
+arguments and its static arguments. :class:`Call` keeps both; :meth:`Call.build` runs the
 builder again on placeholders of any shapes and dtypes, which is how a
 device's shard kernel (and every discovery run) is made.
 
 Calls are recorded when the graph is built through :data:`topi` (a mirror of
 ``tvm.topi`` in which every operator records itself) or through functions
-decorated with :func:`op`. Tracing then walks the compute DAG from the
+decorated with :func:`op`; calls for plain computes are made when tracing
+meets them (:mod:`metadist_tvm.plain`). Tracing walks the compute DAG from the
 outputs and finds, for each tensor, the call that made it.
 """
 from __future__ import annotations
@@ -51,7 +52,9 @@ class Call:
     n_inputs: int
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
-    fixed: bool = False   # an unrecorded compute: it runs only on its own placeholders, at their shapes
+    fixed: bool = False   # it runs only on its own placeholders (``inputs``), at their shapes
+    info: dict = field(default_factory=dict)   # more static attrs (a rebuilt compute's body text)
+    opaque: str = ""      # why the op cannot be split (it then runs replicated), or "" when it can
 
     @property
     def fn_name(self) -> str:
@@ -70,7 +73,8 @@ class Call:
 
     def attrs(self) -> dict:
         """The static arguments as JSON-able attrs (tensor inputs appear as ``{"$in": i}``)."""
-        return {"fn": self.fn_name, "args": to_json(list(self.args)), "kwargs": to_json(dict(self.kwargs))}
+        return {"fn": self.fn_name, "args": to_json(list(self.args)), "kwargs": to_json(dict(self.kwargs)),
+                **self.info}
 
     def with_arg(self, position: int, value: Any) -> "Call":
         """The same call with positional argument ``position`` replaced (say, a reshape's target shape)."""
@@ -179,6 +183,12 @@ class suppress_recording:
 def lookup(tensor: Any) -> tuple[Call, int] | None:
     """The recorded call that made ``tensor`` and which of its outputs it is, or None."""
     return _RECORDS.get(tensor)
+
+
+def remember(call: Call) -> None:
+    """Record ``call`` as the maker of its output tensors (as a recorded builder call would be)."""
+    for i, o in enumerate(call.outputs):
+        _RECORDS[o] = (call, i)
 
 
 def clear_records() -> None:

@@ -4,9 +4,10 @@ Every tensor made by a recorded call (:mod:`metadist_tvm.record`: an operator
 of ``metadist_tvm.topi`` or a builder decorated with ``metadist_tvm.op``)
 becomes one MetaOp over that call's tensor arguments, however many computes
 the call made inside (``softmax`` is one op, not four). Placeholders are the
-graph inputs. A compute made directly with ``te.compute`` and not recorded
-can still run, replicated and at its own shapes, when every tensor it reads is
-a graph input; anywhere else it is an error that says how to record it.
+graph inputs. Every other tensor (a plain ``te.compute`` or ``tvm.topi``
+operator) is made by one ComputeOp, which becomes one MetaOp whose body is
+rebuilt at the shard shapes (:mod:`metadist_tvm.plain`); an extern op, a scan
+or a body that cannot be rebuilt runs replicated.
 """
 from __future__ import annotations
 
@@ -18,10 +19,8 @@ from tvm import te
 
 from metadist_core.ir import MetaIR
 
-from .record import Call, Slot, lookup
-
-# key of a compute that was not recorded: it runs replicated, at its own shapes
-RAW_COMPUTE = "te.compute"
+from .plain import plain_call
+from .record import Call
 
 
 @dataclass
@@ -32,39 +31,22 @@ class Traced:
     calls: dict[str, Call] = field(default_factory=dict)          # op id -> Call
     input_tensors: list = field(default_factory=list)             # the placeholders, in graph input order
     output_tensors: list = field(default_factory=list)
-
-
-def _raw_call(t: te.Tensor) -> Call:
-    """A Call for an unrecorded compute that reads only placeholders: it rebuilds the compute unchanged."""
-    inputs = list(t.op.input_tensors)
-    compute = t.op
-
-    def same_compute(*tensors):
-        for x, orig in zip(tensors, inputs):
-            if tuple(int(s) for s in x.shape) != tuple(int(s) for s in orig.shape) or x.dtype != orig.dtype:
-                raise ValueError(f"compute {compute.name!r} was not recorded and runs only at its own shapes "
-                                 f"and dtypes; build it through metadist_tvm.op to let it be split")
-        return [compute.output(i) for i in range(compute.num_outputs)]
-
-    same_compute.__qualname__ = f"compute.{compute.name}"
-    same_compute.__module__ = "te"
-    outs = [compute.output(i) for i in range(compute.num_outputs)]
-    return Call(RAW_COMPUTE, same_compute, tuple(Slot(i) for i in range(len(inputs))), {}, len(inputs),
-                list(inputs), outs, fixed=True)
+    single_output: bool = False   # the outputs were given as one tensor: the program returns one array
 
 
 def _short(key: str) -> str:
     return re.sub(r"[^0-9A-Za-z_]", "_", key.split(".")[-1]) or "op"
 
 
-def trace(inputs: Sequence[te.Tensor], outputs: Sequence[te.Tensor], name: str = "te_graph") -> Traced:
-    """MetaIR of the TE graph from placeholders ``inputs`` to tensors ``outputs``.
+def trace(inputs: Sequence[te.Tensor], outputs: Sequence[te.Tensor] | te.Tensor, name: str = "te_graph") -> Traced:
+    """MetaIR of the TE graph from placeholders ``inputs`` to tensors ``outputs`` (one tensor or a list).
 
     Raises ValueError naming the tensor when a placeholder that the outputs
     read is not among ``inputs``, or when a compute was built without being
     recorded and reads more than graph inputs.
     """
-    inputs, outputs = list(inputs), list(outputs)
+    single = isinstance(outputs, te.Tensor)
+    inputs, outputs = list(inputs), ([outputs] if single else list(outputs))
     for i, t in enumerate(inputs):
         if not isinstance(t, te.Tensor) or not isinstance(t.op, te.PlaceholderOp):
             raise TypeError(f"inputs[{i}] must be a te.placeholder, got {t!r:.80}")
@@ -72,7 +54,7 @@ def trace(inputs: Sequence[te.Tensor], outputs: Sequence[te.Tensor], name: str =
         if not isinstance(t, te.Tensor):
             raise TypeError(f"outputs[{i}] must be a te.Tensor, got {type(t).__name__}")
     g = MetaIR(name)
-    out = Traced(g, input_tensors=inputs, output_tensors=outputs)
+    out = Traced(g, input_tensors=inputs, output_tensors=outputs, single_output=single)
     var_of: dict = {}   # te.Tensor -> var id
     used: set[str] = set()
 
@@ -93,19 +75,10 @@ def trace(inputs: Sequence[te.Tensor], outputs: Sequence[te.Tensor], name: str =
     done_calls: set[int] = set()
 
     def call_of(t: te.Tensor) -> Call:
-        rec = lookup(t)
-        if rec is not None:
-            return rec[0]
         if isinstance(t.op, te.PlaceholderOp):
             raise ValueError(f"placeholder {t.op.name!r} (shape {tuple(int(s) for s in t.shape)}) feeds the "
                              f"outputs but is not in inputs; add it to the inputs of parallelize")
-        if isinstance(t.op, te.ComputeOp) and all(isinstance(x.op, te.PlaceholderOp) for x in t.op.input_tensors):
-            return _raw_call(t)
-        raise ValueError(
-            f"tensor {t.op.name!r} ({type(t.op).__name__}, tag {getattr(t.op, 'tag', '')!r}) was not built through "
-            f"metadist_tvm.topi or a metadist_tvm.op builder, so it cannot be rebuilt at shard shapes; build it "
-            f"with `from metadist_tvm import topi` or wrap the code making it in a function decorated with "
-            f"@metadist_tvm.op")
+        return plain_call(t)
 
     # iterative post-order walk: a call's tensor inputs are defined before the call
     stack: list[tuple[Any, bool]] = [(t, False) for t in reversed(outputs)]
@@ -129,7 +102,7 @@ def trace(inputs: Sequence[te.Tensor], outputs: Sequence[te.Tensor], name: str =
             continue
         done_calls.add(id(call))
         idx = len(g.ops)
-        short = _short(call.key if call.key != RAW_COMPUTE else call.outputs[0].op.name)
+        short = _short(call.key)
         out_ids = []
         for o in call.outputs:
             vid = fresh(f"{short}_{idx}" if len(call.outputs) == 1 else f"{short}_{idx}_{len(out_ids)}")

@@ -5,7 +5,8 @@
 
 Build the graph with ``metadist_tvm.topi`` (``tvm.topi`` whose operators record
 their calls, so that each can be rebuilt at a device's shard shapes) or with
-your own builders decorated by ``@metadist_tvm.op``.
+your own builders decorated by ``@metadist_tvm.op``; plain ``tvm.topi`` and
+``te.compute`` work too (see ``plain_te.py``), one op per compute.
 """
 import os
 

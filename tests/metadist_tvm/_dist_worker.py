@@ -17,7 +17,7 @@ from metadist_core.plan import ShardingPlan  # noqa: E402
 from metadist_core.problem import build_problem  # noqa: E402
 from metadist_tvm import topi  # noqa: E402
 from metadist_tvm.execute import Parallelized  # noqa: E402
-from _tvm_graphs import conv_ref, convnet, draw, mlp, mlp_ref  # noqa: E402
+from _tvm_graphs import conv_ref, convnet, draw, mlp, mlp_ref, plain_mlp, plain_mlp_ref  # noqa: E402
 
 
 RANDOM_PLANS = 8
@@ -48,7 +48,7 @@ def main() -> None:
         dist.broadcast_object_list(box, src=0)
         plan = ShardingPlan.from_json(box[0])
         kinds |= {c.kind for _, c in plan.collectives()}
-        run = Parallelized(f.traced, plan, mesh, "torch", True)
+        run = Parallelized(f.traced, plan, mesh, "torch")
         err_red = max(err_red, float(np.abs(run(*xs) - mlp_ref(*xs)).max()))
     cin, cw = convnet()
     cx = draw(cin, seed=1)
@@ -61,10 +61,20 @@ def main() -> None:
     ua, ub = draw([ux, uw], seed=2)
     err_conv = max(err_conv, float(np.abs(u(ua, ub) - np.maximum(ua @ ub.T, 0)).max()))
     kinds |= {c.kind for _, c in u.plan.collectives()}
+    # plain tvm.topi + a constant-extent te.compute matmul, no wrappers: rebuilt per rank's shard shapes
+    pin_, py = plain_mlp()
+    err_plain = 0.0
+    for pins in ([Pin("W1", Sharding([Shard(0)]))], [Pin("X", Sharding([Shard(0)]))]):
+        p = metadist_tvm.parallelize(pin_, py, (world,), constraints=pins)
+        assert p.engine == "torch" and not p.plan.var_shardings[pins[0].var].is_fully_replicated()
+        kinds |= {c.kind for _, c in p.plan.collectives()}
+        for seed in (0, 1):
+            px = draw(pin_, seed=seed)
+            err_plain = max(err_plain, float(np.abs(p(*px) - plain_mlp_ref(*px)).max()))
     colls = sorted(kinds | {c.kind for _, c in g.plan.collectives()})
-    ok = err_mlp < 1e-5 and err_red < 1e-5 and err_conv < 1e-4
+    ok = err_mlp < 1e-5 and err_red < 1e-5 and err_conv < 1e-4 and err_plain < 1e-5
     line = (f"rank {rank}/{world} {'OK' if ok else 'MISMATCH'} mlp {err_mlp:.2e} plans {err_red:.2e} "
-            f"conv {err_conv:.2e} collectives {','.join(colls)}")
+            f"conv {err_conv:.2e} plain {err_plain:.2e} collectives {','.join(colls)}")
     print(line, flush=True)
     out_dir = os.environ.get("METADIST_TEST_OUT")
     if out_dir:   # one file per rank: stdout of the ranks interleaves

@@ -1,6 +1,7 @@
 """Two processes under torchrun: TVM kernels per rank, collectives on torch.distributed (gloo) through
 DLPack; a dense-relu-dense-softmax graph (forced tensor parallel, a forced all_reduce, and random plans
-exercising every collective kind) and a conv-relu-pool graph match numpy on both ranks."""
+exercising every collective kind), a conv-relu-pool graph and a plain tvm.topi / te.compute graph (no wrappers)
+match numpy on both ranks."""
 import os
 import subprocess
 import sys

@@ -77,7 +77,7 @@ def test_kernels_are_compiled_once_per_shape(tmp_path):
     # discovery again (an empty rule cache, so every op is run again) builds nothing new
     again = metadist_tvm.parallelize(inputs, y, mesh, constraints=[pin("x", Shard(0))], cache_dir=str(tmp_path / "b"))
     assert again.result.rulebook.discovered == len(f.graph.ops)
-    metadist_tvm.rules_for(metadist_tvm.topi.nn.dense, np.ones((12, 8)), np.ones((12, 8)))
+    metadist_tvm.rules_for(metadist_tvm.topi.nn.dense, np.ones((12, 8)), np.ones((12, 8)), axis_size=4)  # as discovered on (4,)
     assert cache.builds == after_discovery
     # the first run builds one kernel per distinct (op, local input shapes), in the graph's dtype
     expected = set()
@@ -115,14 +115,16 @@ def test_user_builders_and_unrecorded_computes():
     g = 0.5 * a * (1 + np.tanh(0.7978845608 * (a + 0.044715 * a ** 3)))
     np.testing.assert_allclose(f(a, b), g @ b, rtol=1e-4, atol=1e-5)
 
-    # a plain te.compute on graph inputs runs (replicated); one reading another op's output is an error
+    # plain te.computes, on graph inputs or on other ops' outputs, are rebuilt at the shard shapes
     plain = te.compute((8, 6), lambda i, j: x[i, j] * 2.0, name="plain")
-    f = metadist_tvm.parallelize([x, w], metadist_tvm.topi.nn.matmul(plain, w), (2,))
+    f = metadist_tvm.parallelize([x, w], metadist_tvm.topi.nn.matmul(plain, w), (2,), constraints=[pin("x", Shard(0))])
+    assert f.plan.var_shardings["x"] == Sharding([Shard(0)])
     np.testing.assert_allclose(f(a, b), (2 * a) @ b, rtol=1e-4, atol=1e-5)
     h = metadist_tvm.topi.nn.relu(x)
-    bad = te.compute((8, 6), lambda i, j: h[i, j] + 1.0, name="bad")
-    with pytest.raises(ValueError, match="'bad'.*metadist_tvm.op"):
-        metadist_tvm.parallelize([x], bad, (2,))
+    after = te.compute((8, 6), lambda i, j: h[i, j] + 1.0, name="after")
+    f = metadist_tvm.parallelize([x], after, (2,), constraints=[pin("x", Shard(1))])
+    assert [op.key for op in f.graph.ops] == ["te.topi.nn.relu", "te.compute.after"]
+    np.testing.assert_allclose(f(a), np.maximum(a, 0) + 1, rtol=1e-6)
     with pytest.raises(ValueError, match="placeholder 'w'.*not in inputs"):
         metadist_tvm.parallelize([x], y, (2,))
 
@@ -163,15 +165,37 @@ def test_uneven_splits():
     np.testing.assert_allclose(f(a, b), e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
 
 
-def test_the_pipeline_hooks_trace_and_lower():
+def test_the_driver_traces_plans_and_lowers_through_the_adapter():
     from metadist_core.pipeline import compile_step
     from metadist_core.plugins import PluginManager
+    from metadist_tvm.plugin import TvmFrontend
 
     inputs, y = mlp()
     xs = draw(inputs, seed=5)
     pm = PluginManager()
     assert "tvm" in pm.names("frontend")
-    result = compile_step("tvm", None, (inputs, y), {}, Mesh((2,)), plugins=pm)
+    fe = pm.frontend("tvm")
+    assert isinstance(fe, TvmFrontend) and fe.op_prefixes == ("te.",)
+    assert [op.key for op in fe.trace(None, (inputs, y), {}).graph.ops] == [
+        "te.topi.nn.dense", "te.topi.nn.relu", "te.topi.nn.dense", "te.topi.nn.softmax"]
+    result = compile_step(fe, None, (inputs, y), {}, mesh=Mesh((2,)), plugins=pm)
     assert [op.key for op in result.graph.ops] == ["te.topi.nn.dense", "te.topi.nn.relu", "te.topi.nn.dense",
                                                   "te.topi.nn.softmax"]
     np.testing.assert_allclose(result.runnable(*xs), mlp_ref(*xs), rtol=1e-4, atol=1e-6)
+    assert {"trace", "discover", "solve", "lower"} <= set(result.timings)
+    # parallelize is the same driver: the program carries the plan, the graph and the timings
+    f = metadist_tvm.parallelize(inputs, y, (2,))
+    assert f.plan is not None and f.graph.name == "te_graph" and "solve" in f.timings
+    # a one-device mesh gets the replicated plan without discovery
+    one = metadist_tvm.parallelize(inputs, y, (1,))
+    assert "discover" not in one.timings
+    np.testing.assert_allclose(one(*xs), mlp_ref(*xs), rtol=1e-4, atol=1e-6)
+
+
+def test_importing_the_plugin_imports_no_framework():
+    import subprocess
+    import sys
+    code = ("import sys, metadist_tvm.plugin as p; p.metadist_frontend(); "
+            "bad = [m for m in ('tvm', 'torch') if m in sys.modules]; assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
