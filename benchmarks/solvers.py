@@ -62,40 +62,44 @@ def synthetic_source(model: str):
 
 
 GPT2_LAYER_KINDS = ["ln", "ln", "col_w", "col_b", "row_w", "row_b", "ln", "ln", "col_w", "col_b", "row_w", "row_b"]
-DISCOVERABLE = ("gpt2-tiny-2l",)  # full-size discovery of GPT-2 small/XL ops is hours on 2 cores
+DISCOVERABLE = ("gpt2-tiny-2l", "gpt2-small-12l", "gpt2-xl-48l")  # rules per op pattern, at proxy sizes
 
 
 def discovered_source(model: str):
-    """The recorded graph with rules found by ShardCombine through the PyTorch op runner (rule cache used).
-
-    Parameters are classified by their position in transformers' GPT2LMHeadModel
-    (wte, wpe, 12 per block: ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
-    mlp.c_proj, then ln_f); Conv1D weights are [in, out], so c_attn/c_fc split
-    columns and the projections split rows in the Megatron hand plan.
-    """
+    """The recorded graph with rules found by ShardCombine through the PyTorch op runner (rule cache used)."""
     from metadist_core.discover import discover
     from metadist_core.plugins import PluginManager as PM
     from metadist_core.recorded import load_recorded_graph
     from metadist_core.rules import RuleBook
 
     if model not in DISCOVERABLE:
-        raise ValueError(f"--rules discovered runs on {', '.join(DISCOVERABLE)}: discovering every op of {model} "
-                         f"at full size (50,257-wide logits in float64) is impractical on this machine")
+        raise ValueError(f"--rules discovered runs on {', '.join(DISCOVERABLE)}, not {model}")
     path = Path(__file__).resolve().parents[2] / "shared" / "graphs" / f"{model}-adamw.json"
     graph = load_recorded_graph(path)
     pm = PM()
-    book = discover(graph, pm, RuleBook.load())
-    costs = op_costs(graph, pm)
+    sizes = sorted({n for m in MESHES for n in m})
+    book = discover(graph, pm, RuleBook.load(), axis_sizes=sizes)
+    return discovered_info(graph, op_costs(graph, pm)), book
+
+
+def discovered_info(graph, costs) -> Gpt2Graph:
+    """What the hand plans need of a recorded GPT-2 step: each parameter's role, its optimizer state, the batch.
+
+    Parameters are classified by their position in transformers' GPT2LMHeadModel
+    (wte, wpe, 12 per block: ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc,
+    mlp.c_proj, then ln_f); Conv1D weights are [in, out], so c_attn/c_fc split
+    columns and the projections split rows in the Megatron hand plan.
+    """
+    path = graph.name
     params = [v for v in graph.inputs if graph.vars[v].role == "parameter"]
     kinds = ["wte", "wpe"] + GPT2_LAYER_KINDS * ((len(params) - 4) // 12) + ["ln", "ln"]
     if len(kinds) != len(params):
-        raise ValueError(f"{path.name}: {len(params)} parameters do not fit the GPT-2 layout (2 + 12 per block + 2)")
+        raise ValueError(f"{path}: {len(params)} parameters do not fit the GPT-2 layout (2 + 12 per block + 2)")
     i = {v: k for k, v in enumerate(params)}
     states = {p: tuple(v for v in graph.inputs if graph.vars[v].role == "optimizer_state"
                        and v.rsplit("_", 1)[-1] == p.rsplit("_", 1)[-1]) for p in params}
-    info = Gpt2Graph(graph, costs, {p: kinds[i[p]] for p in params}, states,
+    return Gpt2Graph(graph, costs, {p: kinds[i[p]] for p in params}, states,
                      [v for v in graph.inputs if graph.vars[v].role == "input"], [])
-    return info, book
 
 
 RULE_SOURCES = {"synthetic": synthetic_source, "discovered": discovered_source}

@@ -12,6 +12,7 @@ with one warning naming the op.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Sequence
@@ -66,7 +67,12 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
                  len(todo), len(seen), len(seen) - len(todo), "/".join(map(str, sizes)))
     warned: set[str] = set()
     show = False if not todo else progress  # None: the bar decides from the terminal and the progress setting
-    with Progress(len(todo), f"discover ({len(todo)} op patterns)", enabled=show) as bar:
+    owner = getattr(ops, "owner", None)
+    fronts = {id(fe): fe for op, _ in todo.values() if owner is not None and (fe := owner(op)) is not None}
+    with contextlib.ExitStack() as stack, \
+            Progress(len(todo), f"discover ({len(todo)} op patterns)", enabled=show) as bar:
+        for fe in fronts.values():
+            stack.enter_context(fe.discovering())
         for key, (op, pat) in todo.items():
             entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws)
             book.add(used, entry)

@@ -18,9 +18,10 @@ starting with one of ``op_prefixes``. ``demo`` and ``calibrate`` are optional
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from .config import Settings
@@ -116,6 +117,11 @@ class Frontend:
             return None
         fn = getattr(importlib.import_module(self.runner_module), "op_cost", None)
         return None if fn is None else fn(op, graph)
+
+    def discovering(self) -> ContextManager[None]:
+        """A context entered around a discovery run over this frontend's ops (say, one compute thread:
+        ShardCombine runs many tiny ops, where a thread pool costs more than it gives)."""
+        return contextlib.nullcontext()
 
     # -- optional command-line jobs ------------------------------------------------
     def demo(self, args: Sequence[str]) -> int:

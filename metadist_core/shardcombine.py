@@ -256,16 +256,26 @@ def default_sampler(examples: Sequence[np.ndarray]) -> Callable[[np.random.Gener
 # -- the search -------------------------------------------------------------
 
 
-def _combos(cands: list[list[Placement]]) -> list[tuple[Placement, ...]]:
-    """All input combinations, pruned: Partial inputs only next to Replicate or the same Partial."""
-    out = []
-    for combo in itertools.product(*cands):
-        partials = {p for p in combo if isinstance(p, Partial)}
-        if partials:
-            if len(partials) > 1 or any(isinstance(p, Shard) for p in combo):
-                continue
-        out.append(combo)
-    return out
+def _combos(cands: list[list[Placement]], examples: Sequence[Any] = ()) -> list[tuple[Placement, ...]]:
+    """The input combinations worth trying: all replicated; Replicate or one same Partial on every
+    input; Replicate or a Shard on every input, the dims split together all of one size (one logical
+    dim: at proxy sizes distinct dims have distinct sizes)."""
+    rep = Replicate()
+    out: list[tuple[Placement, ...]] = [tuple(rep for _ in cands)]
+    reduces = sorted({p.reduce for c in cands for p in c if isinstance(p, Partial)})
+    for r in reduces:
+        per = [[rep] + [p for p in c if isinstance(p, Partial) and p.reduce == r] for c in cands]
+        out += [c for c in itertools.product(*per) if any(isinstance(p, Partial) for p in c)]
+    shard_sizes: dict[Any, list[list[Placement]]] = {}
+    for i, c in enumerate(cands):
+        for p in c:
+            if isinstance(p, Shard):
+                size = examples[i].shape[p.dim] if examples else None
+                shard_sizes.setdefault(size, [[] for _ in cands])[i].append(p)
+    for size, shards in shard_sizes.items():
+        per = [[rep] + sh for sh in shards]
+        out += [c for c in itertools.product(*per) if any(isinstance(p, Shard) for p in c)]
+    return list(dict.fromkeys(out))
 
 
 class _Runner:
@@ -346,7 +356,7 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
     if spec.reshape_fn is not None:
         cands[0] = [p for p in cands[0]
                     if not isinstance(p, Shard) or reshape_local_shape(examples[0].shape, spec.out_shape, p, n, 0) is not None]
-    combos = _combos(cands)
+    combos = _combos(cands, examples)
     stats.candidates += len(combos)
 
     rules: list[ShardingRule] = []

@@ -1,0 +1,179 @@
+"""Planning at real model sizes: trace (load) / discover / build / solve seconds, cold and warm, peak RSS.
+
+    python -m benchmarks.plan_scale [--quick]
+
+Models are whole training steps (forward, backward, AdamW) of transformers'
+GPT-2 recorded in ../shared/graphs (small: 12 layers, width 768, vocabulary
+50,257; XL: 48 layers, width 1,600), planned with the rules ShardCombine
+discovers through the PyTorch op runner at proxy sizes. Each case runs in a
+fresh process (so its peak RSS is its own), first with an empty rule cache
+(cold), then again with the cache the first run left (warm). The plan's cost is
+set against the best hand plan of each family on the same cost model (data
+parallel, ZeRO-3, Megatron TP, TP x DP: the layouts pinned, the rest filled in
+by the ILP). PyTorch AutoParallel's figures, measured on this machine (see
+../shared/NOTES.md), stand in the same table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ._common import RESULTS, write_results
+
+NAME = "plan_scale"
+GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
+CASES = [("gpt2-small-12l", (8,)), ("gpt2-small-12l", (2, 4)), ("gpt2-small-12l", (2, 2, 2)),
+         ("gpt2-xl-48l", (8,)), ("gpt2-xl-48l", (2, 4)), ("gpt2-xl-48l", (8, 8, 16))]
+QUICK = [("gpt2-small-12l", (2, 4))]
+HAND_ROLES = {
+    1: {"DP": ("dp",), "ZeRO-3": ("fsdp",), "Megatron-TP": ("tp",)},
+    2: {"DP": ("dp", "dp"), "ZeRO-3": ("fsdp", "fsdp"), "Megatron-TP": ("tp", "tp"), "TPxDP": ("dp", "tp")},
+    3: {"DP": ("dp",) * 3, "ZeRO-3": ("fsdp",) * 3, "Megatron-TP": ("tp",) * 3, "TPxDP": ("dp", "dp", "tp")},
+}
+# PyTorch AutoParallel on GPT-2 small (3,468 graph nodes), fake world of 8, measured on this machine (NOTES.md)
+AUTOPARALLEL = [
+    {"model": "gpt2-small-12l", "mesh": "8", "system": "PyTorch AutoParallel", "cold": True, "total_s": 24.0,
+     "ilp_vars": 13528, "note": "measured here, ../shared/NOTES.md"},
+    {"model": "gpt2-small-12l", "mesh": "2x4", "system": "PyTorch AutoParallel", "cold": True, "total_s": 168.0,
+     "peak_rss_mb": 3000, "ilp_vars": 389470, "note": "measured here, ../shared/NOTES.md"},
+]
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, time_limit: float) -> dict:
+    """Plan one model on one mesh in this process; the figures as a flat record."""
+    from metadist_core.config import load_settings
+    from metadist_core.cost import DEVICE_PRESETS
+    from metadist_core.pipeline import plan_graph
+    from metadist_core.plugins import PluginManager
+    from metadist_core.profile import load_profile
+    from metadist_core.recorded import load_recorded_graph
+
+    t0 = time.perf_counter()
+    graph = load_recorded_graph(GRAPHS / f"{model}-adamw.json")
+    t_load = time.perf_counter() - t0
+    pm = PluginManager()
+    mesh = load_profile().mesh(mesh_shape)
+    settings = load_settings(cache_dir=cache, progress=False, time_limit=time_limit)
+    res = plan_graph(graph, mesh, plugins=pm, settings=settings, device=DEVICE_PRESETS["a100"])
+    plan = res.plan
+    sizes = plan.stats.get("sizes", {})
+    rec = {"model": model, "mesh": "x".join(map(str, mesh_shape)), "system": "MetaDist (ilp)",
+           "graph_ops": len(graph.ops), "patterns": len(res.rulebook.entries),
+           "patterns_discovered": res.rulebook.discovered,
+           "trace_s": t_load, **{f"{k}_s": v for k, v in res.timings.items()},
+           "total_s": t_load + sum(res.timings.values()), "objective_ms": plan.objective * 1e3,
+           "gap": plan.gap, "decisions": len(res.problem.nodes),
+           "decisions_coarse": (sizes.get("tied") or sizes.get("fixed") or sizes.get("fine") or {}).get("nodes"),
+           "ilp_vars": plan.stats.get("variables"), "peak_rss_mb": _peak_rss_mb()}
+    if hand:
+        from .solvers import constrained, discovered_info, hand_pins
+        info = discovered_info(graph, {})
+        best = None
+        for name, roles in HAND_ROLES[len(mesh_shape)].items():
+            q = constrained(res.problem, hand_pins(info, mesh_shape, roles))
+            try:
+                hp = pm.solve("ilp", q, {"time_limit": time_limit})
+            except ValueError:   # a family that cannot hold this model on this mesh (memory)
+                continue
+            rec[f"hand_{name}_ms"] = hp.objective * 1e3
+            best = hp.objective if best is None else min(best, hp.objective)
+        rec["vs_best_hand"] = None if best is None else plan.objective / best
+    return rec
+
+
+def _child(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, time_limit: float) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.plan_scale", "--one", model, "x".join(map(str, mesh_shape)),
+           "--cache", cache, "--time-limit", str(time_limit)] + (["--hand"] if hand else [])
+    env = dict(os.environ, METADIST_PROGRESS="0")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def plot(records: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ours = [r for r in records if r["system"].startswith("MetaDist")]
+    cases = list(dict.fromkeys((r["model"], r["mesh"]) for r in ours))
+    fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(cases)), 4.5))
+    phases = ["trace_s", "discover_s", "build_problem_s", "solve_s"]
+    for k, cold in enumerate((True, False)):
+        bottom = [0.0] * len(cases)
+        for ph, color in zip(phases, ("#888", "#d62", "#48c", "#3a3")):
+            ys = [next((r.get(ph, 0.0) for r in ours if (r["model"], r["mesh"]) == c and r["cold"] == cold), 0.0)
+                  for c in cases]
+            ax.bar([i + 0.4 * k for i in range(len(cases))], ys, 0.38, bottom=bottom, color=color,
+                   label=ph[:-2] if k == 0 else None, alpha=1.0 if cold else 0.5)
+            bottom = [b + y for b, y in zip(bottom, ys)]
+    for r in records:
+        if r["system"] == "PyTorch AutoParallel" and (r["model"], r["mesh"]) in cases:
+            i = cases.index((r["model"], r["mesh"]))
+            ax.plot([i - 0.2, i + 0.6], [r["total_s"]] * 2, "k--", lw=1)
+            ax.text(i + 0.2, r["total_s"], "AutoParallel", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([i + 0.2 for i in range(len(cases))])
+    ax.set_xticklabels([f"{m}\n{mesh}\n(cold | warm)" for m, mesh in cases], fontsize=7)
+    ax.set_ylabel("seconds from graph to plan")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.legend(fontsize=7)
+    ax.set_title("MetaDist planning time at real model sizes (2-core CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="GPT-2 small on (2,4) only (< 2 min)")
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "MESH"), help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--hand", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    if args.one:
+        model, mesh = args.one
+        rec = run_one(model, tuple(int(x) for x in mesh.split("x")), args.cache, args.hand, args.time_limit)
+        print(json.dumps(rec, default=float))
+        return
+    records = []
+    for model, mesh_shape in (QUICK if args.quick else CASES):
+        with tempfile.TemporaryDirectory(prefix="metadist-plan-scale-") as cache:
+            for cold in (True, False):
+                rec = _child(model, mesh_shape, cache, hand=not cold, time_limit=args.time_limit)
+                rec["cold"] = cold
+                records.append(rec)
+                print(f"{model} on {rec['mesh']} ({'cold' if cold else 'warm'}): total {rec['total_s']:.1f} s "
+                      f"(load {rec['trace_s']:.1f}, discover {rec.get('discover_s', 0):.1f}, build "
+                      f"{rec.get('build_problem_s', 0):.1f}, solve {rec.get('solve_s', 0):.1f}), "
+                      f"{rec['patterns']} patterns, peak {rec['peak_rss_mb']:.0f} MB, gap {rec['gap']}"
+                      + (f", vs best hand {rec['vs_best_hand']:.3f}" if rec.get("vs_best_hand") else ""), flush=True)
+    records += AUTOPARALLEL
+    cols = ["model", "mesh", "system", "cold", "total_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
+            "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "gap", "vs_best_hand", "ilp_vars"]
+    notes = ("Graphs: the recorded whole steps in ../shared/graphs (batch 8 x 128 tokens); `trace_s` is loading the "
+             "recorded graph. Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "
+             "sizes per mesh axis size. Cost model: A100-like fp32 roofline, default two-level mesh profile. "
+             "`vs_best_hand`: the plan's cost over the best hand plan (DP, ZeRO-3, Megatron TP, TPxDP) on the same "
+             "cost model (below 1: cheaper). AutoParallel rows: PyTorch AutoParallel measured on this machine.")
+    write_results(NAME, records, cols, "Planning at real model sizes", notes)
+    png = plot(records, RESULTS / f"{NAME}.png")
+    print(f"wrote {RESULTS / (NAME + '.md')}" + (f" and {png}" if png else ""))
+
+
+if __name__ == "__main__":
+    main()
