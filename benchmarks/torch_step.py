@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from metadist_core.hookspecs import hookimpl
+
 REPO = Path(__file__).resolve().parents[1]
 NAME = "torch_step"
 
@@ -89,30 +91,11 @@ def _phase(name, fn):
 # -- a prototype of the proposed core change: all_reduces priced as buckets -----------------
 
 
-def bucket_priced_plan(graph, mesh, cache_dir):
-    """Solve with every edge whose reshard is all_reduce-only priced without its latency term.
-
-    The lowering coalesces independent all_reduces into buckets (one latency per
-    bucket, as DDP does), but the core cost model charges each all_reduce its full
-    latency, which rules data parallelism out on high-latency links. This prices
-    those edges by their bandwidth term only (the latency amortised over a bucket)
-    and reports the chosen plan at its honest, per-collective cost. Benchmark-only:
-    the core patch would do this in metadist_core.problem.
-    """
-    from metadist_core.config import load_settings
+def reprice_all_reduce_edges(problem) -> None:
+    """Price every edge whose reshard is all_reduce-only by its bandwidth term (the latency amortised over a
+    bucket), in place."""
     from metadist_core.cost import reshard
-    from metadist_core.discover import discover
     from metadist_core.placement import Sharding
-    from metadist_core.plugins import PluginManager
-    from metadist_core.problem import build_problem
-    from metadist_core.profile import load_profile
-    from metadist_core.rules import RuleBook
-    settings = load_settings(cache_dir=cache_dir)
-    pm = PluginManager()
-    book = discover(graph, pm.hook, RuleBook.load(settings.cache_dir), progress=False)
-    op_costs = {op.id: tuple(c) for op in graph.ops
-                if (c := pm.hook.metadist_op_cost(op=op, graph=graph)) is not None}
-    problem = build_problem(graph, book, mesh, op_costs=op_costs, device=load_profile(settings.mesh_profile).device)
 
     def distinct(shs):
         out = []
@@ -121,6 +104,7 @@ def bucket_priced_plan(graph, mesh, cache_dir):
                 out.append(x)
         return out
 
+    mesh = problem.mesh
     rep = Sharding.replicated(mesh.ndim)
     for e in problem.edges:
         sn = problem.nodes[e.src]
@@ -143,7 +127,43 @@ def bucket_priced_plan(graph, mesh, cache_dir):
                 if colls and all(c.kind == "all_reduce" for c in colls):
                     t[r, k] = sum(c.cost - 2 * (mesh.shape[c.axis] - 1) * mesh.alpha[c.axis] for c in colls)
         e.table = t
-    return pm.solve(settings.solver, problem, {"time_limit": settings.time_limit})
+
+
+class BucketPricedSolver:
+    """A solver plugin: every edge whose reshard is all_reduce-only priced without its latency term, then
+    solved by the ``base`` solver.
+
+    The lowering coalesces independent all_reduces into buckets (one latency per
+    bucket, as DDP does), but the core cost model charges each all_reduce its full
+    latency, which rules data parallelism out on high-latency links. This prices
+    those edges by their bandwidth term only (the latency amortised over a bucket);
+    the chosen plan is reported at its honest, per-collective cost. Benchmark-only:
+    the core patch would do this in metadist_core.problem.
+    """
+
+    name = "bucket-priced"
+
+    def __init__(self, plugins, base: str) -> None:
+        self.plugins, self.base = plugins, base
+
+    @hookimpl
+    def metadist_solver_info(self):
+        return {"name": self.name, "description": f"{self.base}, all_reduces priced as buckets (benchmark)"}
+
+    @hookimpl
+    def metadist_solve(self, problem, options):
+        reprice_all_reduce_edges(problem)
+        return self.plugins.solve(self.base, problem, options)
+
+
+def bucket_priced_plugins(cache_dir):
+    """The installed plugins plus the bucket-priced solver over the configured one; its name."""
+    from metadist_core.config import load_settings
+    from metadist_core.plugins import PluginManager
+    pm = PluginManager()
+    solver = BucketPricedSolver(pm, load_settings(cache_dir=cache_dir).solver)
+    pm.register(solver, "solver", solver.name)
+    return pm, solver.name
 
 
 # -- the ranks ---------------------------------------------------------------------
@@ -199,9 +219,11 @@ def worker(args) -> int:
         if profile:
             os.environ["METADIST_MESH_PROFILE"] = profile
         model, opt = gpt.build(c)
-        step = metadist_compile(cache_dir=cache)(gpt.train_step)
         if bucket_priced:
-            step._plan_fn = lambda graph, mesh: bucket_priced_plan(graph, mesh, cache)
+            pm, solver = bucket_priced_plugins(cache)
+            step = metadist_compile(cache_dir=cache, solver=solver, plugins=pm)(gpt.train_step)
+        else:
+            step = metadist_compile(cache_dir=cache)(gpt.train_step)
         losses = []
         t0 = time.perf_counter()
         losses.append(float(step(model, opt, *batches[0])))

@@ -19,17 +19,15 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2):
     return _rules_for(op, *example_inputs, axis_size=axis_size)
 
 
-__all__ = ["rules_for"]
-
-
 def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget: int | None = None,
-                     cache_dir: str | None = None):
+                     cache_dir: str | None = None, *, constraints: Any = None, plugins: Any = None):
     """Decorate a training step so that MetaDist traces, plans and runs it split over ``mesh``.
 
     See :func:`metadist_torch.compile.metadist_compile`.
     """
     from .compile import metadist_compile as _metadist_compile
-    return _metadist_compile(mesh=mesh, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir)
+    return _metadist_compile(mesh=mesh, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
+                             constraints=constraints, plugins=plugins)
 
 
 __all__ = ["rules_for", "metadist_compile"]

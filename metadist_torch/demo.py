@@ -36,13 +36,20 @@ def torchrun_cmd(script: str | os.PathLike, nproc: int, args: list[str] | None =
 
 def run(nproc: int = 4, args: list[str] | None = None, script: str | os.PathLike | None = None,
         timeout: float | None = 900) -> int:
-    """Run the GPT example on ``nproc`` local CPU ranks under torchrun and print its report."""
+    """Run the GPT example on ``nproc`` local CPU ranks under torchrun and print its report.
+
+    An unknown ``--solver`` in ``args`` is an ``UnknownSolverError`` naming the known ones, before any launch.
+    """
+    args = list(args or [])
+    if "--solver" in args[:-1]:
+        from metadist_core.plugins import PluginManager
+        PluginManager().solver(args[args.index("--solver") + 1])
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONWARNINGS", "ignore")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     cmd = torchrun_cmd(script or GPT_EXAMPLE, nproc, args)
-    print(f"MetaDist demo: {Path(cmd[-1 - len(args or [])]).name} on {nproc} local CPU ranks (gloo) under torchrun", flush=True)
+    print(f"MetaDist demo: {Path(cmd[-1 - len(args)]).name} on {nproc} local CPU ranks (gloo) under torchrun", flush=True)
     proc = subprocess.run(cmd, env=env, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
         if _noise(line):

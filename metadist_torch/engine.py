@@ -106,6 +106,7 @@ class Engine:
     device_mesh: Any            # torch DeviceMesh, or None at world size 1
     coords: tuple[int, ...]
     device: torch.device
+    rng_synced: bool = False    # rank 0's random state given to every rank (once, at the first random step)
 
     @property
     def distributed(self) -> bool:
@@ -124,10 +125,19 @@ class Engine:
         torch.distributed.broadcast_object_list(box, src=src)
         return box[0]
 
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
     def sync_rng(self) -> None:
         """Give every rank rank 0's random state, so replicated random ops draw the same numbers everywhere."""
-        if not self.distributed:
+        if not self.distributed or self.rng_synced:
             return
+        self.rng_synced = True
         states = self.broadcast((torch.get_rng_state(),
                                  torch.cuda.get_rng_state() if self.device.type == "cuda" else None))
         torch.set_rng_state(states[0])
@@ -152,7 +162,20 @@ def make_engine(mesh: Any = None) -> Engine:
     return Engine(rank, world, m, dm, coords, dev)
 
 
-__all__ = ["Engine", "make_engine", "resolve_mesh", "ensure_process_group", "world_info", "default_backend"]
+# one Engine per mesh of this process: (shape, axis names) or the DeviceMesh given -> (its argument, Engine)
+_ENGINES: dict[tuple, tuple[Any, Engine]] = {}
+
+
+def engine_for(mesh: Any = None) -> Engine:
+    """This process's Engine for the ``mesh`` argument, made on first use and reused after (so that a
+    DeviceMesh is built, and the random state synchronised, once per mesh)."""
+    rank, world = ensure_process_group() if dist_available() else (0, 1)
+    m, dm = resolve_mesh(mesh, world)
+    key = ("device_mesh", id(dm)) if dm is not None else (m.shape, m.axis_names, world)
+    hit = _ENGINES.get(key)
+    if hit is None:
+        hit = _ENGINES[key] = (mesh, make_engine(mesh))   # the argument kept alive: its id stays its own
+    return hit[1]
 
 
 def measure_device(seconds: float = 0.5):
@@ -203,3 +226,7 @@ def finish_worker(code: int = 0) -> None:
     _sys.stdout.flush()
     _sys.stderr.flush()
     os._exit(int(code))
+
+
+__all__ = ["Engine", "make_engine", "engine_for", "resolve_mesh", "ensure_process_group", "world_info",
+           "default_backend", "measure_device", "finish_worker"]

@@ -1,32 +1,130 @@
-"""The torch frontend's pluggy hooks (entry point ``torch`` in group ``metadist.frontends``)."""
+"""The torch frontend adapter (entry point ``torch`` in group ``metadist.frontends``).
+
+The driver (:func:`metadist_core.pipeline.compile_step`) calls, on every rank:
+``trace`` (every rank traces: tracing is deterministic), ``resolve_mesh`` (the
+process group and DeviceMesh of this job), ``is_planner`` (rank 0), ``share``
+(rank 0's plan, checked against each rank's own graph) and ``lower`` (this
+rank's program). Importing this module imports no torch: every method imports
+what it needs on first use.
+"""
 from __future__ import annotations
 
-from metadist_core.frontend_hooks import op_hooks
+import contextlib
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
+
+from metadist_core.frontend import Frontend, Traced
 from metadist_core.hookspecs import hookimpl
+
+if TYPE_CHECKING:  # pragma: no cover - types only
+    from metadist_core.config import Settings
+    from metadist_core.placement import Mesh
+    from metadist_core.plan import ShardingPlan
+    from metadist_core.profile import MeshProfile
+
+    from .engine import Engine
 
 OP_PREFIXES = ("aten.",)
 
 
+class TorchFrontend(Frontend):
+    """PyTorch: a whole training step (forward, backward, optimizer) traced to aten ops; runs on torch.distributed.
+
+    ``lower`` returns a callable taking the step's own ``(*args, **kwargs)`` and
+    returning what the step returns (see :mod:`metadist_torch.program`).
+    """
+
+    name = "torch"
+    op_prefixes = OP_PREFIXES
+    description = "PyTorch: aten ops run through torch.ops for ShardCombine"
+    runner_module = "metadist_torch.oprunner"
+    proxy_shapes = True   # op specs come from the graph's shapes and op.attrs alone
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None   # the engine of the last resolve_mesh
+
+    @contextlib.contextmanager
+    def discovering(self) -> Iterator[None]:
+        """One intra-op thread while ShardCombine runs thousands of tiny ops (a pool costs more than it
+        gives there: the attention backward ran 9x slower on 2 cores); the user's setting is restored."""
+        import torch
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        from .state import signature
+        return signature(args, kwargs)
+
+    def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
+        from .state import collect_state, init_optimizer_state, optimizers_in
+        from .trace import trace_step
+        if fn is None:
+            raise TypeError("the torch frontend traces a step function; got None")
+        init_optimizer_state(optimizers_in(args, kwargs))
+        step = trace_step(fn, args, kwargs, state=collect_state(args, kwargs))
+        return Traced(step.graph, context=step)
+
+    def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> "Mesh":
+        from .engine import engine_for
+        self.engine = engine_for(mesh)   # a mesh whose size is not the world size: ValueError quoting both
+        return profile.mesh(self.engine.mesh.shape, self.engine.mesh.axis_names)
+
+    def _engine(self) -> "Engine":
+        if self.engine is None:
+            from .engine import engine_for
+            self.engine = engine_for(None)
+        return self.engine
+
+    def is_planner(self) -> bool:
+        eng = self._engine()
+        return eng.rank == 0 or not eng.distributed
+
+    def share(self, plan: "ShardingPlan | None", traced: Traced) -> "ShardingPlan":
+        from .share import share_plan
+        return share_plan(self._engine(), plan, traced.graph)
+
+    def share_error(self, error: BaseException) -> None:
+        from .share import share_error
+        share_error(self._engine(), error)
+
+    def lower(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
+        from .engine import engine_for
+        from .lower import lower_plan
+        from .program import LocalProgram, RankProgram, place_state
+        step = traced.context
+        eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
+        if not eng.distributed:
+            return LocalProgram(step)
+        place_state(step, plan, eng)
+        graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
+                           coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes)
+        if step.random_ops:
+            eng.sync_rng()   # once per engine: every rank draws what rank 0 (and one device) would
+        return RankProgram(step, graph, plan, eng)
+
+    def demo(self, args: Sequence[str]) -> int:
+        """``[--nproc N] [--mesh M] [--solver S] ...``: the GPT example on N local CPU ranks under torchrun."""
+        from .demo import run
+        rest, nproc = list(args), 4
+        if "--nproc" in rest:
+            i = rest.index("--nproc")
+            if i + 1 >= len(rest):
+                raise ValueError("--nproc needs a number of local ranks, such as --nproc 4")
+            nproc = int(rest[i + 1])
+            del rest[i:i + 2]
+        return run(nproc=nproc, args=rest)
+
+    def calibrate(self, out: str, nprocs: int | None = None) -> Any:
+        from .calibrate import run_calibrate
+        return run_calibrate(out, nprocs=nprocs)
+
+
 @hookimpl
-def metadist_frontend_info():
-    return {"name": "torch", "op_prefixes": list(OP_PREFIXES),
-            "description": "PyTorch: aten ops run through torch.ops for ShardCombine"}
+def metadist_frontend() -> TorchFrontend:
+    return TorchFrontend()
 
 
-metadist_op_spec, metadist_op_cost = op_hooks(OP_PREFIXES, "metadist_torch.oprunner")
-
-
-@hookimpl
-def metadist_trace(frontend, fn, args, kwargs):
-    if frontend != "torch":
-        return None
-    from .compile import trace_for_hook
-    return trace_for_hook(fn, tuple(args), dict(kwargs or {}))
-
-
-@hookimpl
-def metadist_lower(frontend, graph, plan, mesh, context):
-    if frontend != "torch":
-        return None
-    from .compile import lower_for_hook
-    return lower_for_hook(graph, plan, mesh, context)
+__all__ = ["TorchFrontend", "metadist_frontend", "OP_PREFIXES"]

@@ -5,7 +5,7 @@ How (torch 2.13):
 1. The step's state is collected from its arguments: every ``nn.Module``
    (parameters, buffers) and every ``torch.optim.Optimizer`` (its per-parameter
    state). Optimizer state is created lazily on the first ``step()``, so it is
-   made eagerly first (:func:`init_optimizer_state`): zero grads, ``lr=0`` and
+   made eagerly first (:func:`metadist_torch.state.init_optimizer_state`): zero grads, ``lr=0`` and
    ``weight_decay=0``, one ``step()``, every ``step`` counter back to 0.
 2. The step runs as a flat function ``(params, buffers, state, *inputs) ->
    (outputs, new params, new buffers, new state)`` under ``make_fx`` with fake
@@ -19,7 +19,7 @@ How (torch 2.13):
    by tracing it again under ``torch.func.functionalize``; profiler nodes and
    the trailing ``copy_`` into placeholders are dropped (the updated values are
    returned anyway).
-4. The fx graph becomes MetaIR with the attrs encoding of
+4. The fx graph becomes MetaIR (:mod:`metadist_torch.to_ir`) with the attrs encoding of
    :mod:`metadist_core.recorded`, roles parameter / buffer / optimizer_state /
    input, and aliases from each state input to its updated value.
 
@@ -30,8 +30,9 @@ differs on the very first step. A warning says so.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
-import operator
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -40,237 +41,15 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from metadist_core.ir import MetaIR, canonical_dtype
+from metadist_core.ir import MetaIR
+
+from .state import (OptimizerParamHolder, StepState, capturable_optimizers, collect_state, init_optimizer_state,
+                    optimizers_in, swapped_optimizer)
+from .to_ir import TraceError, target_key, to_meta_ir
 
 log = logging.getLogger("metadist.torch.trace")
 
-ROLE_PARAM, ROLE_BUFFER, ROLE_STATE, ROLE_INPUT = "parameter", "buffer", "optimizer_state", "input"
-
-
-class TraceError(RuntimeError):
-    """The step could not be traced into one functional graph."""
-
-
-# -- what the step holds ------------------------------------------------------------------
-
-
-@dataclass
-class StateSlot:
-    """One state tensor of the step: where it lives, so that the runner can read and write it back."""
-
-    role: str                      # parameter | buffer | optimizer_state
-    name: str                      # readable: "model.fc1.weight", "opt0.state[3].exp_avg"
-    owner: Any                     # the module (param/buffer) or the optimizer state dict of one param
-    key: str                       # attribute name in the module, or the key in the state dict
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def get(self) -> torch.Tensor:
-        if self.role == ROLE_PARAM:
-            return self.owner._parameters[self.key]
-        if self.role == ROLE_BUFFER:
-            return self.owner._buffers[self.key]
-        return self.owner[self.key]
-
-
-@dataclass
-class StepState:
-    """The modules and optimizers found among a step's arguments, and their state tensors in order."""
-
-    modules: list[torch.nn.Module]
-    optimizers: list[torch.optim.Optimizer]
-    params: list[StateSlot]
-    buffers: list[StateSlot]
-    opt_states: list[StateSlot]
-    param_objs: list[torch.nn.Parameter]      # the Parameter objects, in the order of ``params``
-    tied: list = field(default_factory=list)  # (module, attribute, index into params) of tied weights
-
-    @property
-    def slots(self) -> list[StateSlot]:
-        return self.params + self.buffers + self.opt_states
-
-
-def _walk_args(obj: Any, modules: list, optimizers: list, seen: set) -> None:
-    if id(obj) in seen:
-        return
-    if isinstance(obj, torch.nn.Module):
-        seen.add(id(obj))
-        modules.append(obj)
-    elif isinstance(obj, torch.optim.Optimizer):
-        seen.add(id(obj))
-        optimizers.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _walk_args(x, modules, optimizers, seen)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _walk_args(x, modules, optimizers, seen)
-
-
-def collect_state(args: Sequence[Any], kwargs: dict) -> StepState:
-    """Find modules and optimizers in ``args``/``kwargs`` and list their parameters, buffers and state."""
-    modules: list[torch.nn.Module] = []
-    optimizers: list[torch.optim.Optimizer] = []
-    seen: set[int] = set()
-    _walk_args(list(args) + list(kwargs.values()), modules, optimizers, seen)
-    params: list[StateSlot] = []
-    buffers: list[StateSlot] = []
-    param_objs: list[torch.nn.Parameter] = []
-    seen_t: set[int] = set()
-    first_index: dict[int, int] = {}
-    tied: list[tuple[torch.nn.Module, str, int]] = []
-    for mi, m in enumerate(modules):
-        prefix = f"m{mi}." if len(modules) > 1 else ""
-        for mname, mod in m.named_modules(remove_duplicate=False):
-            for k, p in list(mod._parameters.items()):
-                if p is None:
-                    continue
-                if id(p) in seen_t:
-                    if id(p) in first_index:  # a tied weight: the same Parameter under another name
-                        tied.append((mod, k, first_index[id(p)]))
-                    continue
-                first_index[id(p)] = len(params)
-                seen_t.add(id(p))
-                params.append(StateSlot(ROLE_PARAM, prefix + (f"{mname}.{k}" if mname else k), mod, k,
-                                        tuple(p.shape), p.dtype))
-                param_objs.append(p)
-            for k, b in list(mod._buffers.items()):
-                if b is None or id(b) in seen_t:
-                    continue
-                seen_t.add(id(b))
-                buffers.append(StateSlot(ROLE_BUFFER, prefix + (f"{mname}.{k}" if mname else k), mod, k,
-                                         tuple(b.shape), b.dtype))
-    # optimizer parameters that no module holds are still state of the step
-    for oi, opt in enumerate(optimizers):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                if id(p) not in seen_t:
-                    seen_t.add(id(p))
-                    params.append(StateSlot(ROLE_PARAM, f"opt{oi}.param{len(param_objs)}", _Holder(p), "p",
-                                            tuple(p.shape), p.dtype))
-                    param_objs.append(p)
-    opt_states: list[StateSlot] = []
-    index = {id(p): i for i, p in enumerate(param_objs)}
-    for oi, opt in enumerate(optimizers):
-        for g in opt.param_groups:
-            for p in g["params"]:
-                st = opt.state.get(p)
-                if not st:
-                    continue
-                for k in sorted(st):
-                    v = st[k]
-                    if isinstance(v, torch.Tensor):
-                        opt_states.append(StateSlot(ROLE_STATE, f"opt{oi}.state[{index[id(p)]}].{k}", st, k,
-                                                    tuple(v.shape), v.dtype))
-    return StepState(modules, optimizers, params, buffers, opt_states, param_objs, tied)
-
-
-class _Holder:
-    """A stand-in module for a parameter that only an optimizer holds."""
-
-    def __init__(self, p: torch.Tensor) -> None:
-        self._parameters = {"p": p}
-
-
-# -- optimizer state made eagerly, and the capturable patch ------------------------------
-
-
-def init_optimizer_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Create every optimizer's lazy per-parameter state with a step that changes nothing."""
-    for opt in optimizers:
-        missing = [p for g in opt.param_groups for p in g["params"] if not opt.state.get(p)]
-        if not missing:
-            continue
-        for g in opt.param_groups:
-            if g.get("dampening", 0) and g.get("momentum", 0):
-                warnings.warn("metadist: SGD with dampening != 0 starts its momentum buffer by cloning the first "
-                              "gradient; the compiled step uses the later-step formula from the first step on, "
-                              "so the first update differs from eager torch", stacklevel=3)
-        saved_grads = {p: p.grad for g in opt.param_groups for p in g["params"]}
-        saved = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in opt.param_groups]
-        try:
-            for g in opt.param_groups:
-                for p in g["params"]:
-                    p.grad = torch.zeros_like(p)
-                if "lr" in g:
-                    g["lr"] = 0.0 if not isinstance(g["lr"], torch.Tensor) else torch.zeros_like(g["lr"])
-                if "weight_decay" in g:
-                    g["weight_decay"] = 0.0
-            with torch.no_grad():
-                opt.step()
-            for p in missing:
-                st = opt.state.get(p, {})
-                if "step" in st:
-                    s = st["step"]
-                    st["step"] = torch.zeros_like(s) if isinstance(s, torch.Tensor) else 0
-        finally:
-            for g, s in zip(opt.param_groups, saved):
-                g.update(s)
-            for p, gr in saved_grads.items():
-                p.grad = gr
-
-
-@contextlib.contextmanager
-def capturable_optimizers(optimizers: Sequence[torch.optim.Optimizer]):
-    """Run optimizers with ``capturable=True`` on any device while tracing (step counters stay tensors)."""
-    import importlib
-    import pkgutil
-    import torch.optim as optim
-
-    patched: list[tuple[Any, Callable]] = []
-
-    def supported(supports_xla: bool = True) -> list[str]:
-        return ["cpu", "cuda", "xla", "meta", torch._C._get_privateuse1_backend_name(), "mps", "xpu", "hpu"]
-
-    mods = [optim]
-    for info in pkgutil.iter_modules(optim.__path__):
-        try:
-            mods.append(importlib.import_module(f"torch.optim.{info.name}"))
-        except Exception:  # pragma: no cover - an optional submodule
-            continue
-    for m in mods:
-        if hasattr(m, "_get_capturable_supported_devices"):
-            patched.append((m, m._get_capturable_supported_devices))
-            m._get_capturable_supported_devices = supported
-    saved_groups = []
-    for opt in optimizers:
-        for g in opt.param_groups:
-            saved_groups.append((g, g.get("capturable", None), "capturable" in g))
-            if "capturable" in g:
-                g["capturable"] = True
-    try:
-        yield
-    finally:
-        for m, f in patched:
-            m._get_capturable_supported_devices = f
-        for g, v, had in saved_groups:
-            if had:
-                g["capturable"] = v
-
-
-@contextlib.contextmanager
-def swapped_optimizer(opt: torch.optim.Optimizer, old_params: Sequence[torch.Tensor],
-                      new_params: Sequence[torch.Tensor]):
-    """Point ``opt``'s param groups and state at ``new_params`` (same order as ``old_params``)."""
-    m = {id(o): n for o, n in zip(old_params, new_params)}
-    saved_groups = [list(g["params"]) for g in opt.param_groups]
-    saved_state = opt.state
-    try:
-        for g in opt.param_groups:
-            g["params"] = [m.get(id(p), p) for p in g["params"]]
-        from collections import defaultdict
-        new_state = defaultdict(dict)
-        for p, st in saved_state.items():
-            new_state[m.get(id(p), p)] = st
-        opt.state = new_state
-        yield
-    finally:
-        for g, ps in zip(opt.param_groups, saved_groups):
-            g["params"] = ps
-        opt.state = saved_state
-
-
-# -- the trace -----------------------------------------------------------------------------
+PROFILER_PREFIX = ("profiler.",)
 
 
 @dataclass
@@ -283,6 +62,7 @@ class TracedStep:
     n_inputs: int                   # user tensor inputs
     out_spec: Any                   # pytree spec of the user's return value
     n_outputs: int                  # flat user outputs (tensors and constants)
+    n_tensor_outputs: int           # of which tensors (the graph's first outputs)
     out_consts: dict[int, Any]      # flat output index -> non-tensor value
     in_names: list[str]             # placeholder (MetaIR input) ids, in call order
     constants: list[torch.Tensor]   # values of get_attr tensor constants, fed after the user inputs
@@ -291,16 +71,11 @@ class TracedStep:
     random_ops: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
 
-
-_PROFILER_PREFIX = ("profiler.",)
-
-
-def _target_key(t: Any) -> str | None:
-    if isinstance(t, torch._ops.OpOverload):
-        ns = t.namespace
-        name = t._schema.name.split("::")[-1]
-        return f"{ns}.{name}.{t._overloadname}"
-    return None
+    def unflatten_outputs(self, outs: Sequence[Any]) -> Any:
+        """The user's return value from the tensor outputs of one run (constants put back in place)."""
+        it = iter(outs)
+        leaves = [self.out_consts[i] if i in self.out_consts else next(it) for i in range(self.n_outputs)]
+        return pytree.tree_unflatten(leaves, self.out_spec)
 
 
 def _flat_user_inputs(args: Sequence[Any], kwargs: dict) -> tuple[list[torch.Tensor], Any, list[Any]]:
@@ -317,14 +92,13 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     ``example_state`` (same order as ``state.slots``) gives the full-size
     values to trace with when the live state is sharded (retracing).
     """
-    import time
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.nn.utils.stateless import _reparametrize_module
 
     kwargs = dict(kwargs or {})
     t0 = time.perf_counter()
     if state is None:
-        init_optimizer_state([o for o in _optimizers_in(args, kwargs)])
+        init_optimizer_state(optimizers_in(args, kwargs))
         state = collect_state(args, kwargs)
     slots = state.slots
     n_p, n_b, n_s = len(state.params), len(state.buffers), len(state.opt_states)
@@ -354,7 +128,7 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
         try:
             with contextlib.ExitStack() as stack:
                 for mod, d in groups.values():
-                    if isinstance(mod, _Holder):
+                    if isinstance(mod, OptimizerParamHolder):
                         continue
                     stack.enter_context(_reparametrize_module(mod, dict(d), strict=False))
                 for opt in state.optimizers:
@@ -388,11 +162,10 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     t2 = time.perf_counter()
     n_user_out = out_box["n_tensor_out"]
     spec, consts = out_box["spec"], out_box["consts"]
-    traced = _to_meta_ir(gm, state, len(user_tensors), n_user_out, name or getattr(fn, "__name__", "step"))
-    traced.out_spec, traced.out_consts = spec, consts
-    traced.n_outputs = n_user_out + len(consts)
-    traced.timings = {"make_fx": t1 - t0, "functionalize": t2 - t1, "to_meta_ir": time.perf_counter() - t2}
-    return traced
+    conv = to_meta_ir(gm, state, len(user_tensors), n_user_out, name or getattr(fn, "__name__", "step"))
+    timings = {"make_fx": t1 - t0, "functionalize": t2 - t1, "to_meta_ir": time.perf_counter() - t2}
+    return TracedStep(gm, conv.graph, state, len(user_tensors), spec, n_user_out + len(consts), n_user_out, consts,
+                      conv.in_names, conv.constants, conv.state_out, conv.out_vars, conv.random_ops, timings)
 
 
 def _bn_with_stats(input, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -418,13 +191,6 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     except ImportError:  # pragma: no cover
         pass
     return t.detach()
-
-
-def _optimizers_in(args, kwargs) -> list[torch.optim.Optimizer]:
-    mods: list = []
-    opts: list = []
-    _walk_args(list(args) + list(kwargs.values()), mods, opts, set())
-    return opts
 
 
 @contextlib.contextmanager
@@ -468,7 +234,6 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
     """
     from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
     n_p, n_b = len(state.params), len(state.buffers)
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     first: dict[tuple, int] = {}
     merged: dict[int, int] = {}
     for j, slot in enumerate(state.opt_states):
@@ -486,7 +251,6 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
             first[k] = i
     if not merged:
         return gm
-    import copy
     new = copy.deepcopy(gm)
     nphs = [n for n in new.graph.nodes if n.op == "placeholder"]
     for i, i0 in merged.items():
@@ -513,7 +277,7 @@ def _drop_profiler_nodes(gm: fx.GraphModule) -> None:
     g = gm.graph
     for _ in range(2):
         for n in reversed(list(g.nodes)):
-            if n.op == "call_function" and (_target_key(n.target) or "").startswith(_PROFILER_PREFIX) and not n.users:
+            if n.op == "call_function" and (target_key(n.target) or "").startswith(PROFILER_PREFIX) and not n.users:
                 g.erase_node(n)
 
 
@@ -526,158 +290,4 @@ def _drop_input_copies(gm: fx.GraphModule) -> None:
             g.erase_node(n)
 
 
-# -- fx graph -> MetaIR ----------------------------------------------------------------------
-
-
-def _encode_const(x: Any) -> Any:
-    if isinstance(x, torch.dtype):
-        return {"$dtype": canonical_dtype(x)}
-    if isinstance(x, torch.device):
-        # no index: every rank runs on its own current device, and all ranks must trace the same graph
-        return {"$device": x.type if x.type != "cpu" else "cpu"}
-    if isinstance(x, (torch.memory_format, torch.layout)):
-        return {"$torch": str(x).split(".")[-1]}
-    if isinstance(x, (list, tuple)):
-        return [_encode_const(y) for y in x]
-    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
-        return x
-    if isinstance(x, (bool, int, float, str)) or x is None:
-        return x
-    if isinstance(x, torch.SymInt):  # pragma: no cover - static shapes only
-        return int(x)
-    raise TraceError(f"cannot encode argument {x!r} of type {type(x).__name__}")
-
-
-def _val_meta(val: Any) -> tuple[tuple[int, ...], str] | None:
-    if isinstance(val, torch.Tensor):
-        return tuple(int(s) for s in val.shape), canonical_dtype(val.dtype)
-    return None
-
-
-def _to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: int, name: str) -> TracedStep:
-    g = MetaIR(name)
-    slots = state.slots
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(slots) + n_inputs:
-        raise TraceError(f"traced graph has {len(placeholders)} inputs; expected {len(slots)} state tensors "
-                         f"+ {n_inputs} inputs")
-    in_names: list[str] = []
-    for i, ph in enumerate(placeholders):
-        meta = _val_meta(ph.meta.get("val"))
-        role = slots[i].role if i < len(slots) else ROLE_INPUT
-        g.add_input(ph.name, meta[0] if meta else None, meta[1] if meta else "float32", role)
-        in_names.append(ph.name)
-    constants: list[torch.Tensor] = []
-    random_ops: list[str] = []
-    var_of: dict[fx.Node, str] = {ph: ph.name for ph in placeholders}
-    for n in gm.graph.nodes:
-        if n.op == "get_attr":
-            val = getattr(gm, n.target)
-            if not isinstance(val, torch.Tensor):
-                raise TraceError(f"graph attribute {n.target!r} is not a tensor")
-            g.add_input(n.name, tuple(val.shape), canonical_dtype(val.dtype), ROLE_BUFFER)
-            in_names.append(n.name)
-            constants.append(val)
-            var_of[n] = n.name
-    # getitem folding
-    picks: dict[fx.Node, dict[int, fx.Node]] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is operator.getitem:
-            picks.setdefault(n.args[0], {}).setdefault(n.args[1], n)
-    alias_getitem: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is operator.getitem:
-            first = picks[n.args[0]][n.args[1]]
-            if first is not n:
-                alias_getitem[n] = first
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target is operator.getitem:
-            continue
-        key = _target_key(n.target)
-        if key is None:
-            raise TraceError(f"graph node {n.name} calls {n.target!r}, which is not a torch op overload")
-        if torch.Tag.nondeterministic_seeded in n.target.tags:
-            random_ops.append(n.name)
-        op_inputs: list[str] = []
-
-        def enc(x: Any) -> Any:
-            if isinstance(x, fx.Node):
-                x = alias_getitem.get(x, x)
-                if x not in var_of:
-                    raise TraceError(f"graph node {n.name} ({key}) reads {x.name}, which is not a tensor value")
-                op_inputs.append(var_of[x])
-                return {"$in": len(op_inputs) - 1}
-            if isinstance(x, (list, tuple)):
-                return [enc(y) for y in x]
-            return _encode_const(x)
-
-        args = [enc(a) for a in n.args]
-        kwargs = {k: enc(v) for k, v in n.kwargs.items()}
-        attrs: dict[str, Any] = {"args": args, "kwargs": kwargs}
-        val = n.meta.get("val")
-        meta = _val_meta(val)
-        if meta is not None:
-            outs = [(n.name, meta[0], meta[1])]
-            out_nodes = [n]
-        elif isinstance(val, (list, tuple)):
-            taken = sorted(picks.get(n, {}).items())
-            outs, out_nodes, sel = [], [], []
-            for idx, gi in taken:
-                gm_ = _val_meta(gi.meta.get("val"))
-                if gm_ is None:
-                    raise TraceError(f"{gi.name} = {n.name}[{idx}] is not a tensor")
-                outs.append((gi.name, gm_[0], gm_[1]))
-                out_nodes.append(gi)
-                sel.append(idx)
-            attrs["select"] = sel
-            if not outs:
-                continue  # nothing used
-        else:
-            if n.users:
-                raise TraceError(f"graph node {n.name} ({key}) returns {type(val).__name__}, not a tensor; "
-                                 f"data-dependent Python values cannot be planned")
-            continue
-        g.add_op(key, op_inputs, outs, attrs, id=n.name, payload=n)
-        for on in out_nodes:
-            var_of[on] = on.name
-    output_node = next(n for n in gm.graph.nodes if n.op == "output")
-    flat_out = list(pytree.tree_leaves(output_node.args[0]))
-    out_vars: list[str | None] = []
-    for o in flat_out:
-        if isinstance(o, fx.Node):
-            o = alias_getitem.get(o, o)
-            out_vars.append(var_of[o])
-        else:
-            out_vars.append(None)
-    n_state = len(slots)
-    if len(out_vars) != n_user_out + n_state:
-        raise TraceError(f"traced graph has {len(out_vars)} outputs, expected {n_user_out} + {n_state} state")
-    state_out: list[int | None] = []
-    aliases: dict[str, str] = {}
-    graph_outs: list[str] = []
-    for i in range(n_user_out):
-        if out_vars[i] is None:
-            raise TraceError("a returned tensor folded to a constant")
-        graph_outs.append(out_vars[i])
-    for k in range(n_state):
-        v = out_vars[n_user_out + k]
-        src = in_names[k]
-        if v is None or v == src:
-            state_out.append(None)
-            continue
-        state_out.append(n_user_out + k)
-        graph_outs.append(v)
-        aliases[src] = v
-    # graph outputs: distinct, in order (MetaIR keeps a list; duplicates would be harmless but confusing)
-    seen: set[str] = set()
-    uniq = [o for o in graph_outs if not (o in seen or seen.add(o))]
-    g.set_outputs(uniq)
-    for s, v in aliases.items():
-        g.alias(s, v)
-    g.validate()
-    return TracedStep(gm, g, state, n_inputs, None, n_user_out, {}, in_names, constants, state_out, out_vars,
-                      random_ops)
-
-
-__all__ = ["TracedStep", "StepState", "StateSlot", "TraceError", "collect_state", "init_optimizer_state",
-           "capturable_optimizers", "trace_step", "functionalize_graph"]
+__all__ = ["TracedStep", "TraceError", "trace_step", "functionalize_graph", "merge_step_counters"]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from metadist_core.hookspecs import hookimpl
+
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
 RTOL = 1e-4
@@ -56,26 +58,49 @@ def _compare(name, model_ref, opt_ref, model, opt, losses_ref, losses, errors):
                               f"{(b.double() - a.double()).abs().max().item():.3g}")
 
 
-def _random_plan(seed):
-    def plan_fn(graph, mesh):
+class RandomSolver:
+    """A test solver plugin: every node takes a random option (seeded), so that the plan drives every
+    kind of collective through the lowering."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.name = f"random-{seed}"
+
+    @hookimpl
+    def metadist_solver_info(self):
+        return {"name": self.name, "description": "random strategies, for tests"}
+
+    @hookimpl
+    def metadist_solve(self, problem, options):
         import numpy as np
-        from metadist_core.discover import discover
         from metadist_core.plan import ShardingPlan
-        from metadist_core.plugins import PluginManager
-        from metadist_core.problem import build_problem
-        from metadist_core.rules import RuleBook
-        from metadist_core.config import load_settings
-        pm = PluginManager()
-        book = discover(graph, pm.hook, RuleBook.load(load_settings().cache_dir), progress=False)
-        problem = build_problem(graph, book, mesh)
-        rng = np.random.default_rng(seed)
-        choices = [int(rng.integers(len(n.options))) if n.kind == "op" or n.key != "input" or True else 0
-                   for n in problem.nodes]
-        return ShardingPlan.from_choices(problem, choices, solver="random")
-    return plan_fn
+        rng = np.random.default_rng(self.seed)
+        return ShardingPlan.from_choices(problem, [int(rng.integers(len(n.options))) for n in problem.nodes],
+                                         solver="random")
 
 
-def _check(name, mod, cfg, mesh, errors, report, *, plan_fn=None, memory_budget=None, expect_sharded=False,
+class FailingSolver:
+    """A test solver plugin that cannot plan: every rank must get the error, none may wait for a plan."""
+
+    @hookimpl
+    def metadist_solver_info(self):
+        return {"name": "failing", "description": "raises, for tests"}
+
+    @hookimpl
+    def metadist_solve(self, problem, options):
+        raise ValueError("no plan today")
+
+
+def _random_solver(seed):
+    """A PluginManager with the installed plugins and a random solver; the solver's name."""
+    from metadist_core.plugins import PluginManager
+    solver = RandomSolver(seed)
+    pm = PluginManager()
+    pm.register(solver, "solver", solver.name)
+    return pm, solver.name
+
+
+def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_budget=None, expect_sharded=False,
            retrace=False, checkpoint=False):
     import torch
     from metadist_torch import metadist_compile
@@ -85,8 +110,11 @@ def _check(name, mod, cfg, mesh, errors, report, *, plan_fn=None, memory_budget=
     model_ref, opt_ref = mod.build(cfg)
     losses_ref = [float(mod.train_step(model_ref, opt_ref, *b)) for b in batches]
     model, opt = mod.build(cfg)
-    step = metadist_compile(mesh=mesh, memory_budget=memory_budget)(mod.train_step)
-    step._plan_fn = plan_fn
+    if random_seed is None:
+        step = metadist_compile(mesh=mesh, memory_budget=memory_budget)(mod.train_step)
+    else:  # a plan of random strategies, from a solver plugin registered here
+        pm, solver = _random_solver(random_seed)
+        step = metadist_compile(mesh=mesh, memory_budget=memory_budget, solver=solver, plugins=pm)(mod.train_step)
     try:
         losses = [float(step(model, opt, *b)) for b in batches]
     except Exception as e:  # pragma: no cover - reported by the test
@@ -144,14 +172,26 @@ def worker() -> int:
     except ValueError as e:
         if str(world) not in str(e) or str(world + 1) not in str(e):
             errors.append(f"mesh size error does not quote both sizes: {e}")
+    # rank 0 cannot plan: every rank raises (the others name rank 0), none hangs
+    try:
+        from metadist_core.plugins import PluginManager
+        pm = PluginManager()
+        pm.register(FailingSolver(), "solver", "failing")
+        m, o = mlp.build(mlp.MLPConfig(hidden=16))
+        metadist_compile(solver="failing", plugins=pm)(mlp.train_step)(m, o, *mlp.batch(mlp.MLPConfig(hidden=16)))
+        errors.append("a failing solver was not reported")
+    except Exception as e:
+        want = "no plan today" if dist.get_rank() == 0 else "rank 0 could not plan the step: ValueError: no plan today"
+        if want not in str(e):
+            errors.append(f"rank {dist.get_rank()}: a failing solver gave {type(e).__name__}: {e}")
     for mesh in meshes:
         tag = "x".join(map(str, mesh))
         _check(f"mlp-adamw@{tag}", mlp, mlp.MLPConfig(hidden=64, batch=16, optimizer="adamw"), mesh, errors, report,
                retrace=True)
         _check(f"mlp-sgd-random-plan@{tag}", mlp, mlp.MLPConfig(hidden=24, batch=12, layers=2, optimizer="sgd"),
-               mesh, errors, report, plan_fn=_random_plan(1))
+               mesh, errors, report, random_seed=1)
         _check(f"mlp-adam-random-plan@{tag}", mlp, mlp.MLPConfig(hidden=20, batch=10, layers=2, optimizer="adam"),
-               mesh, errors, report, plan_fn=_random_plan(2))
+               mesh, errors, report, random_seed=2)
         _check(f"cnn@{tag}", cnn, cnn.CNNConfig(channels=8, image=8, batch=8), mesh, errors, report)
         _check(f"gpt-vocab96@{tag}", gpt, gpt.GPTConfig(vocab=96, **gpt_small), mesh, errors, report,
                memory_budget=int(os.environ.get("MD_TEST_GPT_BUDGET", "380000")), expect_sharded=True,

@@ -169,19 +169,61 @@ def test_decorator_needs_parentheses():
         metadist_compile(mlp.train_step)
 
 
-def test_plugin_hooks_trace_and_lower():
+def test_torch_adapter_traces_and_lowers():
+    from metadist_core.config import load_settings
+    from metadist_core.pipeline import replicated_plan
     from metadist_core.plugins import PluginManager
-    pm = PluginManager()
+    from metadist_core.profile import load_profile
+    fe = PluginManager().frontend("torch")
+    assert fe.runner_module == "metadist_torch.oprunner"
     c = mlp.MLPConfig(hidden=8, batch=4, layers=1)
     model, opt = mlp.build(c)
-    from metadist_torch.trace import init_optimizer_state
-    init_optimizer_state([opt])
+    model_ref, opt_ref = mlp.build(c)
     x, y = mlp.batch(c, 0)
-    graph = pm.hook.metadist_trace(frontend="torch", fn=mlp.train_step, args=(model, opt, x, y), kwargs={})
-    assert graph is not None and graph.ops and graph.payload is not None
-    from metadist_torch import plugin
-    assert plugin.metadist_trace(frontend="jax", fn=mlp.train_step, args=(), kwargs={}) is None
-    assert plugin.metadist_lower(frontend="jax", graph=graph, plan=None, mesh=None, context=None) is None
+    assert fe.signature((model, opt, x, y), {}) == fe.signature((model, opt, x.clone(), y), {})
+    assert fe.signature((model, opt, x, y), {}) != fe.signature((model, opt, x[:2], y[:2]), {})
+    traced = fe.trace(mlp.train_step, (model, opt, x, y), {})
+    assert traced.graph.ops and traced.context.graph is traced.graph
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert graph.validate() is None
+        assert traced.graph.validate() is None
+    mesh = fe.resolve_mesh(None, load_profile(None))
+    assert mesh.shape == (1,) and fe.is_planner()
+    plan, _ = replicated_plan(traced.graph, mesh)
+    run = fe.lower(traced, plan, mesh, load_settings())
+    loss = run(model, opt, x, y)
+    loss_ref = mlp.train_step(model_ref, opt_ref, x, y)
+    _close(loss_ref, loss, "loss")
+    for (k, v), w in zip(model_ref.state_dict().items(), model.state_dict().values()):
+        _close(v, w, k)
+
+
+def test_compiled_step_uses_a_solver_plugin_passed_in():
+    from metadist_core.hookspecs import hookimpl
+    from metadist_core.plan import ShardingPlan
+    from metadist_core.plugins import PluginManager, UnknownSolverError
+
+    class Replicating:
+        @hookimpl
+        def metadist_solver_info(self):
+            return {"name": "replicating", "description": "every node replicated (a test solver)"}
+
+        @hookimpl
+        def metadist_solve(self, problem, options):
+            return ShardingPlan.replicated(problem)
+
+    pm = PluginManager()
+    pm.register(Replicating(), "solver", "replicating")
+    c = mlp.MLPConfig(hidden=8, batch=4, layers=1)
+    model, opt = mlp.build(c)
+    step = metadist_compile(solver="replicating", plugins=pm)(mlp.train_step)
+    float(step(model, opt, *mlp.batch(c, 0)))   # one device: the replicated plan, no solver call
+    assert step.settings.solver == "replicating" and step.comm_stats.total == 0
+    with pytest.raises(UnknownSolverError, match="known solvers"):
+        metadist_compile(solver="replicating")(mlp.train_step)   # not among the installed plugins
+
+
+def test_demo_refuses_an_unknown_solver_before_launching():
+    from metadist_core.plugins import PluginManager, UnknownSolverError
+    with pytest.raises(UnknownSolverError, match="unknown solver 'no-such-solver'; known solvers"):
+        PluginManager().frontend("torch").demo(["--nproc", "2", "--solver", "no-such-solver"])

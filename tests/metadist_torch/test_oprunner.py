@@ -145,18 +145,25 @@ def _has(rules, ins, outs):
 def test_plugin_is_found_and_owns_aten_only(tiny):
     pm = PluginManager()
     assert "torch" in pm.names("frontend")
-    assert {"name": "torch", "op_prefixes": ["aten."]}.items() <= \
-        next(i for i in pm.hook.metadist_frontend_info() if i["name"] == "torch").items()
+    fe = pm.frontend("torch")
+    assert fe.name == "torch" and tuple(fe.op_prefixes) == ("aten.",)
     op = tiny.op("mm")
-    spec = pm.hook.metadist_op_spec(op=op, graph=tiny)
+    assert fe.owns(op) and pm.owner(op) is fe
+    spec = pm.op_spec(op, tiny)
     assert spec is not None and spec.name == "aten.mm.default"
     assert [x.shape for x in spec.example_inputs] == [tiny.vars[v].shape for v in op.inputs]
     assert all(x.dtype == np.float64 for x in spec.example_inputs)  # float32 runs in float64
     other = type(op)("x", "jax.lax.dot_general", op.inputs, op.outputs, {})
-    from metadist_torch import plugin
-    assert plugin.metadist_op_spec(op=other, graph=tiny) is None
-    assert plugin.metadist_op_cost(op=other, graph=tiny) is None
-    assert pm.hook.metadist_op_cost(op=op, graph=tiny) == op_cost(op, tiny)
+    assert not fe.owns(other)
+    assert pm.op_cost(op, tiny) == op_cost(op, tiny)
+
+
+def test_importing_the_plugin_imports_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, metadist_torch.plugin as p; fe = p.metadist_frontend(); "
+            "assert fe.name == 'torch' and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # -- known rules on the recorded graph -----------------------------------------------
@@ -344,7 +351,7 @@ def test_whole_tiny_graph_discovery(tiny):
     pm = PluginManager()
     wrong = {}
     for sig, op in tiny.unique_signatures().items():
-        spec = pm.hook.metadist_op_spec(op=op, graph=tiny)
+        spec = pm.op_spec(op, tiny)
         rules = discover_rules(spec, 2)
         assert any(r.is_replicated() for r in rules), sig
         bad = [str(r) for r in rules if not brute_force_ok(spec, r, draws=1)]

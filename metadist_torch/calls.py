@@ -1,0 +1,87 @@
+"""The aten call encoding of MetaOp attrs, rebuilt around real tensors (see :mod:`metadist_core.recorded`).
+
+An aten MetaOp carries its call in ``attrs``: ``{"args": [...], "kwargs": {...}}``
+with ``{"$in": i}`` where tensor input ``i`` goes, ``{"$dtype": ...}``,
+``{"$device": ...}`` and ``{"$torch": ...}`` for torch constants.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from metadist_core.shardcombine import Unrunnable
+
+LOW_FLOATS = ("float32", "float16", "bfloat16")
+FLOATS = LOW_FLOATS + ("float64",)
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
+    "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
+}
+
+
+def resolve_overload(key: str) -> torch._ops.OpOverload:
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default``; Unrunnable for anything not an aten overload."""
+    parts = key.split(".")
+    if len(parts) not in (2, 3) or parts[0] != "aten":
+        ns = parts[0] if parts else key
+        kind = "a profiler op" if ns == "profiler" else "a custom op" if len(parts) == 3 else "not an aten op key"
+        raise Unrunnable(f"{key} is {kind}; only aten ops run in isolation for discovery")
+    name, overload = parts[1], parts[2] if len(parts) == 3 else "default"
+    try:
+        packet = getattr(torch.ops.aten, name)
+        return getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        raise Unrunnable(f"{key}: torch {torch.__version__} has no op torch.ops.aten.{name}.{overload}") from None
+
+
+def schema_arg(overload, args: Sequence[Any], kwargs: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    for i, a in enumerate(overload._schema.arguments):
+        if a.name == name:
+            if i < len(args) and not a.kwarg_only:
+                return args[i]
+            return kwargs.get(name, default)
+    return default
+
+def rebuild(template: Any, tensors: Sequence[Any], *, upcast: bool = False, device: Any = None) -> Any:
+    """Put ``tensors`` and torch constants back where ``template`` marks them.
+
+    ``upcast`` turns float32/float16/bfloat16 dtype arguments into float64 (as
+    in discovery); ``device`` replaces every ``{"$device"}`` when given.
+    """
+    if isinstance(template, dict):
+        if "$in" in template:
+            return tensors[template["$in"]]
+        if "$dtype" in template:
+            dt = template["$dtype"]
+            return TORCH_DTYPES["float64" if upcast and dt in LOW_FLOATS else dt]
+        if "$device" in template:
+            return torch.device(device if device is not None else template["$device"])
+        if "$torch" in template:
+            return getattr(torch, template["$torch"])
+        return {k: rebuild(v, tensors, upcast=upcast, device=device) for k, v in template.items()}
+    if isinstance(template, (list, tuple)):
+        return [rebuild(v, tensors, upcast=upcast, device=device) for v in template]
+    return template
+
+
+def find_inputs(template: Any, out: list[int]) -> list[int]:
+    if isinstance(template, dict):
+        if "$in" in template:
+            out.append(template["$in"])
+        else:
+            for v in template.values():
+                find_inputs(v, out)
+    elif isinstance(template, (list, tuple)):
+        for v in template:
+            find_inputs(v, out)
+    return out
+
+
+def in_index(x: Any) -> int | None:
+    return x["$in"] if isinstance(x, dict) and "$in" in x else None
+
+
+__all__ = ["resolve_overload", "schema_arg", "rebuild", "find_inputs", "in_index", "TORCH_DTYPES", "LOW_FLOATS",
+           "FLOATS"]

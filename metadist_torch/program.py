@@ -1,0 +1,164 @@
+"""The runnable steps ``TorchFrontend.lower`` returns, and the state stored as the plan says.
+
+Both take the user's ``(*args, **kwargs)`` and return what the step returns.
+:class:`LocalProgram` (world size 1) runs the traced functional graph on
+plain tensors. :class:`RankProgram` feeds this rank's local pieces to the
+rank's fx program (:class:`~metadist_torch.lower.RankGraph`), returns whole
+outputs and writes the new state shards back in place. :func:`place_state`
+stores parameters, buffers and optimizer state as DTensors with the plan's
+placements, so that ``torch.distributed.checkpoint`` can save them.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from metadist_core.placement import Sharding, local_piece
+
+from .engine import Engine
+from .lower import RankGraph
+from .state import ROLE_BUFFER, ROLE_PARAM
+from .stats import CommStats
+from .trace import TracedStep
+
+
+def user_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among a call's arguments, in the order tracing saw them, detached."""
+    leaves = pytree.tree_leaves((list(args), dict(kwargs)))
+    return [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (a plain tensor is its own)."""
+    lt = getattr(t, "_local_tensor", None)
+    return lt if lt is not None else t
+
+
+class LocalProgram:
+    """World size 1: the traced functional graph on plain tensors; new state swapped in with ``.data``."""
+
+    def __init__(self, traced: TracedStep) -> None:
+        self.traced = traced
+        self.writes = [(k, o) for k, o in enumerate(traced.state_out) if o is not None]
+        self.stats = CommStats()   # nothing to count on one device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        vals = [s.get() for s in self.traced.state.slots]
+        with torch.no_grad():
+            outs = self.traced.gm(*vals, *user_tensors(args, kwargs))
+            for k, o in self.writes:
+                vals[k].data = outs[o]
+        return self.traced.unflatten_outputs(list(outs[:self.traced.n_tensor_outputs]))
+
+
+class RankProgram:
+    """Runs a RankGraph on this rank: local pieces in, whole outputs back, new shards written in place."""
+
+    def __init__(self, traced: TracedStep, lowered: RankGraph, plan: Any, engine: Engine) -> None:
+        self.traced, self.lowered, self.plan, self.engine = traced, lowered, plan, engine
+        self.stats = lowered.stats
+        n_s = len(traced.state.slots)
+        self.slot_of = {traced.in_names[i]: i for i in range(n_s)}
+        self.user_in = {traced.in_names[n_s + j]: j for j in range(traced.n_inputs)}
+        rep = Sharding.replicated(engine.mesh.ndim)
+        self.const_local = {}
+        for k, name in enumerate(traced.in_names[n_s + traced.n_inputs:]):
+            sh = plan.input_shardings.get(name, rep)
+            self.const_local[name] = local_piece(traced.constants[k].to(engine.device), sh, engine.mesh,
+                                                 engine.coords, zeros_like=torch.zeros_like)
+        self.in_shardings = [plan.input_shardings.get(v, rep) for v in lowered.input_vars]
+        out_index = {v: i for i, v in enumerate(lowered.output_vars)}
+        missing = [v for v in traced.out_vars[:traced.n_tensor_outputs] if v is not None and v not in out_index]
+        if missing:
+            raise ValueError(f"the step returns {', '.join(missing)}, which it also writes back as state; "
+                             f"return a copy (.clone()) or a value computed from it")
+        self.out_pos = [out_index[v] for v in traced.out_vars[:traced.n_tensor_outputs]]
+        n_out = len(lowered.output_vars)
+        self.state_write = [(n_out + i, self.slot_of[s]) for i, s in enumerate(lowered.state_inputs)]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        slots = self.traced.state.slots
+        mesh, coords, dev = self.engine.mesh, self.engine.coords, self.engine.device
+        user = user_tensors(args, kwargs)
+        local = []
+        for v, sh in zip(self.lowered.input_vars, self.in_shardings):
+            i = self.slot_of.get(v)
+            if i is not None:
+                local.append(local_of(slots[i].get()))
+            elif v in self.user_in:
+                local.append(local_piece(user[self.user_in[v]].to(dev), sh, mesh, coords, zeros_like=torch.zeros_like))
+            else:
+                local.append(self.const_local[v])
+        with torch.no_grad():
+            outs = self.lowered(*local)
+            for k, i in self.state_write:
+                local_of(slots[i].get()).copy_(outs[k])
+        return self.traced.unflatten_outputs([outs[k] for k in self.out_pos])
+
+
+def _placements(sh: Sharding) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+    out = []
+    for p in sh:
+        if p.is_shard():
+            out.append(Shard(p.dim))
+        elif p.is_replicate():
+            out.append(Replicate())
+        else:
+            raise ValueError(f"state cannot be stored as {p}; only Shard and Replicate")
+    return out
+
+
+def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
+    """Store every parameter, buffer and optimizer state tensor as a DTensor with the plan's placements.
+
+    Parameters become DTensor ``nn.Parameter``s in their modules; every
+    optimizer's param groups and state are re-keyed to them.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    dm = engine.device_mesh
+    rep = Sharding.replicated(engine.mesh.ndim)
+    st = traced.state
+    new_param: dict[int, torch.nn.Parameter] = {}
+    for k, slot in enumerate(st.slots):
+        want = _placements(plan.input_shardings.get(traced.in_names[k], rep))
+        cur = slot.get()
+        if isinstance(cur, DTensor):
+            if tuple(cur.placements) == tuple(want):
+                continue
+            with torch.no_grad():
+                dt = cur.redistribute(dm, want)
+            if slot.role == ROLE_PARAM:
+                dt = DTensor.from_local(dt.to_local(), dm, want, run_check=False, shape=cur.shape,
+                                        stride=cur.stride())   # re-wrapped below
+        else:
+            with torch.no_grad():
+                dt = distribute_tensor(cur.detach().to(engine.device), dm, want, src_data_rank=None)
+        if slot.role == ROLE_PARAM:
+            p = torch.nn.Parameter(dt, requires_grad=cur.requires_grad)
+            new_param[id(cur)] = p
+            slot.owner._parameters[slot.key] = p
+        elif slot.role == ROLE_BUFFER:
+            slot.owner._buffers[slot.key] = dt
+        else:
+            slot.owner[slot.key] = dt
+    if not new_param:
+        return
+    for mod, k, _ in st.tied:
+        old_p = mod._parameters.get(k)
+        if old_p is not None and id(old_p) in new_param:
+            mod._parameters[k] = new_param[id(old_p)]
+    for opt in st.optimizers:
+        for g in opt.param_groups:
+            g["params"] = [new_param.get(id(p), p) for p in g["params"]]
+        state: defaultdict = defaultdict(dict)
+        for p, s in opt.state.items():
+            state[new_param.get(id(p), p)] = s
+        opt.state = state
+    st.param_objs = [new_param.get(id(p), p) for p in st.param_objs]
+
+
+__all__ = ["LocalProgram", "RankProgram", "place_state", "user_tensors", "local_of"]
