@@ -24,6 +24,7 @@ from .patterns import NoProxy, Pattern, op_pattern, proxy_op
 from .progress import Progress
 from .rules import OpRules, RuleBook, ShardingRule
 from .shardcombine import DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
+from .verify import scalars_of
 
 log = logging.getLogger("metadist.discover")
 
@@ -83,26 +84,6 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
     return book
 
 
-def _scalars(attrs: Any) -> list[float]:
-    """The numbers among an op's static attributes (bounds, thresholds, epsilons, ignore indices...)."""
-    out: list[float] = []
-
-    def walk(x: Any) -> None:
-        if isinstance(x, bool):
-            return
-        if isinstance(x, (int, float)):
-            if np.isfinite(x) and abs(x) < 2 ** 31:
-                out.append(float(x))
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-        elif isinstance(x, dict) and not (len(x) == 1 and next(iter(x)) in ("$in", "var")):
-            for v in x.values():
-                walk(v)
-    walk({k: v for k, v in (attrs or {}).items() if not k.startswith("_") and k != "select"})
-    return sorted(set(out))
-
-
 def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check_shapes: bool) -> list[ShardingRule]:
     if check_shapes:   # the proxy must be the same op: its outputs have the proxy graph's shapes
         outs = spec.fn(*spec.example_inputs)
@@ -111,7 +92,7 @@ def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check
             want = graph.vars[v].shape
             if want is not None and hasattr(o, "shape") and tuple(np.shape(o)) != tuple(want):
                 raise NoProxy(f"at proxy sizes it makes {v} of shape {tuple(np.shape(o))}, not {tuple(want)}")
-    return discover_rules(spec, n, draws=draws, scalars=_scalars(op.attrs))
+    return discover_rules(spec, n, draws=draws, scalars=scalars_of(op.attrs))
 
 
 def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warned: set[str] | None = None, *,
@@ -120,32 +101,40 @@ def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warn
     when the op had to be discovered at its real shapes)."""
     n = pattern.axis_size
     if pattern.proxied:
-        t0 = time.perf_counter()
-        try:
-            found = []
-            for instance in (0, 1):
-                p_op, p_graph = proxy_op(op, graph, n, instance)
-                spec = ops.op_spec(p_op, p_graph)
-                if spec is None:
-                    raise NoProxy(f"no loaded frontend runs ops with key {op.key!r}")
-                found.append(_rules_at(spec, p_graph, p_op, n, draws, True))
-            both = [r for r in found[0] if r in set(found[1])]   # a rule must hold at two proxy sizes
-            if both:
-                return OpRules(op.key, both, n, "ok", "", time.perf_counter() - t0), pattern.key
-            raise NoProxy("no rule held at both proxy sizes")
-        except RandomOp as e:   # random at any size: it runs replicated, no need to try it at full size
-            if warned is not None and op.key not in warned:
-                warned.add(op.key)
-                log.warning("op %s (%s) runs replicated: %s", op.key, op.id, e)
-            return (OpRules(op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], n, "replicated",
-                            str(e)), pattern.key)
-        except (NoProxy, Unrunnable) as e:
-            log.info("op %s (%s) is discovered at its real shapes: %s", op.key, op.id, e)
-        except Exception as e:  # noqa: BLE001 - a frontend that fails at proxy sizes falls back to real shapes
-            log.info("op %s (%s) failed at proxy sizes (%s: %s); discovered at its real shapes",
-                     op.key, op.id, type(e).__name__, e)
+        variants = [pattern] if pattern.multiples else [pattern, op_pattern(op, graph, n, multiples=True)]
+        for pat in variants:   # independent sizes first; then sizes that are small multiples of others kept
+            if not pat.proxied:
+                continue
+            try:
+                return _discover_proxied(op, graph, ops, pat, n, draws)
+            except RandomOp as e:   # random at any size: it runs replicated, no need to try it at full size
+                if warned is not None and op.key not in warned:
+                    warned.add(op.key)
+                    log.warning("op %s (%s) runs replicated: %s", op.key, op.id, e)
+                return (OpRules(op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], n,
+                                "replicated", str(e)), pat.key)
+            except Exception as e:  # noqa: BLE001 - a proxy that cannot stand for the op: try the next
+                log.debug("op %s (%s) at proxy sizes (%s): %s: %s", op.key, op.id, pat.key, type(e).__name__, e)
+        log.info("op %s (%s) is discovered at its real shapes", op.key, op.id)
         pattern = op_pattern(op, graph, n, proxies=False)
     return discover_op(op, graph, ops, n, warned, draws=draws), pattern.key
+
+
+def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: int, draws: int
+                      ) -> tuple[OpRules, str]:
+    """Rules that hold at two proxy instances of ``pattern``; raises when the proxy cannot stand for the op."""
+    t0 = time.perf_counter()
+    found = []
+    for instance in (0, 1):
+        p_op, p_graph = proxy_op(op, graph, n, instance, pattern.multiples)
+        spec = ops.op_spec(p_op, p_graph)
+        if spec is None:
+            raise NoProxy(f"no loaded frontend runs ops with key {op.key!r}")
+        found.append(_rules_at(spec, p_graph, p_op, n, draws, True))
+    both = [r for r in found[0] if r in set(found[1])]   # a rule must hold at two proxy sizes
+    if not both:
+        raise NoProxy("no rule held at both proxy sizes")
+    return OpRules(op.key, both, n, "ok", "", time.perf_counter() - t0), pattern.key
 
 
 def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned: set[str] | None = None, *,
@@ -159,7 +148,7 @@ def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned:
         if spec is None:
             raise Unrunnable(f"no loaded frontend runs ops with key {op.key!r}")
         stats = DiscoveryStats()
-        rules = discover_rules(spec, axis_size, stats=stats, draws=draws, scalars=_scalars(op.attrs))
+        rules = discover_rules(spec, axis_size, stats=stats, draws=draws, scalars=scalars_of(op.attrs))
         if not rules:
             raise Unrunnable("no candidate placement reproduced the full result, not even replication")
         _check_arity(op, rules, n_in, n_out)

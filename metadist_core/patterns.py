@@ -44,6 +44,7 @@ class Pattern:
     key: str
     axis_size: int
     proxied: bool                    # False: the key is the op's exact signature (discovered at real shapes)
+    multiples: bool = False          # large sizes that are small multiples of others keep that relation
     basis: tuple[tuple[int, str], ...] = ()   # large size -> its symbol ("a0", "3*a0", "a0*a1")
     reason: str = ""                 # why not proxied
 
@@ -89,11 +90,13 @@ def view_relations(shapes: Sequence[Sequence[int] | None]) -> dict[int, tuple[in
     return rel
 
 
-def size_basis(shapes: Sequence[Sequence[int] | None]) -> dict[int, tuple]:
+def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False) -> dict[int, tuple]:
     """Each large size (> SMALL) of the op's ``shapes`` as an expression over base sizes, smallest first.
 
-    ``("base", i)`` is the i-th base; ``("mul", k, s)`` is k x size s (k <= MAX_MULTIPLE: a concat,
-    a fused qkv); ``("prod", s1, s2, ...)`` is the product a view needs (:func:`view_relations`).
+    ``("base", i)`` is the i-th base; ``("prod", s1, s2, ...)`` is the product a view needs
+    (:func:`view_relations`); with ``multiples``, ``("mul", k, s)`` is k x size s (k <= MAX_MULTIPLE:
+    what a concat or a fused qkv split needs; tried only when the op fails without it, because such
+    relations also hold by chance, and every chance relation is another pattern).
     """
     rel = view_relations(shapes)
     sizes = {int(d) for s in shapes if s is not None for d in s}
@@ -104,7 +107,7 @@ def size_basis(shapes: Sequence[Sequence[int] | None]) -> dict[int, tuple]:
         factors = rel.get(s)
         if factors is not None and all(f <= SMALL or f in out for f in factors):
             expr = ("prod", *factors)
-        if expr is None:
+        if expr is None and multiples:
             for t in sorted(out):
                 if s % t == 0 and 2 <= s // t <= MAX_MULTIPLE:
                     expr = ("mul", s // t, t)
@@ -113,7 +116,15 @@ def size_basis(shapes: Sequence[Sequence[int] | None]) -> dict[int, tuple]:
             expr = ("base", n_base)
             n_base += 1
         out[s] = expr
-    return out
+    # name the bases by where they first stand in the shapes, not by their size: which of two independent
+    # sizes is larger says nothing about how the op splits, so it must not make another pattern
+    order: dict[int, int] = {}
+    for shp in shapes:
+        for d in shp or ():
+            e = out.get(int(d))
+            if e is not None and e[0] == "base" and e[1] not in order:
+                order[e[1]] = len(order)
+    return {k: (("base", order.get(e[1], e[1])) if e[0] == "base" else e) for k, e in out.items()}
 
 
 def _symbol(s: int, basis: Mapping[int, tuple], n: int) -> str:
@@ -149,14 +160,14 @@ def _attr_ints(x: Any) -> list[int]:
     return found
 
 
-def op_pattern(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True) -> Pattern:
+def op_pattern(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True, multiples: bool = False) -> Pattern:
     """The pattern of ``op`` on an axis of ``axis_size`` devices (``proxies=False``: its exact signature)."""
     shapes = _shapes(op, graph)
     dtypes = [graph.vars[v].dtype for v in op.inputs + op.outputs]
     exact = Pattern(f"exact|{op.signature(graph)}|n={axis_size}", axis_size, False)
     if not proxies:
         return exact
-    basis = size_basis(shapes)
+    basis = size_basis(shapes, multiples)
     attrs = {k: v for k, v in (op.attrs or {}).items() if not k.startswith("_")}
     bad = [v for v in _attr_ints(attrs) if v > SMALL and v < SENTINEL and v not in basis]
     if bad:
@@ -175,7 +186,9 @@ def op_pattern(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True) 
     dims = ";".join("-" if s is None else ",".join(_symbol(d, basis, axis_size) for d in s) or "()" for s in shapes)
     digest = hashlib.sha1(f"{dims}|{attr_text}".encode()).hexdigest()[:16]
     key = f"{name}|{','.join(dtypes)}|{len(op.inputs)}>{len(op.outputs)}|{digest}|n={axis_size}"
-    return Pattern(key, axis_size, True, tuple(sorted((s, _symbol(s, basis, axis_size)) for s in basis)))
+    if multiples:
+        key += "|mul"
+    return Pattern(key, axis_size, True, multiples, tuple(sorted((s, _symbol(s, basis, axis_size)) for s in basis)))
 
 
 def proxy_sizes(basis: Mapping[int, tuple], axis_size: int, instance: int = 0) -> dict[int, int]:
@@ -201,10 +214,11 @@ def proxy_sizes(basis: Mapping[int, tuple], axis_size: int, instance: int = 0) -
     return out
 
 
-def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0) -> tuple[MetaOp, MetaIR]:
+def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multiples: bool = False
+             ) -> tuple[MetaOp, MetaIR]:
     """``op`` alone in a new graph whose large sizes are proxies (size-bearing attributes rewritten)."""
     shapes = _shapes(op, graph)
-    basis = size_basis(shapes)
+    basis = size_basis(shapes, multiples)
     if not basis:
         raise NoProxy("it has no size larger than the proxy threshold")
     sizes = proxy_sizes(basis, axis_size, instance)
@@ -233,6 +247,17 @@ def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0) -> tu
         outs.append((v, None if mv.shape is None else tuple(sizes.get(d, d) for d in mv.shape), mv.dtype))
     new = g.add_op(op.key, names, outs, attrs, id=op.id, payload=op.payload)
     return new, g
+
+
+def pattern_candidates(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True) -> list[Pattern]:
+    """The patterns discovery tries for ``op``, most general first: independent sizes, then with
+    small multiples kept, then the exact signature (real shapes)."""
+    exact = op_pattern(op, graph, axis_size, proxies=False)
+    if not proxies:
+        return [exact]
+    out = [op_pattern(op, graph, axis_size), op_pattern(op, graph, axis_size, multiples=True)]
+    out = [p for p in out if p.proxied]
+    return list({p.key: p for p in out + [exact]}.values())
 
 
 def proxy_numel(op: MetaOp, graph: MetaIR, axis_size: int) -> int:

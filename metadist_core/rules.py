@@ -287,10 +287,8 @@ class RuleBook:
 
 def rule_keys(op, graph, axis_size: int) -> list[str]:
     """The RuleBook keys that may hold ``op``'s rules on an axis of ``axis_size``, most general first."""
-    from .patterns import op_pattern
-    pat = op_pattern(op, graph, axis_size)
-    exact = op_pattern(op, graph, axis_size, proxies=False).key
-    return [pat.key, exact] if pat.key != exact else [exact]
+    from .patterns import pattern_candidates
+    return [p.key for p in pattern_candidates(op, graph, axis_size)]
 
 
 def default_cache_dir() -> Path:

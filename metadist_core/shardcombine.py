@@ -59,6 +59,7 @@ class OpSpec:
     out_shape: tuple[int, ...] | None = None
     sampler: Callable[[np.random.Generator, bool], list[np.ndarray]] | None = None
     partial_inputs: bool = True   # False prunes all Partial input candidates (say, for index inputs)
+    static_args: Any = None       # the op's non-tensor arguments, where a caller wants them at hand
 
 
 @dataclass

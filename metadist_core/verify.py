@@ -5,6 +5,7 @@ of every family that the op accepts. Each family targets one way a wrong rule
 survives convenient data:
 
 - ``random``: standard-normal floats, in-range integers, fair booleans;
+- ``uniform``: floats spread over [-4, 4], where most activations turn (30 draws for a tiny input);
 - ``integer``: small integer-valued floats, matched exactly where the result stays integral;
 - ``wide``: magnitudes far past every scalar static argument (bounds, thresholds, epsilons),
   both signs, so a clamp whose bounds lie outside the drawn range is not taken for linear;
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 Sampler = Callable[[np.random.Generator, bool], list]
-FAMILIES = ("random", "integer", "wide", "straddle", "sparse", "constant", "int_wide", "on_one_shard")
+FAMILIES = ("random", "uniform", "integer", "wide", "straddle", "sparse", "constant", "int_wide", "on_one_shard")
 
 
 def _is_tensor(x: Any) -> bool:
@@ -72,6 +73,13 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
         yield "random", sampler(rng, False), False
     if has_float:
         yield "integer", sampler(rng, True), True
+    # uniform over the range where most activations turn (silu, mish, gelu, hardswish...): a Partial(max/min)
+    # rule of a non-monotone function fails there; a tiny input gives little evidence per draw, so many
+    tiny = any(_is_tensor(x) and _is_float(x) and 0 < x.size < 16 for x in examples)
+    if has_float:
+        for _ in range(30 if tiny else 1):
+            yield "uniform", _fill(examples, lambda sh: rng.uniform(-4.0, 4.0, sh), None, None,
+                                   sampler(rng, False)), False
     big = 4.0 * max([abs(s) for s in scalars] + [1.0]) + 10.0
     if has_float:
         yield "wide", _fill(examples, lambda sh: rng.standard_normal(sh) * big, None, None, sampler(rng, False)), False
@@ -110,6 +118,27 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
             yield "on_one_shard", _fill(examples, None, on_first_half, None, sampler(rng, False)), False
 
 
+def scalars_of(attrs: Any) -> list[float]:
+    """The numbers among an op's static attributes (bounds, thresholds, epsilons, ignore indices...):
+    what the ``wide``, ``straddle`` and ``on_one_shard`` families are built around."""
+    out: list[float] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, bool):
+            return
+        if isinstance(x, (int, float)):
+            if np.isfinite(x) and abs(x) < 2 ** 31:
+                out.append(float(x))
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        elif isinstance(x, dict) and not (len(x) == 1 and next(iter(x)) in ("$in", "var")):
+            for v in x.values():
+                walk(v)
+    walk({k: v for k, v in (attrs or {}).items() if not str(k).startswith("_") and k != "select"})
+    return sorted(set(out))
+
+
 def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator, integer: bool) -> list[np.ndarray]:
     """``n`` pieces whose ``reduce`` over devices is ``x``.
 
@@ -137,10 +166,12 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
     for r in range(n):
         if integer:
             gap = rng.integers(1, 5, size=x.shape).astype(x.dtype)
-        else:
-            gap = (np.exp(rng.uniform(np.log(0.05), np.log(50.0), size=x.shape)) * scale).astype(x.dtype)
+        else:   # half the gaps small next to the value itself, half spanning four decades of the scale
+            near = rng.uniform(0.05, 2.0, size=x.shape) * np.maximum(np.abs(x), 0.5)
+            far = np.exp(rng.uniform(np.log(0.05), np.log(50.0), size=x.shape)) * scale
+            gap = np.where(rng.random(x.shape) < 0.5, near, far).astype(x.dtype)
         pieces.append(np.where(owner == r, x, x + sign * gap).astype(x.dtype))
     return pieces
 
 
-__all__ = ["families", "partial_pieces", "FAMILIES"]
+__all__ = ["families", "partial_pieces", "scalars_of", "FAMILIES"]

@@ -36,6 +36,20 @@ def resolve_overload(key: str) -> torch._ops.OpOverload:
         raise Unrunnable(f"{key}: torch {torch.__version__} has no op torch.ops.aten.{name}.{overload}") from None
 
 
+def resolve_target(key: str) -> torch._ops.OpOverload:
+    """The overload a traced op key names, in any ``torch.ops`` namespace (``mylib.op.default`` for a
+    ``torch.library.custom_op``): what the lowering calls, where discovery runs only aten ops."""
+    parts = key.split(".")
+    if len(parts) == 3 and parts[0] != "aten":
+        try:
+            return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
+        except (AttributeError, RuntimeError):
+            raise ValueError(f"op {key} of the traced step is not registered in this process (torch.ops."
+                             f"{parts[0]}.{parts[1]}.{parts[2]}); import the module that defines it on every rank"
+                             ) from None
+    return resolve_overload(key)
+
+
 def schema_arg(overload, args: Sequence[Any], kwargs: Mapping[str, Any], name: str, default: Any = None) -> Any:
     for i, a in enumerate(overload._schema.arguments):
         if a.name == name:
@@ -83,5 +97,5 @@ def in_index(x: Any) -> int | None:
     return x["$in"] if isinstance(x, dict) and "$in" in x else None
 
 
-__all__ = ["resolve_overload", "schema_arg", "rebuild", "find_inputs", "in_index", "TORCH_DTYPES", "LOW_FLOATS",
+__all__ = ["resolve_overload", "resolve_target", "schema_arg", "rebuild", "find_inputs", "in_index", "TORCH_DTYPES", "LOW_FLOATS",
            "FLOATS"]

@@ -22,6 +22,7 @@ import torch
 
 from metadist_core.ir import MetaIR, MetaOp, canonical_dtype
 from metadist_core.rules import ShardingRule
+from metadist_core.verify import scalars_of
 from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
 
 from .calls import FLOATS, LOW_FLOATS, find_inputs, in_index, rebuild, resolve_overload, schema_arg
@@ -185,6 +186,12 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2) -> list[Shardin
     Every tensor among ``example_inputs`` (also inside list arguments) is one
     input of the rules, in order; the other arguments stay fixed.
     """
+    spec = rules_for_spec(op, *example_inputs)
+    return discover_rules(spec, axis_size, scalars=scalars_of({"args": spec.static_args}))
+
+
+def rules_for_spec(op: Any, *example_inputs: Any) -> OpSpec:
+    """The OpSpec that :func:`rules_for` discovers on: ``op`` on numpy arrays (floats in float64)."""
     metas: list[InputMeta] = []
     arrays: list[np.ndarray] = []
 
@@ -216,8 +223,9 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2) -> list[Shardin
     name = str(overload) if overload is not None else getattr(op, "__name__", repr(op))
     spec = build_spec(overload if overload is not None else op, args_t, {}, metas, name=name,
                       overload=overload, examples=arrays)
-    return discover_rules(spec, axis_size)
+    spec.static_args = args_t
+    return spec
 
 
 __all__ = ["op_spec", "op_cost", "rules_for", "resolve_overload", "rebuild", "build_spec", "make_sampler",
-           "check_runnable", "RESHAPE_OPS", "EMPTY_OPS"]
+           "check_runnable", "rules_for_spec", "RESHAPE_OPS", "EMPTY_OPS"]

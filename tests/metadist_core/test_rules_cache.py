@@ -118,3 +118,44 @@ def test_expand_rules_to_2d_mesh():
     # rules verified on an axis of 2 only split evenly on an axis of 4
     assert not any(s.inputs[0][0] == Shard(0) for s in expand_rules(rules, Mesh((4,)), [(6, 8), (8, 4)], [(6, 4)]))
     assert any(s.inputs[0][0] == Shard(0) for s in expand_rules(rules, Mesh((2,)), [(7, 8), (8, 4)], [(7, 4)]))
+
+
+def test_a_rule_cached_at_one_axis_size_is_never_used_at_another(tmp_path):
+    """Rules are verified per axis size: discovery on an axis of 2 serves meshes of 2 only."""
+    from metadist_core.problem import build_problem
+
+    ir = transformer_block()
+    pm, front = _pm()
+    book = discover(ir, pm, RuleBook.load(tmp_path), axis_sizes=(2,))
+    op = next(o for o in ir.ops if o.key == "np.matmul")
+    assert book.lookup(op, ir, 2) is not None and book.lookup(op, ir, 4) is None
+    assert all(e.axis_size == 2 for e in book.entries.values())
+    # a mesh of 4 finds no rule of the axis of 2: every op stays replicated until discovery runs at 4
+    p4 = build_problem(ir, book, Mesh((4,)))
+    assert all(len(n.options) == 1 for n in p4.nodes if n.kind == "op")
+    calls = front.calls
+    book4 = discover(ir, pm, RuleBook.load(tmp_path), axis_sizes=(2, 4))
+    assert front.calls > calls and book4.lookup(op, ir, 4).axis_size == 4
+    assert any(len(n.options) > 1 for n in build_problem(ir, book4, Mesh((4,))).nodes if n.kind == "op")
+
+
+def test_patterns_do_not_grow_with_width_or_depth():
+    """One pattern serves every size: a block twice as wide and a step twice as deep add no pattern."""
+    from metadist_core.patterns import op_pattern
+
+    def keys(g, n=2):
+        return {op_pattern(op, g, n).key for op in g.ops}
+
+    small = transformer_block(batch=6, seq=10, width=14, hidden=30)
+    big = transformer_block(batch=8, seq=26, width=14, hidden=98)
+    assert keys(small) == keys(big)
+    # a wider block differs only where the width is a float argument (the attention scale 1/sqrt(width))
+    wide = transformer_block(batch=6, seq=10, width=50, hidden=30)
+    assert len(keys(wide)) == len(keys(small)) and len(keys(wide) - keys(small)) == 1
+    assert len(keys(small)) < len({op.signature(small) for op in small.ops}) + 1
+    # the remainder by the axis size is part of the pattern: an odd width is another pattern
+    odd = transformer_block(batch=6, seq=10, width=15, hidden=30)
+    assert keys(odd) != keys(small)
+    # and so is an equality of sizes (a square attention matrix is not a rectangular one)
+    square = transformer_block(batch=6, seq=14, width=14, hidden=30)
+    assert keys(square) != keys(small)
