@@ -84,7 +84,8 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
     return book
 
 
-def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check_shapes: bool) -> list[ShardingRule]:
+def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check_shapes: bool,
+              only: Sequence[tuple] | None = None) -> list[ShardingRule]:
     if check_shapes:   # the proxy must be the same op: its outputs have the proxy graph's shapes
         outs = spec.fn(*spec.example_inputs)
         outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
@@ -92,7 +93,7 @@ def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check
             want = graph.vars[v].shape
             if want is not None and hasattr(o, "shape") and tuple(np.shape(o)) != tuple(want):
                 raise NoProxy(f"at proxy sizes it makes {v} of shape {tuple(np.shape(o))}, not {tuple(want)}")
-    return discover_rules(spec, n, draws=draws, scalars=scalars_of(op.attrs))
+    return discover_rules(spec, n, draws=draws, scalars=scalars_of(op.attrs), only=only)
 
 
 def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warned: set[str] | None = None, *,
@@ -124,13 +125,15 @@ def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: 
                       ) -> tuple[OpRules, str]:
     """Rules that hold at two proxy instances of ``pattern``; raises when the proxy cannot stand for the op."""
     t0 = time.perf_counter()
-    found = []
+    found: list[list[ShardingRule]] = []
     for instance in (0, 1):
         p_op, p_graph = proxy_op(op, graph, n, instance, pattern.multiples)
         spec = ops.op_spec(p_op, p_graph)
         if spec is None:
             raise NoProxy(f"no loaded frontend runs ops with key {op.key!r}")
-        found.append(_rules_at(spec, p_graph, p_op, n, draws, True))
+        # the second proxy re-verifies only what held at the first (a search there would find nothing more)
+        only = None if not found else [r.inputs for r in found[0]]
+        found.append(_rules_at(spec, p_graph, p_op, n, draws, True, only))
     both = [r for r in found[0] if r in set(found[1])]   # a rule must hold at two proxy sizes
     if not both:
         raise NoProxy("no rule held at both proxy sizes")

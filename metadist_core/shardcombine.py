@@ -15,6 +15,7 @@ The op itself comes from a frontend as an :class:`OpSpec` working on numpy array
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -201,17 +202,40 @@ def combine(pieces: list[Any], p: Placement, full: Any) -> Any | None:
         return stack.min(axis=0)
 
 
-def valid_combines(pieces: list[Any], full: Any, exact: bool) -> set[Placement]:
+@functools.lru_cache(maxsize=256)
+def _probe_index(size: int) -> np.ndarray:
+    return np.linspace(0, size - 1, 16).astype(np.int64)
+
+
+def _quick_differs(full: Any, got: Any) -> bool:
+    """A cheap look at 16 fixed elements: True when they already show ``got`` is not ``full``."""
+    if not (_is_tensor(full) and _is_tensor(got)) or full.shape != got.shape or full.size <= 64 \
+            or not _is_float(full):
+        return False
+    idx = _probe_index(full.size)
+    a, b = full.reshape(-1)[idx], got.reshape(-1)[idx]
+    with np.errstate(invalid="ignore", over="ignore"):
+        fin = np.isfinite(a) & np.isfinite(b)
+        if not fin.all():
+            return False
+        scale = float(np.max(np.abs(full))) if np.isfinite(full).all() else 0.0
+        return bool(np.any(np.abs(a - b) > 10 * _tolerance(full) * (np.abs(a) + 1e-3 * max(scale, 1e-30))))
+
+
+def valid_combines(pieces: list[Any], full: Any, exact: bool, among: set[Placement] | None = None) -> set[Placement]:
+    """The ways to combine ``pieces`` that give ``full`` (only those in ``among``, when given)."""
     ndim = full.ndim if _is_tensor(full) else None
     ok = set()
     for p in output_combines(ndim):
+        if among is not None and p not in among:
+            continue
         got = combine(pieces, p, full)
         if got is None:
             continue
         if isinstance(p, Replicate):
-            if all(_same(full, x, exact) for x in got):
+            if not any(_quick_differs(full, x) for x in got) and all(_same(full, x, exact) for x in got):
                 ok.add(p)
-        elif _same(full, got, exact):
+        elif not _quick_differs(full, got) and _same(full, got, exact):
             ok.add(p)
     return ok
 
@@ -265,8 +289,12 @@ def _combos(cands: list[list[Placement]], examples: Sequence[Any] = ()) -> list[
     out: list[tuple[Placement, ...]] = [tuple(rep for _ in cands)]
     reduces = sorted({p.reduce for c in cands for p in c if isinstance(p, Partial)})
     for r in reduces:
-        per = [[rep] + [p for p in c if isinstance(p, Partial) and p.reduce == r] for c in cands]
-        out += [c for c in itertools.product(*per) if any(isinstance(p, Partial) for p in c)]
+        # one, two or every input Partial (the others Replicate): a linear op of many inputs takes all of
+        # them partial, a product one of them; the many mixed combinations in between are not tried
+        slots = [i for i, c in enumerate(cands) if any(isinstance(p, Partial) and p.reduce == r for p in c)]
+        picks = [(i,) for i in slots] + list(itertools.combinations(slots, 2)) + [tuple(slots)]
+        for pick in dict.fromkeys(picks):
+            out.append(tuple(Partial(r) if i in pick else rep for i in range(len(cands))))
     shard_sizes: dict[Any, list[list[Placement]]] = {}
     for i, c in enumerate(cands):
         for p in c:
@@ -282,6 +310,15 @@ def _combos(cands: list[list[Placement]], examples: Sequence[Any] = ()) -> list[
 class _Runner:
     def __init__(self, spec: OpSpec, n: int, stats: DiscoveryStats) -> None:
         self.spec, self.n, self.stats = spec, n, stats
+        self._pieces: dict[tuple, list] = {}   # (input array, placement) -> its pieces, for this search
+
+    def _split(self, x: Any, p: Placement, rng: np.random.Generator, integer: bool) -> list:
+        """The pieces of ``x`` under ``p``, made once per draw and shared by every candidate using them."""
+        key = (id(x), p, integer)
+        hit = self._pieces.get(key)
+        if hit is None or hit[0] is not x:
+            hit = self._pieces[key] = (x, split_input(x, p, self.n, rng, integer))
+        return hit[1]
 
     def full(self, inputs: Sequence[np.ndarray]) -> list[Any]:
         self.stats.runs += 1
@@ -291,7 +328,7 @@ class _Runner:
     def pieces(self, combo: tuple[Placement, ...], inputs: Sequence[np.ndarray], rng: np.random.Generator,
                integer: bool) -> list[list[Any]] | None:
         """Run the op on each device's pieces; per output, the list of per-device values. None if it raised."""
-        split = [split_input(x, p, self.n, rng, integer) for x, p in zip(inputs, combo)]
+        split = [self._split(x, p, rng, integer) for x, p in zip(inputs, combo)]
         per_rank = []
         for r in range(self.n):
             local = [s[r] for s in split]
@@ -315,7 +352,8 @@ class _Runner:
 
 
 def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: int = 0,
-                   stats: DiscoveryStats | None = None, scalars: Sequence[float] = ()) -> list[ShardingRule]:
+                   stats: DiscoveryStats | None = None, scalars: Sequence[float] = (),
+                   only: Sequence[tuple[Placement, ...]] | None = None) -> list[ShardingRule]:
     """Every verified one-axis ShardingRule of the op in ``spec`` on an axis of ``axis_size`` devices.
 
     ``scalars`` are the op's scalar static arguments (bounds, thresholds, ignore
@@ -358,6 +396,9 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
         cands[0] = [p for p in cands[0]
                     if not isinstance(p, Shard) or reshape_local_shape(examples[0].shape, spec.out_shape, p, n, 0) is not None]
     combos = _combos(cands, examples)
+    if only is not None:   # re-verify these input combinations only (found at another proxy size)
+        keep = set(only)
+        combos = [c for c in combos if c in keep]
     stats.candidates += len(combos)
 
     rules: list[ShardingRule] = []
@@ -368,7 +409,8 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
             if outs is None or len(outs) != len(full):
                 allowed = None
                 break
-            ok = [valid_combines(p, f, exact) for p, f in zip(outs, full)]
+            ok = [valid_combines(p, f, exact, None if allowed is None else allowed[k])
+                  for k, (p, f) in enumerate(zip(outs, full))]
             allowed = ok if allowed is None else [a & b for a, b in zip(allowed, ok)]
             if any(not a for a in allowed):
                 allowed = None

@@ -147,31 +147,28 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
     (more) by gaps from 0.05 to 50 times the value's scale, so that pieces land
     on both sides of any turning point of the op.
     """
-    scale = float(np.max(np.abs(x))) if x.size and np.all(np.isfinite(x)) else 1.0
+    with np.errstate(invalid="ignore", over="ignore"):
+        scale = float(np.max(np.abs(x))) if x.size and np.all(np.isfinite(x)) else 1.0
     scale = max(scale, 1.0)
-
-    def noise() -> np.ndarray:
-        if integer:
-            return rng.integers(-3, 4, size=x.shape).astype(x.dtype)
-        return (rng.standard_normal(x.shape) * scale).astype(x.dtype)
-
+    shape = (n,) + x.shape
     if reduce in ("sum", "avg"):
         target = x if reduce == "sum" else x * n
-        pieces = [noise() for _ in range(n - 1)]
-        rest = target - sum(pieces) if pieces else target
-        return pieces + [np.asarray(rest).astype(x.dtype)]
+        if integer:
+            noise = rng.integers(-3, 4, size=(n - 1,) + x.shape).astype(x.dtype)
+        else:
+            noise = (rng.standard_normal((n - 1,) + x.shape) * scale).astype(x.dtype)
+        rest = (target - noise.sum(axis=0)).astype(x.dtype)
+        return list(noise) + [rest]
     owner = rng.integers(0, n, size=x.shape)
     sign = -1 if reduce == "max" else 1
-    pieces = []
-    for r in range(n):
-        if integer:
-            gap = rng.integers(1, 5, size=x.shape).astype(x.dtype)
-        else:   # half the gaps small next to the value itself, half spanning four decades of the scale
-            near = rng.uniform(0.05, 2.0, size=x.shape) * np.maximum(np.abs(x), 0.5)
-            far = np.exp(rng.uniform(np.log(0.05), np.log(50.0), size=x.shape)) * scale
-            gap = np.where(rng.random(x.shape) < 0.5, near, far).astype(x.dtype)
-        pieces.append(np.where(owner == r, x, x + sign * gap).astype(x.dtype))
-    return pieces
+    if integer:
+        gap = rng.integers(1, 5, size=shape).astype(x.dtype)
+    else:   # half the gaps small next to the value itself, half spanning four decades of the scale
+        near = rng.uniform(0.05, 2.0, size=shape) * np.maximum(np.abs(x), 0.5)
+        far = np.exp(rng.uniform(np.log(0.05), np.log(50.0), size=shape)) * scale
+        gap = np.where(rng.random(shape) < 0.5, near, far).astype(x.dtype)
+    pieces = np.where(owner[None] == np.arange(n).reshape((n,) + (1,) * x.ndim), x[None], x[None] + sign * gap)
+    return list(pieces.astype(x.dtype))
 
 
 __all__ = ["families", "partial_pieces", "scalars_of", "FAMILIES"]
