@@ -155,6 +155,9 @@ def cmd_plan(args) -> int:
     from .pipeline import plan_graph
 
     settings, pm = _settings(args)
+    if args.strategy:
+        from .presets import check_strategy
+        settings.strategy = check_strategy(args.strategy)
     if args.target.endswith(".py"):
         return _plan_script(args)
     graph = load_graph(args.target)
@@ -164,6 +167,37 @@ def cmd_plan(args) -> int:
     out = Path(args.out or f"{Path(args.target).stem}.plan.json")
     out.write_text(json.dumps(result.plan.to_json(), indent=1))
     print(f"plan saved to {out}; timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
+    from .explain import report_plan_only
+    report_plan_only(result, {"out": str(out), "compare": args.compare}, settings, pm)
+    return 0
+
+
+def cmd_explain(args) -> int:
+    """The plan explained (its problem read from beside it, or --problem); --png draws it."""
+    from .explain import draw_plan, explain_plan, problem_path
+    from .plan import ShardingPlan
+    from .problem import ShardingProblem
+
+    path = Path(args.plan)
+    if not path.is_file():
+        raise CliError(f"no such file: {args.plan}")
+    try:
+        plan = ShardingPlan.from_json(json.loads(path.read_text()))
+    except (json.JSONDecodeError, KeyError) as e:
+        raise CliError(f"{args.plan} is not a plan saved by `metadist plan`: {e}") from None
+    prob_file = Path(args.problem or problem_path(str(path)))
+    problem = None
+    if prob_file.is_file():
+        problem = ShardingProblem.loads(prob_file.read_text())
+        if len(problem.nodes) != len(plan.choices):
+            raise CliError(f"{prob_file} is not the problem of {args.plan}: {len(problem.nodes)} decisions "
+                           f"against the plan's {len(plan.choices)}")
+    elif args.problem:
+        raise CliError(f"no such file: {args.problem}")
+    print(explain_plan(plan, problem=problem, presets=not args.no_presets))
+    if args.png:
+        draw_plan(plan, args.png, problem=problem)
+        print(f"picture written to {args.png}")
     return 0
 
 
@@ -182,7 +216,8 @@ def _plan_script(args) -> int:
     except ValueError as e:
         raise CliError(str(e)) from None
     request = {"mesh": list(shape), "out": args.out or f"{script.stem}.plan.json", "solver": args.solver,
-               "memory_budget": args.memory_budget, "cache_dir": args.cache_dir, "profile": args.profile}
+               "memory_budget": args.memory_budget, "cache_dir": args.cache_dir, "profile": args.profile,
+               "strategy": args.strategy, "compare": args.compare}
     old_env, old_argv = os.environ.get(ENV), sys.argv
     os.environ[ENV] = json.dumps(request)
     sys.argv = [str(script)] + list(args.script_args)
@@ -299,7 +334,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", default=None, help="mesh profile file (default: $METADIST_MESH_PROFILE)")
     s.add_argument("--cache-dir", default=None)
     s.add_argument("--out", default=None, help="where to save the plan JSON")
+    s.add_argument("--strategy", default=None, help="auto (default) or a preset: ddp, zero1, zero2, zero3, fsdp, "
+                                                    "tp, tp+dp")
+    s.add_argument("--compare", action="store_true", help="price every strategy preset beside the plan")
     s.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("explain", help="the plan explained; --png FILE draws it",
+                       description="Per parameter its placement, bytes per device and why; per collective its "
+                                   "kind, axis, bytes and time; the totals; the strategy presets' prices. The "
+                                   "problem is read from beside the plan (NAME.problem.json, written by "
+                                   "`metadist plan`).")
+    s.add_argument("plan", metavar="PLAN.json")
+    s.add_argument("--png", default=None, metavar="FILE", help="draw the plan into this PNG")
+    s.add_argument("--problem", default=None, metavar="FILE", help="the plan's problem JSON (default: beside it)")
+    s.add_argument("--no-presets", action="store_true", help="leave out the presets' prices (no solving)")
+    s.set_defaults(func=cmd_explain)
 
     s = sub.add_parser("demo", help="the main job on an embedded default, end to end",
                        description="With PyTorch installed: the GPT example on NPROC local CPU ranks under torchrun "
