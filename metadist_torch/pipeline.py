@@ -1,0 +1,139 @@
+"""Micro-batched steps for torch: the gradient part per micro-batch, the optimizer update once.
+
+:func:`split_batch` cuts a call's tensors along dim 0; :class:`MicroBatchProgram`
+runs the two parts of :func:`metadist_core.microbatch.cut_at_gradients`, each
+lowered to this rank's fx program by :func:`metadist_torch.lower.lower_plan`
+under the one plan of the whole step (so a micro-batch runs exactly the
+collectives the plan priced, and gradients stay in the plan's layout, Partial
+included, until the update reads them). Buffers are written back after every
+micro-batch (BatchNorm's running statistics chain as in eager accumulation);
+parameters and optimizer state once, after the update.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from metadist_core.microbatch import GradientCut, combine, micro_batch_size
+from metadist_core.placement import Mesh, Sharding, local_piece
+
+from .engine import Engine
+from .lower import lower_plan
+from .program import local_of, user_tensors
+from .stats import CommStats
+from .trace import TracedStep
+
+
+def split_batch(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
+    """``m`` calls, each with every tensor argument's ``i``-th equal part along dim 0 (others unchanged)."""
+    leaves, spec = pytree.tree_flatten((list(args), dict(kwargs)))
+    pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    sizes = [(f"tensor input {k}", int(leaves[i].shape[0])) for k, i in enumerate(pos) if leaves[i].dim() > 0]
+    scalars = [k for k, i in enumerate(pos) if leaves[i].dim() == 0]
+    if scalars:
+        raise ValueError(f"micro_batches={m} cuts dim 0 of every tensor input, but tensor input {scalars[0]} is "
+                         f"a 0-d tensor; pass it as a Python number or give it a batch dim")
+    mb = micro_batch_size(sizes, m)
+    out = []
+    for j in range(m):
+        lv = list(leaves)
+        for i in pos:
+            lv[i] = leaves[i].narrow(0, j * mb, mb)
+        a, kw = pytree.tree_unflatten(lv, spec)
+        out.append((tuple(a), kw))
+    return out
+
+
+class MicroBatchProgram:
+    """One step as ``m`` micro-batches on this rank: ``cut.grad_graph`` per micro-batch, gradients summed or
+    averaged in the plan's layout, ``cut.update_graph`` once; state written back in place."""
+
+    def __init__(self, traced: TracedStep, cut: GradientCut, plans: tuple, mesh: Mesh, engine: Engine,
+                 m: int, *, coalesce: bool = True, bucket_bytes: int = 25 * 2**20) -> None:
+        self.traced, self.cut, self.plans, self.engine, self.m = traced, cut, plans, engine, m
+        self.stats = CommStats()
+        kw = dict(coords=engine.coords, groups=engine.groups(), stats=self.stats, coalesce=coalesce,
+                  bucket_bytes=bucket_bytes)
+        self.grad = lower_plan(cut.grad_graph, plans[0], mesh, **kw)
+        self.update = lower_plan(cut.update_graph, plans[1], mesh, **kw)
+        n_s = len(traced.state.slots)
+        self.slot_of = {traced.in_names[i]: i for i in range(n_s)}
+        self.user_in = {traced.in_names[n_s + j]: j for j in range(traced.n_inputs)}
+        self.consts = {name: traced.constants[k]
+                       for k, name in enumerate(traced.in_names[n_s + traced.n_inputs:])}
+        rep = Sharding.replicated(mesh.ndim)
+        self.rep = rep
+        out_vars = traced.out_vars[:traced.n_tensor_outputs]
+        missing = [v for v in out_vars if v not in self.grad.output_vars]
+        if missing:
+            raise ValueError(f"with micro_batches the step must return values of the forward and backward "
+                             f"(the loss); it returns {', '.join(map(str, missing))}, which the optimizer update "
+                             f"or the state holds: return a copy (.clone()) of a forward value instead")
+        self.out_pos = [self.grad.output_vars.index(v) for v in out_vars]
+
+    def _inputs(self, rank_graph: Any, plan: Any, user: list[torch.Tensor], extra: dict[str, Any]) -> list:
+        slots = self.traced.state.slots
+        mesh, coords, dev = self.engine.mesh, self.engine.coords, self.engine.device
+        local = []
+        for v in rank_graph.input_vars:
+            sh = plan.input_shardings.get(v, self.rep)
+            if v in extra:
+                local.append(extra[v])
+            elif v in self.slot_of:
+                local.append(local_of(slots[self.slot_of[v]].get()))
+            elif v in self.user_in:
+                local.append(local_piece(user[self.user_in[v]].to(dev), sh, mesh, coords,
+                                         zeros_like=torch.zeros_like))
+            else:
+                local.append(local_piece(self.consts[v].to(dev), sh, mesh, coords, zeros_like=torch.zeros_like))
+        return local
+
+    def _write(self, rank_graph: Any, outs: tuple) -> dict[str, torch.Tensor]:
+        """Write updated state slots in place; return the pseudo-state (gradient) values by gradient var."""
+        slots = self.traced.state.slots
+        n_out = len(rank_graph.output_vars)
+        grads = {}
+        for k, s_in in enumerate(rank_graph.state_inputs):
+            x = outs[n_out + k]
+            if s_in in self.cut.acc_of:
+                grads[self.cut.acc_of[s_in]] = x
+            else:
+                local_of(slots[self.slot_of[s_in]].get()).copy_(x)
+        return grads
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        parts = split_batch(args, kwargs, self.m)
+        dummy = {a: torch.empty(0) for a in self.cut.acc_of}
+        sums: dict[str, torch.Tensor] = {}
+        per_out: list[list[torch.Tensor]] = [[] for _ in self.out_pos]
+        with torch.no_grad():
+            for a, kw in parts:
+                outs = self.grad(*self._inputs(self.grad, self.plans[0], user_tensors(a, kw), dummy))
+                for g, x in self._write(self.grad, outs).items():
+                    sums[g] = x if g not in sums else sums[g] + x
+                for lst, k in zip(per_out, self.out_pos):
+                    lst.append(outs[k])
+            scale = 1.0 / self.m if self.cut.reduction == "mean" else 1.0
+            grads = {g: x * scale if scale != 1.0 else x for g, x in sums.items()}
+            self._write(self.update, self.update(*self._inputs(self.update, self.plans[1], [], grads)))
+        traced_out = self.traced.out_vars[:self.traced.n_tensor_outputs]
+        results = [combine(vals, self.cut.combine_mode(v), lambda xs: torch.cat(xs, dim=0))
+                   for v, vals in zip(traced_out, per_out)]
+        return self.traced.unflatten_outputs(results)
+
+
+def lower_micro_batches(traced: TracedStep, cut: GradientCut, plans: tuple, mesh: Mesh, engine: Engine,
+                        settings: Any) -> MicroBatchProgram:
+    """The :class:`MicroBatchProgram` of a traced step on ``engine`` (state placed as the plan stores it)."""
+    from .program import place_state
+    if engine.distributed:
+        place_state(traced, plans[2], engine)
+    if traced.random_ops:
+        engine.sync_rng()
+    return MicroBatchProgram(traced, cut, plans, mesh, engine, settings.micro_batches, coalesce=settings.coalesce,
+                             bucket_bytes=settings.bucket_bytes)
+
+
+__all__ = ["MicroBatchProgram", "split_batch", "lower_micro_batches"]
