@@ -1,15 +1,21 @@
-"""MetaDist vs torch DDP vs FSDP2 (fully_shard) on the GPT example, 4 gloo ranks, one run.
+"""MetaDist against what an engineer would write, with the cost model's prediction beside every figure.
 
-    python -m benchmarks.torch_step [--quick] [--nproc 4]
+    python -m benchmarks.torch_step [--quick] [--nproc 4] [--models gpt,gpt2,llama]
 
-Per system: median step time after warm-up and peak memory per rank (the
-process's peak RSS while that system runs, reset between systems through
-/proc/self/clear_refs, and its rise over the RSS before it). For MetaDist also:
-compile time split into trace, discover, build_problem, solve, lower, cold
-(empty rule cache) and warm (rule cache filled); the communication bytes per
-step that the plan predicts (per rank, as the cost model prices them) next to
-the bytes counted at the collectives on rank 0. World size 1: the compiled
-step next to the plain eager step in one process. All ranks use one thread.
+Models: the GPT example (``gpt``), transformers' GPT-2 with 4 layers of width
+256 (``gpt2``), a LLaMA-style model from a small ``LlamaConfig`` (``llama``).
+Systems on 4 gloo ranks (one launch, one thread each): MetaDist (``auto``,
+the first compile measures this machine's link and device costs and caches
+them), DDP, FSDP2 (``fully_shard`` per block), a hand Megatron tensor-parallel
+plan (DTensor ``parallelize_module`` with ColwiseParallel/RowwiseParallel) where
+the model's layers allow it, and TP x DP on a (2, 2) mesh (the TP plan on the
+inner axis, ``fully_shard`` on the outer). For every system: the median step
+time after warm-up, the cost model's prediction for that same plan (MetaDist
+pinned to the hand plan's layout by its strategy preset, priced by
+``metadist_core.overlap.predict``), the communication bytes per step that plan
+prices and those counted (MetaDist: at its collectives; DDP: in a comm hook),
+and the peak RSS. Results: results/torch_step.json (one record per model and
+system, rank medians), .md, and torch_step.png (predicted against measured).
 """
 from __future__ import annotations
 
@@ -23,8 +29,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from metadist_core.hookspecs import hookimpl
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "torch_step"
@@ -88,221 +92,213 @@ def _phase(name, fn):
     return out
 
 
-# -- a prototype of the proposed core change: all_reduces priced as buckets -----------------
+# -- models ----------------------------------------------------------------------------
 
 
-def reprice_all_reduce_edges(problem) -> None:
-    """Price every edge whose reshard is all_reduce-only by its bandwidth term (the latency amortised over a
-    bucket), in place."""
-    from metadist_core.cost import reshard
-    from metadist_core.placement import Sharding
+class Model:
+    """One benchmark model: ``build()`` -> (module, optimizer); ``batches[i]`` the step's arguments after them;
+    ``step(model, opt, *batch)`` the training step; ``tp_plan(model)`` the Megatron plan or None."""
 
-    def distinct(shs):
-        out = []
-        for x in shs:
-            if x not in out:
-                out.append(x)
-        return out
-
-    mesh = problem.mesh
-    rep = Sharding.replicated(mesh.ndim)
-    for e in problem.edges:
-        sn = problem.nodes[e.src]
-        srcs = distinct([o.outputs[e.src_slot] for o in sn.options])
-        if e.dst < 0:
-            dsts = [rep]
-        elif e.dst_slot < 0:
-            dsts = distinct([o.outputs[0] for o in problem.nodes[e.dst].options])
-        else:
-            dsts = distinct([o.inputs[e.dst_slot] for o in problem.nodes[e.dst].options])
-        info = problem.vars[e.var]
-        if info["shape"] is None:
-            continue
-        t = e.table.copy()
-        for r, a in enumerate(srcs):
-            for k, b in enumerate(dsts):
-                if a == b:
-                    continue
-                colls = reshard(a, b, info["shape"], info["dtype"], mesh)
-                if colls and all(c.kind == "all_reduce" for c in colls):
-                    t[r, k] = sum(c.cost - 2 * (mesh.shape[c.axis] - 1) * mesh.alpha[c.axis] for c in colls)
-        e.table = t
+    def __init__(self, name, desc, build, step, batches, tp_plan=None, blocks=None):
+        self.name, self.desc, self.build, self.step, self.batches = name, desc, build, step, batches
+        self.tp_plan, self.blocks = tp_plan, blocks
 
 
-class BucketPricedSolver:
-    """A solver plugin: every edge whose reshard is all_reduce-only priced without its latency term, then
-    solved by the ``base`` solver.
+def _gpt_model(quick: bool, steps: int) -> Model:
+    gpt = _gpt()
+    c = _config(quick)
 
-    The lowering coalesces independent all_reduces into buckets (one latency per
-    bucket, as DDP does), but the core cost model charges each all_reduce its full
-    latency, which rules data parallelism out on high-latency links. This prices
-    those edges by their bandwidth term only (the latency amortised over a bucket);
-    the chosen plan is reported at its honest, per-collective cost. Benchmark-only:
-    the core patch would do this in metadist_core.problem.
-    """
-
-    name = "bucket-priced"
-
-    def __init__(self, plugins, base: str) -> None:
-        self.plugins, self.base = plugins, base
-
-    @hookimpl
-    def metadist_solver_info(self):
-        return {"name": self.name, "description": f"{self.base}, all_reduces priced as buckets (benchmark)"}
-
-    @hookimpl
-    def metadist_solve(self, problem, options):
-        reprice_all_reduce_edges(problem)
-        return self.plugins.solve(self.base, problem, options)
+    def tp_plan(model):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        # the MLP of every block, Megatron-style (the fused qkv is split by width after it: left whole)
+        return {f"blocks.{i}.{n}": (ColwiseParallel() if n == "fc" else RowwiseParallel())
+                for i in range(c.layers) for n in ("fc", "out")}
+    return Model("gpt", f"GPT example vocab {c.vocab} width {c.width} layers {c.layers} seq {c.seq} batch {c.batch}",
+                 lambda: gpt.build(c), gpt.train_step, [gpt.batch(c, s) for s in range(steps)], tp_plan,
+                 lambda m: list(m.blocks))
 
 
-def bucket_priced_plugins(cache_dir):
-    """The installed plugins plus the bucket-priced solver over the configured one; its name."""
-    from metadist_core.config import load_settings
-    from metadist_core.plugins import PluginManager
-    pm = PluginManager()
-    solver = BucketPricedSolver(pm, load_settings(cache_dir=cache_dir).solver)
-    pm.register(solver, "solver", solver.name)
-    return pm, solver.name
+def _hf_step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _gpt2_model(quick: bool, steps: int) -> Model:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    layers, width, seq, vocab, batch = (2, 128, 32, 512, 8) if quick else (4, 256, 64, 1024, 8)
+
+    def build():
+        torch.manual_seed(0)
+        cfg = GPT2Config(n_positions=seq, n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, bos_token_id=0,
+                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        m = GPT2LMHeadModel(cfg)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+    ids = [(torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(i)),) for i in range(steps)]
+    # GPT-2's layers are transformers' Conv1D, which ColwiseParallel/RowwiseParallel do not take: no TP plan
+    return Model("gpt2", f"GPT-2 (transformers) {layers} layers width {width} vocab {vocab} seq {seq} batch {batch}",
+                 build, _hf_step, ids, None, lambda m: list(m.transformer.h))
+
+
+def _llama_model(quick: bool, steps: int) -> Model:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    layers, width, seq, vocab, batch = (1, 64, 32, 256, 8) if quick else (2, 128, 64, 512, 8)
+
+    def build():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        m = LlamaForCausalLM(cfg)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def tp_plan(model):
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+        plan = {}
+        for i in range(layers):   # torchtitan's plan for attention and MLP (heads divide the TP size)
+            for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+                plan[f"model.layers.{i}.{n}"] = ColwiseParallel()
+            for n in ("self_attn.o_proj", "mlp.down_proj"):
+                plan[f"model.layers.{i}.{n}"] = RowwiseParallel()
+        return plan
+    ids = [(torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(i)),) for i in range(steps)]
+    return Model("llama", f"LLaMA-style (LlamaConfig) {layers} layers width {width} vocab {vocab} seq {seq} "
+                 f"batch {batch}", build, _hf_step, ids, tp_plan, lambda m: list(m.model.layers))
+
+
+MODELS = {"gpt": _gpt_model, "gpt2": _gpt2_model, "llama": _llama_model}
+
+
+def _shard_batch(b, rank, world):
+    per = b[0].shape[0] // world
+    return tuple(x[rank * per:(rank + 1) * per] for x in b)
 
 
 # -- the ranks ---------------------------------------------------------------------
 
 
-def worker(args) -> int:
+def _predicted(m: Model, cache, strategy: str, mesh=None) -> dict:
+    """The cost model's price of ``strategy``'s plan for this step (compiled, not run)."""
+    from metadist_core.overlap import predict
+    from metadist_torch import metadist_compile
+    model, opt = m.build()
+    step = metadist_compile(cache_dir=cache, strategy=strategy, mesh=mesh)(m.step)
+    step.compile(model, opt, *m.batches[0])
+    if step.problem is None:   # only the planning rank holds the problem: it predicts
+        return {}
+    pr = predict(step.plan, step.problem)
+    return {"predicted_ms": pr.step * 1e3, "comm_bytes_predicted": pr.comm_bytes,
+            "predicted_compute_ms": pr.compute * 1e3, "predicted_comm_ms": pr.comm * 1e3,
+            "predicted_plan": step.plan.summary()}
+
+
+def run_model(m: Model, args, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from metadist_torch import metadist_compile
-    from metadist_torch.engine import ensure_process_group
-    torch.set_num_threads(1)
-    rank, world = ensure_process_group()
-    gpt = _gpt()
-    c = _config(args.quick)
-    steps, warmup = (6, 2) if args.quick else (12, 3)
-    batches = [gpt.batch(c, s) for s in range(steps)]
-    per = c.batch // world
-    local = [(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]) for x, y in batches]
+    cache = args.cache_dir
+    warmup = 2 if args.quick else 3
+    local = [_shard_batch(b, rank, world) for b in m.batches]
     res: dict = {}
 
-    def ddp():
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        model, opt = gpt.build(c)
-        m = DDP(model)
+    def metadist(strategy="auto"):
+        from metadist_core.overlap import predict
+        from metadist_torch import metadist_compile
+        model, opt = m.build()
+        step = metadist_compile(cache_dir=cache, strategy=strategy)(m.step)
+        t0 = time.perf_counter()
+        step(model, opt, *m.batches[0])
+        first = time.perf_counter() - t0
+        step.comm_stats.reset()
+        t, _ = _timed_steps(lambda b: step(model, opt, *b), m.batches[1:], warmup - 1)
+        out = {"step_s": t, "first_call_s": first, "compile": step.timings, "plan": step.plan.summary(),
+               "comm_bytes_counted": step.comm_stats.total / max(1, len(m.batches) - 1)}
+        if step.problem is None:   # only the planning rank holds the problem: it predicts
+            return out
+        pr = predict(step.plan, step.problem)
+        return {**out, "predicted_ms": pr.step * 1e3, "predicted_compute_ms": pr.compute * 1e3,
+                "predicted_comm_ms": pr.comm * 1e3, "comm_bytes_predicted": pr.comm_bytes}
 
-        def run(b):
-            gpt.train_step(m, opt, *b)
-        t, _ = _timed_steps(run, local, warmup)
-        return {"step_s": t}
+    def ddp():
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model, opt = m.build()
+        d = DDP(model)
+        counted = [0]
+
+        def hook(state, bucket):
+            counted[0] += bucket.buffer().numel() * bucket.buffer().element_size()
+            return default_hooks.allreduce_hook(state, bucket)
+        d.register_comm_hook(None, hook)
+        t, _ = _timed_steps(lambda b: m.step(d, opt, *b), local, warmup)
+        return {"step_s": t, "comm_bytes_counted": counted[0] / len(local)}
 
     def fsdp2():
         from torch.distributed.fsdp import fully_shard
-        torch.manual_seed(c.seed)
-        model = gpt.GPT(c)
-        for blk in model.blocks:
+        model, opt = m.build()
+        for blk in m.blocks(model):
             fully_shard(blk)
         fully_shard(model)
-        decay = [p for p in model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=c.lr, betas=(0.9, 0.95))
-
-        def run(b):
-            gpt.train_step(model, opt, *b)
-        t, _ = _timed_steps(run, local, warmup)
+        opt = type(opt)(model.parameters(), **{k: v for k, v in opt.defaults.items() if k in ("lr", "betas")})
+        t, _ = _timed_steps(lambda b: m.step(model, opt, *b), local, warmup)
         return {"step_s": t}
 
-    cache = args.cache_dir
-
-    def metadist(profile=None, bucket_priced=False):
-        saved = os.environ.pop("METADIST_MESH_PROFILE", None)
-        if profile:
-            os.environ["METADIST_MESH_PROFILE"] = profile
-        model, opt = gpt.build(c)
-        if bucket_priced:
-            pm, solver = bucket_priced_plugins(cache)
-            step = metadist_compile(cache_dir=cache, solver=solver, plugins=pm)(gpt.train_step)
+    def tp(mesh_shape):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+        model, opt = m.build()
+        if len(mesh_shape) == 1:
+            dm = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",))
+            parallelize_module(model, dm, m.tp_plan(model))
+            batches = m.batches      # every TP rank reads the whole batch
         else:
-            step = metadist_compile(cache_dir=cache)(gpt.train_step)
-        losses = []
-        t0 = time.perf_counter()
-        losses.append(float(step(model, opt, *batches[0])))
-        first = time.perf_counter() - t0
-        step.comm_stats.reset()
+            from torch.distributed.fsdp import fully_shard
+            dm = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+            parallelize_module(model, dm["tp"], m.tp_plan(model))
+            for blk in m.blocks(model):
+                fully_shard(blk, mesh=dm["dp"])
+            fully_shard(model, mesh=dm["dp"])
+            dp_rank, dp = dm["dp"].get_local_rank(), mesh_shape[0]
+            batches = [_shard_batch(b, dp_rank, dp) for b in m.batches]
+        opt = type(opt)(model.parameters(), **{k: v for k, v in opt.defaults.items() if k in ("lr", "betas")})
+        t, _ = _timed_steps(lambda b: m.step(model, opt, *b), batches, warmup)
+        return {"step_s": t}
 
-        def run(b):
-            losses.append(float(step(model, opt, *b)))
-        t, _ = _timed_steps(run, batches[1:], warmup - 1)
-        counted = step.comm_stats.total / max(1, len(batches) - 1)
-        plan = step.plan
-        predicted = sum(cl.nbytes for _, cl in plan.collectives() if not cl.is_free)
-        # the lowering runs the same collectives of one value once for all its readers
-        seen, predicted_shared = set(), 0
-        for e in plan.edges:
-            key = (e.var, tuple((cl.kind, cl.axis, cl.dims, cl.reduce, str(cl.before), str(cl.after))
-                                for cl in e.collectives))
-            if e.collectives and key not in seen:
-                seen.add(key)
-                predicted_shared += sum(cl.nbytes for cl in e.collectives if not cl.is_free)
-        if saved:
-            os.environ["METADIST_MESH_PROFILE"] = saved
-        return {"step_s": t, "first_call_s": first, "compile_cold": step.timings, "plan": plan.summary(),
-                "compute_model_s": plan.compute_seconds,
-                "predicted_comm_bytes": predicted, "predicted_shared_comm_bytes": predicted_shared,
-                "counted_comm_bytes": counted,
-                "counted_by_kind": {k: v / max(1, len(batches) - 1) for k, v in step.comm_stats.bytes.items()},
-                "comm_ms_per_step": 1e3 * sum(step.comm_stats.seconds.values()) / max(1, len(batches) - 1),
-                "losses": losses, "n_collectives": sum(1 for _, cl in plan.collectives() if not cl.is_free),
-                "sharded_state": sum(1 for v, s in plan.input_shardings.items() if not s.is_fully_replicated())}
+    systems = [("metadist", lambda: metadist(), None), ("ddp", ddp, ("ddp", None)),
+               ("fsdp2", fsdp2, ("fsdp", None))]
+    if m.tp_plan is not None:
+        systems += [("tp", lambda: tp((world,)), ("tp", None))]
+        if world == 4:
+            systems += [("tp_x_dp", lambda: tp((2, 2)), ("tp+dp", (2, 2)))]
+    for name, fn, pinned in systems:
+        try:
+            res[name] = _phase(name, fn)
+            if pinned is not None:
+                res[name].update(_predicted(m, cache, *pinned))
+        except Exception as e:   # a hand plan this model does not take: say so, go on
+            res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        dist.barrier()
+    return res
 
-    if args.calibrate:
-        # what a user runs once per machine: `metadist calibrate` (here inside the job, every rank measures)
-        from metadist_torch.calibrate import run_calibrate
-        prof_path = Path(args.cache_dir).parent / "mesh-profile.json"
-        t = time.perf_counter()
-        prof = run_calibrate(prof_path)
-        from metadist_torch.engine import measure_device
-        dev = measure_device()            # the roofline of one rank here (one thread)
-        devs = [None] * world
-        dist.all_gather_object(devs, (dev.peak_flops, dev.mem_bandwidth))
-        if rank == 0:
-            from metadist_core.cost import DeviceSpec
-            prof.device = DeviceSpec("measured-cpu", min(d[0] for d in devs), min(d[1] for d in devs))
-            prof.save(prof_path)
-        dist.barrier()
-        res["profile"] = {"levels": prof.levels, "device": [min(d[0] for d in devs), min(d[1] for d in devs)]}
-        os.environ["METADIST_MESH_PROFILE"] = str(prof_path)
-        res["calibrate_s"] = time.perf_counter() - t
-    res["ddp"] = _phase("ddp", ddp)
-    res["fsdp2"] = _phase("fsdp2", fsdp2)
-    prof_env = os.environ.get("METADIST_MESH_PROFILE")
-    res["metadist"] = _phase("metadist", lambda: metadist(prof_env))
-    # the same step planned with the built-in link costs (10 us, 25 GB/s): a plan that shards
-    res["metadist_builtin_costs"] = _phase("metadist_builtin_costs", lambda: metadist(None))
-    res["metadist_builtin_costs"].pop("compile_cold", None)
-    # prototype of the proposed core changes: all_reduces priced as buckets, and the device's speed taken from
-    # a measured step (the cost model's compute of the plan just run vs its measured time on these ranks)
-    prof2 = prof_env
-    if prof_env:
-        times = [None] * world
-        dist.all_gather_object(times, res["metadist"]["step_s"])
-        k = res["metadist"]["compute_model_s"] / max(times)
-        if rank == 0:
-            from metadist_core.cost import DeviceSpec
-            from metadist_core.profile import load_profile
-            prof = load_profile(prof_env)
-            prof.device = DeviceSpec("measured-step", prof.device.peak_flops * k, prof.device.mem_bandwidth * k)
-            prof.save(Path(prof_env).with_name("mesh-profile-step.json"))
-        dist.barrier()
-        prof2 = str(Path(prof_env).with_name("mesh-profile-step.json"))
-        res["device_scale"] = k
-    res["metadist_bucket_priced"] = _phase("metadist_bucket_priced", lambda: metadist(prof2, bucket_priced=True))
-    res["metadist_bucket_priced"].pop("compile_cold", None)
-    # warm compile: a fresh step over a fresh model, same rule cache
-    model, opt = gpt.build(c)
-    step = metadist_compile(cache_dir=cache)(gpt.train_step)
-    step(model, opt, *batches[0])
-    res["metadist"]["compile_warm"] = step.timings
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from metadist_torch.engine import ensure_process_group
+    torch.set_num_threads(1)
+    rank, world = ensure_process_group()
+    steps = 6 if args.quick else 10
+    res = {}
+    for name in args.models.split(","):
+        m = MODELS[name](args.quick, steps)
+        res[name] = {"desc": m.desc, **run_model(m, args, rank, world)}
     gathered = [None] * world
     dist.all_gather_object(gathered, res)
     if rank == 0:
@@ -339,12 +335,35 @@ def single(quick: bool) -> dict:
     return {"eager_step_s": statistics.median(te[warmup:]), "metadist_step_s": statistics.median(tc[warmup:])}
 
 
+def plot(records, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 5))
+    pts = [r for r in records if r.get("predicted_ms") and r.get("step_ms")]
+    for r in pts:
+        ax.scatter(r["step_ms"], r["predicted_ms"], s=30)
+        ax.annotate(f"{r['model']}/{r['system']}", (r["step_ms"], r["predicted_ms"]), fontsize=7)
+    hi = max([1.0] + [max(r["step_ms"], r["predicted_ms"]) for r in pts]) * 1.2
+    ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="predicted = measured")
+    ax.plot([0, hi], [0, hi * 0.75], ":", c="grey", lw=0.8)
+    ax.plot([0, hi], [0, hi * 1.25], ":", c="grey", lw=0.8, label="+-25 %")
+    ax.set_xlabel("measured step (ms, median over ranks)")
+    ax.set_ylabel("cost model's prediction (ms)")
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.legend(fontsize=8)
+    ax.set_title("torch_step: predicted against measured, 4 gloo ranks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller GPT and fewer steps (< 2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="smaller models and fewer steps")
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
-                    help="plan with the built-in link costs instead of measuring this machine's collectives first")
+    ap.add_argument("--models", default="gpt,gpt2,llama", help="comma-separated: " + ",".join(MODELS))
+    ap.add_argument("--single", action="store_true", help="also the world-size-1 comparison with eager")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
@@ -352,79 +371,70 @@ def main(argv=None) -> int:
     if args.worker:
         return worker(args)
 
-    from benchmarks._common import write_results
+    from benchmarks._common import RESULTS, write_results
     from metadist_torch.demo import torchrun_cmd
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
-        wargs = ["--worker", "--out", str(out), "--cache-dir", str(Path(tmp) / "rules")] + \
-            (["--quick"] if args.quick else []) + ([] if args.calibrate else ["--no-calibrate"])
+        cache = os.environ.get("METADIST_CACHE_DIR") or str(Path(tmp) / "cache")
+        wargs = ["--worker", "--out", str(out), "--cache-dir", cache, "--models", args.models] + \
+            (["--quick"] if args.quick else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
+        env.pop("METADIST_MESH_PROFILE", None)   # costs measured by default
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run(torchrun_cmd(Path(__file__), args.nproc, wargs), env=env, capture_output=True,
-                              text=True, cwd=str(REPO), timeout=1800)
+                              text=True, cwd=str(REPO), timeout=3000)
         if proc.returncode != 0 or not out.exists():
             print("\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
             return 1
         ranks = json.loads(out.read_text())
-    one = single(args.quick)
-    c = _config(args.quick)
-    model_desc = f"GPT vocab {c.vocab} width {c.width} layers {c.layers} seq {c.seq} batch {c.batch}"
+        (RESULTS / f"{NAME}_ranks.json").write_text(json.dumps(ranks, default=str))   # every rank's figures
     records = []
-    best_baseline = min(statistics.median(r["ddp"]["step_s"] for r in ranks),
-                        statistics.median(r["fsdp2"]["step_s"] for r in ranks))
-    for system in ("metadist", "metadist_builtin_costs", "metadist_bucket_priced", "ddp", "fsdp2"):
-        for rk, r in enumerate(ranks):
-            rec = {"benchmark": NAME, "model": model_desc, "world": args.nproc, "system": system, "rank": rk,
-                   "step_ms": r[system]["step_s"] * 1e3, "peak_rss_mb": r[system]["peak_rss_mb"],
-                   "rss_rise_mb": r[system]["rss_rise_mb"]}
-            if system.startswith("metadist"):
-                rec["ratio_vs_best_baseline"] = r[system]["step_s"] / best_baseline
-                for phase in ("compile_cold", "compile_warm"):
-                    for k, v in r[system].get(phase, {}).items():
-                        rec[f"{phase}_{k}_s"] = v
-                    if phase in r[system]:
-                        rec[f"{phase}_total_s"] = sum(r[system][phase].values())
-                rec["predicted_comm_bytes"] = r[system]["predicted_comm_bytes"]
-                rec["predicted_shared_comm_bytes"] = r[system]["predicted_shared_comm_bytes"]
-                rec["counted_comm_bytes"] = r[system]["counted_comm_bytes"]
-                rec["n_collectives"] = r[system]["n_collectives"]
-                rec["plan"] = r[system]["plan"]
+    lines = []
+    for model in args.models.split(","):
+        per = [r[model] for r in ranks]
+        ok = [s for s in per[0] if s != "desc" and all("step_s" in p.get(s, {}) for p in per)]
+        best = min((statistics.median(p[s]["step_s"] for p in per) for s in ok if s != "metadist"), default=None)
+        for system in [s for s in per[0] if s != "desc"]:
+            r0 = per[0][system]
+            rec = {"benchmark": NAME, "model": model, "model_desc": per[0]["desc"], "system": system,
+                   "mesh": "2x2" if system == "tp_x_dp" else str(args.nproc)}
+            errs = [p[system]["error"] for p in per if "error" in p[system]]
+            if errs:
+                rec["error"] = errs[0]
+                records.append(rec)
+                continue
+            step_ms = statistics.median(p[system]["step_s"] for p in per) * 1e3
+            rec.update({"step_ms": step_ms, "predicted_ms": r0.get("predicted_ms"),
+                        "pred_error": (r0["predicted_ms"] - step_ms) / step_ms if r0.get("predicted_ms") else None,
+                        "comm_bytes_predicted": r0.get("comm_bytes_predicted"),
+                        "comm_bytes_counted": r0.get("comm_bytes_counted"),
+                        "peak_rss_mb": max(p[system]["peak_rss_mb"] for p in per),
+                        "ratio_vs_best_hand": step_ms / best / 1e3 if best else None,
+                        "plan": r0.get("plan") or r0.get("predicted_plan")})
+            if system == "metadist":
+                rec["compile_s"] = sum(v for k, v in r0["compile"].items())
+                rec["profile_s"] = r0["compile"].get("profile")
+                lines.append(f"{model}: MetaDist {step_ms:.1f} ms vs best hand plan {best * 1e3:.1f} ms "
+                             f"(ratio {step_ms / best / 1e3:.2f}), predicted {r0['predicted_ms']:.1f} ms; "
+                             f"plan {r0['plan']}")
             records.append(rec)
-    records.append({"benchmark": NAME, "model": model_desc, "world": 1, "system": "metadist", "rank": 0,
-                    "step_ms": one["metadist_step_s"] * 1e3, "eager_step_ms": one["eager_step_s"] * 1e3,
-                    "ratio_vs_eager": one["metadist_step_s"] / one["eager_step_s"]})
-    r0 = ranks[0]["metadist"]
-    notes = (f"{model_desc}; {args.nproc} gloo ranks on this machine, one thread each. "
-             f"MetaDist step {statistics.median(r['metadist']['step_s'] for r in ranks) * 1e3:.1f} ms vs "
-             f"best of DDP/FSDP2 {best_baseline * 1e3:.1f} ms (ratio "
-             f"{statistics.median(r['metadist']['step_s'] for r in ranks) / best_baseline:.2f}); world size 1: "
-             f"{one['metadist_step_s'] / one['eager_step_s']:.3f}x eager. Compile cold "
-             f"{sum(r0['compile_cold'].values()):.1f} s, warm {sum(r0['compile_warm'].values()):.1f} s. "
-             f"Comm bytes/step predicted {r0['predicted_comm_bytes']:,} vs counted {r0['counted_comm_bytes']:,.0f} "
-             f"(rank 0). Plan: {r0['plan']}. With the built-in link costs instead: step "
-             f"{statistics.median(r['metadist_builtin_costs']['step_s'] for r in ranks) * 1e3:.1f} ms (of which "
-             f"{ranks[0]['metadist_builtin_costs']['comm_ms_per_step']:.1f} ms in collectives on rank 0), comm bytes/step "
-             f"predicted {ranks[0]['metadist_builtin_costs']['predicted_comm_bytes']:,} vs counted "
-             f"{ranks[0]['metadist_builtin_costs']['counted_comm_bytes']:,.0f}, plan "
-             f"{ranks[0]['metadist_builtin_costs']['plan']}. Prototype of the proposed core changes (measured "
-             f"link costs, device speed scaled by {ranks[0].get('device_scale', 1):.2f} to the measured step, "
-             f"all_reduces priced as buckets, lowered with bucketing): step "
-             f"{statistics.median(r['metadist_bucket_priced']['step_s'] for r in ranks) * 1e3:.1f} ms (ratio "
-             f"{statistics.median(r['metadist_bucket_priced']['step_s'] for r in ranks) / best_baseline:.2f}), "
-             f"{ranks[0]['metadist_bucket_priced']['comm_ms_per_step']:.1f} ms in collectives, comm bytes/step "
-             f"predicted {ranks[0]['metadist_bucket_priced']['predicted_comm_bytes']:,} (once per value: "
-             f"{ranks[0]['metadist_bucket_priced']['predicted_shared_comm_bytes']:,}) vs counted "
-             f"{ranks[0]['metadist_bucket_priced']['counted_comm_bytes']:,.0f}, plan "
-             f"{ranks[0]['metadist_bucket_priced']['plan']}. Mesh profile measured in the job: {ranks[0].get('profile')}. Peak memory is the process's peak RSS while that system ran "
-             f"(imports included); rss_rise is its rise over the RSS before. Whole run "
-             f"{time.perf_counter() - t_all:.0f} s.")
-    cols = ["system", "world", "rank", "step_ms", "peak_rss_mb", "rss_rise_mb", "ratio_vs_best_baseline",
-            "ratio_vs_eager", "eager_step_ms", "compile_cold_total_s", "compile_cold_trace_s",
-            "compile_cold_discover_s", "compile_cold_solve_s", "compile_cold_lower_s", "compile_warm_total_s",
-            "predicted_comm_bytes", "predicted_shared_comm_bytes", "counted_comm_bytes"]
-    path = write_results(NAME, records, cols, "MetaDist vs DDP vs FSDP2: one training step of the GPT example",
+    if args.single:
+        one = single(args.quick)
+        records.append({"benchmark": NAME, "model": "gpt", "system": "metadist", "mesh": "1",
+                        "step_ms": one["metadist_step_s"] * 1e3, "eager_step_ms": one["eager_step_s"] * 1e3})
+    notes = (f"{args.nproc} gloo ranks on this machine ({os.cpu_count()} cores), one thread each, one launch. "
+             + " ".join(lines) + f" Whole run {time.perf_counter() - t_all:.0f} s. step_ms: median over ranks of "
+             "each rank's median step; predicted_ms: metadist_core.overlap.predict of MetaDist's plan, or of "
+             "MetaDist pinned to the hand plan's layout (its strategy preset); comm bytes per rank per step.")
+    cols = ["model", "system", "mesh", "step_ms", "predicted_ms", "pred_error", "ratio_vs_best_hand",
+            "comm_bytes_predicted", "comm_bytes_counted", "peak_rss_mb", "error"]
+    path = write_results(NAME, records, cols, "MetaDist vs DDP, FSDP2 and hand TP plans, measured and predicted",
                          notes)
+    try:
+        plot(records, RESULTS / f"{NAME}.png")
+    except Exception as e:  # matplotlib missing: the table still stands
+        print(f"no plot: {e}")
     print(notes)
     print(f"wrote {path}")
     return 0

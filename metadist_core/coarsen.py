@@ -167,6 +167,11 @@ def _tie(t: Terms, rounds: int) -> tuple[list[int], list[np.ndarray], list[int]]
     for m in t.mem:
         if m.node >= 0:
             mem_by_node.setdefault(m.node, []).append(_digest(m.nbytes))
+    for g in t.shared:   # a value read by several ops: its ends must look alike to share a decision
+        sig = _digest(g.table)
+        for role, (node, m) in [("src", (g.src, g.src_map))] + [("reader", r) for r in g.readers]:
+            if node >= 0:
+                mem_by_node.setdefault(node, []).append(_digest(role, sig, m))
     color = [_digest(u, a, sorted(mem_by_node.get(i, []))) for i, (u, a) in enumerate(zip(t.unary, t.allowed))]
     edge_sig = [_digest(e.src_map, e.dst_map, e.table) for e in t.edges]
     adj = t.adjacency()

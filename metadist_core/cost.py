@@ -287,15 +287,16 @@ class DeviceSpec:
     peak_flops: float = 100e9
     mem_bandwidth: float = 20e9
     memory_bytes: int = 16 * 2**30
+    op_overhead: float = 0.0      # seconds every op costs on top of the roofline (dispatch; measured)
 
     def to_json(self) -> dict:
         return {"name": self.name, "peak_flops": self.peak_flops, "mem_bandwidth": self.mem_bandwidth,
-                "memory_bytes": self.memory_bytes}
+                "memory_bytes": self.memory_bytes, "op_overhead": self.op_overhead}
 
     @classmethod
     def from_json(cls, d: dict) -> "DeviceSpec":
         return cls(d.get("name", "device"), float(d["peak_flops"]), float(d["mem_bandwidth"]),
-                   int(d.get("memory_bytes", 16 * 2**30)))
+                   int(d.get("memory_bytes", 16 * 2**30)), float(d.get("op_overhead", 0.0)))
 
 
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
@@ -310,7 +311,7 @@ def compute_cost(flops: float, nbytes: float, split: int = 1, device: DeviceSpec
     """Roofline seconds of an op that does ``flops`` and moves ``nbytes``, split ``split`` ways."""
     dev = device or DEVICE_PRESETS["cpu"]
     split = max(1, int(split))
-    return max(flops / split / dev.peak_flops, nbytes / split / dev.mem_bandwidth)
+    return max(flops / split / dev.peak_flops, nbytes / split / dev.mem_bandwidth) + dev.op_overhead
 
 
 def strategy_split(inputs: Sequence[Sharding], outputs: Sequence[Sharding], mesh: Mesh) -> int:

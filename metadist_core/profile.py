@@ -38,6 +38,8 @@ class MeshProfile:
     measured: bool = False
     device: DeviceSpec = field(default_factory=lambda: DEVICE_PRESETS["cpu"])
     samples: list = field(default_factory=list)   # raw timings: level, collective, n, bytes, seconds
+    axis_costs: dict = field(default_factory=dict)  # "2x2" -> [{"alpha", "beta"} per axis], measured on that mesh
+    key: dict = field(default_factory=dict)          # host, world_size, device_kind it was measured for
 
     @property
     def world_size(self) -> int:
@@ -51,6 +53,10 @@ class MeshProfile:
     def mesh(self, shape: Sequence[int], axis_names: Sequence[str] | None = None) -> Mesh:
         """A Mesh of ``shape`` with per-axis alpha/beta from this profile."""
         shape = tuple(int(s) for s in shape)
+        measured = self.axis_costs.get("x".join(map(str, shape)))
+        if measured and len(measured) == len(shape):   # measured on this very mesh, axis by axis
+            return Mesh(shape, axis_names, [float(a["alpha"]) for a in measured],
+                        [float(a["beta"]) for a in measured])
         levels = [self.axis_level(shape, a) for a in range(len(shape))]
         return Mesh(shape, axis_names, [self.levels[lv]["alpha"] for lv in levels],
                     [self.levels[lv]["beta"] for lv in levels])
@@ -58,7 +64,8 @@ class MeshProfile:
     def to_json(self) -> dict:
         return {"format": FORMAT, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
                 "levels": self.levels, "backend": self.backend, "measured": self.measured,
-                "device": self.device.to_json(), "samples": self.samples}
+                "device": self.device.to_json(), "samples": self.samples,
+                **({"axis_costs": self.axis_costs} if self.axis_costs else {}), **({"key": self.key} if self.key else {})}
 
     @classmethod
     def from_json(cls, d: dict) -> "MeshProfile":
@@ -69,7 +76,8 @@ class MeshProfile:
                 raise ValueError(f"mesh profile needs levels.{lv}.alpha and .beta; got {d['levels'].get(lv)}")
         return cls(int(d["nodes"]), int(d["devices_per_node"]), d["levels"], d.get("backend", "?"),
                    bool(d.get("measured", False)), DeviceSpec.from_json(d["device"]) if "device" in d
-                   else DEVICE_PRESETS["cpu"], list(d.get("samples", [])))
+                   else DEVICE_PRESETS["cpu"], list(d.get("samples", [])), dict(d.get("axis_costs", {})),
+                   dict(d.get("key", {})))
 
     def save(self, path: str | os.PathLike) -> Path:
         p = Path(path)
@@ -138,3 +146,57 @@ def profile_from_samples(samples: Sequence[dict], nodes: int, devices_per_node: 
     if "inter" not in levels:     # single node: crossing nodes never happens; keep a pessimistic guess
         levels["inter"] = {"alpha": 3 * levels["intra"]["alpha"], "beta": 2 * levels["intra"]["beta"]}
     return MeshProfile(nodes, devices_per_node, levels, backend, True, device or DEVICE_PRESETS["cpu"], list(samples))
+
+
+# -- measured by default: the profile cache ---------------------------------------
+
+def profile_key(world_size: int, device_kind: str, host: str | None = None) -> dict:
+    """What a measured profile is valid for: this host, this world size, this kind of device."""
+    import socket
+    return {"host": host or socket.gethostname(), "world_size": int(world_size), "device_kind": str(device_kind)}
+
+
+def profile_cache_path(cache_dir: str | os.PathLike | None, key: dict) -> Path:
+    """``<cache dir>/profiles/<host>-w<world size>-<device kind>.json``."""
+    from .rules import default_cache_dir
+    base = Path(cache_dir) if cache_dir else Path(default_cache_dir())
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in
+                   f"{key['host']}-w{key['world_size']}-{key['device_kind']}")
+    return base / "profiles" / f"{safe}.json"
+
+
+def cached_profile(cache_dir: str | os.PathLike | None, key: dict) -> MeshProfile | None:
+    """The measured profile cached for ``key``, or None (none yet, unreadable, or measured for another key)."""
+    p = profile_cache_path(cache_dir, key)
+    try:
+        prof = MeshProfile.from_json(json.loads(p.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return prof if prof.measured and prof.key == key else None
+
+
+def profile_for(frontend, mesh: Mesh, settings, *, force: bool = False) -> MeshProfile:
+    """The profile a compile on ``mesh`` prices with.
+
+    The ``mesh_profile`` setting overrides everything. Otherwise, on a mesh of
+    more than one device whose frontend can measure (``frontend.device_kind()``
+    not None), the profile measured on this machine is read from the cache dir
+    (keyed by host, world size and device kind), and measured on the live engine
+    (``frontend.measure_profile``) and cached when there is none or ``force``.
+    A frontend that cannot measure gets the built-in defaults.
+    """
+    if settings.mesh_profile:
+        return load_profile(settings.mesh_profile)
+    kind = frontend.device_kind() if mesh.size > 1 else None
+    if kind is None:
+        return MeshProfile()
+    key = profile_key(mesh.size, kind)
+    cached = None if force else cached_profile(settings.cache_dir, key)
+    prof = frontend.measure_profile(mesh, cached)
+    if prof is None:
+        return MeshProfile()
+    if prof is not cached:
+        prof.key = key
+        if frontend.is_planner():
+            prof.save(profile_cache_path(settings.cache_dir, key))
+    return prof

@@ -32,6 +32,28 @@ class EdgeTerm:
 
 
 @dataclass
+class SharedTerm:
+    """One value read by several ends: each distinct (source row, target column) is paid once.
+
+    The lowering runs a reshard once per (value, target sharding) however many
+    ops read it (:func:`metadist_core.interpret.interpret`), so the readers of a
+    value share the cost: ``cost = sum over the distinct columns c chosen by the
+    readers of table[row, c]``. ``src`` / a reader's node is -1 when it is fixed;
+    its map then holds one entry (the fixed row or column).
+    """
+
+    src: int
+    src_map: np.ndarray                              # option of src -> row
+    readers: list[tuple[int, np.ndarray]]            # (node, option -> column)
+    table: np.ndarray                                # seconds, rows x columns
+
+    def cost(self, choice: np.ndarray) -> float:
+        r = int(self.src_map[0 if self.src < 0 else choice[self.src]])
+        cols = {int(m[0 if n < 0 else choice[n]]) for n, m in self.readers}
+        return float(sum(self.table[r, c] for c in cols))
+
+
+@dataclass
 class MemTerm:
     node: int
     nbytes: np.ndarray    # bytes per device under each option of ``node``
@@ -50,6 +72,7 @@ class Terms:
     offset: float = 0.0                # constant cost folded out of the problem
     names: list[str] = field(default_factory=list)
     mesh_name: str = "?"               # the mesh, for messages (an infeasible budget names it)
+    shared: list[SharedTerm] = field(default_factory=list)   # values read by several ops: paid once per target
 
     @property
     def n_nodes(self) -> int:
@@ -74,7 +97,21 @@ class Terms:
         c = self.offset + sum(float(self.unary[i][k]) for i, k in enumerate(choice))
         for e in self.edges:
             c += e.cost(choice[e.src], choice[e.dst])
+        for g in self.shared:
+            c += g.cost(choice)
         return c
+
+    def pairwise(self) -> "Terms":
+        """The same problem with every shared term charged once per reader (an upper bound of the
+        exact cost): what the pairwise heuristics (beam, greedy, local search) read. Node indices are
+        unchanged; :meth:`objective` of the original stays the exact price."""
+        if not self.shared:
+            return self
+        unary = [u.astype(float).copy() for u in self.unary]
+        edges = list(self.edges)
+        offset = self.offset + sum(_fold_per_reader(g, unary, edges) for g in self.shared)
+        return Terms(unary, edges, self.mem, self.allowed, self.n_steps, self.budget, offset, self.names,
+                     self.mesh_name)
 
     def memory_profile(self, choice: np.ndarray) -> np.ndarray:
         """Bytes per device live at each position -1 .. n_steps (index 0 is position -1)."""
@@ -100,6 +137,23 @@ class Terms:
             adj[e.src].append((j, True))
             adj[e.dst].append((j, False))
         return adj
+
+
+def _fold_per_reader(g: SharedTerm, unary: list[np.ndarray], edges: list[EdgeTerm]) -> float:
+    """Charge ``g`` once per reader into ``unary`` and ``edges`` (in place); returns the constant part."""
+    const = 0.0
+    for n, m in g.readers:
+        if g.src < 0 and n < 0:
+            const += float(g.table[g.src_map[0], m[0]])
+        elif g.src < 0:
+            unary[n] += g.table[g.src_map[0], m]
+        elif n < 0:
+            unary[g.src] += g.table[g.src_map, m[0]]
+        elif n == g.src:
+            unary[n] += g.table[g.src_map, m]
+        else:
+            edges.append(EdgeTerm(g.src, n, g.src_map, m, g.table))
+    return const
 
 
 def _compress(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -172,6 +226,48 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
             continue
         sm, dm, tab = _compress(dense)
         edges.append(EdgeTerm(u, w, sm, dm, tab))
+    shared: list[SharedTerm] = []
+    merged: dict[tuple, SharedTerm] = {}
+    for g in terms.shared:
+        ends = []
+        for node, m in [(g.src, g.src_map)] + list(g.readers):
+            if node < 0:
+                ends.append((-1, m[:1]))
+            elif assign[node] < 0:
+                ends.append((-1, m[maps[node][:1]]))
+            else:
+                ends.append((int(assign[node]), m[maps[node]].astype(np.int32)))
+        (s_node, s_map), readers = ends[0], []
+        seen: set = set()
+        rows_all = np.unique(s_map)
+        for node, m in ends[1:]:
+            k = (node, m.tobytes())
+            if k in seen:
+                continue
+            seen.add(k)
+            # a reader that never pays (every pair it can form with the source costs nothing) drops out
+            if node >= 0 and node == s_node:
+                free = not np.any(g.table[s_map, m])
+            else:
+                free = not np.any(g.table[np.ix_(rows_all, np.unique(m))])
+            if not free:
+                readers.append((node, m))
+        g2 = SharedTerm(s_node, s_map, readers, g.table)
+        if not np.any(g.table):
+            continue
+        if not readers:
+            continue
+        if s_node < 0 and all(n < 0 for n, _ in readers):
+            offset += g2.cost(np.zeros(0, dtype=np.int64))
+        elif len(readers) == 1:   # one reader left: an ordinary pairwise term
+            offset += _fold_per_reader(g2, unary, edges)
+        else:   # terms with the same ends (tied layers) pick the same columns: their tables add up
+            key = (s_node, s_map.tobytes(), tuple((n, m.tobytes()) for n, m in readers), g.table.shape)
+            if key in merged:
+                merged[key].table = merged[key].table + g.table
+            else:
+                merged[key] = g2
+                shared.append(g2)
     mem = []
     for m in terms.mem:
         if m.node < 0:
@@ -181,4 +277,4 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
         else:
             mem.append(MemTerm(assign[m.node], m.nbytes[maps[m.node]], m.start, m.end))
     return Terms(unary, edges, mem, allowed, terms.n_steps, terms.budget, offset,
-                 names or [f"n{i}" for i in range(n)], terms.mesh_name)
+                 names or [f"n{i}" for i in range(n)], terms.mesh_name, shared)

@@ -82,6 +82,7 @@ def _worker(rank: int, nprocs: int, init_file: str, out_path: str, sizes, iters:
         samples = measure(sizes, iters)
         if rank == 0:
             profile_from_samples(samples, 1, nprocs, "gloo").save(out_path)
+        refresh_cached_profile()
     finally:
         dist.destroy_process_group()
 
@@ -103,6 +104,7 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
         prof = profile_from_samples(samples, max(1, world // local), local, dist.get_backend())
         if dist.get_rank() == 0:
             prof.save(out)
+        refresh_cached_profile()
         dist.barrier()
         return prof
     import torch.multiprocessing as mp
@@ -114,3 +116,102 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
         mp.spawn(_worker, args=(n, os.path.join(d, "init"), str(out), tuple(sizes), iters), nprocs=n, join=True)
     from metadist_core.profile import load_profile
     return load_profile(out)
+
+
+# -- measured by default: the first compile on a machine ----------------------------
+
+LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20)   # bytes per all_reduce timed on each mesh axis
+
+
+def _median_time(fn, iters: int, sync) -> float:
+    fn()
+    sync()
+    ts = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def measure_device_rates(iters: int = 7) -> dict:
+    """This process's matmul FLOP/s, memory-bound bytes/s and per-op overhead (medians: the ranks of one
+    machine measure at once, so the figures include what they take from each other)."""
+    import torch
+    from metadist_torch.engine import device
+    dev = device()
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    n = 2048 if dev.type == "cuda" else 256
+    a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
+    x = torch.randn(1 << 20 if dev.type == "cpu" else 1 << 26, device=dev)
+    tiny = torch.randn(8, device=dev)
+    mm = _median_time(lambda: a @ b, iters, sync)
+    add = _median_time(lambda: x.add(1.0), iters, sync)
+    over = _median_time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync) / 50
+    return {"peak_flops": 2 * n ** 3 / max(mm - over, 1e-9), "mem_bandwidth": 2 * x.numel() * 4 / max(add - over, 1e-9),
+            "op_overhead": over}
+
+
+def refresh_cached_profile() -> MeshProfile:
+    """Measure the profile a compile on the whole world as one axis would use, and cache it (what
+    ``metadist calibrate`` forces; later compiles on this machine read it)."""
+    from metadist_core.config import load_settings
+    from metadist_core.profile import profile_for
+    from .plugin import TorchFrontend
+    fe = TorchFrontend()
+    mesh = fe.resolve_mesh(None, MeshProfile())
+    return profile_for(fe, mesh, load_settings(mesh_profile=None), force=True)
+
+
+def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7) -> MeshProfile:
+    """Alpha/beta of every axis of ``mesh`` on the engine's live process groups, and the device's
+    rates, as a profile (``cached`` grows by this mesh when given). Every rank calls it; every rank gets
+    the same figures (the slowest rank's timings)."""
+    import torch
+    import torch.distributed as dist
+    from metadist_core.cost import DeviceSpec
+    from metadist_core.profile import fit_alpha_beta
+
+    dev = engine.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    groups = engine.groups()
+    axes, samples = [], []
+    for axis, group in enumerate(groups):
+        n = mesh.shape[axis]
+        rows = []
+        for _ in range(3):   # the first collectives of a group set its connections up: not timed
+            dist.all_reduce(torch.ones(1, device=dev), group=group)
+        a = torch.randn(192, 192, device=dev)
+        work = (lambda: [a @ a for _ in range(8)])      # the compute a collective sits between in a step
+        base = _median_time(work, iters, sync)
+        for nbytes in LIVE_SIZES:
+            x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+            # timed between compute, as in a step: the ranks arrive at the collective as unevenly as they
+            # do there (ranks sharing cores are scheduled in turn), which a loop of bare collectives hides
+            both = _median_time(lambda: (work(), dist.all_reduce(x, group=group)), iters, sync)
+            t = torch.tensor([max(both - base, 1e-7)], device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            rows.append(("all_reduce", n, x.numel() * 4, float(t.item())))
+            samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": x.numel() * 4,
+                            "seconds": float(t.item())})
+        a, b = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
+        axes.append({"alpha": a, "beta": b})
+    rates = measure_device_rates()
+    vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]], dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MIN)   # the slowest rank sets the pace
+    device_spec = DeviceSpec(f"measured-{dev.type}", float(vec[0]), float(vec[1]), op_overhead=float(-vec[2]))
+    shape_key = "x".join(map(str, mesh.shape))
+    if cached is not None:
+        prof = MeshProfile.from_json(cached.to_json())
+    else:
+        world = dist.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        inner = axes[-1] if axes else {"alpha": 1e-5, "beta": 1e-10}
+        prof = MeshProfile(max(1, world // local), local, {"intra": dict(inner), "inter": dict(axes[0] if axes else inner)},
+                           dist.get_backend(), True)
+    prof.device = device_spec
+    prof.axis_costs[shape_key] = axes
+    prof.samples = list(prof.samples) + samples
+    prof.measured = True
+    return prof

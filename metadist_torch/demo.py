@@ -125,7 +125,39 @@ def run_example(name: str, build: Callable[[], tuple], make_batch: Callable[[int
     if ref_times:
         msg += f"; single-device eager {statistics.median(ref_times[1:] or ref_times) * 1e3:.1f} ms"
     say(msg)
+    if cstep.problem is not None:
+        from metadist_core.overlap import predict
+        pr = predict(plan, cstep.problem)
+        say(f"cost model's prediction for this plan: {pr.step * 1e3:.1f} ms (compute {pr.compute * 1e3:.1f}, "
+            f"communication {pr.comm * 1e3:.1f} of which {pr.exposed_comm * 1e3:.1f} not overlapped)")
+    if world > 1:
+        ddp_ms = _ddp_step_ms(build, batches, step, world)
+        say(f"torch DDP on the same {world} ranks: {ddp_ms:.1f} ms per step")
+        cores = os.cpu_count() or 1
+        if cores < world:
+            say(f"why not faster than one process: {world} ranks share {cores} CPU cores here, so they take turns "
+                f"computing and every collective waits for a rank to be scheduled; the split pays off on one "
+                f"device (or core) per rank")
     return 0 if ok else 1
+
+
+def _ddp_step_ms(build: Callable[[], tuple], batches: list, step: Callable, world: int) -> float:
+    """The median step of torch DDP over the same step function, each rank on its slice of the batch."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank = dist.get_rank()
+    model, opt = build()
+    ddp = DDP(model)
+    times = []
+    for b in batches:
+        local = tuple(x[x.shape[0] // world * rank:x.shape[0] // world * (rank + 1)]
+                      if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] % world == 0 else x for x in b)
+        dist.barrier()
+        t = time.perf_counter()
+        step(ddp, opt, *local)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:] or times) * 1e3
 
 
 __all__ = ["run", "run_example", "torchrun_cmd", "free_port"]

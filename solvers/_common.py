@@ -176,6 +176,9 @@ def enforce_budget(t: Terms, adj, choice: np.ndarray, solver: str) -> np.ndarray
     """Make ``choice`` fit ``t.budget`` (repair, else the least-memory plan), or raise InfeasibleBudgetError."""
     if t.budget is None or not t.mem:
         return choice
+    if t.shared:   # local search reads pairwise terms: shared reshards charged per reader (an upper bound)
+        t = t.pairwise()
+        adj = t.adjacency()
     mem = MemIndex(t)
     if mem.peak(choice) <= t.budget:
         return choice
@@ -216,6 +219,7 @@ def sweep(t: Terms, adj, width: int, ref: np.ndarray | None) -> tuple[float, np.
 
 def multi_sweep(t: Terms, width: int, passes: int, icm_passes: int = 10) -> tuple[np.ndarray, list[float]]:
     """Sweeps (first with lookahead, then against the best so far), each polished by ICM; also tries all-first options."""
+    t = t.pairwise()   # shared reshards charged per reader: what one-node moves can price (an upper bound)
     adj = t.adjacency()
     trace = []
     obj, best = sweep(t, adj, width, None)

@@ -74,9 +74,46 @@ class _Model:
                 lo.append(0.0)
                 hi.append(0.0)
                 r += 1
+        lb_extra: dict[int, float] = {}
+        self._polytopes: dict[tuple, dict] = {}
+        for g in t.shared:                          # one z per (row, column) paid once, z >= every reader's pair
+            R, C = g.table.shape
+            z0 = nv
+            nv += R * C
+            c.append(g.table.reshape(-1))
+            ub.append(np.ones(R * C))
+            zidx = z0 + np.arange(R * C).reshape(R, C)
+            for node, m in g.readers:
+                for (rr, cc), terms in self._pair_indicators(g, node, m, nv).items():
+                    if g.table[rr, cc] <= 0:
+                        continue
+                    if not terms:            # both ends fixed: the pair is always there
+                        lb_extra[int(zidx[rr, cc])] = 1.0
+                        continue
+                    rows += [r] * (1 + len(terms))
+                    cols += [int(zidx[rr, cc])] + [j for j, _ in terms]
+                    vals += [1.0] + [-v for _, v in terms]
+                    lo.append(0.0)
+                    hi.append(np.inf)
+                    r += 1
+                for extra_c, extra_ub, y_rows in self._pending:   # a transportation polytope for the pair
+                    c.append(extra_c)
+                    ub.append(extra_ub)
+                    nv += len(extra_c)
+                    for idx, coef in y_rows:
+                        rows += [r] * len(idx)
+                        cols += idx
+                        vals += coef
+                        lo.append(0.0)
+                        hi.append(0.0)
+                        r += 1
+                self._pending = []
         self.nx, self.nv = nx, nv
         self.c = np.concatenate(c) if c else np.zeros(0)
         self.ub = np.concatenate(ub) if ub else np.zeros(0)
+        self.lb = np.zeros(nv)
+        for j, v in lb_extra.items():
+            self.lb[j] = v
         self.A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
         self.lo, self.hi = np.asarray(lo), np.asarray(hi)
         self.mem = MemIndex(t) if t.mem else None
@@ -85,6 +122,47 @@ class _Model:
         self.scale = 1.0 / finite.max() * 1e3 if finite.size and finite.max() > 0 else 1.0
         self.mem_unit = float(max(1.0, self.mem.bytes.max())) if self.mem is not None else 1.0
         self.mem_rows: dict[int, tuple[np.ndarray, float]] = {}
+
+    _pending: list = []
+
+    def _pair_indicators(self, g, node: int, m: np.ndarray, nv: int) -> dict:
+        """``{(row, column): [(variable, coefficient)]}``: linear expressions that are 1 exactly when the
+        source takes ``row`` and this reader ``column`` (empty list: always). New pair variables (a
+        transportation polytope between two free nodes) start at index ``nv``, queued in ``_pending``."""
+        out: dict = {}
+        xo = self.xoff
+        if g.src < 0 and node < 0:
+            return {(int(g.src_map[0]), int(m[0])): []}
+        if node < 0:
+            for k, rr in enumerate(g.src_map):
+                out.setdefault((int(rr), int(m[0])), []).append((int(xo[g.src] + k), 1.0))
+            return out
+        if g.src < 0:
+            for k, cc in enumerate(m):
+                out.setdefault((int(g.src_map[0]), int(cc)), []).append((int(xo[node] + k), 1.0))
+            return out
+        if node == g.src:
+            for k, (rr, cc) in enumerate(zip(g.src_map, m)):
+                out.setdefault((int(rr), int(cc)), []).append((int(xo[node] + k), 1.0))
+            return out
+        rows_, cols_ = np.unique(g.src_map), np.unique(m)
+        key = (g.src, g.src_map.tobytes(), node, m.tobytes())
+        if key in self._polytopes:   # the same two partitions of the same two nodes: reuse the pair variables
+            return self._polytopes[key]
+        yidx = nv + np.arange(len(rows_) * len(cols_)).reshape(len(rows_), len(cols_))
+        y_rows = []
+        for a, rr in enumerate(rows_):
+            ks = np.flatnonzero(g.src_map == rr)
+            y_rows.append((yidx[a].tolist() + (xo[g.src] + ks).tolist(), [1.0] * len(cols_) + [-1.0] * len(ks)))
+        for b, cc in enumerate(cols_):
+            ks = np.flatnonzero(m == cc)
+            y_rows.append((yidx[:, b].tolist() + (xo[node] + ks).tolist(), [1.0] * len(rows_) + [-1.0] * len(ks)))
+        self._pending = [(np.zeros(yidx.size), np.full(yidx.size, np.inf), y_rows)]
+        for a, rr in enumerate(rows_):
+            for b, cc in enumerate(cols_):
+                out[(int(rr), int(cc))] = [(int(yidx[a, b]), 1.0)]
+        self._polytopes[key] = out
+        return out
 
     def memory_row(self, step: int) -> tuple[np.ndarray, float]:
         """Coefficients over x of the bytes live at profile index ``step``, and the constant part."""
@@ -124,7 +202,7 @@ class _Model:
         if peak_var:
             c = np.concatenate([np.zeros(nv), [1.0]])
             ub = np.concatenate([ub, [np.inf]])
-        lb = np.zeros(len(ub))
+        lb = np.concatenate([self.lb, np.zeros(len(ub) - len(self.lb))])
         return milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
                     options={"time_limit": max(0.1, time_limit), "mip_rel_gap": gap, "disp": False})
 

@@ -1,0 +1,205 @@
+"""What a plan costs as the lowering runs it: one reshard per value and target, whole buckets, overlap.
+
+The solver's objective (``ShardingPlan.objective``) is a sum of per-op and
+per-value prices that an ILP can optimise. :func:`predict` replays the plan the
+way every lowering runs it and gives the step time the benchmarks print beside
+the measured one:
+
+- a reshard runs once per (value, target sharding) however many ops read it
+  (:func:`metadist_core.interpret.interpret`);
+- the all_reduces of gradient values (``vars[v]["bucketed"]``) run in buckets of
+  ``problem.bucket_bytes`` per (axis, reduce, dtype), one latency per bucket, a
+  bucket issued when its last member is computed;
+- all_reduces are issued as soon as their input exists and waited for just before
+  their first reader (the torch lowering defers their wait), so they overlap with
+  the compute in between: gradients with the rest of the backward, as DDP does.
+  One collective runs at a time per mesh axis;
+- the other collectives run where their first reader is, and the compute waits.
+
+:func:`priced_collectives` lists the collectives priced, one per (value, target),
+in the order the lowering issues them (kind, axis, bytes): the lowering's list
+must be the same (a test checks it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cost import Collective, all_reduce_cost
+
+OUTPUT = "<output>"
+
+
+@dataclass
+class Prediction:
+    """Seconds of one step under the cost model, and how they split."""
+
+    step: float                 # wall time of the step: compute plus the communication it waits for
+    compute: float              # sum of the ops' compute
+    comm: float                 # sum of the collectives' time (buckets: one latency each)
+    exposed_comm: float         # the part of comm the compute waits for
+    comm_bytes: int             # bytes the collectives move per device (per the cost model's buffers)
+    n_collectives: int          # collectives as priced (before bucketing)
+    n_buckets: int              # bucketed all_reduce calls
+    details: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "compute": self.compute, "comm": self.comm, "exposed_comm": self.exposed_comm,
+                "comm_bytes": self.comm_bytes, "n_collectives": self.n_collectives, "n_buckets": self.n_buckets}
+
+
+def priced_collectives(plan: Any) -> list[tuple[str, Collective]]:
+    """``(var, collective)`` for every non-free collective the plan prices, once per (value, target),
+    in the order the interpreter runs them (op order, then outputs, then state)."""
+    out, seen = [], set()
+    incoming, finals = plan.edge_index()
+    problem = plan.problem
+    order = [n.id for n in problem.nodes if n.kind == "op"] if problem is not None else list(plan.op_strategies)
+    by_dst: dict[str, list] = {}
+    for (op, slot), e in sorted(incoming.items(), key=lambda kv: kv[0][1]):
+        by_dst.setdefault(op, []).append(e)
+    edges = [e for op in order for e in by_dst.get(op, [])]
+    edges += [e for (v, d), e in finals.items() if d == OUTPUT] + [e for (v, d), e in finals.items() if d != OUTPUT]
+    for e in edges:
+        key = (e.var, e.src_sharding, e.dst_sharding)
+        if not e.collectives or key in seen:
+            continue
+        seen.add(key)
+        out += [(e.var, c) for c in e.collectives if not c.is_free]
+    return out
+
+
+def predict(plan: Any, problem: Any = None) -> Prediction:
+    """Replay ``plan`` (with its problem: compute per option, mesh, buckets) as the lowering runs it."""
+    problem = problem or plan.problem
+    if problem is None:
+        raise ValueError("predict needs the plan's ShardingProblem (plan.problem is None: pass problem=)")
+    mesh = problem.mesh
+    choice = plan.choices
+    incoming, finals = plan.edge_index()
+    comp_of = {n.id: float(problem.compute[i][choice[i]]) for i, n in enumerate(problem.nodes) if n.kind == "op"}
+    bucket = problem.bucket_bytes
+    t = 0.0                                   # the compute stream
+    ready: dict[str, float] = {v: 0.0 for v in problem.outputs}   # value -> when its producer finished
+    for i, n in enumerate(problem.nodes):
+        if n.kind == "input":
+            ready[n.outputs[0]] = 0.0
+    axis_free = [0.0] * mesh.ndim             # one collective at a time per mesh axis
+    done: dict[tuple, float] = {}             # (var, src, dst) -> when the moved value is there
+    pending: dict[tuple, dict] = {}           # open gradient bucket per (axis, reduce, dtype)
+    stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "exposed": 0.0}
+
+    def run_comm(c: Collective, start: float) -> float:
+        s = max(start, axis_free[c.axis])
+        axis_free[c.axis] = s + c.cost
+        stats["comm"] += c.cost
+        return s + c.cost
+
+    def flush(key: tuple) -> None:
+        b = pending.pop(key)
+        axis = key[0]
+        a, be = mesh.alpha[axis], mesh.beta[axis]
+        cost = all_reduce_cost(b["bytes"], mesh.shape[axis], a, be)
+        s = max(b["ready"], axis_free[axis])
+        axis_free[axis] = s + cost
+        stats["comm"] += cost
+        stats["buckets"] += 1
+        for k in b["members"]:
+            done[k] = s + cost
+
+    def bucketed(var: str, e: Any) -> bool:
+        return bool(bucket and problem.vars[var].get("bucketed") and len(e.collectives) == 1
+                    and e.collectives[0].kind == "all_reduce")
+
+    def issue(var: str, e: Any) -> None:
+        """Issue the edge's collectives: a gradient all_reduce joins a bucket; others run now."""
+        key = (var, e.src_sharding, e.dst_sharding)
+        if key in done or key in pending_members:
+            return
+        colls = [c for c in e.collectives if not c.is_free]
+        stats["n"] += len(colls)
+        stats["bytes"] += sum(c.nbytes for c in colls)
+        if bucketed(var, e):
+            c = colls[0]
+            bk = (c.axis, c.reduce, problem.vars[var].get("comm_dtype", problem.vars[var]["dtype"]))
+            if bk in pending and pending[bk]["bytes"] + c.nbytes > bucket:
+                flush(bk)
+            b = pending.setdefault(bk, {"bytes": 0, "ready": 0.0, "members": []})
+            b["bytes"] += c.nbytes
+            b["ready"] = max(b["ready"], ready.get(var, 0.0))
+            b["members"].append(key)
+            pending_members[key] = bk
+            return
+        if all(c.kind == "all_reduce" for c in colls):      # deferred wait: issued at the producer
+            at = ready.get(var, 0.0)
+            for c in colls:
+                at = run_comm(c, at)
+            done[key] = at
+        else:
+            done[key] = None                                 # runs where its first reader is
+
+    pending_members: dict[tuple, tuple] = {}
+
+    def wait(var: str, e: Any) -> None:
+        nonlocal t
+        if e is None or not e.collectives:
+            return
+        key = (var, e.src_sharding, e.dst_sharding)
+        if key in pending_members:
+            bk = pending_members.pop(key)
+            if bk in pending:
+                flush(bk)
+        if done.get(key) is None:                            # synchronous: the compute runs it
+            at = t
+            for c in e.collectives:
+                if not c.is_free:
+                    at = run_comm(c, at)
+            done[key] = at
+        if done[key] > t:
+            stats["exposed"] += done[key] - t
+            t = done[key]
+
+    ops = [n for n in problem.nodes if n.kind == "op"]
+    # the lowering issues each all_reduce right after its input exists: walk producers first
+    readers: dict[str, list] = {}
+    for (op, slot), e in incoming.items():
+        readers.setdefault(e.var, []).append(e)
+    for (v, d), e in finals.items():
+        readers.setdefault(v, []).append(e)
+    for n in problem.nodes:
+        if n.kind == "input":
+            for e in readers.get(n.outputs[0], []):
+                issue(e.var, e)
+    for n in ops:
+        for slot, v in enumerate(n.inputs):
+            wait(v, incoming.get((n.id, slot)))
+        t += comp_of[n.id]
+        stats["compute"] += comp_of[n.id]
+        for v in n.outputs:
+            ready[v] = t
+            for e in readers.get(v, []):
+                issue(v, e)
+    for (v, d), e in finals.items():
+        wait(v, e)
+    for bk in list(pending):
+        flush(bk)
+    end = max([t] + axis_free)
+    stats["exposed"] += end - t
+    return Prediction(end, stats["compute"], stats["comm"], stats["exposed"], int(stats["bytes"]), stats["n"],
+                      stats["buckets"])
+
+
+def buckets_latency(nbytes: list[int], bucket_bytes: int) -> int:
+    """How many buckets the lowering makes of all_reduces of ``nbytes`` (in order) with ``bucket_bytes``."""
+    count, cur = 0, None
+    for b in nbytes:
+        if cur is None or cur + b > bucket_bytes:
+            count += 1
+            cur = b
+        else:
+            cur += b
+    return count if nbytes else 0
+
+
+__all__ = ["Prediction", "predict", "priced_collectives", "buckets_latency"]

@@ -1,0 +1,188 @@
+"""The cost model prices what the lowering runs: one reshard per value and target, whole buckets,
+and the measured profile cached per machine."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from metadist_core.config import load_settings
+from metadist_core.constraints import Pin
+from metadist_core.cost import all_reduce_cost
+from metadist_core.interpret import interpret
+from metadist_core.ir import MetaIR
+from metadist_core.overlap import buckets_latency, predict, priced_collectives
+from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.plan import ShardingPlan
+from metadist_core.problem import build_problem
+from metadist_core.profile import MeshProfile, cached_profile, profile_cache_path, profile_for, profile_key
+from metadist_core.plugins import PluginManager
+from metadist_core.reference import ReferenceFrontend
+
+from _small_graphs import rulebook
+
+R = Replicate()
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return PluginManager()
+
+
+def three_readers(m=8, k=4, n=6) -> MetaIR:
+    """y = x @ w read by three ops (each keeps y's layout or wants it whole)."""
+    g = MetaIR("three")
+    g.add_input("x", (m, k), "float32", "input")
+    g.add_input("w", (k, n), "float32", "parameter")
+    g.add_op("aten.mm.default", ["x", "w"], [("y", (m, n), "float32")], id="mm")
+    for i in range(3):
+        g.add_op("aten.mul.Tensor", ["y"], [(f"z{i}", (m, n), "float32")], {"scalar": 0.5 + i}, id=f"r{i}")
+    g.set_outputs(["z0", "z1", "z2"])
+    return g
+
+
+def _choice(p, want: dict) -> list[int]:
+    """Per node the first allowed option whose (inputs..., outputs...) match ``want[node id]``."""
+    out = []
+    for i, n in enumerate(p.nodes):
+        opts = [k for k, o in enumerate(n.options) if p.allowed[i][k]]
+        if n.id in want:
+            opts = [k for k in opts if want[n.id](n.options[k])]
+        out.append(opts[0])
+    return out
+
+
+def test_reshard_read_by_three_ops_is_charged_once():
+    g = three_readers()
+    mesh = Mesh((2,))
+    p = build_problem(g, rulebook(g), mesh)
+    rep = Sharding([R])
+    ch = _choice(p, {"x": lambda o: o.outputs[0] == Sharding([Shard(1)]),
+                     "w": lambda o: o.outputs[0] == Sharding([Shard(0)]),
+                     "mm": lambda o: o.outputs[0] == Sharding([Partial("sum")]),
+                     **{f"r{i}": (lambda o: o.inputs[0] == rep and o.outputs[0] == rep) for i in range(3)}})
+    plan = ShardingPlan.from_choices(p, ch)
+    one = all_reduce_cost(8 * 6 * 4, 2, mesh.alpha[0], mesh.beta[0])
+    # three edges each list the all_reduce (what every reader sees) ...
+    assert sum(1 for e in plan.edges if e.var == "y" and any(c.kind == "all_reduce" for c in e.collectives)) == 3
+    # ... and the price holds it once, in the plan, the exact Terms and the coarsened Terms
+    assert plan.comm_seconds == pytest.approx(one, rel=1e-12)
+    assert p.terms().objective(np.asarray(ch)) == pytest.approx(plan.objective, rel=1e-12)
+    assert p.terms().pairwise().objective(np.asarray(ch)) == pytest.approx(plan.compute_seconds + 3 * one)
+    # the interpreter runs it once, and that is the priced list
+    res = interpret(g, plan, mesh, {v: v for v in g.inputs}, lambda op, ins, sh: [op.id] * len(op.outputs),
+                    _Recorder())
+    assert [(c.kind, c.axis, c.nbytes) for _, c in res.collectives if not c.is_free] == \
+        [(c.kind, c.axis, c.nbytes) for _, c in priced_collectives(plan)] == [("all_reduce", 0, 192)]
+
+
+class _Recorder:
+    def __getattr__(self, kind):
+        return lambda x, c, shape: x
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_ilp_matches_brute_force_with_shared_reshards(pm, mesh_shape):
+    g = three_readers()
+    mesh = Mesh(mesh_shape)
+    # readers forced to want y whole: the solver must pay the shared reshard, once
+    p = build_problem(g, rulebook(g), mesh, constraints=[Pin(f"z{i}", Sharding([R] * len(mesh_shape)))
+                                                         for i in range(3)])
+    t = p.terms()
+    allowed = [np.flatnonzero(a) for a in t.allowed]
+    best = min(t.objective(np.array(c)) for c in itertools.product(*allowed))
+    for coarse in (False, True):
+        plan = pm.solve("ilp", p, {"coarsen": coarse, "mip_rel_gap": 1e-9})
+        assert plan.objective == pytest.approx(best, rel=1e-6, abs=1e-12)
+
+
+def gradients(n_grads=5, size=(64, 32)) -> MetaIR:
+    """n gradient values, each made Partial by an mm with a split contraction, then an update of each."""
+    g = MetaIR("grads")
+    g.add_input("x", (16, size[0]), "float32", "input")
+    g.add_input("dy", (16, size[1]), "float32", "input")
+    for i in range(n_grads):
+        g.add_input(f"w{i}", size, "float32", "parameter")
+        g.add_op("aten.t.default", ["x"], [(f"xt{i}", (size[0], 16), "float32")], id=f"t{i}")
+        g.add_op("aten.mm.default", [f"xt{i}", "dy"], [(f"g{i}", size, "float32")], id=f"mm{i}")
+        g.vars[f"g{i}"].role = "gradient"
+    for i in range(n_grads):   # the optimizer after the whole backward, as in a training step
+        g.add_op("aten.sub.Tensor", [f"w{i}", f"g{i}"], [(f"w{i}n", size, "float32")], id=f"upd{i}")
+        g.alias(f"w{i}", f"w{i}n")
+    g.set_outputs([f"w{i}n" for i in range(n_grads)])
+    return g
+
+
+def test_bucketed_all_reduces_cost_one_latency_per_bucket():
+    g = gradients()
+    mesh = Mesh((4,), alpha=[1e-3], beta=[1e-9])
+    each = 64 * 32 * 4
+    bucket = 2 * each   # 5 gradients of `each` bytes: buckets of 2, 2, 1 -> 3 latencies
+    cons = [Pin("x", Sharding([Shard(0)])), Pin("dy", Sharding([Shard(0)]))] + \
+           [Pin(f"w{i}", Sharding([R])) for i in range(5)]
+    p = build_problem(g, rulebook(g), mesh, constraints=cons, bucket_bytes=bucket)
+    plain = build_problem(g, rulebook(g), mesh, constraints=cons)
+    ch = _choice(p, {f"mm{i}": (lambda o: o.outputs[0] == Sharding([Partial("sum")])) for i in range(5)} |
+                    {f"t{i}": (lambda o: o.inputs[0] == Sharding([Shard(0)])) for i in range(5)} |
+                    {f"upd{i}": (lambda o: o.inputs[1] == Sharding([R])) for i in range(5)})
+    plan, plan0 = ShardingPlan.from_choices(p, ch), ShardingPlan.from_choices(plain, ch)
+    colls = priced_collectives(plan)
+    assert [c.kind for _, c in colls] == ["all_reduce"] * 5
+    latency, bw = 2 * 3 * 1e-3, 2 * 3 / 4 * each * 1e-9
+    # unbucketed: five latencies; the solver's price: each pays its share of a bucket; predict: whole buckets
+    assert plan0.comm_seconds == pytest.approx(5 * (latency + bw))
+    assert plan.comm_seconds == pytest.approx(5 * bw + 5 * latency * each / bucket)
+    assert buckets_latency([each] * 5, bucket) == 3
+    pr = predict(plan)
+    assert pr.n_buckets == 3 and pr.n_collectives == 5 and pr.comm_bytes == 5 * each
+    assert pr.comm == pytest.approx(3 * latency + 5 * bw)
+    # a bucket can start before the last gradient is computed: it overlaps with the compute after it
+    assert pr.step <= pr.compute + pr.comm + 1e-12
+    assert pr.step >= max(pr.compute, pr.comm) - 1e-12
+
+
+class _Measuring(ReferenceFrontend):
+    name = "measuring"
+
+    def __init__(self):
+        self.measured = 0
+
+    def device_kind(self):
+        return "toy"
+
+    def measure_profile(self, mesh, cached):
+        if cached is not None and "x".join(map(str, mesh.shape)) in cached.axis_costs:
+            return cached
+        self.measured += 1
+        prof = MeshProfile(measured=True)
+        prof.axis_costs["x".join(map(str, mesh.shape))] = [{"alpha": 7e-6, "beta": 3e-10}] * mesh.ndim
+        return prof
+
+
+def test_profile_measured_once_reused_and_rebuilt_for_another_world_size(tmp_path):
+    fe = _Measuring()
+    s = load_settings(cache_dir=str(tmp_path), progress=False)
+    p1 = profile_for(fe, Mesh((2,)), s)
+    assert fe.measured == 1 and p1.measured and p1.key["world_size"] == 2
+    assert profile_cache_path(str(tmp_path), profile_key(2, "toy")).exists()
+    p2 = profile_for(fe, Mesh((2,)), s)                      # the next compile: from the cache
+    assert fe.measured == 1 and p2.mesh((2,)).alpha == (7e-6,)
+    profile_for(fe, Mesh((4,)), s)                           # another world size: measured again
+    assert fe.measured == 2 and cached_profile(str(tmp_path), profile_key(4, "toy")) is not None
+    profile_for(fe, Mesh((2,)), s, force=True)              # `metadist calibrate`: measured again
+    assert fe.measured == 3
+    # the mesh_profile setting overrides: nothing is measured
+    path = MeshProfile().save(tmp_path / "mine.json")
+    assert profile_for(fe, Mesh((2,)), load_settings(cache_dir=str(tmp_path), mesh_profile=str(path))).measured is False
+    assert fe.measured == 3
+
+
+def test_compile_prices_with_the_measured_profile(tmp_path):
+    from metadist_core.pipeline import compile_step
+    from metadist_core.reference import transformer_block
+    fe = _Measuring()
+    s = load_settings(cache_dir=str(tmp_path), progress=False)
+    for _ in range(2):
+        res = compile_step(fe, transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}, s,
+                           mesh=(2,))
+    assert fe.measured == 1 and res.mesh.alpha == (7e-6,) and res.problem.mesh.beta == (3e-10,)

@@ -1,0 +1,67 @@
+"""The torch lowering runs exactly the collectives the plan prices, and issues all_reduces early.
+
+One process: the GPT example is traced, planned on a (2, 2) mesh (auto and the
+ddp and tp presets) and lowered for every rank's coordinates without running
+(no process group is needed to build a rank program).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+import operator
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from metadist_core.config import load_settings  # noqa: E402
+from metadist_core.overlap import predict, priced_collectives  # noqa: E402
+from metadist_core.pipeline import plan_graph  # noqa: E402
+from metadist_core.placement import Mesh  # noqa: E402
+from metadist_torch.lower import lower_plan  # noqa: E402
+from metadist_torch.plugin import TorchFrontend  # noqa: E402
+from metadist_torch.schedule import is_async  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def traced():
+    spec = importlib.util.spec_from_file_location("example_gpt", REPO / "examples" / "torch" / "gpt.py")
+    gpt = importlib.util.module_from_spec(spec)
+    sys.modules["example_gpt"] = gpt   # its dataclasses look their module up
+    spec.loader.exec_module(gpt)
+    cfg = gpt.GPTConfig(vocab=64, width=32, layers=1, heads=2, seq=8, batch=4)
+    model, opt = gpt.build(cfg)
+    fe = TorchFrontend()
+    return fe, fe.trace(gpt.train_step, (model, opt, *gpt.batch(cfg, 0)), {})
+
+
+@pytest.mark.parametrize("strategy", ["auto", pytest.param("ddp", marks=pytest.mark.slow),
+                                      pytest.param("tp", marks=pytest.mark.slow)])
+def test_lowered_collectives_are_the_priced_ones(traced, strategy, tmp_path_factory):
+    fe, tr = traced
+    mesh = Mesh((2, 2), alpha=[2e-4, 2e-4], beta=[1e-9, 1e-9])
+    s = load_settings(progress=False, strategy=strategy)
+    res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh))
+    plan = res.plan
+    priced = [(v, c.kind, c.axis, c.nbytes) for v, c in priced_collectives(plan)]
+    if strategy != "auto":
+        assert priced, f"the {strategy} preset on (2, 2) should communicate"
+    for coords in [(0, 0), (1, 1)]:
+        rg = lower_plan(tr.graph, plan, mesh, coords=coords, groups=None, bucket_bytes=s.bucket_bytes)
+        lowered = [(v, c.kind, c.axis, c.nbytes) for v, c in rg.collectives]
+        assert sorted(lowered) == sorted(priced)
+        # every async all_reduce sits right after the last value it reads (issued as early as possible)
+        nodes = list(rg.gm.graph.nodes)
+        for i, n in enumerate(nodes):
+            if is_async(n):
+                last = max(nodes.index(a) for a in n.all_input_nodes)
+                between = [m for m in nodes[last + 1:i] if not is_async(m) and not
+                           (m.target is operator.getitem and is_async(m.args[0]))]
+                assert not between, f"{n.name} waits behind {[m.name for m in between]}"
+    pr = predict(plan)
+    assert pr.n_collectives == len(priced) and pr.comm_bytes == sum(b for *_, b in priced)
+    assert pr.step >= pr.compute - 1e-12
