@@ -30,7 +30,7 @@ from ._common import RESULTS, write_results
 NAME = "plan_scale"
 GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
 CASES = [("gpt2-small-12l", (8,)), ("gpt2-small-12l", (2, 4)), ("gpt2-small-12l", (2, 2, 2)),
-         ("gpt2-xl-48l", (8,)), ("gpt2-xl-48l", (2, 4)), ("gpt2-xl-48l", (8, 8, 16))]
+         ("gpt2-xl-48l", (8,)), ("gpt2-xl-48l", (2, 4)), ("gpt2-xl-48l", (8, 8, 16)), ("llama-8b", (8, 8))]
 QUICK = [("gpt2-small-12l", (2, 4))]
 HAND_ROLES = {
     1: {"DP": ("dp",), "ZeRO-3": ("fsdp",), "Megatron-TP": ("tp",)},
@@ -52,6 +52,8 @@ def _peak_rss_mb() -> float:
 
 def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, time_limit: float) -> dict:
     """Plan one model on one mesh in this process; the figures as a flat record."""
+    import torch
+    torch.set_num_threads(1)
     from metadist_core.config import load_settings
     from metadist_core.cost import DEVICE_PRESETS
     from metadist_core.pipeline import plan_graph
@@ -60,7 +62,7 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
     from metadist_core.recorded import load_recorded_graph
 
     t0 = time.perf_counter()
-    graph = load_recorded_graph(GRAPHS / f"{model}-adamw.json")
+    graph = trace_llama_8b() if model == "llama-8b" else load_recorded_graph(GRAPHS / f"{model}-adamw.json")
     t_load = time.perf_counter() - t0
     pm = PluginManager()
     mesh = load_profile().mesh(mesh_shape)
@@ -76,7 +78,7 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
            "gap": plan.gap, "decisions": len(res.problem.nodes),
            "decisions_coarse": (sizes.get("tied") or sizes.get("fixed") or sizes.get("fine") or {}).get("nodes"),
            "ilp_vars": plan.stats.get("variables"), "peak_rss_mb": _peak_rss_mb()}
-    if hand:
+    if hand and model.startswith("gpt2"):
         from .solvers import constrained, discovered_info, hand_pins
         info = discovered_info(graph, {})
         best = None
@@ -90,6 +92,34 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
             best = hp.objective if best is None else min(best, hp.objective)
         rec["vs_best_hand"] = None if best is None else plan.objective / best
     return rec
+
+
+def trace_llama_8b():
+    """transformers' LlamaForCausalLM at 8B (32 layers, hidden 4096, 32 heads, 8 key-value heads, vocabulary
+    128,256), built on the meta device (nothing allocated), with AdamW, traced whole by the torch frontend."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from metadist_core.plugins import PluginManager
+
+    hf_logging.set_verbosity_error()
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=2048,
+                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, cfg.vocab_size, (8, 512), device="meta")
+
+    def step(model, opt, ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return PluginManager().frontend("torch").trace(step, (model, opt, ids), {}).graph
 
 
 def _child(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, time_limit: float) -> dict:
@@ -165,8 +195,9 @@ def main(argv=None) -> None:
     records += AUTOPARALLEL
     cols = ["model", "mesh", "system", "cold", "total_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
             "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "gap", "vs_best_hand", "ilp_vars"]
-    notes = ("Graphs: the recorded whole steps in ../shared/graphs (batch 8 x 128 tokens); `trace_s` is loading the "
-             "recorded graph. Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "
+    notes = ("Graphs: the recorded GPT-2 whole steps in ../shared/graphs (batch 8 x 128 tokens; `trace_s` is loading "
+             "the recorded graph) and transformers' LlamaForCausalLM at 8B built on the meta device with AdamW, batch "
+             "8 x 512 (`trace_s` is the torch frontend's real trace). Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "
              "sizes per mesh axis size. Cost model: A100-like fp32 roofline, default two-level mesh profile. "
              "`vs_best_hand`: the plan's cost over the best hand plan (DP, ZeRO-3, Megatron TP, TPxDP) on the same "
              "cost model (below 1: cheaper). AutoParallel rows: PyTorch AutoParallel measured on this machine.")

@@ -37,8 +37,8 @@ def _proxies_ok(ops: Any, op: MetaOp) -> bool:
 
 
 def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_sizes: Sequence[int] = (2,),
-             save: bool = True, progress: bool | None = None, draws: int = 2, axis_size: int | None = None
-             ) -> RuleBook:
+             save: bool = True, progress: bool | None = None, draws: int = 2, axis_size: int | None = None,
+             max_real: int = 2 ** 24) -> RuleBook:
     """Fill ``rulebook`` with the rules of every op pattern of ``graph`` on axes of ``axis_sizes`` devices.
 
     ``ops`` answers ``op_spec(op, graph)`` (a ``PluginManager``: the frontend that
@@ -75,7 +75,7 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
         for fe in fronts.values():
             stack.enter_context(fe.discovering())
         for key, (op, pat) in todo.items():
-            entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws)
+            entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws, max_real=max_real)
             book.add(used, entry)
             book.discovered += 1
             bar.update(1, op.key)
@@ -97,7 +97,7 @@ def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check
 
 
 def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warned: set[str] | None = None, *,
-                     draws: int = 2) -> tuple[OpRules, str]:
+                     draws: int = 2, max_real: int = 2 ** 24) -> tuple[OpRules, str]:
     """The rules of ``op``'s pattern and the RuleBook key they belong under (the exact signature's key
     when the op had to be discovered at its real shapes)."""
     n = pattern.axis_size
@@ -118,6 +118,15 @@ def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warn
                 log.debug("op %s (%s) at proxy sizes (%s): %s: %s", op.key, op.id, pat.key, type(e).__name__, e)
         log.info("op %s (%s) is discovered at its real shapes", op.key, op.id)
         pattern = op_pattern(op, graph, n, proxies=False)
+    numel = sum(graph.vars[v].numel for v in op.inputs + op.outputs if graph.vars[v].is_tensor)
+    if numel > max_real:   # discovery's memory must not grow with the model: such an op runs replicated
+        reason = (f"its pattern could not be kept at proxy sizes and its tensors hold {numel:,} elements, more "
+                  f"than the {max_real:,} discovery runs at real size (the max_real_discovery setting)")
+        if warned is not None and op.key not in warned:
+            warned.add(op.key)
+            log.warning("op %s (%s) runs replicated: %s", op.key, op.id, reason)
+        return (OpRules(op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], n, "replicated",
+                        reason), pattern.key)
     return discover_op(op, graph, ops, n, warned, draws=draws), pattern.key
 
 

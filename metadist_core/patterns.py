@@ -31,6 +31,7 @@ from .ir import MetaIR, MetaOp
 SMALL = 4            # sizes up to this stay exactly as they are (1, pairs, kernels of 3, RGB...)
 MAX_MULTIPLE = 4     # a large size that is k x another (k <= this) keeps that relation (a fused qkv is 3 x width)
 SENTINEL = 2 ** 31   # integers this large in attributes mean "to the end" (slice ends), not sizes
+PROXY_BUDGET = 2 ** 21   # elements over all of a proxy op's tensors; a larger proxy stands for nothing useful
 
 
 class NoProxy(Exception):
@@ -95,11 +96,21 @@ def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False) 
 
     ``("base", i)`` is the i-th base; ``("prod", s1, s2, ...)`` is the product a view needs
     (:func:`view_relations`); with ``multiples``, ``("mul", k, s)`` is k x size s (k <= MAX_MULTIPLE:
-    what a concat or a fused qkv split needs; tried only when the op fails without it, because such
-    relations also hold by chance, and every chance relation is another pattern).
+    what a concat or a fused qkv split needs) and ``("add", s, k)`` is size s + k (k <= SMALL: a
+    sequence shifted for next-token targets); these are tried only when the op fails without them,
+    because such relations also hold by chance, and every chance relation is another pattern.
     """
     rel = view_relations(shapes)
     sizes = {int(d) for s in shapes if s is not None for d in s}
+    # sizes that stand at the same dim (counted from the last) of two tensors: what a concat, a slice or a
+    # split relates; sizes in different dims are related only by chance
+    aligned: set[tuple[int, int]] = set()
+    full = [tuple(int(d) for d in s) for s in shapes if s is not None]
+    for a in full:
+        for b in full:
+            for x, y in zip(reversed(a), reversed(b)):
+                if x != y:
+                    aligned.add((x, y))
     out: dict[int, tuple] = {}
     n_base = 0
     for s in sorted(x for x in sizes if x > SMALL):
@@ -107,9 +118,14 @@ def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False) 
         factors = rel.get(s)
         if factors is not None and all(f <= SMALL or f in out for f in factors):
             expr = ("prod", *factors)
+        if expr is None and multiples:   # a size next to another (a shifted sequence: 513 tokens, 512 targets)
+            for k in range(1, SMALL + 1):
+                if s - k in out and (s, s - k) in aligned:
+                    expr = ("add", s - k, k)
+                    break
         if expr is None and multiples:
             for t in sorted(out):
-                if s % t == 0 and 2 <= s // t <= MAX_MULTIPLE:
+                if s % t == 0 and 2 <= s // t <= MAX_MULTIPLE and (s, t) in aligned:
                     expr = ("mul", s // t, t)
                     break
         if expr is None:
@@ -135,6 +151,8 @@ def _symbol(s: int, basis: Mapping[int, tuple], n: int) -> str:
         return f"a{e[1]}%{s % n}"
     if e[0] == "mul":
         return f"{e[1]}*({_symbol(e[2], basis, n)})"
+    if e[0] == "add":
+        return f"({_symbol(e[1], basis, n)})+{e[2]}"
     return "*".join(f"({_symbol(f, basis, n)})" for f in e[1:])
 
 
@@ -195,20 +213,22 @@ def proxy_sizes(basis: Mapping[int, tuple], axis_size: int, instance: int = 0) -
     """Small sizes for the large ones of ``basis``: each base keeps its remainder mod ``axis_size``, bases
     stay distinct, products and multiples stay products and multiples. ``instance`` 0 and 1 differ."""
     n = axis_size
-    floor = max(SMALL + 1, 2 * n)          # a proxy still splits over two axes of this size
+    floor = max(SMALL + 1, n)              # every device of the axis holds a piece
     used: set[int] = set()
     out: dict[int, int] = {}
     for s in sorted(basis):
         e = basis[s]
         if e[0] == "mul":
             out[s] = e[1] * out[e[2]]
+        elif e[0] == "add":
+            out[s] = out[e[1]] + e[2]
         elif e[0] == "prod":
             out[s] = math.prod(out.get(f, f) for f in e[1:])
         else:
             r = s % n
             p = n * (-(-floor // n) + instance) + r
-            while p in used or p < floor or p <= SMALL:
-                p += n
+            while any(abs(p - u) <= SMALL for u in used) or p < floor or p <= SMALL:
+                p += n   # distinct bases stay apart by more than any "size + k" relation
             out[s] = p
         used.add(out[s])
     return out
@@ -246,6 +266,9 @@ def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multi
         mv = graph.vars[v]
         outs.append((v, None if mv.shape is None else tuple(sizes.get(d, d) for d in mv.shape), mv.dtype))
     new = g.add_op(op.key, names, outs, attrs, id=op.id, payload=op.payload)
+    numel = sum(math.prod(g.vars[v].shape) for v in list(new.inputs) + list(new.outputs) if g.vars[v].shape)
+    if numel > PROXY_BUDGET:   # chance relations multiplied the sizes up: too big to be a proxy
+        raise NoProxy(f"its proxy holds {numel:,} elements (more than {PROXY_BUDGET:,})")
     return new, g
 
 

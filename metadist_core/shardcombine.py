@@ -312,8 +312,11 @@ class _Runner:
         self.spec, self.n, self.stats = spec, n, stats
         self._pieces: dict[tuple, list] = {}   # (input array, placement) -> its pieces, for this search
 
-    def _split(self, x: Any, p: Placement, rng: np.random.Generator, integer: bool) -> list:
-        """The pieces of ``x`` under ``p``, made once per draw and shared by every candidate using them."""
+    def _split(self, x: Any, p: Placement, rng: np.random.Generator, integer: bool, first: bool) -> list:
+        """The pieces of ``x`` under ``p``; on the first draw (which every candidate runs) made once and shared
+        by every candidate using them, on later draws (survivors only) made afresh, so memory stays bounded."""
+        if not first:
+            return split_input(x, p, self.n, rng, integer)
         key = (id(x), p, integer)
         hit = self._pieces.get(key)
         if hit is None or hit[0] is not x:
@@ -326,9 +329,9 @@ class _Runner:
             return _as_list(self.spec.fn(*inputs))
 
     def pieces(self, combo: tuple[Placement, ...], inputs: Sequence[np.ndarray], rng: np.random.Generator,
-               integer: bool) -> list[list[Any]] | None:
+               integer: bool, first: bool = False) -> list[list[Any]] | None:
         """Run the op on each device's pieces; per output, the list of per-device values. None if it raised."""
-        split = [self._split(x, p, rng, integer) for x, p in zip(inputs, combo)]
+        split = [self._split(x, p, rng, integer, first) for x, p in zip(inputs, combo)]
         per_rank = []
         for r in range(self.n):
             local = [s[r] for s in split]
@@ -404,8 +407,8 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
     rules: list[ShardingRule] = []
     for combo in combos:
         allowed: list[set[Placement]] | None = None
-        for (inputs, integer), (full, exact) in zip(draw_inputs, fulls):
-            outs = runner.pieces(combo, inputs, rng, integer)
+        for k_draw, ((inputs, integer), (full, exact)) in enumerate(zip(draw_inputs, fulls)):
+            outs = runner.pieces(combo, inputs, rng, integer, first=k_draw == 0)
             if outs is None or len(outs) != len(full):
                 allowed = None
                 break

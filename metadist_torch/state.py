@@ -176,6 +176,9 @@ def init_optimizer_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                 if "step" in st:
                     s = st["step"]
                     st["step"] = torch.zeros_like(s) if isinstance(s, torch.Tensor) else 0
+                    if isinstance(s, torch.Tensor) and p.device.type == "meta":
+                        # a model built on the meta device (planned, never run): the step counter lives with it
+                        st["step"] = torch.zeros((), dtype=s.dtype, device="meta")
         finally:
             for g, s in zip(opt.param_groups, saved):
                 g.update(s)

@@ -45,6 +45,7 @@ from metadist_core.ir import MetaIR
 
 from .state import (OptimizerParamHolder, StepState, capturable_optimizers, collect_state, init_optimizer_state,
                     optimizers_in, swapped_optimizer)
+from .gradients import capture_gradients, strip_gradients
 from .to_ir import TraceError, target_key, to_meta_ir
 
 log = logging.getLogger("metadist.torch.trace")
@@ -133,6 +134,7 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
                     stack.enter_context(_reparametrize_module(mod, dict(d), strict=False))
                 for opt in state.optimizers:
                     stack.enter_context(swapped_optimizer(opt, state.param_objs, new_params))
+                grads = stack.enter_context(capture_gradients(state.optimizers, new_params))
                 out = fn(*a, **kw)
                 new_state = [s.owner[s.key] for s in state.opt_states]
         finally:
@@ -143,8 +145,10 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
         out_box["consts"] = {i: o for i, o in enumerate(flat_out) if not isinstance(o, torch.Tensor)}
         tensors_out = [o for o in flat_out if isinstance(o, torch.Tensor)]
         out_box["n_tensor_out"] = len(tensors_out)
+        out_box["n_grads"] = len(grads)   # the gradients the optimizers read, as extra outputs (stripped below)
         # buffers were updated in place (BatchNorm running stats): functionalization turns that into new values
-        return (*[o.detach() for o in tensors_out], *[p.detach() for p in new_params], *bv, *new_state)
+        return (*[o.detach() for o in tensors_out], *[p.detach() for p in new_params], *bv, *new_state,
+                *[grads[i] for i in sorted(grads)])
 
     if example_state is None:
         example_state = [s.get() for s in slots]
@@ -158,11 +162,15 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
                              f"{type(e).__name__}: {e}") from e
     t1 = time.perf_counter()
     gm = functionalize_graph(gm, examples)
+    grad_names = strip_gradients(gm, out_box["n_grads"])
     gm = merge_step_counters(gm, state)
     t2 = time.perf_counter()
     n_user_out = out_box["n_tensor_out"]
     spec, consts = out_box["spec"], out_box["consts"]
     conv = to_meta_ir(gm, state, len(user_tensors), n_user_out, name or getattr(fn, "__name__", "step"))
+    for v in grad_names:   # role "gradient": what grad_compression compresses (metadist_core.compression)
+        if v in conv.graph.vars and conv.graph.vars[v].role == "intermediate":
+            conv.graph.vars[v].role = "gradient"
     timings = {"make_fx": t1 - t0, "functionalize": t2 - t1, "to_meta_ir": time.perf_counter() - t2}
     return TracedStep(gm, conv.graph, state, len(user_tensors), spec, n_user_out + len(consts), n_user_out, consts,
                       conv.in_names, conv.constants, conv.state_out, conv.out_vars, conv.random_ops, timings)
@@ -243,7 +251,9 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
         v = getattr(v, "_local_tensor", v)
         if not isinstance(v, torch.Tensor) or v.numel() != 1:
             continue
-        k = (str(v.dtype), str(v.device), float(v.reshape(()).item()))
+        # on the meta device (a model planned, never run) every counter is the zero init_optimizer_state made
+        value = 0.0 if v.device.type == "meta" else float(v.reshape(()).item())
+        k = (str(v.dtype), str(v.device), value)
         i = n_p + n_b + j
         if k in first:
             merged[i] = first[k]
