@@ -13,6 +13,12 @@
 | beam_width     | METADIST_BEAM_WIDTH        | beam_width      | 8 (beam solver)    |
 | verify_draws   | METADIST_VERIFY_DRAWS      | verify_draws    | 2 (random draws per rule) |
 | progress       | METADIST_PROGRESS          | progress        | on a terminal      |
+| max_real_discovery | METADIST_MAX_REAL_DISCOVERY | max_real_discovery | 2**24 elements |
+| strategy       | METADIST_STRATEGY          | strategy        | auto (or a preset: ddp, zero1..3, fsdp, tp, tp+dp) |
+| micro_batches  | METADIST_MICRO_BATCHES     | micro_batches   | 1 (no accumulation)|
+| pipeline_stages| METADIST_PIPELINE_STAGES   | pipeline_stages | none (planner; k: k stages on axis 0)|
+| schedule       | METADIST_SCHEDULE          | schedule        | 1f1b               |
+| grad_compression | METADIST_GRAD_COMPRESSION | grad_compression | none (bf16, fp16) |
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ except ImportError:  # pragma: no cover - Python 3.10
     tomllib = None  # type: ignore[assignment]
 
 DEFAULT_SOLVER = "ilp"
+SCHEDULES = ("1f1b", "gpipe", "interleaved")   # torch.distributed.pipelining's schedules
 
 
 @dataclass
@@ -41,7 +48,13 @@ class Settings:
     bucket_mb: float = 25.0
     beam_width: int = 8
     verify_draws: int = 2
+    max_real_discovery: int = 2 ** 24   # elements: an op no proxy can stand for is discovered at real size below this
     progress: bool | None = None
+    strategy: str = "auto"   # "auto" or a preset of metadist_core.presets (constraints on the same problem)
+    grad_compression: str | None = None   # None | "bf16" | "fp16": gradients travel compressed
+    micro_batches: int = 1
+    pipeline_stages: int | None = None
+    schedule: str = "1f1b"
 
     @property
     def bucket_bytes(self) -> int:
@@ -81,7 +94,9 @@ def load_settings(**explicit: Any) -> Settings:
             continue
         if f.name in ("coalesce", "progress"):
             value = _bool(f.name, value)
-        elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws"):
+        elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws", "max_real_discovery",
+                        "micro_batches",
+                        "pipeline_stages"):
             try:
                 value = int(float(value))
             except ValueError:
@@ -93,8 +108,21 @@ def load_settings(**explicit: Any) -> Settings:
         setattr(s, f.name, value)
     if s.verify_draws < 1:
         raise ValueError(f"verify_draws must be at least 1, got {s.verify_draws}")
+    if s.micro_batches < 1:
+        raise ValueError(f"micro_batches must be at least 1, got {s.micro_batches}")
+    if s.pipeline_stages is not None and s.pipeline_stages < 1:
+        raise ValueError(f"pipeline_stages must be None (the planner decides) or at least 1, got {s.pipeline_stages}")
+    if s.schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {s.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    if s.strategy != "auto":
+        from .presets import check_strategy
+        s.strategy = check_strategy(s.strategy)   # an unknown name: ValueError listing the presets
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
+    if s.grad_compression is not None:
+        from .compression import compression_dtype
+        wire = compression_dtype(s.grad_compression)   # an unknown name: ValueError naming the choices
+        s.grad_compression = None if wire is None else {"bfloat16": "bf16", "float16": "fp16"}[wire]
     return s
 
 

@@ -96,6 +96,31 @@ class Frontend:
         ``settings`` carries the lowering's knobs (``coalesce``, ``bucket_bytes``...)."""
         raise NotImplementedError(f"frontend {self.name!r} does not define lower()")
 
+    # -- micro-batches (metadist_core.microbatch) --------------------
+    def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
+        """The call cut into ``m`` micro-batches along dim 0 of every tensor input, each ``(args, kwargs)``;
+        a batch ``m`` does not divide is an error quoting both (``microbatch.micro_batch_size``)."""
+        raise NotSupported(f"frontend {self.name!r} cannot cut a batch into micro-batches")
+
+    def lower_micro_batches(self, traced: Traced, cut: Any, plans: tuple, mesh: "Mesh",
+                            settings: "Settings") -> Callable:
+        """A callable running one step as ``settings.micro_batches`` micro-batches: ``cut.grad_graph`` under
+        ``plans[0]`` on each (gradients combined as ``cut.reduction`` says), then ``cut.update_graph`` under
+        ``plans[1]`` once (``cut`` is a :class:`~metadist_core.microbatch.GradientCut`; ``plans[2]`` is the
+        whole step's plan: how its inputs are stored)."""
+        raise NotSupported(f"frontend {self.name!r} cannot run micro-batches (micro_batches > 1)")
+
+    # -- pipelines (metadist_core.stages, metadist_core.pipeplan) ---------------
+    def pipelines(self) -> bool:
+        """Can ``lower_stages`` run a pipeline? (The planner prices one only then.)"""
+        return False
+
+    def lower_stages(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
+        """A callable running one step as the pipeline ``plan.stages`` (``plan``: the stages' sub-mesh plan)
+        with ``settings.schedule`` over ``settings.micro_batches`` micro-batches."""
+        raise NotSupported(f"pipeline_stages > 1 is not yet for the {self.name} frontend: plan it with "
+                           f"`metadist plan` (it prices the stages) and run with pipeline_stages=1")
+
     # -- ops, for discovery and the cost model ----------------------------------
     def owns(self, op: "MetaOp") -> bool:
         return isinstance(getattr(op, "key", None), str) and op.key.startswith(tuple(self.op_prefixes))
@@ -127,6 +152,18 @@ class Frontend:
     def demo(self, args: Sequence[str]) -> int:
         """Run this frontend's end-to-end demo with command-line ``args``; return an exit code."""
         raise NotSupported(f"frontend {self.name!r} has no demo")
+
+    def device_kind(self) -> str | None:
+        """The kind of device this process runs on ("cpu", "cuda-NVIDIA H100 ..."), the key of its measured
+        profile in the cache; None (the default): this frontend does not measure, the built-in costs apply."""
+        return None
+
+    def measure_profile(self, mesh: "Mesh", cached: "MeshProfile | None") -> "MeshProfile | None":
+        """Link alpha/beta per axis of ``mesh`` on the live engine and the device's compute rate, in a few
+        seconds, as a measured MeshProfile; every process calls it at once. ``cached``: the profile this
+        machine has (on every process alike), returned as it is when it covers ``mesh``. The driver caches
+        what this returns (:func:`metadist_core.profile.profile_for`)."""
+        return cached
 
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         """Measure link and device costs on this engine; write and return a MeshProfile."""

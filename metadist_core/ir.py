@@ -13,7 +13,8 @@ DTYPE_BYTES: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
     "complex64": 8, "complex128": 16,
 }
-ROLES: tuple[str, ...] = ("input", "parameter", "optimizer_state", "buffer", "intermediate", "output")
+# "gradient": a parameter's gradient as the optimizer reads it (frontends that know it mark it; grad_compression)
+ROLES: tuple[str, ...] = ("input", "parameter", "optimizer_state", "buffer", "intermediate", "output", "gradient")
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -42,6 +43,7 @@ class MetaVar:
     role: str = "intermediate"
     producer: str | None = None          # id of the MetaOp that makes it; None for graph inputs
     consumers: list[str] = field(default_factory=list)  # ids of MetaOps that read it
+    label: str | None = None             # the user's name for it ("blocks.0.fc.weight"), when the frontend knows one
 
     def __post_init__(self) -> None:
         if self.shape is not None:
@@ -66,8 +68,11 @@ class MetaVar:
         return self.numel * DTYPE_BYTES.get(self.dtype, 4)
 
     def to_json(self) -> dict:
-        return {"id": self.id, "shape": None if self.shape is None else list(self.shape),
-                "dtype": self.dtype, "role": self.role}
+        d = {"id": self.id, "shape": None if self.shape is None else list(self.shape),
+             "dtype": self.dtype, "role": self.role}
+        if self.label is not None:
+            d["label"] = self.label
+        return d
 
 
 @dataclass
@@ -126,6 +131,8 @@ class MetaIR:
         self.aliases: dict[str, str] = {}
         self._op_index: dict[str, int] = {}
         self.payload: Any = None  # frontend-private data from tracing, handed to lowering; never serialised
+        # var id -> the placements a user annotated it with inside the step (one, or one per mesh axis)
+        self.annotations: dict[str, tuple] = {}
 
     # -- building -------------------------------------------------------
     def add_var(self, id: str, shape: Sequence[int] | None, dtype: Any, role: str = "intermediate") -> MetaVar:
@@ -261,6 +268,8 @@ class MetaIR:
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "aliases": dict(self.aliases),
+            **({"annotations": {v: [str(p) for p in ps] for v, ps in self.annotations.items()}}
+               if self.annotations else {}),
         }
 
     @classmethod
@@ -268,12 +277,15 @@ class MetaIR:
         g = cls(data.get("name", "step"))
         produced = {o for op in data["ops"] for o in op["outputs"]}
         for v in data["vars"]:
-            g.add_var(v["id"], v["shape"], v["dtype"], v.get("role", "intermediate"))
+            g.add_var(v["id"], v["shape"], v["dtype"], v.get("role", "intermediate")).label = v.get("label")
         g.inputs = [v for v in data["inputs"]]
         for op in data["ops"]:
             g.add_op(op["key"], op["inputs"], [g.vars[o] for o in op["outputs"]], op.get("attrs"), id=op["id"])
         g.outputs = list(data["outputs"])
         g.aliases = dict(data.get("aliases", {}))
+        if data.get("annotations"):
+            from .placement import parse_placement
+            g.annotations = {v: tuple(parse_placement(p) for p in ps) for v, ps in data["annotations"].items()}
         missing = [v for v in g.vars if v not in produced and v not in g.inputs]
         if missing:
             raise ValueError(f"MetaIR JSON has vars that are neither inputs nor produced: {missing[:5]}")

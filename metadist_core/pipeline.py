@@ -11,6 +11,7 @@ and solves a graph already traced (tools, benchmarks, tests).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -18,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable
 
 from .config import Settings, load_settings
+from .constraints import as_constraint_list, split_constraints
 from .discover import discover
 from .frontend import Frontend, Traced
 from .ir import MetaIR
 from .placement import Mesh
 from .plugins import PluginManager
+from .presets import check_strategy, steer
 from .progress import Ticker
 from .rules import RuleBook
 
@@ -72,21 +75,26 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
 
     t = time.perf_counter()
     book = discover(graph, pm, RuleBook.load(s.cache_dir), axis_sizes=mesh.shape, progress=s.progress,
-                    draws=s.verify_draws)
+                    draws=s.verify_draws, max_real=s.max_real_discovery)
     timings["discover"] = time.perf_counter() - t
 
     t = time.perf_counter()
     if device is None and s.mesh_profile:
         from .profile import load_profile
         device = load_profile(s.mesh_profile).device
-    problem = build_problem(graph, book, mesh, op_costs=op_costs(graph, pm), constraints=list(constraints or []),
-                            memory_budget=s.memory_budget, device=device)
+    plain, named = split_constraints(constraints)
+    problem = build_problem(graph, book, mesh, op_costs=op_costs(graph, pm), constraints=plain,
+                            memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
+                            bucket_bytes=s.bucket_bytes if s.coalesce else None)
+    # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.presets)
+    problem = steer(problem, s.strategy, named, getattr(graph, "annotations", None))
     timings["build_problem"] = time.perf_counter() - t
 
     t = time.perf_counter()
     options = {**s.solver_options(), **(solver_options or {})}
     with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
         plan = pm.solve(s.solver, problem, options)
+    plan.stats.setdefault("strategy", s.strategy)
     timings["solve"] = time.perf_counter() - t
     log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
     return CompileResult(graph, book, problem, plan, None, timings)
@@ -115,23 +123,59 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     s = settings or load_settings()
     pm = plugins or PluginManager()
     pm.solver(s.solver)  # an unknown solver is an error on every process, before any work
-    user_constraints = list(constraints or [])
+    user_constraints = as_constraint_list(constraints)   # Pin/Forbid, and {parameter name or glob: placements}
     timings: dict[str, float] = {}
 
+    if s.micro_batches > 1:   # trace and plan one micro-batch (a batch m does not divide: a clear error)
+        args, kwargs = frontend.split_batch(tuple(args), dict(kwargs), s.micro_batches)[0]
     request = planonly.requested()
     if request is not None:
         s = planonly.settings_for(request, s)
+        if request.get("strategy"):
+            s = dataclasses.replace(s, strategy=check_strategy(request["strategy"]))
         traced = frontend.trace(fn, tuple(args), dict(kwargs))
         plan_mesh = load_profile(request.get("profile") or s.mesh_profile).mesh(tuple(request.get("mesh", [2])))
-        result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
-                            constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh))
-        planonly.finish(result, plan_mesh, request)
+        if s.pipeline_stages is not None and s.pipeline_stages > 1:   # priced for every frontend, JAX included
+            from .pipeplan import plan_only_pipeline
+            result = plan_only_pipeline(traced.graph, plan_mesh, s, pm, solver_options,
+                                        user_constraints + frontend.constraints(traced.graph, plan_mesh))
+        else:
+            result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
+                                constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh))
+        try:
+            planonly.finish(result, plan_mesh, request)
+        except planonly.PlanOnlyDone:   # the problem beside the plan (`metadist explain`), --compare's table
+            from .explain import report_plan_only
+            report_plan_only(result, request, s, pm)
+            raise
 
     t = time.perf_counter()
     traced = frontend.trace(fn, tuple(args), dict(kwargs))
     timings["trace"] = time.perf_counter() - t
     graph = traced.graph
     run_mesh = frontend.resolve_mesh(mesh, load_profile(s.mesh_profile))
+    profile = None
+    if run_mesh.size > 1:   # costs measured by default: cached per host, world size and device kind
+        from .profile import profile_for
+        t = time.perf_counter()
+        profile = profile_for(frontend, run_mesh, s)
+        run_mesh = profile.mesh(run_mesh.shape, run_mesh.axis_names)
+        timings["profile"] = time.perf_counter() - t
+    k_stages = s.pipeline_stages
+    if k_stages is not None and k_stages > 1:   # a count that does not match mesh axis 0: a clear error
+        from .pipeplan import check_stages
+        if not frontend.pipelines():   # before any planning: `metadist plan` prices it, running it cannot
+            frontend.lower_stages(traced, None, run_mesh, s)
+        check_stages(k_stages, run_mesh, s.schedule, s.micro_batches)
+
+    def solve_on(m: Mesh) -> CompileResult:
+        if m.size == 1:
+            p1, pr1 = replicated_plan(graph, m)
+            return CompileResult(graph, RuleBook(), pr1, p1)
+        return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
+                          constraints=user_constraints + frontend.constraints(graph, m),
+                          device=profile.device if profile is not None else None)
+
     book, problem, plan = RuleBook(), None, None
     if run_mesh.size == 1:
         t = time.perf_counter()
@@ -139,23 +183,54 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         timings["solve"] = time.perf_counter() - t
     elif frontend.is_planner():
         try:
-            res = plan_graph(graph, run_mesh, plugins=pm, settings=s, solver_options=solver_options,
-                             constraints=user_constraints + frontend.constraints(graph, run_mesh))
+            res = _plan_with_pipeline(graph, run_mesh, s, solve_on, frontend)   # metadist_core.pipeplan
+            if res is None:
+                res = solve_on(run_mesh)
+            book, problem, plan = res.rulebook, res.problem, res.plan
+            timings.update(res.timings)
         except BaseException as e:
             frontend.share_error(e)   # the other processes wait for a plan: tell them instead
             raise
-        book, problem, plan = res.rulebook, res.problem, res.plan
-        timings.update(res.timings)
     t = time.perf_counter()
     if run_mesh.size > 1:
         plan = frontend.share(plan, traced)
         timings["share"] = time.perf_counter() - t
     t = time.perf_counter()
-    runnable = frontend.lower(traced, plan, run_mesh, s)
+    if getattr(plan, "stages", None):
+        runnable = frontend.lower_stages(traced, plan, run_mesh, s)   # a pipeline: stage programs
+    elif s.micro_batches > 1:
+        from .microbatch import lower_micro_batches
+        runnable = lower_micro_batches(frontend, traced, plan, run_mesh, s)
+    else:
+        runnable = frontend.lower(traced, plan, run_mesh, s)
     timings["lower"] = time.perf_counter() - t
     log.info("compiled %s with %s on mesh %s: %s", graph.name, frontend.name, run_mesh,
              ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     return CompileResult(graph, book, problem, plan, runnable, timings, traced, run_mesh)
+
+
+def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callable[[Mesh], CompileResult],
+                        frontend: Frontend) -> CompileResult | None:
+    """The result whose plan is pipelined (``plan.stages`` set) when ``pipeline_stages=k`` asks for one
+    or, with ``None``, when no unpipelined plan meets the memory budget and a pipeline does (training
+    steps on a frontend that runs pipelines); with ``None`` and a fitting plan, that result; else None."""
+    from .pipeplan import has_gradients, pipeline_plan
+    k = s.pipeline_stages
+    if k is not None and k > 1:
+        return pipeline_plan(graph, mesh, s, solve_on, k)
+    if k is not None or s.memory_budget is None or mesh.shape[0] < 2 or not has_gradients(graph) \
+            or not frontend.pipelines():
+        return None
+    try:
+        flat = solve_on(mesh)
+        if flat.plan.memory_per_device > s.memory_budget:
+            flat = None
+    except Exception as e:   # no unpipelined plan meets the budget: a pipeline may
+        log.info("no unpipelined plan: %s", e)
+        flat = None
+    if flat is not None:   # the unpipelined plan meets the budget: today's behaviour
+        return flat
+    return pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
 
 
 class CompiledStep:
@@ -174,7 +249,7 @@ class CompiledStep:
         self.fn = fn
         self.frontend = frontend
         self.mesh_arg = mesh
-        self.constraints = list(constraints or [])
+        self.constraints = as_constraint_list(constraints)
         self.solver_options = dict(solver_options or {})
         self.plugins = plugins
         self.settings = load_settings(**settings)

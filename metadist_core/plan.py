@@ -64,6 +64,9 @@ class ShardingPlan:
     solve_seconds: float = 0.0
     choices: list[int] = field(default_factory=list)
     stats: dict = field(default_factory=dict)      # solver-specific figures (sizes, status...)
+    labels: dict[str, str] = field(default_factory=dict)   # parameter var -> the user's name of it
+    problem: ShardingProblem | None = field(default=None, repr=False, compare=False)  # not serialised
+    stages: list = field(default_factory=list)     # pipeline stages (metadist_core.stages.Stage); empty: none
 
     @property
     def gap(self) -> float | None:
@@ -113,6 +116,7 @@ class ShardingPlan:
             compute += float(problem.compute[i][k])
         edges = []
         comm = 0.0
+        priced: set = set()
         mesh = problem.mesh
         for e in problem.edges:
             src_node = problem.nodes[e.src]
@@ -126,12 +130,18 @@ class ShardingPlan:
                 dn = problem.nodes[e.dst]
                 b, dst, slot = dn.options[ch[e.dst]].inputs[e.dst_slot], dn.id, e.dst_slot
             info = problem.vars[e.var]
-            colls = [] if a == b or info["shape"] is None else reshard(a, b, info["shape"], info["dtype"], mesh)
+            colls = [] if a == b or info["shape"] is None else reshard(a, b, info["shape"],
+                                                                     info.get("comm_dtype", info["dtype"]), mesh)
             pe = PlanEdge(e.var, src_node.id, dst, slot, a, b, colls)
-            comm += pe.cost
+            if (e.var, a, b) not in priced:   # one reshard per (value, target), as the lowering runs it
+                priced.add((e.var, a, b))
+                comm += problem.price(e.var, colls)
             edges.append(pe)
+        labels = {v: info["label"] for v, info in problem.vars.items()
+                  if info.get("label") and info["role"] == "parameter"}
         return cls(tuple(mesh.shape), var_sh, op_str, in_sh, strategies, edges, compute + comm, compute, comm,
-                   terms.peak_memory(ch), lower_bound, solver, solve_seconds, [int(x) for x in ch], dict(stats or {}))
+                   terms.peak_memory(ch), lower_bound, solver, solve_seconds, [int(x) for x in ch], dict(stats or {}),
+                   labels, problem)
 
     @classmethod
     def replicated(cls, problem: ShardingProblem, **kw) -> "ShardingPlan":
@@ -190,7 +200,24 @@ class ShardingPlan:
         lines += ["  ".join(r[c].ljust(w[c]) for c in range(3)) + "  " + r[3] for r in shown]
         if len(rows) > len(shown):
             lines.append(f"... {len(rows) - len(shown)} more rows (values not shown are replicated with no collectives)")
+        if self.stages:
+            from .stages import describe
+            pl = self.stats.get("pipeline", {})
+            lines.append(describe(self.stages, pl.get("schedule", "1f1b"), pl.get("micro_batches", 1)))
         return "\n".join(lines)
+
+    def placements(self) -> dict[str, tuple]:
+        """``{parameter name: its Placements, one per mesh axis}`` as stored (metadist Placements; torch
+        DTensor placements come from ``metadist_torch.to_dtensor_placements(plan)``)."""
+        return {self.labels.get(v, v): tuple(s) for v, s in self.input_shardings.items()
+                if v in self.labels or (self.problem is not None and self.problem.vars[v]["role"] == "parameter")}
+
+    def explain(self, *, presets: bool = True, solver: str | None = None) -> str:
+        """Per parameter its placement, bytes per device and why (against the best alternative), per
+        collective its kind, axis, bytes and time, the totals, and the presets' prices beside this plan's
+        (see :mod:`metadist_core.explain`)."""
+        from .explain import explain_plan
+        return explain_plan(self, presets=presets, solver=solver)
 
     # -- JSON ---------------------------------------------------------------
     def to_json(self) -> dict:
@@ -204,6 +231,8 @@ class ShardingPlan:
             "compute_seconds": self.compute_seconds, "comm_seconds": self.comm_seconds,
             "memory_per_device": self.memory_per_device, "lower_bound": self.lower_bound, "solver": self.solver,
             "solve_seconds": self.solve_seconds, "choices": self.choices, "stats": self.stats,
+            **({"labels": self.labels} if self.labels else {}),
+            **({"stages": [st.to_json() for st in self.stages]} if self.stages else {}),
         }
 
     @classmethod
@@ -217,7 +246,15 @@ class ShardingPlan:
                    [PlanEdge.from_json(e) for e in d["edges"]], float(d["objective"]),
                    float(d.get("compute_seconds", 0.0)), float(d.get("comm_seconds", 0.0)),
                    int(d.get("memory_per_device", 0)), d.get("lower_bound"), d.get("solver", ""),
-                   float(d.get("solve_seconds", 0.0)), list(d.get("choices", [])), dict(d.get("stats", {})))
+                   float(d.get("solve_seconds", 0.0)), list(d.get("choices", [])), dict(d.get("stats", {})),
+                   dict(d.get("labels", {})), stages=_stages_from_json(d.get("stages", [])))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
+
+
+def _stages_from_json(items: list) -> list:
+    if not items:
+        return []
+    from .stages import Stage
+    return [Stage.from_json(d) for d in items]

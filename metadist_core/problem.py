@@ -25,12 +25,12 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_constraints
-from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, local_bytes, reshard_cost, strategy_split
+from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, local_bytes, reshard, reshard_cost, strategy_split
 from .ir import MetaIR
 from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
 from .prune import useful_rules
 from .rules import RuleBook, Strategy, expand_rules
-from .terms import EdgeTerm, MemTerm, Terms
+from .terms import EdgeTerm, MemTerm, SharedTerm, Terms
 
 log = logging.getLogger("metadist.problem")
 
@@ -117,6 +117,7 @@ class ShardingProblem:
     constraints: list[Constraint] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
+    bucket_bytes: int | None = None       # the lowering buckets gradient all_reduces up to this size (None: off)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
@@ -133,6 +134,26 @@ class ShardingProblem:
     def definer(self, var: str) -> tuple[int, int]:
         """(node index, output slot) that defines ``var``."""
         return self._definer[var]
+
+    def price(self, var: str, collectives: Sequence) -> float:
+        """Seconds of ``collectives`` moving ``var`` as the lowering runs them.
+
+        All_reduces of a gradient value (``vars[var]["bucketed"]``) run in buckets of
+        ``bucket_bytes`` that pay one latency each: each is charged its bytes in full and
+        the latency ``2(n-1)alpha`` times ``min(1, nbytes / bucket_bytes)``, its share of a
+        bucket. Summed over an axis that is ``total / bucket_bytes`` latencies, which is
+        ``ceil(total / bucket_bytes)`` less at most one: an approximation that a solver can
+        price per value (:func:`metadist_core.overlap.predict` counts whole buckets).
+        """
+        total = 0.0
+        bucketed = self.bucket_bytes and self.vars[var].get("bucketed")
+        for c in collectives:
+            cost = c.cost
+            if bucketed and c.kind == "all_reduce":
+                latency = 2 * (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
+                cost -= latency * (1.0 - min(1.0, c.nbytes / self.bucket_bytes))
+            total += cost
+        return total
 
     def size(self) -> dict:
         return {"nodes": len(self.nodes), "options": int(sum(len(n.options) for n in self.nodes)),
@@ -152,7 +173,15 @@ class ShardingProblem:
     def _make_terms(self) -> Terms:
         unary = [c.astype(float).copy() for c in self.compute]
         edges = []
+        readers: dict[str, list[Edge]] = {}
         for e in self.edges:
+            readers.setdefault(e.var, []).append(e)
+        shared = []
+        for var, es in readers.items():
+            if len(es) > 1:   # read by several ends: one reshard per (value, target), as the lowering runs it
+                shared.append(self._shared_term(es))
+                continue
+            e = es[0]
             if e.dst < 0:
                 unary[e.src] += e.table[e.src_map, 0]
             else:
@@ -167,7 +196,27 @@ class ShardingProblem:
                              dtype=float)
                 mem.append(MemTerm(i, b, info["live"][0], info["live"][1]))
         return Terms(unary, edges, mem, [a.copy() for a in self.allowed], self.n_steps, self.memory_budget, 0.0,
-                     [n.id for n in self.nodes], str(self.mesh))
+                     [n.id for n in self.nodes], str(self.mesh), shared)
+
+    def edge_targets(self, e: Edge) -> list[Sharding]:
+        """The target Sharding of each column of ``e.table``."""
+        if e.dst < 0:
+            return [Sharding.replicated(self.mesh.ndim)]
+        opts = self.nodes[e.dst].options
+        return _distinct([o.outputs[0] if e.dst_slot < 0 else o.inputs[e.dst_slot] for o in opts])[0]
+
+    def _shared_term(self, es: list[Edge]) -> SharedTerm:
+        """The edges of one value as one SharedTerm over the union of their target shardings."""
+        cols: dict[Sharding, int] = {}
+        colvals: dict[int, np.ndarray] = {}
+        ends = []
+        for e in es:
+            gmap = np.array([cols.setdefault(t, len(cols)) for t in self.edge_targets(e)], dtype=np.int32)
+            for c, gc in enumerate(gmap):
+                colvals[int(gc)] = e.table[:, c]
+            ends.append((-1, gmap[:1]) if e.dst < 0 else (e.dst, gmap[e.dst_map]))
+        table = np.stack([colvals[c] for c in range(len(cols))], axis=1)
+        return SharedTerm(es[0].src, es[0].src_map, ends, table)
 
     def replicated_choice(self) -> np.ndarray:
         """Per node, the index of its fully replicated option."""
@@ -195,6 +244,7 @@ class ShardingProblem:
             "allowed": [a.astype(int).tolist() for a in self.allowed], "n_steps": self.n_steps,
             "memory_budget": self.memory_budget, "constraints": [c.to_json() for c in self.constraints],
             "outputs": self.outputs, "aliases": self.aliases,
+            **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}),
         }
 
     @classmethod
@@ -207,7 +257,7 @@ class ShardingProblem:
                    [Node.from_json(n) for n in d["nodes"]], [np.asarray(c, dtype=float) for c in d["compute"]],
                    [Edge.from_json(e) for e in d["edges"]], [np.asarray(a, dtype=bool) for a in d["allowed"]],
                    int(d["n_steps"]), d.get("memory_budget"), parse_constraints(d.get("constraints") or []),
-                   list(d.get("outputs", [])), dict(d.get("aliases", {})))
+                   list(d.get("outputs", [])), dict(d.get("aliases", {})), d.get("bucket_bytes"))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -249,19 +299,33 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   constraints: Iterable[Constraint | Mapping] | None = None,
                   memory_budget: int | None = None,
                   device: DeviceSpec | None = None,
-                  prune: bool = True) -> ShardingProblem:
+                  prune: bool = True,
+                  grad_compression: str | None = None,
+                  bucket_bytes: int | None = None) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them
     (missing ops are estimated from tensor sizes). ``constraints`` pin a
     value's sharding or forbid a placement. ``memory_budget`` is bytes per device.
     ``prune`` drops dominated rules first (:mod:`metadist_core.prune`); the
-    optimum does not change, the problem gets smaller.
+    optimum does not change, the problem gets smaller. ``grad_compression`` ("bf16" | "fp16") prices the
+    collectives of gradient values at that dtype (``vars[v]["comm_dtype"]``, :mod:`metadist_core.compression`).
+    ``bucket_bytes``: the lowering buckets gradient all_reduces up to this size (:meth:`ShardingProblem.price`).
     """
+    from .compression import wire_dtypes
     device = device or DEVICE_PRESETS["cpu"]
     live = graph.liveness()
     vars_ = {v.id: {"shape": v.shape, "dtype": v.dtype, "role": v.role, "live": list(live.get(v.id, (0, 0)))}
              for v in graph.vars.values()}
+    for v in graph.vars.values():
+        if v.label:
+            vars_[v.id]["label"] = v.label   # the user's name (explain, constraints by name)
+    for v, wire in wire_dtypes(graph, grad_compression).items():
+        vars_[v]["comm_dtype"] = wire
+    if bucket_bytes:
+        from .compression import gradient_chain
+        for v in gradient_chain(graph):
+            vars_[v]["bucketed"] = True
     nodes: list[Node] = []
     compute: list[np.ndarray] = []
     strat_cache: dict[tuple, tuple[list[Strategy], list[int]]] = {}
@@ -298,7 +362,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
     cons = parse_constraints(constraints or [])
     prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),
-                           memory_budget, cons, list(graph.outputs), dict(graph.aliases))
+                           memory_budget, cons, list(graph.outputs), dict(graph.aliases),
+                           int(bucket_bytes) if bucket_bytes else None)
     apply_constraints(prob)
     prob.edges = _build_edges(prob)
     return prob
@@ -324,12 +389,15 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
 
     def table(var: str, srcs: list[Sharding], dsts: list[Sharding]) -> np.ndarray:
         info = prob.vars[var]
-        key = (info["shape"], info["dtype"], tuple(srcs), tuple(dsts))
+        dtype = info.get("comm_dtype", info["dtype"])   # what the collectives move (grad_compression)
+        bucketed = bool(prob.bucket_bytes and info.get("bucketed"))
+        key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed)
         if key not in table_cache:
             t = np.zeros((len(srcs), len(dsts)))
             for r, a in enumerate(srcs):
                 for c, b in enumerate(dsts):
-                    t[r, c] = reshard_cost(a, b, info["shape"], info["dtype"], mesh)
+                    t[r, c] = (prob.price(var, reshard(a, b, info["shape"], dtype, mesh)) if bucketed and a != b
+                               else reshard_cost(a, b, info["shape"], dtype, mesh))
             table_cache[key] = t
         return table_cache[key]
 

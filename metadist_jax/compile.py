@@ -36,11 +36,14 @@ class JaxStep(CompiledStep):
     def __init__(self, fn: Callable, *, mesh: Any = None, solver: str | None = None,
                  memory_budget: int | None = None, cache_dir: str | None = None,
                  constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
-                 progress: bool | None = None, plugins: PluginManager | None = None) -> None:
+                 progress: bool | None = None, plugins: PluginManager | None = None, micro_batches: int | None = None,
+                 pipeline_stages: int | None = None, schedule: str | None = None,
+                 strategy: str | None = None) -> None:
         pm = plugins or PluginManager()
         super().__init__(pm.frontend(JaxFrontend.name), fn, mesh=mesh, constraints=constraints, solver_options=solver_options,
                          plugins=pm, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
-                         progress=progress)
+                         progress=progress, micro_batches=micro_batches, pipeline_stages=pipeline_stages,
+                         schedule=schedule, strategy=strategy)
 
     def lowered(self) -> LoweredStep:
         """The lowered step of the last compile (an error before the first call)."""
@@ -91,7 +94,9 @@ class JaxStep(CompiledStep):
 def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: str | None = None,
                      memory_budget: int | None = None, cache_dir: str | None = None,
                      constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
-                     progress: bool | None = None, plugins: PluginManager | None = None) -> Any:
+                     progress: bool | None = None, plugins: PluginManager | None = None,
+                     micro_batches: int | None = None, pipeline_stages: int | None = None,
+                     schedule: str | None = None, strategy: str | None = None) -> Any:
     """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``.
 
     :param mesh: None (every device of every process as one axis), a shape
@@ -106,12 +111,20 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
     :param solver_options: extra options for the solver.
     :param progress: show progress of discovery and solving (default: on a terminal).
     :param plugins: the PluginManager to use (default: the installed plugins).
+    :param micro_batches: cut the batch (dim 0 of every leaf of ``args[2:]``) into this many equal parts;
+        gradients accumulate over them inside the step (all in one shard_map).
+    :param pipeline_stages: None or 1; more stages are not implemented yet (an error).
+    :param schedule: validated only (pipelines are not implemented yet).
+    :param strategy: "auto" (default) or a preset ("ddp", "zero1", "zero2", "zero3"/"fsdp", "tp", "tp+dp"):
+        constraints on the same plan search (:mod:`metadist_core.presets`).
 
     Use as ``@metadist_compile`` or ``@metadist_compile(mesh=(2, 4))``; returns a :class:`JaxStep`.
     """
     def wrap(f: Callable) -> JaxStep:
         return JaxStep(f, mesh=mesh, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
-                       constraints=constraints, solver_options=solver_options, progress=progress, plugins=plugins)
+                       constraints=constraints, solver_options=solver_options, progress=progress, plugins=plugins,
+                       micro_batches=micro_batches, pipeline_stages=pipeline_stages, schedule=schedule,
+                       strategy=strategy)
 
     return wrap(fn) if fn is not None else wrap
 

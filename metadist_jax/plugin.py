@@ -84,6 +84,17 @@ class JaxFrontend(Frontend):
         program = lower_plan(traced.graph, plan, mesh, self.jax_mesh(mesh), ctx.output_ids)
         return LoweredStep(program, ctx)
 
+    def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
+        from .microbatch import split_batch
+        return split_batch(args, kwargs, m)
+
+    def lower_micro_batches(self, traced: Traced, cut: Any, plans: tuple, mesh: "Mesh",
+                            settings: "Settings") -> Callable:
+        """Every micro-batch inside one jitted shard_map (:mod:`metadist_jax.microbatch`)."""
+        from .microbatch import lower_micro_batches
+        return lower_micro_batches(traced.graph, traced.context, cut, plans, plans[2], mesh, self.jax_mesh(mesh),
+                                   settings.micro_batches)
+
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         """Time psum and all_gather over this process's JAX devices; write and return the MeshProfile."""
         import jax

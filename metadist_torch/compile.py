@@ -52,7 +52,10 @@ class TorchStep(CompiledStep):
 
 def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget: int | None = None,
                      cache_dir: str | None = None, *, constraints: Iterable[Any] | None = None,
-                     plugins: PluginManager | None = None) -> Callable[[Callable], TorchStep]:
+                     plugins: PluginManager | None = None, micro_batches: int | None = None,
+                     pipeline_stages: int | None = None, schedule: str | None = None,
+                     grad_compression: str | None = None,
+                     strategy: str | None = None) -> Callable[[Callable], TorchStep]:
     """Decorate a training step so that it runs split over the devices of ``mesh``.
 
     :param mesh: None (the whole world as one axis), a shape such as ``(2, 2)``,
@@ -60,15 +63,28 @@ def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget:
     :param solver: solver name (default from ``METADIST_SOLVER`` / pyproject / "ilp").
     :param memory_budget: bytes per device the plan must fit in.
     :param cache_dir: where the rule cache lives.
-    :param constraints: ``Pin``/``Forbid`` constraints every plan must keep.
+    :param constraints: ``{parameter name or glob: Placement or tuple of Placements, one per axis}``
+        (``{"head.weight": Replicate(), "*.fc.weight": Shard(0)}``) and/or ``Pin``/``Forbid`` constraints.
+    :param strategy: "auto" (default) or a preset: "ddp", "zero1", "zero2", "zero3" (= "fsdp"), "tp",
+        "tp+dp" -- constraints on the same plan search (:mod:`metadist_core.presets`).
     :param plugins: the PluginManager to find solvers in (default: the installed plugins).
+    :param micro_batches: cut the batch (dim 0 of every tensor input) into this many equal parts; gradients
+        accumulate over them within one call (a mean-reduced loss gives the whole batch's numbers).
+    :param pipeline_stages: 1: no pipeline; k > 1: k stages along mesh axis 0 (its size must be k), each
+        split by its own plan on the other axes, run on torch.distributed.pipelining; None: the planner may
+        pipeline when a ``memory_budget`` is set (:mod:`metadist_core.pipeplan`).
+    :param schedule: "1f1b" | "gpipe" | "interleaved" (2 stages per device): the pipelining schedule.
+    :param grad_compression: None, "bf16" or "fp16": gradient collectives travel in that dtype and are
+        decompressed before the optimizer (approximate; see :mod:`metadist_torch.compression`).
     """
     if callable(mesh) and not isinstance(mesh, (tuple, list)) and not hasattr(mesh, "shape"):
         raise TypeError("metadist_compile takes arguments: write @metadist_compile() with parentheses")
 
     def wrap(fn: Callable) -> TorchStep:
         return TorchStep(TorchFrontend(), fn, mesh=mesh, constraints=constraints, plugins=plugins, solver=solver,
-                         memory_budget=memory_budget, cache_dir=cache_dir)
+                         memory_budget=memory_budget, cache_dir=cache_dir, micro_batches=micro_batches,
+                         pipeline_stages=pipeline_stages, schedule=schedule, grad_compression=grad_compression,
+                         strategy=strategy)
 
     return wrap
 

@@ -29,7 +29,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -40,12 +40,15 @@ from metadist_core.ir import DTYPE_BYTES, MetaIR, MetaOp
 from metadist_core.placement import Mesh, Sharding, chunk_bounds, chunk_sizes, group_extents, shard_shape
 
 from .calls import rebuild, resolve_target
+from .compression import compressed
 from .stats import CommStats
 
 # ops whose second argument is the full output shape: lowered with the local output shape
 SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "_reshape_copy", "expand",
                            "expand_copy", "_reshape_alias"})
 DTYPE_META = "metadist_dtype"   # fx node meta: the canonical dtype of the value a node holds
+VAR_META = "metadist_var"       # fx node meta: the MetaIR value a node holds (a collective's: the value it moves)
+WIRE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})   # take a wire dtype
 
 
 def _funcol():
@@ -73,45 +76,68 @@ class AxisComm:
     def __init__(self, axis: int, group: Any, n: int, coord: int, stats: CommStats) -> None:
         self.axis, self.group, self.n, self.coord, self.stats = axis, group, n, coord, stats
 
-    def all_reduce(self, x: torch.Tensor, reduce: str) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, reduce: str, wire: torch.dtype | None = None) -> torch.Tensor:
+        """``wire``: the dtype the value travels in (grad_compression), cast back after; None: its own."""
         fc, _, _ = _funcol()
-        self.stats.add("all_reduce", _nbytes(x))
-        y = fc.wait_tensor(fc.all_reduce(x.contiguous(), "sum" if reduce == "avg" else reduce, self.group))
+
+        def run(t: torch.Tensor) -> torch.Tensor:
+            self.stats.add("all_reduce", _nbytes(t))   # not waited for: the first reader waits (schedule.py)
+            return fc.all_reduce(t.contiguous(), "sum" if reduce == "avg" else reduce, self.group)
+        if wire is not None and reduce == "avg":
+            return compressed(x, wire, run, divide=self.n)
+        y = compressed(x, wire, run)
         return y / self.n if reduce == "avg" else y
 
-    def all_reduce_bucket(self, xs: Sequence[torch.Tensor], reduce: str) -> tuple:
+    def all_reduce_bucket(self, xs: Sequence[torch.Tensor], reduce: str, wire: torch.dtype | None = None) -> tuple:
         """Several independent all_reduces of one dtype as one call on a flat buffer (same bytes, one latency)."""
         fc, _, _ = _funcol()
         flat = torch.cat([x.reshape(-1) for x in xs])
-        self.stats.add("all_reduce", _nbytes(flat), calls=len(xs))   # calls count the plan's collectives
-        y = fc.wait_tensor(fc.all_reduce(flat, "sum" if reduce == "avg" else reduce, self.group))
-        if reduce == "avg":
-            y = y / self.n
+
+        def run(t: torch.Tensor) -> torch.Tensor:
+            self.stats.add("all_reduce", _nbytes(t), calls=len(xs))   # calls count the plan's collectives
+            return fc.all_reduce(t, "sum" if reduce == "avg" else reduce, self.group)   # waited at first use
+        if wire is not None and reduce == "avg":
+            y = compressed(flat, wire, run, divide=self.n)
+        else:
+            y = compressed(flat, wire, run)
+            if reduce == "avg":
+                y = y / self.n
         return tuple(p.view(x.shape) for p, x in zip(y.split([x.numel() for x in xs]), xs))
 
-    def all_gather(self, x: torch.Tensor, dim: int, sizes: Sequence[int]) -> torch.Tensor:
+    def all_gather(self, x: torch.Tensor, dim: int, sizes: Sequence[int],
+                   wire: torch.dtype | None = None) -> torch.Tensor:
         """Concatenate the members' pieces along ``dim``; member ``i`` holds ``sizes[i]`` of it."""
         fc, ag, _ = _funcol()
         c = max(sizes)
-        y = fc.wait_tensor(ag(_pad(x, dim, c).contiguous(), dim, self.group))
-        if any(s != c for s in sizes):
-            y = torch.cat([y.narrow(dim, i * c, s) for i, s in enumerate(sizes) if s], dim=dim)
-        self.stats.add("all_gather", _nbytes(y))
-        return y
 
-    def reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int) -> torch.Tensor:
+        def run(t: torch.Tensor) -> torch.Tensor:
+            y = fc.wait_tensor(ag(_pad(t, dim, c).contiguous(), dim, self.group))
+            if any(s != c for s in sizes):
+                y = torch.cat([y.narrow(dim, i * c, s) for i, s in enumerate(sizes) if s], dim=dim)
+            self.stats.add("all_gather", _nbytes(y))
+            return y
+        return compressed(x, wire, run)
+
+    def reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int, wire: torch.dtype | None = None) -> torch.Tensor:
         fc, _, rs = _funcol()
         sizes = chunk_sizes(x.shape[dim], self.n)
         c = max(sizes)
-        self.stats.add("reduce_scatter", _nbytes(x))
         op = "sum" if reduce == "avg" else reduce
-        y = fc.wait_tensor(rs(_pad(x, dim, c * self.n).contiguous(), op, dim, self.group))
-        if sizes[self.coord] != c:
-            y = y.narrow(dim, 0, sizes[self.coord])
+
+        def run(t: torch.Tensor) -> torch.Tensor:
+            self.stats.add("reduce_scatter", _nbytes(t))
+            y = fc.wait_tensor(rs(_pad(t, dim, c * self.n).contiguous(), op, dim, self.group))
+            return y.narrow(dim, 0, sizes[self.coord]) if sizes[self.coord] != c else y
+        if wire is not None and reduce == "avg":
+            return compressed(x, wire, run, divide=self.n)
+        y = compressed(x, wire, run)
         return y / self.n if reduce == "avg" else y
 
-    def all_to_all(self, x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int]) -> torch.Tensor:
+    def all_to_all(self, x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int],
+                   wire: torch.dtype | None = None) -> torch.Tensor:
         """Gather ``src`` (member ``i`` holds ``src_sizes[i]`` of it) while splitting ``dst``."""
+        if wire is not None and x.dtype != wire and x.dtype.is_floating_point:
+            return self.all_to_all(x.to(wire), src, dst, src_sizes).to(x.dtype)
         fc, _, _ = _funcol()
         n = self.n
         dst_sizes = chunk_sizes(x.shape[dst], n)
@@ -158,8 +184,9 @@ class TorchCollectives(Collectives):
     """The plan's collectives as fx nodes: each call adds a node calling this rank's :class:`AxisComm`."""
 
     def __init__(self, g: fx.Graph, mesh: Mesh, coords: Sequence[int], groups: Sequence[Any] | None,
-                 stats: CommStats) -> None:
+                 stats: CommStats, wire: Mapping[str, torch.dtype] | None = None) -> None:
         self.g, self.mesh, self.coords, self.stats = g, mesh, tuple(int(c) for c in coords), stats
+        self.wire = dict(wire or {})   # value id -> the dtype its collectives travel in (grad_compression)
         self.comms = [AxisComm(a, None if groups is None else groups[a], mesh.shape[a], self.coords[a], stats)
                       for a in range(mesh.ndim)]
         self.fns: dict[tuple[int, str], Callable] = {}
@@ -173,14 +200,19 @@ class TorchCollectives(Collectives):
         return self.fns[k]
 
     def _call(self, x: fx.Node, c: Collective, *args: Any) -> fx.Node:
-        node = self.g.call_function(self.fn(c.axis, c.kind), (x, *args))
+        wire = self.wire.get(x.meta.get(VAR_META)) if c.kind in WIRE_KINDS else None
+        node = self.g.call_function(self.fn(c.axis, c.kind), (x, *args) + ((wire,) if wire is not None else ()))
         node.meta[DTYPE_META] = x.meta.get(DTYPE_META, "float32")
+        node.meta[VAR_META] = x.meta.get(VAR_META)
         return node
 
     def all_reduce(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         node = self._call(x, c, c.reduce)
         dtype = node.meta[DTYPE_META]
-        self.reduces[node] = (c.axis, c.reduce, dtype, math.prod(shape) * DTYPE_BYTES.get(dtype, 4))
+        wire = node.args[2] if len(node.args) > 2 else None   # buckets hold one dtype, sent one way
+        size = DTYPE_BYTES.get(dtype, 4) if wire is None else wire.itemsize
+        self.reduces[node] = (c.axis, c.reduce, dtype if wire is None else f"{dtype}->{wire}",
+                              math.prod(shape) * size)
         return node
 
     def all_gather(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
@@ -228,6 +260,7 @@ def op_node(g: fx.Graph, graph: MetaIR, op: MetaOp, ins: Sequence[fx.Node], out_
         outs = [g.call_function(operator.getitem, (picked, i)) for i in range(len(op.outputs))]
     for o, v in zip(outs, op.outputs):
         o.meta[DTYPE_META] = graph.vars[v].dtype
+        o.meta[VAR_META] = v
     return outs
 
 
@@ -273,7 +306,8 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[int], 
             continue
         axis, reduce, _ = b["key"]
         with g.inserting_before(b["anchor"]):
-            call = g.call_function(bucket_fn(axis), ([m.args[0] for m in b["members"]], reduce))
+            call = g.call_function(bucket_fn(axis), ([m.args[0] for m in b["members"]], reduce,
+                                                     *b["anchor"].args[2:]))   # the wire dtype, if any
             outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(b["members"]))]
         for m, o in zip(b["members"], outs):
             m.replace_all_uses_with(o)
@@ -281,10 +315,13 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[int], 
 
 
 def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], groups: Sequence[Any] | None,
-               stats: CommStats | None = None, coalesce: bool = True, bucket_bytes: int = 25 * 2**20) -> RankGraph:
+               stats: CommStats | None = None, coalesce: bool = True, bucket_bytes: int = 25 * 2**20,
+               wire: Mapping[str, torch.dtype] | None = None) -> RankGraph:
     """Build this rank's fx program for ``plan`` (``groups[axis]``: the process group of each mesh axis).
 
     ``coalesce`` merges independent all_reduces of one axis into buckets of up to ``bucket_bytes``.
+    ``wire`` (value id -> torch dtype, :func:`metadist_torch.compression.wire_map`): the values whose
+    collectives travel compressed.
     """
     stats = stats if stats is not None else CommStats()
     coords = tuple(int(c) for c in coords)
@@ -293,7 +330,8 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     for v in graph.inputs:
         inputs[v] = g.placeholder(_safe(v))
         inputs[v].meta[DTYPE_META] = graph.vars[v].dtype
-    colls = TorchCollectives(g, mesh, coords, groups, stats)
+        inputs[v].meta[VAR_META] = v
+    colls = TorchCollectives(g, mesh, coords, groups, stats, wire)
 
     def run_op(op: MetaOp, ins: list, out_sh: list[Sharding]) -> list[fx.Node]:
         return op_node(g, graph, op, ins, out_sh, mesh, coords, _safe(op.id))
@@ -304,9 +342,13 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     g.eliminate_dead_code()
     if coalesce:
         coalesce_all_reduces(g, colls.reduces, lambda axis: colls.fn(axis, "all_reduce_bucket"), bucket_bytes)
+    from .schedule import issue_early
+    issue_early(g)   # all_reduces issued as soon as their input exists, waited for at their first reader
     n_coll = sum(1 for _, c in res.collectives if not c.is_free)
-    return RankGraph(fx.GraphModule(torch.nn.Module(), g), list(graph.inputs), output_vars, state_inputs, stats,
-                     n_coll)
+    rg = RankGraph(fx.GraphModule(torch.nn.Module(), g), list(graph.inputs), output_vars, state_inputs, stats,
+                   n_coll)
+    rg.collectives = [(v, c) for v, c in res.collectives if not c.is_free]   # as run, before bucketing
+    return rg
 
 
 def _safe(name: str) -> str:

@@ -99,11 +99,37 @@ class TorchFrontend(Frontend):
         if not eng.distributed:
             return LocalProgram(step)
         place_state(step, plan, eng)
+        from .compression import wire_map
         graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
-                           coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes)
+                           coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
+                           wire=wire_map(traced.graph, settings.grad_compression))
         if step.random_ops:
             eng.sync_rng()   # once per engine: every rank draws what rank 0 (and one device) would
         return RankProgram(step, graph, plan, eng)
+
+    def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
+        from .pipeline import split_batch
+        return split_batch(args, kwargs, m)
+
+    def lower_micro_batches(self, traced: Traced, cut: Any, plans: tuple, mesh: "Mesh",
+                            settings: "Settings") -> Callable:
+        from .engine import engine_for
+        from .pipeline import lower_micro_batches
+        eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
+        return lower_micro_batches(traced.context, cut, plans, mesh, eng, settings)
+
+    def pipelines(self) -> bool:
+        return True
+
+    def lower_stages(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
+        from metadist_core.microbatch import cut_at_gradients
+        from .engine import engine_for
+        from .stages import lower_stages
+        eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
+        g = traced.graph
+        batch_in = [v for v in g.inputs if g.vars[v].role == "input" and g.vars[v].shape]
+        cut = cut_at_gradients(g, g.vars[batch_in[0]].shape[0] if batch_in else None)
+        return lower_stages(traced.context, cut, list(plan.stages), plan, eng, settings)
 
     def demo(self, args: Sequence[str]) -> int:
         """``[--nproc N] [--mesh M] [--solver S] ...``: the GPT example on N local CPU ranks under torchrun."""
@@ -116,6 +142,29 @@ class TorchFrontend(Frontend):
             nproc = int(rest[i + 1])
             del rest[i:i + 2]
         return run(nproc=nproc, args=rest)
+
+    def device_kind(self) -> str | None:
+        import torch
+        eng = self._engine()
+        if eng.device.type == "cuda":
+            return "cuda-" + torch.cuda.get_device_name(eng.device).replace(" ", "_")
+        return f"cpu{torch.get_num_threads()}t"
+
+    def measure_profile(self, mesh: "Mesh", cached: Any) -> Any:
+        """Alpha/beta per axis on the live process groups and the device's rates (a few seconds), unless
+        every rank has ``cached`` and it covers this mesh (ranks agree first: one all_reduce)."""
+        import torch
+        import torch.distributed as dist
+        eng = self._engine()
+        if not eng.distributed:
+            return cached
+        have = cached is not None and "x".join(map(str, mesh.shape)) in cached.axis_costs
+        flag = torch.tensor([1 if have else 0], device=eng.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag.item()) == 1:
+            return cached
+        from .calibrate import measure_live
+        return measure_live(eng, mesh, cached)
 
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         from .calibrate import run_calibrate

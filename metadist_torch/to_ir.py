@@ -8,6 +8,7 @@ graph uses in ``attrs["select"]``.
 from __future__ import annotations
 
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,28 @@ def _encode_const(x: Any) -> Any:
     raise TraceError(f"cannot encode argument {x!r} of type {type(x).__name__}")
 
 
+def state_label(state: StepState, i: int) -> str:
+    """The user's name of state slot ``i``: ``blocks.0.fc.weight``, and ``blocks.0.fc.weight.exp_avg`` for
+    the optimizer state of that parameter."""
+    name = state.slots[i].name
+    m = re.match(r"^opt\d+\.state\[(\d+)\]\.(.+)$", name)
+    if m and int(m.group(1)) < len(state.params):
+        return f"{state.params[int(m.group(1))].name}.{m.group(2)}"
+    return name
+
+
+def is_annotation(target: Any) -> bool:
+    """Is this fx call target ``metadist::annotate`` (:func:`metadist_torch.annotate`)?"""
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "metadist" \
+        and target._schema.name.split("::")[-1] == "annotate"
+
+
+def decode_placements(text: str) -> tuple:
+    """The placements ``metadist::annotate`` carries, from their short forms (``"S(0),R"``)."""
+    from metadist_core.placement import parse_placement
+    return tuple(parse_placement(p) for p in str(text).split(","))
+
+
 def _val_meta(val: Any) -> tuple[tuple[int, ...], str] | None:
     if isinstance(val, torch.Tensor):
         return tuple(int(s) for s in val.shape), canonical_dtype(val.dtype)
@@ -82,7 +105,8 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
     for i, ph in enumerate(placeholders):
         meta = _val_meta(ph.meta.get("val"))
         role = slots[i].role if i < len(slots) else ROLE_INPUT
-        g.add_input(ph.name, meta[0] if meta else None, meta[1] if meta else "float32", role)
+        mv = g.add_input(ph.name, meta[0] if meta else None, meta[1] if meta else "float32", role)
+        mv.label = state_label(state, i) if i < len(slots) else None
         in_names.append(ph.name)
     constants: list[torch.Tensor] = []
     random_ops: list[str] = []
@@ -109,6 +133,11 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
                 alias_getitem[n] = first
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        if is_annotation(n.target):   # metadist_torch.annotate: the value itself, pinned (no op of its own)
+            src = alias_getitem.get(n.args[0], n.args[0])
+            var_of[n] = var_of[src]
+            g.annotations[var_of[src]] = decode_placements(n.args[1])
             continue
         key = target_key(n.target)
         if key is None:

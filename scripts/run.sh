@@ -2,7 +2,9 @@
 # One entry point for a fresh machine: makes .venv, installs MetaDist with what
 # the command needs, then runs it.
 #   bash scripts/run.sh demo [ARGS...]   the main job: `metadist demo`
-#   bash scripts/run.sh test [ARGS...]   the whole test suite (what CI runs)
+#   bash scripts/run.sh test [ARGS...]   the lean suite CI runs: every test not marked slow, plus the
+#                                        slow ones marked ci (the 2- and 4-rank torchrun equivalence test)
+#   bash scripts/run.sh test-all [ARGS...]  everything, slow multi-process cases included
 # torch comes pinned as torch==2.13.0 (a CPU build on these machines); never an
 # unpinned torch, which would pull gigabytes of CUDA packages.
 set -euo pipefail
@@ -29,6 +31,7 @@ python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if
 
 case "$cmd" in
     demo) exec metadist demo "$@" ;;
-    test) exec python -m pytest -q "$@" ;;
-    *) echo "usage: bash scripts/run.sh demo|test [ARGS...]" >&2; exit 2 ;;
+    test) exec python -m pytest -q -m "not slow or ci" "$@" ;;
+    test-all) exec python -m pytest -q "$@" ;;
+    *) echo "usage: bash scripts/run.sh demo|test|test-all [ARGS...]" >&2; exit 2 ;;
 esac

@@ -327,6 +327,7 @@ def run_torchrun(cmd: list, env: dict, out: Path) -> subprocess.CompletedProcess
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_compiled_steps_match_single_device_on_2_and_4_gloo_ranks(tmp_path):
     pytest.importorskip("torch")
     cache = tmp_path / "rules"
