@@ -14,6 +14,7 @@
 | verify_draws   | METADIST_VERIFY_DRAWS      | verify_draws    | 2 (random draws per rule) |
 | progress       | METADIST_PROGRESS          | progress        | on a terminal      |
 | max_real_discovery | METADIST_MAX_REAL_DISCOVERY | max_real_discovery | 2**24 elements |
+| measure_links  | METADIST_MEASURE_LINKS     | measure_links   | true (measure on first compile) |
 | strategy       | METADIST_STRATEGY          | strategy        | auto (or a preset: ddp, zero1..3, fsdp, tp, tp+dp) |
 | micro_batches  | METADIST_MICRO_BATCHES     | micro_batches   | 1 (no accumulation)|
 | pipeline_stages| METADIST_PIPELINE_STAGES   | pipeline_stages | none (planner; k: k stages on axis 0)|
@@ -48,6 +49,7 @@ class Settings:
     bucket_mb: float = 25.0
     beam_width: int = 8
     verify_draws: int = 2
+    measure_links: bool = True   # measure link and device costs on the first compile (else the defaults)
     max_real_discovery: int = 2 ** 24   # elements: an op no proxy can stand for is discovered at real size below this
     progress: bool | None = None
     strategy: str = "auto"   # "auto" or a preset of metadist_core.presets (constraints on the same problem)
@@ -92,7 +94,7 @@ def load_settings(**explicit: Any) -> Settings:
             value = file_vals.get(f.name)
         if value is None:
             continue
-        if f.name in ("coalesce", "progress"):
+        if f.name in ("coalesce", "progress", "measure_links"):
             value = _bool(f.name, value)
         elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws", "max_real_discovery",
                         "micro_batches",

@@ -187,6 +187,8 @@ def profile_for(frontend, mesh: Mesh, settings, *, force: bool = False) -> MeshP
     """
     if settings.mesh_profile:
         return load_profile(settings.mesh_profile)
+    if not getattr(settings, "measure_links", True) and not force:
+        return MeshProfile()   # the built-in defaults: plans that do not change with this machine's load
     kind = frontend.device_kind() if mesh.size > 1 else None
     if kind is None:
         return MeshProfile()

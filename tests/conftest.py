@@ -2,6 +2,9 @@ import os
 
 # Tests never draw the progress bar and never touch the user's real cache.
 os.environ.setdefault("METADIST_PROGRESS", "0")
+# Plans must not change with this machine's load from run to run: tests price with the built-in link costs
+# (tests of measuring itself turn it back on), and torchrun workers inherit this.
+os.environ.setdefault("METADIST_MEASURE_LINKS", "0")
 
 
 import pytest

@@ -159,7 +159,8 @@ class _Measuring(ReferenceFrontend):
         return prof
 
 
-def test_profile_measured_once_reused_and_rebuilt_for_another_world_size(tmp_path):
+def test_profile_measured_once_reused_and_rebuilt_for_another_world_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")   # on by default; the test suite turns it off
     fe = _Measuring()
     s = load_settings(cache_dir=str(tmp_path), progress=False)
     p1 = profile_for(fe, Mesh((2,)), s)
@@ -177,7 +178,8 @@ def test_profile_measured_once_reused_and_rebuilt_for_another_world_size(tmp_pat
     assert fe.measured == 3
 
 
-def test_compile_prices_with_the_measured_profile(tmp_path):
+def test_compile_prices_with_the_measured_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")
     from metadist_core.pipeline import compile_step
     from metadist_core.reference import transformer_block
     fe = _Measuring()
