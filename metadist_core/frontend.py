@@ -18,6 +18,7 @@ starting with one of ``op_prefixes``. ``demo`` and ``calibrate`` are optional
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import importlib
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class NotSupported(RuntimeError):
     """A frontend was asked for something it does not offer (names the frontend and the feature)."""
 
 
-class Frontend:
+class Frontend(abc.ABC):
     """Base class of frontend adapters; override what your framework supports.
 
     Subclasses set ``name`` (what users pass), ``op_prefixes`` (op keys they
@@ -58,20 +59,20 @@ class Frontend:
     proxy_shapes: bool = False  # op_spec reads only the graph's shapes and op.attrs: discovery may use proxy sizes
 
     # -- the flow ---------------------------------------------------------------
+    @abc.abstractmethod
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         """The compile-cache key of a call; calls with equal keys reuse one compiled step."""
-        raise NotImplementedError(f"frontend {self.name!r} does not define signature()")
 
+    @abc.abstractmethod
     def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
         """Trace the step ``fn(*args, **kwargs)`` into MetaIR (plus what lowering needs)."""
-        raise NotImplementedError(f"frontend {self.name!r} does not define trace()")
 
+    @abc.abstractmethod
     def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> "Mesh":
         """The Mesh this process runs on for the user's ``mesh`` argument, priced with ``profile``.
 
         A mesh whose size differs from the engine's device count is an error quoting both.
         """
-        raise NotImplementedError(f"frontend {self.name!r} does not define resolve_mesh()")
 
     def constraints(self, graph: "MetaIR", mesh: "Mesh") -> list:
         """Constraints (``Pin``/``Forbid``) the engine needs on every plan of ``graph`` (default none)."""
@@ -90,11 +91,11 @@ class Frontend:
     def share_error(self, error: BaseException) -> None:
         """The planner failed with ``error``: tell the other processes so that none waits for a plan."""
 
+    @abc.abstractmethod
     def lower(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
         """A callable that runs one step of ``plan`` on this process, called with the step's arguments.
 
         ``settings`` carries the lowering's knobs (``coalesce``, ``bucket_bytes``...)."""
-        raise NotImplementedError(f"frontend {self.name!r} does not define lower()")
 
     # -- micro-batches (metadist_core.microbatch) --------------------
     def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:

@@ -195,6 +195,25 @@ class MetaIR:
     def op_index(self, op_id: str) -> int:
         return self._op_index[op_id]
 
+    def ops_computing(self, targets: Iterable[str], stop: Iterable[str] = ()) -> list[str]:
+        """Ids of the ops needed to compute ``targets`` from the graph inputs and the ``stop`` values,
+        in graph order (a backward slice)."""
+        stop = set(stop)
+        need: set[str] = set()
+        todo = [t for t in targets if t not in stop]
+        seen: set[str] = set()
+        while todo:
+            v = todo.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            p = self.vars[v].producer
+            if p is None or p in need:
+                continue
+            need.add(p)
+            todo.extend(x for x in self.op(p).inputs if x not in stop)
+        return [op.id for op in self.ops if op.id in need]
+
     def producer(self, var_id: str) -> MetaOp | None:
         p = self.vars[var_id].producer
         return None if p is None else self.op(p)

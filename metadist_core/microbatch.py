@@ -87,24 +87,6 @@ def _ancestors(graph: MetaIR, targets: Iterable[str]) -> set[str]:
     return out
 
 
-def _slice(graph: MetaIR, targets: Iterable[str], stop: set[str]) -> list[str]:
-    """Ids of the ops needed to compute ``targets`` from graph inputs and ``stop`` vars, in graph order."""
-    need: set[str] = set()
-    todo = [t for t in targets if t not in stop]
-    seen: set[str] = set()
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        p = graph.vars[v].producer
-        if p is None or p in need:
-            continue
-        need.add(p)
-        todo.extend(x for x in graph.op(p).inputs if x not in stop)
-    return [op.id for op in graph.ops if op.id in need]
-
-
 def _subgraph(graph: MetaIR, name: str, op_ids: Sequence[str], extra_inputs: Sequence[str],
               outputs: Sequence[str], aliases: dict[str, str], acc: dict[str, str]) -> MetaIR:
     """A MetaIR of ``op_ids`` keeping every id (so the plan's strategies and edges still name them)."""
@@ -229,7 +211,7 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
     state_outs = set(graph.aliases.values())
     user_outputs = [o for o in graph.outputs if o not in state_outs]
 
-    update_ops = _slice(graph, update_aliases.values(), made_by_grad)
+    update_ops = graph.ops_computing(update_aliases.values(), made_by_grad)
     needed = {v for i in update_ops for v in graph.op(i).inputs} | set(update_aliases.values())
     gradients = [v for v in graph.vars if v in made_by_grad and v in needed]
     raw = [v for i in update_ops for v in graph.op(i).inputs if v in inputs_by_role["input"]]
@@ -238,7 +220,7 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
                               f"gradients; micro_batches cannot accumulate such a step (use micro_batches=1)")
     acc_of = {f"{g}{ACC_SUFFIX}": g for g in gradients}
     grad_targets = user_outputs + list(buffer_aliases.values()) + gradients
-    grad_ops_needed = _slice(graph, grad_targets, set())
+    grad_ops_needed = graph.ops_computing(grad_targets)
     mixed = [i for i in grad_ops_needed if i not in grad_ops and any(v in batch for v in graph.op(i).outputs)]
     if mixed:
         op = graph.op(mixed[0])

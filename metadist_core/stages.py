@@ -104,20 +104,7 @@ def forward_ops(graph: MetaIR) -> list[str]:
     state_outs = set(graph.aliases.values())
     targets = [o for o in graph.outputs if o not in state_outs]
     targets += new_buffers(graph)
-    need: set[str] = set()
-    todo = list(targets)
-    seen: set[str] = set()
-    while todo:
-        v = todo.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        p = graph.vars[v].producer
-        if p is None or p in need:
-            continue
-        need.add(p)
-        todo.extend(graph.op(p).inputs)
-    return [op.id for op in graph.ops if op.id in need]
+    return graph.ops_computing(targets)
 
 
 def free_values(graph: MetaIR, ops: Iterable[str]) -> set[str]:
