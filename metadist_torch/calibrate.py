@@ -123,18 +123,6 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
 LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20)   # bytes per all_reduce timed on each mesh axis
 
 
-def _median_time(fn, iters: int, sync) -> float:
-    fn()
-    sync()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def measure_device_rates(iters: int = 7) -> dict:
     """This process's matmul FLOP/s, memory-bound bytes/s and per-op overhead (medians: the ranks of one
     machine measure at once, so the figures include what they take from each other)."""
@@ -146,9 +134,9 @@ def measure_device_rates(iters: int = 7) -> dict:
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
     x = torch.randn(1 << 20 if dev.type == "cpu" else 1 << 26, device=dev)
     tiny = torch.randn(8, device=dev)
-    mm = _median_time(lambda: a @ b, iters, sync)
-    add = _median_time(lambda: x.add(1.0), iters, sync)
-    over = _median_time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync) / 50
+    mm = _time(lambda: a @ b, iters, sync)
+    add = _time(lambda: x.add(1.0), iters, sync)
+    over = _time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync) / 50
     return {"peak_flops": 2 * n ** 3 / max(mm - over, 1e-9), "mem_bandwidth": 2 * x.numel() * 4 / max(add - over, 1e-9),
             "op_overhead": over}
 
@@ -184,12 +172,12 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
             dist.all_reduce(torch.ones(1, device=dev), group=group)
         a = torch.randn(192, 192, device=dev)
         work = (lambda: [a @ a for _ in range(8)])      # the compute a collective sits between in a step
-        base = _median_time(work, iters, sync)
+        base = _time(work, iters, sync)
         for nbytes in LIVE_SIZES:
             x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
             # timed between compute, as in a step: the ranks arrive at the collective as unevenly as they
             # do there (ranks sharing cores are scheduled in turn), which a loop of bare collectives hides
-            both = _median_time(lambda: (work(), dist.all_reduce(x, group=group)), iters, sync)
+            both = _time(lambda: (work(), dist.all_reduce(x, group=group)), iters, sync)
             t = torch.tensor([max(both - base, 1e-7)], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rows.append(("all_reduce", n, x.numel() * 4, float(t.item())))
