@@ -89,9 +89,17 @@ def _same_shapes(name: str) -> Callable[[Any, Shapes], str | None]:
     return rule
 
 
+def _binary(name: str) -> Callable[[Any, Shapes], str | None]:
+    """``name`` for two tensors of one shape; a tensor and a Python scalar (``mul(x, 0)``, ``mul(x, -1)``) keeps
+    its op key and its scalar in the pattern: the scalar decides the rules (x * 0 is the same on every device,
+    x * -1 turns Partial(max) into Partial(min))."""
+    same = _same_shapes(name)
+    return lambda attrs, shapes: same(attrs, shapes) if len(shapes) == 2 else None
+
+
 def _aten_add(attrs: Mapping[str, Any] | None, shapes: Shapes) -> str | None:
     alpha = _arg(attrs, 2, "alpha", 1)
-    return _same_shapes("add")(attrs, shapes) if alpha in (1, 1.0, None) else None
+    return _binary("add")(attrs, shapes) if alpha in (1, 1.0, None) else None
 
 
 def _softmax_last(axis_pos: int, axis_name: str) -> Callable[[Any, Shapes], str | None]:
@@ -123,14 +131,14 @@ CANONICAL: dict[str, Callable[[Any, Shapes], str | None]] = {
     "te.topi.nn.dense": _te_dense,
     "aten.linear.default": _aten_linear,
     # elementwise, same shapes
-    "np.add": _same_shapes("add"),
-    "te.topi.add": _same_shapes("add"),
+    "np.add": _binary("add"),
+    "te.topi.add": _binary("add"),
     "aten.add.Tensor": _aten_add,
-    "jax.lax.add": _same_shapes("add"),
-    "np.mul": _same_shapes("mul"),
-    "te.topi.multiply": _same_shapes("mul"),
-    "aten.mul.Tensor": _same_shapes("mul"),
-    "jax.lax.mul": _same_shapes("mul"),
+    "jax.lax.add": _binary("add"),
+    "np.mul": _binary("mul"),
+    "te.topi.multiply": _binary("mul"),
+    "aten.mul.Tensor": _binary("mul"),
+    "jax.lax.mul": _binary("mul"),
     "np.relu": _same_shapes("relu"),
     "te.topi.nn.relu": _same_shapes("relu"),
     "aten.relu.default": _same_shapes("relu"),

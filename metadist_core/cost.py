@@ -288,30 +288,68 @@ class DeviceSpec:
     mem_bandwidth: float = 20e9
     memory_bytes: int = 16 * 2**30
     op_overhead: float = 0.0      # seconds every op costs on top of the roofline (dispatch; measured)
+    # peak FLOP/s per compute dtype where it differs from ``peak_flops`` (tensor cores: bf16/fp16); a dict
+    # is accepted and kept as sorted (dtype, FLOP/s) pairs so that the spec stays hashable
+    flops_by_dtype: tuple[tuple[str, float], ...] = ()
+    # bytes/s between host memory and this device (PCIe/NVLink-C2C); None: the host is this device (a CPU):
+    # offload's transfers are free (metadist_core.offload)
+    host_link: float | None = None
+
+    def __post_init__(self) -> None:
+        pairs = self.flops_by_dtype.items() if isinstance(self.flops_by_dtype, dict) else self.flops_by_dtype
+        object.__setattr__(self, "flops_by_dtype", tuple(sorted((str(k), float(v)) for k, v in pairs)))
+
+    def flops_for(self, dtype: str | None) -> float:
+        """Peak FLOP/s of compute in ``dtype`` (canonical string); ``peak_flops`` where none is given."""
+        return dict(self.flops_by_dtype).get(dtype, self.peak_flops) if dtype else self.peak_flops
 
     def to_json(self) -> dict:
         return {"name": self.name, "peak_flops": self.peak_flops, "mem_bandwidth": self.mem_bandwidth,
-                "memory_bytes": self.memory_bytes, "op_overhead": self.op_overhead}
+                "memory_bytes": self.memory_bytes, "op_overhead": self.op_overhead,
+                "flops_by_dtype": dict(self.flops_by_dtype), "host_link": self.host_link}
 
     @classmethod
     def from_json(cls, d: dict) -> "DeviceSpec":
         return cls(d.get("name", "device"), float(d["peak_flops"]), float(d["mem_bandwidth"]),
-                   int(d.get("memory_bytes", 16 * 2**30)), float(d.get("op_overhead", 0.0)))
+                   int(d.get("memory_bytes", 16 * 2**30)), float(d.get("op_overhead", 0.0)),
+                   dict(d.get("flops_by_dtype") or {}),
+                   None if d.get("host_link") is None else float(d["host_link"]))
 
 
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec(),
-    "a100": DeviceSpec("a100", 19.5e12, 1.6e12, 80 * 2**30),   # fp32 non-tensor-core figures
-    "h100": DeviceSpec("h100", 67e12, 3.3e12, 80 * 2**30),
-    "h200": DeviceSpec("h200", 67e12, 4.8e12, 141 * 10**9),
+    # peak_flops: fp32 without tensor cores; bf16/fp16: dense tensor-core figures (A100 312, H100/H200 SXM 989)
+    # host_link: PCIe gen4 x16 (A100) / gen5 x16 (H100, H200), about 25 / 50 GB/s each way
+    "a100": DeviceSpec("a100", 19.5e12, 1.6e12, 80 * 2**30, flops_by_dtype={"bfloat16": 312e12, "float16": 312e12},
+                       host_link=25e9),
+    "h100": DeviceSpec("h100", 67e12, 3.3e12, 80 * 2**30, flops_by_dtype={"bfloat16": 989e12, "float16": 989e12},
+                       host_link=50e9),
+    "h200": DeviceSpec("h200", 67e12, 4.8e12, 141 * 10**9, flops_by_dtype={"bfloat16": 989e12, "float16": 989e12},
+                       host_link=50e9),
 }
 
 
-def compute_cost(flops: float, nbytes: float, split: int = 1, device: DeviceSpec | None = None) -> float:
-    """Roofline seconds of an op that does ``flops`` and moves ``nbytes``, split ``split`` ways."""
+def compute_dtype(inputs: Sequence[str], outputs: Sequence[str] = ()) -> str | None:
+    """The dtype an op computes in: its widest floating input dtype (else output dtype); None without one.
+
+    Autocast casts both operands of a matmul, so its inputs are bf16/fp16; a
+    mixed op is priced at the slower, wider rate."""
+    floats = [d for d in inputs if d in FLOAT_DTYPES] or [d for d in outputs if d in FLOAT_DTYPES]
+    return max(floats, key=lambda d: (itemsize(d), d)) if floats else None
+
+
+FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "complex64", "complex128"})
+
+
+def compute_cost(flops: float, nbytes: float, split: int = 1, device: DeviceSpec | None = None,
+                 dtype: str | None = None) -> float:
+    """Roofline seconds of an op that does ``flops`` in ``dtype`` and moves ``nbytes``, split ``split`` ways.
+
+    The FLOP rate is ``device.flops_for(dtype)`` (tensor-core rates for bf16/fp16 where the device has them);
+    bytes are already counted at each tensor's own dtype."""
     dev = device or DEVICE_PRESETS["cpu"]
     split = max(1, int(split))
-    return max(flops / split / dev.peak_flops, nbytes / split / dev.mem_bandwidth) + dev.op_overhead
+    return max(flops / split / dev.flops_for(dtype), nbytes / split / dev.mem_bandwidth) + dev.op_overhead
 
 
 def strategy_split(inputs: Sequence[Sharding], outputs: Sequence[Sharding], mesh: Mesh) -> int:
@@ -341,6 +379,6 @@ def local_bytes(shape: Sequence[int] | None, dtype: str, sharding: Sharding, mes
 
 __all__ = [
     "COLLECTIVE_KINDS", "Collective", "DeviceSpec", "DEVICE_PRESETS", "all_gather_cost", "all_reduce_cost",
-    "all_to_all_cost", "collective_cost", "compute_cost", "local_bytes", "reduce_scatter_cost", "reshard",
-    "reshard_cost", "send_recv_cost", "strategy_split", "parse_placement",
+    "all_to_all_cost", "collective_cost", "compute_cost", "compute_dtype", "local_bytes", "reduce_scatter_cost",
+    "reshard", "reshard_cost", "send_recv_cost", "strategy_split", "parse_placement",
 ]

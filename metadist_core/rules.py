@@ -21,7 +21,7 @@ from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, par
 
 log = logging.getLogger("metadist.rules")
 
-CACHE_VERSION = 2   # 2: entries keyed by op pattern and axis size (metadist_core.patterns)
+CACHE_VERSION = 3   # 2: entries keyed by op pattern and axis size (metadist_core.patterns); 3: nonfinite draws
 CACHE_FILE = "rules-v%d.json" % CACHE_VERSION
 
 

@@ -15,7 +15,11 @@ survives convenient data:
 - ``int_wide``: negative and large integers for integer operands, so ``mul(float, int)`` cannot keep
   Partial(max) and ``prod`` over integers cannot pass as Partial(min);
 - ``on_one_shard``: each integer scalar argument (an ``ignore_index``) written into the first half of
-  every integer operand only, so a loss whose ignored targets fall on one shard is seen.
+  every integer operand only, so a loss whose ignored targets fall on one shard is seen;
+- ``nonfinite`` (only for predicates: ops with a float operand and a boolean result, such as
+  ``isnan``/``isfinite``): inf, -inf and NaN in the first half of every float operand (a 0-dim one is
+  NaN, then inf), so that a test of finiteness that one shard's piece decides (a GradScaler's
+  ``found_inf``) cannot pass as Replicate on finite data, where it is False everywhere.
 
 A family whose draw the full op refuses (an index out of range) is skipped for
 that op. :func:`partial_pieces` makes Partial(max/min) pieces whose gaps span
@@ -28,7 +32,8 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 Sampler = Callable[[np.random.Generator, bool], list]
-FAMILIES = ("random", "uniform", "integer", "wide", "straddle", "sparse", "constant", "int_wide", "on_one_shard")
+FAMILIES = ("random", "uniform", "integer", "wide", "straddle", "sparse", "constant", "int_wide", "on_one_shard",
+            "nonfinite")
 
 
 def _is_tensor(x: Any) -> bool:
@@ -63,8 +68,10 @@ def _fill(examples: Sequence[Any], floats: Callable[[tuple], np.ndarray] | None,
 
 
 def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator, scalars: Sequence[float],
-             draws: int = 2) -> Iterator[tuple[str, list, bool]]:
-    """``(family, inputs, integer_valued)`` for every verification draw, the examples first."""
+             draws: int = 2, predicate: bool = False) -> Iterator[tuple[str, list, bool]]:
+    """``(family, inputs, integer_valued)`` for every verification draw, the examples first.
+
+    ``predicate``: the op turns floats into booleans (adds the ``nonfinite`` family)."""
     yield "examples", list(examples), False
     has_float = any(_is_tensor(x) and _is_float(x) for x in examples)
     has_int = any(_is_tensor(x) and _is_int(x) for x in examples)
@@ -116,6 +123,17 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
                     y = np.asarray(int(s))
                 return y
             yield "on_one_shard", _fill(examples, None, on_first_half, None, sampler(rng, False)), False
+    if predicate and has_float:
+        for specials in ((np.nan, np.inf, -np.inf), (np.inf,)):
+            def nonfinite(sh: tuple, specials: tuple = specials) -> np.ndarray:
+                out = rng.standard_normal(sh)
+                if not out.shape:
+                    return np.asarray(specials[0])
+                half = out[: max(1, out.shape[0] // 2)].reshape(-1)   # a view: the first half along dim 0
+                k = max(1, half.size // 4)
+                half[rng.choice(half.size, size=k, replace=False)] = rng.choice(specials, size=k)
+                return out
+            yield "nonfinite", _fill(examples, nonfinite, None, None, sampler(rng, False)), False
 
 
 def scalars_of(attrs: Any) -> list[float]:
@@ -167,7 +185,12 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
         near = rng.uniform(0.05, 2.0, size=shape) * np.maximum(np.abs(x), 0.5)
         far = np.exp(rng.uniform(np.log(0.05), np.log(50.0), size=shape)) * scale
         gap = np.where(rng.random(shape) < 0.5, near, far).astype(x.dtype)
-    pieces = np.where(owner[None] == np.arange(n).reshape((n,) + (1,) * x.ndim), x[None], x[None] + sign * gap)
+    mine = owner[None] == np.arange(n).reshape((n,) + (1,) * x.ndim)
+    with np.errstate(invalid="ignore"):
+        pieces = np.where(mine, x[None], x[None] + sign * gap)
+    if not np.all(np.isfinite(x)):   # NaN, or inf beyond every other piece: only the owner holds it
+        alone = np.isnan(x) | (x == -sign * np.inf)
+        pieces = np.where(~mine & alone[None], rng.standard_normal(shape) * scale, pieces)
     return list(pieces.astype(x.dtype))
 
 

@@ -137,8 +137,12 @@ def measure_device_rates(iters: int = 7) -> dict:
     mm = _time(lambda: a @ b, iters, sync)
     add = _time(lambda: x.add(1.0), iters, sync)
     over = _time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync) / 50
+    low = {}   # bf16/fp16 matmul rates: tensor cores (or AMX on a CPU) make them far faster, or far slower
+    for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        a16, b16 = a.to(dt), b.to(dt)
+        low[name] = 2 * n ** 3 / max(_time(lambda: a16 @ b16, iters, sync) - over, 1e-9)
     return {"peak_flops": 2 * n ** 3 / max(mm - over, 1e-9), "mem_bandwidth": 2 * x.numel() * 4 / max(add - over, 1e-9),
-            "op_overhead": over}
+            "op_overhead": over, "flops_by_dtype": low}
 
 
 def refresh_cached_profile() -> MeshProfile:
@@ -186,9 +190,12 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
         a, b = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
         axes.append({"alpha": a, "beta": b})
     rates = measure_device_rates()
-    vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]], dtype=torch.float64)
+    low = sorted(rates["flops_by_dtype"])
+    vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]]
+                       + [rates["flops_by_dtype"][k] for k in low], dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MIN)   # the slowest rank sets the pace
-    device_spec = DeviceSpec(f"measured-{dev.type}", float(vec[0]), float(vec[1]), op_overhead=float(-vec[2]))
+    device_spec = DeviceSpec(f"measured-{dev.type}", float(vec[0]), float(vec[1]), op_overhead=float(-vec[2]),
+                             flops_by_dtype={k: float(vec[3 + i]) for i, k in enumerate(low)})
     shape_key = "x".join(map(str, mesh.shape))
     if cached is not None:
         prof = MeshProfile.from_json(cached.to_json())

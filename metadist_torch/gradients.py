@@ -64,11 +64,33 @@ def strip_gradients(gm: fx.GraphModule, n_grads: int) -> list[str]:
         if isinstance(src, fx.Node) and src.op == "call_function":
             if src.target is operator.getitem:
                 src = first[(src.args[0], src.args[1])]
+            if len(src.users) == 1:   # a view functionalization made again for the clone only
+                src = _read_twin(gm, src)
             names.append(src.name)
     out.args = (tuple(kept),)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return names
+
+
+VIEWS = (torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _read_twin(gm: fx.GraphModule, src: fx.Node) -> fx.Node:
+    """A value the graph reads that equals ``src``, a view that functionalization made again after an
+    in-place update of a gradient (``t(t(x))`` is ``x``; ``view(view(x))`` of ``x``'s shape is ``x``;
+    the same call twice is one value); ``src`` itself when there is none."""
+    for n in gm.graph.nodes:
+        if n is not src and n.op == "call_function" and n.target is src.target and n.args == src.args \
+                and n.kwargs == src.kwargs and n.users:
+            return n
+    inner = src.args[0] if src.args else None
+    if src.target in VIEWS and isinstance(inner, fx.Node) and inner.target in VIEWS and inner.args:
+        base = inner.args[0]
+        shape = getattr(src.meta.get("val"), "shape", None)
+        if isinstance(base, fx.Node) and shape is not None and getattr(base.meta.get("val"), "shape", None) == shape:
+            return base
+    return src
 
 
 __all__ = ["capture_gradients", "strip_gradients"]

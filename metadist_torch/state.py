@@ -20,6 +20,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.utils._pytree as pytree
 
+from .amp import check_scalers, init_scalers, is_grad_scaler
+
 ROLE_PARAM, ROLE_BUFFER, ROLE_STATE, ROLE_INPUT = "parameter", "buffer", "optimizer_state", "input"
 
 
@@ -56,16 +58,20 @@ class StepState:
     opt_states: list[StateSlot]
     param_objs: list[torch.nn.Parameter]      # the Parameter objects, in the order of ``params``
     tied: list = field(default_factory=list)  # (module, attribute, index into params) of tied weights
+    scalers: list = field(default_factory=list)   # torch.amp.GradScaler arguments (state: metadist_torch.amp)
 
     @property
     def slots(self) -> list[StateSlot]:
         return self.params + self.buffers + self.opt_states
 
 
-def walk_args(obj: Any, modules: list, optimizers: list, seen: set) -> None:
+def walk_args(obj: Any, modules: list, optimizers: list, seen: set, scalers: list | None = None) -> None:
     if id(obj) in seen:
         return
-    if isinstance(obj, torch.nn.Module):
+    if scalers is not None and is_grad_scaler(obj):
+        seen.add(id(obj))
+        scalers.append(obj)
+    elif isinstance(obj, torch.nn.Module):
         seen.add(id(obj))
         modules.append(obj)
     elif isinstance(obj, torch.optim.Optimizer):
@@ -73,10 +79,10 @@ def walk_args(obj: Any, modules: list, optimizers: list, seen: set) -> None:
         optimizers.append(obj)
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            walk_args(x, modules, optimizers, seen)
+            walk_args(x, modules, optimizers, seen, scalers)
     elif isinstance(obj, dict):
         for x in obj.values():
-            walk_args(x, modules, optimizers, seen)
+            walk_args(x, modules, optimizers, seen, scalers)
 
 
 def collect_state(args: Sequence[Any], kwargs: dict) -> StepState:
@@ -84,7 +90,8 @@ def collect_state(args: Sequence[Any], kwargs: dict) -> StepState:
     modules: list[torch.nn.Module] = []
     optimizers: list[torch.optim.Optimizer] = []
     seen: set[int] = set()
-    walk_args(list(args) + list(kwargs.values()), modules, optimizers, seen)
+    scalers: list = []
+    walk_args(list(args) + list(kwargs.values()), modules, optimizers, seen, scalers)
     params: list[StateSlot] = []
     buffers: list[StateSlot] = []
     param_objs: list[torch.nn.Parameter] = []
@@ -135,7 +142,14 @@ def collect_state(args: Sequence[Any], kwargs: dict) -> StepState:
                     if isinstance(v, torch.Tensor):
                         opt_states.append(StateSlot(ROLE_STATE, f"opt{oi}.state[{index[id(p)]}].{k}", st, k,
                                                     tuple(v.shape), v.dtype))
-    return StepState(modules, optimizers, params, buffers, opt_states, param_objs, tied)
+    if scalers:   # a GradScaler's scale and growth tracker are state of the step, like an optimizer's
+        check_scalers(scalers, optimizers)
+        init_scalers(scalers, param_objs[0].device if param_objs else torch.device("cpu"))
+        for si, sc in enumerate(s for s in scalers if s.is_enabled()):
+            for k in ("_scale", "_growth_tracker"):
+                v = sc.__dict__[k]
+                opt_states.append(StateSlot(ROLE_STATE, f"scaler{si}.{k}", sc.__dict__, k, tuple(v.shape), v.dtype))
+    return StepState(modules, optimizers, params, buffers, opt_states, param_objs, tied, scalers)
 
 
 class OptimizerParamHolder:
@@ -259,7 +273,7 @@ def optimizers_in(args: Sequence[Any], kwargs: dict) -> list[torch.optim.Optimiz
 def _sig_leaf(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return ("T", tuple(x.shape), str(x.dtype), str(x.device), bool(x.requires_grad))
-    if isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):
+    if isinstance(x, (torch.nn.Module, torch.optim.Optimizer)) or is_grad_scaler(x):
         return ("O", id(x))
     if isinstance(x, (int, float, bool, str, type(None))):
         return ("V", type(x).__name__, x)
@@ -270,7 +284,7 @@ def signature(args: Sequence[Any], kwargs: dict) -> tuple:
     """The compile-cache key of a call: argument structure, tensor metadata, other values by value,
     modules and optimizers by identity."""
     leaves, spec = pytree.tree_flatten((list(args), dict(kwargs)), is_leaf=lambda x: isinstance(
-        x, (torch.nn.Module, torch.optim.Optimizer)))
+        x, (torch.nn.Module, torch.optim.Optimizer)) or is_grad_scaler(x))
     return (str(spec), tuple(_sig_leaf(x) for x in leaves))
 
 

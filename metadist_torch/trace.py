@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 
 from metadist_core.ir import MetaIR
 
+from .amp import amp_decompositions
 from .state import (OptimizerParamHolder, StepState, capturable_optimizers, collect_state, init_optimizer_state,
                     optimizers_in, swapped_optimizer)
 from .gradients import capture_gradients, strip_gradients
@@ -162,8 +163,12 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
                              f"{type(e).__name__}: {e}") from e
     t1 = time.perf_counter()
     gm = functionalize_graph(gm, examples)
-    grad_names = strip_gradients(gm, out_box["n_grads"])
+    grad_names = set(strip_gradients(gm, out_box["n_grads"]))
+    for n in gm.graph.nodes:   # by node meta: merging the step counters copies the graph and may rename nodes
+        if n.name in grad_names:
+            n.meta["metadist_gradient"] = True
     gm = merge_step_counters(gm, state)
+    grad_names = [n.name for n in gm.graph.nodes if n.meta.get("metadist_gradient")]
     t2 = time.perf_counter()
     n_user_out = out_box["n_tensor_out"]
     spec, consts = out_box["spec"], out_box["consts"]
@@ -187,7 +192,8 @@ def _bn_with_stats(input, weight, bias, running_mean, running_var, training, mom
 
 
 def _decompositions() -> dict:
-    return {torch.ops.aten.native_batch_norm.default: _bn_with_stats}
+    # amp: the fused optimizers and GradScaler kernels take lists of tensors; traced per tensor (metadist_torch.amp)
+    return {**amp_decompositions(), torch.ops.aten.native_batch_norm.default: _bn_with_stats}
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from metadist_core.discover import discover
 from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
 from metadist_core.plugins import PluginManager
 from metadist_core.reference import transformer_block
-from metadist_core.rules import CACHE_FILE, OpRules, RuleBook, ShardingRule, expand_rules
+from metadist_core.rules import CACHE_FILE, CACHE_VERSION, OpRules, RuleBook, ShardingRule, expand_rules
 
 
 class CountingFrontend:
@@ -51,7 +51,7 @@ def test_rulebook_json_round_trip(tmp_path):
     assert path.name == CACHE_FILE
     again = RuleBook.load(tmp_path)
     assert again.rules("k|8x4|float32|x") == book.rules("k|8x4|float32|x")
-    assert json.loads(path.read_text())["version"] == 2
+    assert json.loads(path.read_text())["version"] == CACHE_VERSION
 
 
 def test_second_discovery_reads_the_cache(tmp_path):

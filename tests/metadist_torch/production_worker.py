@@ -3,7 +3,9 @@
     python -m torch.distributed.run --nproc_per_node=4 production_worker.py four OUT_DIR
     python -m torch.distributed.run --nproc_per_node=2 production_worker.py two OUT_DIR
 
-``four`` (mesh (4,)): a bf16 autocast step against eager autocast (3 steps); DDP
+``four`` (mesh (4,)): a bf16 autocast step against eager autocast (3 steps); fp16 with a
+GradScaler and a fused AdamW against eager (5 steps, one overflowing on one device's piece only), under
+``strategy="ddp"`` and with the weights stored split; DDP
 with and without ``grad_compression="bf16"`` (50 steps: counted bytes, loss
 drift); a checkpoint saved after 3 steps of a plan that stores the weights
 sharded, then 3 more steps (the uninterrupted run, written to OUT_DIR).
@@ -38,6 +40,71 @@ CKPT_CFG = mlp.MLPConfig(hidden=64, batch=16, layers=2, optimizer="adamw")
 DDP_CFG = mlp.MLPConfig(hidden=64, batch=1024, layers=2, optimizer="adamw", lr=3e-3)   # batch >> width
 AMP_CFG = mlp.MLPConfig(hidden=64, batch=256, layers=2, optimizer="adamw")
 SLOW_LINKS = {"alpha": 1e-6, "beta": 1e-8}   # 100 MB/s: bytes, not latency, decide (DDP's regime)
+FP16_CFG = mlp.MLPConfig(hidden=64, batch=64, layers=2, optimizer="adamw", lr=3e-3)
+FP16_TOL = 5e-3          # fp16: 11 bits of mantissa; the split batch sums its pieces in another order
+OVERFLOW_STEP = 2        # the batch of this step overflows an fp16 gradient in its first rows only
+
+
+def scaled_step(model, opt, scaler, x, y):
+    """float16 autocast with a GradScaler: the update is skipped (on the device) when a gradient overflows."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return loss
+
+
+def build_scaled(cfg=FP16_CFG):
+    """The MLP with a fused AdamW (the optimizer a GradScaler can run inside one traced step) and a scaler
+    that grows every 2 clean steps, so that growth and back-off both happen within a few steps."""
+    model, _ = mlp.build(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
+    return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=2)
+
+
+def scaled_batches(cfg=FP16_CFG, steps: int = 5):
+    """Batches whose step OVERFLOW_STEP has large values in its first 2 rows: with the batch split over
+    devices only the first device's piece of the first weight's gradient overflows fp16."""
+    batches = [mlp.batch(cfg, s) for s in range(steps)]
+    batches[OVERFLOW_STEP][0][:2] *= 3e3
+    return batches
+
+
+def check_scaler(name, mesh, errors, report, **compile_kw):
+    """fp16 + GradScaler against eager fp16 + GradScaler: losses, weights, the scale, the skipped step."""
+    from metadist_torch import metadist_compile
+    batches = scaled_batches()
+    m_ref, o_ref, s_ref = build_scaled()
+    ref, ref_scales = [], []
+    for b in batches:
+        ref.append(float(scaled_step(m_ref, o_ref, s_ref, *b).detach()))
+        ref_scales.append(float(s_ref._scale))
+    if ref_scales[OVERFLOW_STEP] >= ref_scales[OVERFLOW_STEP - 1]:
+        errors.append(f"{name}: the eager scaler did not back off at step {OVERFLOW_STEP}: {ref_scales}")
+    m, o, s = build_scaled()
+    step = metadist_compile(mesh=mesh, **compile_kw)(scaled_step)
+    got, scales, before = [], [], None
+    for i, b in enumerate(batches):
+        if i == OVERFLOW_STEP:
+            before = {k: full(v).detach().clone() for k, v in m.state_dict().items()}
+        got.append(float(step(m, o, s, *b).detach()))
+        scales.append(float(full(s._scale)))
+        if i == OVERFLOW_STEP:   # skipped on every device: the weights did not move at all
+            moved = [k for k, v in m.state_dict().items() if not torch.equal(full(v).detach(), before[k])]
+            if moved:
+                errors.append(f"{name}: the overflowing step changed {moved} on rank "
+                              f"{dist.get_rank() if dist.is_initialized() else 0}; it must skip the update")
+    compare_losses(name, [x for i, x in enumerate(got) if i != OVERFLOW_STEP],
+                   [x for i, x in enumerate(ref) if i != OVERFLOW_STEP], FP16_TOL, errors)
+    compare_state(name, m, m_ref, FP16_TOL, errors)
+    if scales != ref_scales:
+        errors.append(f"{name}: scales {scales} vs eager {ref_scales}")
+    if "float16" not in {v.dtype for v in step.graph.vars.values()}:
+        errors.append(f"{name}: the traced step holds no float16 value")
+    report[name] = {"losses": got, "ref": ref, "scales": scales, "plan": step.plan.summary()}
+    return step
 
 
 def autocast_step(model, opt, x, y):
@@ -49,6 +116,12 @@ def autocast_step(model, opt, x, y):
     return loss
 
 
+def graph_of(fn, *objects_and_batch):
+    """The traced graph of ``fn(*objects, *batch)`` (model, optimizer, maybe a scaler, then the batch)."""
+    from metadist_torch.trace import trace_step
+    return trace_step(fn, (*objects_and_batch[:-1], *objects_and_batch[-1])).graph
+
+
 def slow_link_profile(out_dir: Path) -> str:
     """A mesh profile whose links are slow enough that all-reducing gradients beats gathering the batch."""
     from metadist_core.profile import MeshProfile
@@ -57,11 +130,6 @@ def slow_link_profile(out_dir: Path) -> str:
         path.write_text(json.dumps(MeshProfile(levels={"intra": SLOW_LINKS, "inter": SLOW_LINKS}).to_json()))
     dist.barrier()
     return str(path)
-
-
-def graph_of(fn, model, opt, batch):
-    from metadist_torch.trace import trace_step
-    return trace_step(fn, (model, opt, *batch)).graph
 
 
 def ddp_pins(graph, ndim: int = 1) -> list[Pin]:
@@ -75,6 +143,20 @@ def ddp_pins(graph, ndim: int = 1) -> list[Pin]:
         elif mv.role == "input":
             pins.append(Pin(v, batch))
     return pins
+
+
+@contextlib.contextmanager
+def profile_env(path: str):
+    """Steps decorated inside plan with the mesh profile at ``path`` (settings are read at decoration)."""
+    saved = os.environ.get("METADIST_MESH_PROFILE")
+    os.environ["METADIST_MESH_PROFILE"] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("METADIST_MESH_PROFILE", None)
+        else:
+            os.environ["METADIST_MESH_PROFILE"] = saved
 
 
 def sharded_pins(graph, n: int) -> list[Pin]:
@@ -123,20 +205,6 @@ def predicted_bytes(plan, only=None) -> int:
 # -- mode four ------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def profile_env(path: str):
-    """Steps decorated inside plan with the mesh profile at ``path`` (settings are read at decoration)."""
-    saved = os.environ.get("METADIST_MESH_PROFILE")
-    os.environ["METADIST_MESH_PROFILE"] = path
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("METADIST_MESH_PROFILE", None)
-        else:
-            os.environ["METADIST_MESH_PROFILE"] = saved
-
-
 def check_autocast(mesh, profile, errors, report):
     from metadist_torch import metadist_compile
     batches = [mlp.batch(AMP_CFG, s) for s in range(3)]
@@ -158,7 +226,7 @@ def check_autocast(mesh, profile, errors, report):
                           "collectives": sum(1 for _, c in step.plan.collectives() if not c.is_free)}
 
 
-def check_compression(mesh, profile, errors, report, steps=50):
+def check_compression(mesh, errors, report, steps=50):
     from metadist_core.compression import wire_dtypes
     from metadist_torch import metadist_compile
     batches = [mlp.batch(DDP_CFG, s) for s in range(steps)]
@@ -170,8 +238,7 @@ def check_compression(mesh, profile, errors, report, steps=50):
     out = {}
     for mode in (None, "bf16"):
         m, o = mlp.build(DDP_CFG)
-        with profile_env(profile):
-            step = metadist_compile(mesh=mesh, constraints=ddp_pins(graph), grad_compression=mode)(mlp.train_step)
+        step = metadist_compile(mesh=mesh, strategy="ddp", grad_compression=mode)(mlp.train_step)
         losses = [float(step(m, o, *batches[0]))]
         step.comm_stats.reset()
         t0 = time.perf_counter()
@@ -263,7 +330,10 @@ def main() -> int:
     world = dist.get_world_size()
     profile = slow_link_profile(out_dir)
     checks = {"four": [lambda: check_autocast((world,), profile, errors, report),
-                       lambda: check_compression((world,), profile, errors, report),
+                       lambda: check_scaler("scaler_ddp", (world,), errors, report, strategy="ddp"),
+                       lambda: check_scaler("scaler_sharded", (world,), errors, report, constraints=sharded_pins(
+                           graph_of(scaled_step, *build_scaled(), scaled_batches()[0]), world)),
+                       lambda: check_compression((world,), errors, report),
                        lambda: check_save((world,), out_dir, errors, report)],
               "two": [lambda: check_resume("resume_before_compile", out_dir, (world,), errors, report,
                                            after_compile=False),

@@ -1,8 +1,9 @@
-"""Training as in production: bf16 autocast, compressed gradients, layout-independent checkpoints.
+"""Training as in production: bf16 autocast, fp16 with a GradScaler, compressed gradients, checkpoints.
 
 Fast tests run at world size 1 or plan only. One slow test makes two torchrun
 launches (worker: ``production_worker.py``): 4 ranks on mesh (4,) (autocast
-against eager autocast, DDP with and without bf16 gradient compression over 50
+against eager autocast, fp16 + GradScaler with an overflow on one device's piece
+under ``strategy="ddp"`` and with split weights, DDP with and without bf16 gradient compression over 50
 steps, a checkpoint saved from sharded state), then 2 ranks on mesh (2,) (that
 checkpoint loaded before and after the first compiled call), and finally this
 process loads it at world size 1; each resumed run must give the numbers of
@@ -67,10 +68,10 @@ def test_grad_compression_prices_half_the_gradient_bytes(rules):
     m, o = mlp.build(W.DDP_CFG)
     g = W.graph_of(mlp.train_step, m, o, mlp.batch(W.DDP_CFG))
     grads = set(wire_dtypes(g, "bf16"))
-    mesh = Mesh((4,), None, [W.SLOW_LINKS["alpha"]], [W.SLOW_LINKS["beta"]])
+    mesh = Mesh((4,))
     got = {}
     for mode in (None, "bf16", "fp16"):
-        res = plan_graph(g, mesh, constraints=W.ddp_pins(g), cache_dir=rules, progress=False, grad_compression=mode)
+        res = plan_graph(g, mesh, strategy="ddp", cache_dir=rules, progress=False, grad_compression=mode)
         got[mode] = (W.predicted_bytes(res.plan), W.predicted_bytes(res.plan, grads), res.plan)
     total, grad, plan = got[None]
     reduced = {e.var for e in plan.edges for c in e.collectives if c.kind == "all_reduce"}
@@ -99,6 +100,40 @@ def test_grad_compression_setting():
     assert compression_dtype("bf16") == "bfloat16"
     with pytest.raises(ValueError, match="grad_compression must be None, 'bf16' or 'fp16', got 'int8'"):
         load_settings(grad_compression="int8")
+
+
+def test_fp16_grad_scaler_step_matches_eager_on_one_device():
+    errors: list[str] = []
+    report: dict = {}
+    W.check_scaler("scaler@1", None, errors, report)   # 5 steps; step 2 overflows and is skipped
+    assert not errors, "\n".join(errors)
+    scales = report["scaler@1"]["scales"]
+    assert scales[W.OVERFLOW_STEP] == scales[W.OVERFLOW_STEP - 1] / 2 and scales[-1] == 2 * scales[-2]
+
+
+def test_grad_scaler_with_a_plain_optimizer_names_the_fix():
+    from metadist_torch.amp import ScalerError
+    m, _ = mlp.build(W.FP16_CFG)
+    opt = torch.optim.AdamW(m.parameters())
+    with pytest.raises(ScalerError, match=r"AdamW \(not fused\).*\.item\(\).*fused=True"):
+        metadist_compile()(W.scaled_step)(m, opt, torch.amp.GradScaler("cpu"), *mlp.batch(W.FP16_CFG))
+    disabled = torch.amp.GradScaler("cpu", enabled=False)   # a disabled scaler is a plain optimizer step
+    loss = metadist_compile()(W.scaled_step)(m, opt, disabled, *mlp.batch(W.FP16_CFG))
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize("op", ["isnan", "isfinite"])
+@pytest.mark.parametrize("shape", [(), (8,)])
+def test_finiteness_tests_never_take_one_piece_for_the_whole(op, shape):
+    """found_inf: a rule that made each device's own answer the replicated one passes on finite data
+    (False everywhere); the nonfinite draws (inf/NaN in one piece) must reject it."""
+    from metadist_core.placement import Partial, Replicate
+    from metadist_torch import rules_for
+    rules = rules_for(getattr(torch.ops.aten, op).default, torch.randn(shape), axis_size=2)
+    assert rules
+    for r in rules:
+        if isinstance(r.inputs[0], Partial):
+            assert not isinstance(r.outputs[0], Replicate), f"{op}: {r.inputs} -> {r.outputs}"
 
 
 def test_checkpoint_resumes_at_world_size_1_before_and_after_compile(tmp_path):
@@ -145,6 +180,9 @@ def _launch(nproc: int, mode: str, out: Path, cache: Path) -> dict:
 @pytest.mark.slow
 def test_production_features_under_torchrun(tmp_path):
     four = _launch(4, "four", tmp_path, tmp_path / "rules")
+    for name in ("scaler_ddp", "scaler_sharded"):   # fp16 + GradScaler: one step overflows on one device only
+        scales = four[name]["scales"]
+        assert scales[W.OVERFLOW_STEP] == scales[W.OVERFLOW_STEP - 1] / 2, name
     comp = four["compression"]
     assert comp["gradient_bytes_per_step"]["bf16"] * 2 == comp["gradient_bytes_per_step"]["none"]
     assert abs(comp["loss_20"]["bf16"] - comp["loss_20"]["none"]) <= 0.01 * abs(comp["loss_20"]["none"])
