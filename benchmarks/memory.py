@@ -1,0 +1,268 @@
+"""The deepest GPT-2 that trains in a per-device memory budget: MetaDist, FSDP2, FSDP2 + checkpointing.
+
+    python -m benchmarks.memory [--quick] [--budget-mb 48] [--nproc 4]
+
+transformers' GPT-2 (width 256, built from a config) on 4 gloo ranks, one thread each. For each system
+the depth is searched by doubling, then bisection: a depth *trains* when every rank's measured peak
+tensor memory over one training step stays within the budget (and, for MetaDist, when it compiles with
+``memory_budget=`` the budget: under a budget no plan meets it says so). Systems:
+
+- ``metadist``: ``metadist_compile(memory_budget=budget)`` (strategy auto; whatever the solver does to
+  fit -- sharding, and recomputation where the solver offers it -- is what is measured);
+- ``fsdp2``: ``fully_shard`` on every block and the model;
+- ``fsdp2_ckpt``: the same with ``torch.utils.checkpoint`` on every block
+  (``gradient_checkpointing_enable(use_reentrant=False)``).
+
+Memory is measured the same way for all (:func:`metadist_torch.memory.measure_peak`: live tensor
+storages on CPU, the CUDA allocator's peak on a GPU); MetaDist's prediction (``step.memory``'s
+``predicted_peak_bytes``: the plan's peak with its collectives' buffers; ``predicted_solver_mb``: the
+solver's own figure, ``plan.memory_per_device``) is printed beside its measurement. Records: results/memory.json (``system``, ``budget_mb``,
+``max_layers``, ``step_ms``, ``predicted_peak_mb``, ``measured_peak_mb``, and the probes), .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "memory"
+SYSTEMS = ("metadist", "fsdp2", "fsdp2_ckpt")
+MB = 2 ** 20
+
+
+def _shape(quick: bool) -> dict:
+    # width 256 as the issue asks; sequence and batch small enough for 2 cores, large enough that
+    # activations weigh against the state (what checkpointing and recomputation trade)
+    return dict(width=256, heads=4, vocab=512, seq=64, batch=8, steps=3 if quick else 5, cap=8 if quick else 24)
+
+
+def _build(layers: int, sh: dict):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_positions=sh["seq"], n_layer=layers, n_embd=sh["width"], n_head=sh["heads"],
+                     vocab_size=sh["vocab"], bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)
+    m = GPT2LMHeadModel(cfg)
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+
+def _step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _batches(sh: dict):
+    import torch
+    return [torch.randint(0, sh["vocab"], (sh["batch"], sh["seq"]), generator=torch.Generator().manual_seed(i))
+            for i in range(sh["steps"] + 1)]
+
+
+def _median_ms(fn, batches) -> float:
+    import torch.distributed as dist
+    ts = []
+    for b in batches:
+        dist.barrier()
+        t = time.perf_counter()
+        fn(b)
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts[1:] or ts) * 1e3
+
+
+def _run_metadist(layers: int, sh: dict, budget: int, cache: str) -> dict:
+    from metadist_torch import metadist_compile
+    model, opt = _build(layers, sh)
+    ids = _batches(sh)
+    step = metadist_compile(memory_budget=budget, cache_dir=cache)(_step)
+    step(model, opt, ids[0])   # compile, then the first call is measured (step.memory)
+    mem = step.memory
+    ms = _median_ms(lambda b: step(model, opt, b), ids[1:])
+    plan = step.plan
+    return {"measured_peak": mem["measured_peak_bytes"], "predicted_peak": mem["predicted_peak_bytes"],
+            "predicted_solver_mb": plan.memory_per_device / MB, "step_ms": ms,
+            "method": mem["method"], "plan": plan.summary(), "recompute": len(getattr(plan, "recompute", []) or [])}
+
+
+def _run_fsdp2(layers: int, sh: dict, ckpt: bool, rank: int, world: int) -> dict:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from metadist_torch.memory import measure_peak, state_tensors
+    model, _ = _build(layers, sh)
+    if ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for blk in model.transformer.h:
+        fully_shard(blk)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    per = sh["batch"] // world
+    ids = [b[rank * per:(rank + 1) * per] for b in _batches(sh)]
+    _step(model, opt, ids[0])   # the optimizer state exists from here on, as in MetaDist's traced step
+    _, m = measure_peak(lambda: _step(model, opt, ids[1]), state_tensors(model, opt) + [ids[1]])
+    ms = _median_ms(lambda b: _step(model, opt, b), ids[1:])
+    return {"measured_peak": m.peak_bytes, "predicted_peak": None, "step_ms": ms, "method": m.method}
+
+
+def _probe(system: str, layers: int, sh: dict, budget: int, args, rank: int, world: int) -> dict:
+    """One depth on every rank: the figures (worst rank's peak), ``fits`` agreed by all ranks."""
+    import gc
+    import torch
+    import torch.distributed as dist
+    gc.collect()
+    try:
+        if system == "metadist":
+            r = _run_metadist(layers, sh, budget, args.cache_dir)
+        else:
+            r = _run_fsdp2(layers, sh, system == "fsdp2_ckpt", rank, world)
+        err = ""
+    except Exception as e:   # no plan meets the budget, or the step failed: this depth does not train
+        r, err = {}, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    flags = torch.tensor([0.0 if err else 1.0, float(r.get("measured_peak", 0)), r.get("step_ms", 0.0)])
+    lo = flags.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    ok = bool(lo[0] > 0)
+    peak = int(flags[1])
+    out = {"layers": layers, "fits": ok and peak <= budget, "measured_peak_mb": peak / MB if ok else None,
+           "step_ms": float(flags[2]) if ok else None, "error": err or None}
+    if r.get("predicted_peak") is not None:
+        out["predicted_peak_mb"] = r["predicted_peak"] / MB
+    for k in ("plan", "recompute", "method", "predicted_solver_mb"):
+        if k in r:
+            out[k] = r[k]
+    if rank == 0:
+        print(f"  {system:<11} {layers:>3} layers: "
+              + (f"peak {out['measured_peak_mb']:.1f} MiB (budget {budget / MB:.0f}), "
+                 f"predicted {out.get('predicted_peak_mb') or float('nan'):.1f}, {out['step_ms']:.0f} ms"
+                 if ok else f"failed: {err}") + (" fits" if out["fits"] else ""), flush=True)
+    return out
+
+
+def search(system: str, sh: dict, budget: int, args, rank: int, world: int) -> dict:
+    """Doubling, then bisection, over the depth: the deepest probe that fits and every probe made."""
+    probes: dict[int, dict] = {}
+
+    def fits(n: int) -> bool:
+        if n not in probes:
+            probes[n] = _probe(system, n, sh, budget, args, rank, world)
+        return probes[n]["fits"]
+    lo, hi = 0, None
+    n = 1
+    while n <= sh["cap"]:
+        if fits(n):
+            lo, n = n, n * 2
+        else:
+            hi = n
+            break
+    if hi is None:   # every doubling up to the cap fits: bisect between the last one and the cap
+        hi = sh["cap"] + 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    best = probes.get(lo, {"layers": 0})
+    return {"best": best, "probes": [probes[k] for k in sorted(probes)]}
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+    from metadist_torch.engine import ensure_process_group
+    torch.set_num_threads(1)
+    rank, world = ensure_process_group()
+    sh = _shape(args.quick)
+    budget = int(args.budget_mb * MB)
+    res = {}
+    for system in args.systems.split(","):
+        t = time.perf_counter()
+        res[system] = search(system, sh, budget, args, rank, world)
+        res[system]["search_s"] = time.perf_counter() - t
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"shape": sh, "world": world, "results": res}, default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer timed steps, depths up to 8")
+    ap.add_argument("--budget-mb", type=float, default=None, help="bytes per device, in MiB (default 48; quick 40)")
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.budget_mb is None:
+        args.budget_mb = 40.0 if args.quick else 48.0
+    if args.worker:
+        return worker(args)
+
+    from benchmarks._common import write_results
+    from metadist_torch.demo import torchrun_cmd
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ranks.json"
+        cache = os.environ.get("METADIST_CACHE_DIR") or str(Path(tmp) / "cache")
+        wargs = ["--worker", "--out", str(out), "--cache-dir", cache, "--budget-mb", str(args.budget_mb),
+                 "--systems", args.systems] + (["--quick"] if args.quick else [])
+        env = dict(os.environ, OMP_NUM_THREADS="1", METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run(torchrun_cmd(Path(__file__), args.nproc, wargs), env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, cwd=str(REPO), timeout=5400)
+        print("\n".join(line for line in proc.stdout.splitlines() if "layers:" in line))
+        if proc.returncode != 0 or not out.exists():
+            print("\n".join(proc.stdout.splitlines()[-40:]))
+            return 1
+        data = json.loads(out.read_text())
+    sh = data["shape"]
+    desc = (f"GPT-2 (transformers) width {sh['width']} heads {sh['heads']} vocab {sh['vocab']} seq {sh['seq']} "
+            f"batch {sh['batch']}, {data['world']} gloo ranks")
+    records = []
+    for system, r in data["results"].items():
+        b = r["best"]
+        records.append({"benchmark": NAME, "model": desc, "system": system, "budget_mb": args.budget_mb,
+                        "max_layers": b["layers"], "step_ms": b.get("step_ms"),
+                        "predicted_peak_mb": b.get("predicted_peak_mb"), "measured_peak_mb": b.get("measured_peak_mb"),
+                        "predicted_solver_mb": b.get("predicted_solver_mb"), "recomputed_ops": b.get("recompute"),
+                        "measured_over_predicted": (b["measured_peak_mb"] / b["predicted_peak_mb"]
+                                                    if b.get("predicted_peak_mb") and b.get("measured_peak_mb")
+                                                    else None),
+                        "plan": b.get("plan"), "search_s": r["search_s"], "probes": r["probes"], "quick": args.quick})
+    ref = {r["system"]: r for r in records}
+    notes = [f"{desc}. Budget {args.budget_mb:g} MiB per device; depth searched by doubling then bisection "
+             f"(up to {sh['cap']} layers); a depth fits when every rank's measured peak is within the budget. "
+             f"step_ms: median over the timed steps, slowest rank. Total {time.perf_counter() - t_all:.0f} s."]
+    if "metadist" in ref and "fsdp2_ckpt" in ref and ref["fsdp2_ckpt"].get("step_ms") and ref["metadist"].get("step_ms"):
+        md, ck = ref["metadist"], ref["fsdp2_ckpt"]
+        notes.append(f"MetaDist {md['max_layers']} layers vs FSDP2+checkpointing {ck['max_layers']}; step time "
+                     f"ratio at each system's own depth {md['step_ms'] / ck['step_ms']:.2f}x.")
+    for r in records:   # every probe: predicted beside measured
+        for p in r["probes"]:
+            if p.get("predicted_peak_mb") and p.get("measured_peak_mb"):
+                notes.append(f"{r['system']} {p['layers']} layers: predicted {p['predicted_peak_mb']:.1f} MiB, "
+                             f"measured {p['measured_peak_mb']:.1f} MiB "
+                             f"({p['measured_peak_mb'] / p['predicted_peak_mb']:.2f}x)")
+    path = write_results(NAME, records, ["system", "budget_mb", "max_layers", "step_ms", "predicted_peak_mb",
+                                         "measured_peak_mb", "measured_over_predicted"],
+                         "Deepest GPT-2 in a memory budget", "\n\n".join(notes))
+    print(path.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Peak memory of one chosen plan, with the buffers its collectives make.
+
+The solver's memory terms (:meth:`metadist_core.terms.Terms.peak_memory`)
+charge every value its bytes under the sharding its defining node chose, over
+its liveness; they depend on one decision each, which keeps them linear in
+the ILP. A plan also holds what its reshards make: an all_reduce's result
+beside the partial sum it reduces, an all_gather's whole parameter, each held
+from where it is made to the last op that reads the value in that sharding,
+while a value that every reader takes resharded dies as soon as its
+collective has been issued. Those bytes depend on two decisions (the source's
+sharding and the reader's), so :func:`peak_with_buffers` prices them for a
+chosen plan, after the solve: what ``step.memory`` and the memory benchmark
+report beside the measurement (``predicted_with_buffers_bytes``).
+
+Positions are op positions as in the memory terms (-1: before the first op,
+``n_steps``: the end of the step). A reshard from a ``Partial`` sharding
+(all_reduce, reduce_scatter) is issued as soon as its input exists (the torch
+lowering issues all_reduces early, :mod:`metadist_torch.schedule`); others are
+made at their first reader. Bucketed all_reduces of gradients share one flat
+buffer per bucket: each gradient lives until the last reader of its bucket.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .cost import local_bytes
+from .placement import Sharding
+
+
+def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]:
+    """(start, end, bytes) of every value and every reshard buffer of the plan ``choice``."""
+    n_in = sum(1 for n in problem.nodes if n.kind == "input")
+    n_steps = problem.n_steps
+    rep = Sharding.replicated(problem.mesh.ndim)
+    src_sh: dict[str, Sharding] = {}
+    for i, n in enumerate(problem.nodes):
+        for s, v in enumerate(n.outputs):
+            src_sh[v] = n.options[int(choice[i])].outputs[s]
+    # per value: target sharding -> [first reader position, last reader position]
+    targets: dict[str, dict[Sharding, list[int]]] = {}
+    for e in problem.edges:
+        if e.dst < 0:   # a graph output, returned whole
+            pos, tgt = n_steps, rep
+        elif e.dst_slot < 0:   # an updated state, back to its input's sharding at the end of the step
+            pos, tgt = n_steps, problem.nodes[e.dst].options[int(choice[e.dst])].outputs[0]
+        else:
+            pos = e.dst - n_in
+            tgt = problem.nodes[e.dst].options[int(choice[e.dst])].inputs[e.dst_slot]
+        span = targets.setdefault(e.var, {}).setdefault(tgt, [pos, pos])
+        span[0], span[1] = min(span[0], pos), max(span[1], pos)
+    out: list[tuple[int, int, float]] = []
+    reduced: list[tuple[int, int, float, str]] = []   # bucketed all_reduce results: (issue, end, bytes, dtype)
+    for v, info in problem.vars.items():
+        if info["shape"] is None or v not in src_sh:
+            continue
+        start, end = info["live"]
+        own = src_sh[v]
+        reads = targets.get(v, {})
+        direct = [span for t, span in reads.items() if t == own]
+        moved = [(t, span) for t, span in reads.items() if t != own]
+        issue = {t: (start if any(p.is_partial() for p in own) else span[0]) for t, span in moved}
+        if moved and not direct and end < n_steps:   # read only resharded: gone once its collectives are issued
+            end = max(issue.values())
+        if not info.get("view"):   # a view holds its base's storage (counted there); its reshards are its own
+            out.append((start, end, float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))))
+        for t, span in moved:
+            b = float(local_bytes(info["shape"], info["dtype"], t, problem.mesh))
+            if problem.bucket_bytes and info.get("bucketed") and not any(p.is_partial() for p in t) \
+                    and all(p.is_partial() or p.is_replicate() for p in own):
+                reduced.append((issue[t], span[1], b, info["dtype"]))   # an all_reduce: joins a bucket
+            else:
+                out.append((issue[t], span[1], b))
+    return out + _buckets(reduced, problem.bucket_bytes)
+
+
+def _buckets(reduced: list[tuple[int, int, float, str]], bucket_bytes: int | None) -> list[tuple[int, int, float]]:
+    """All_reduce results made in buckets (:func:`metadist_torch.lower.coalesce_all_reduces`): one flat
+    buffer per bucket whose members are views, so every member lives until the bucket's last reader."""
+    out = []
+    open_: dict[str, list] = {}
+    for start, end, b, dtype in sorted(reduced):
+        cur = open_.get(dtype)
+        if cur is None or cur[2] + b > (bucket_bytes or 0):
+            if cur is not None:
+                out.append((cur[0], cur[1], cur[2]))
+            cur = open_[dtype] = [start, end, 0.0]
+        cur[1], cur[2] = max(cur[1], end), cur[2] + b
+    out.extend((c[0], c[1], c[2]) for c in open_.values())
+    return out
+
+
+def profile_with_buffers(problem: Any, choice: np.ndarray) -> np.ndarray:
+    """Bytes per device live at each position -1 .. n_steps (index 0 is position -1), buffers included."""
+    prof = np.zeros(problem.n_steps + 3)
+    for start, end, b in _intervals(problem, np.asarray(choice)):
+        prof[start + 1] += b
+        prof[end + 2] -= b
+    return np.cumsum(prof)[:-1]
+
+
+def peak_with_buffers(problem: Any, plan: Any) -> int:
+    """The peak bytes per device of ``plan`` (its ``choices`` on ``problem``), reshard buffers included."""
+    if problem is None or not getattr(plan, "choices", None) or len(plan.choices) != len(problem.nodes):
+        return int(getattr(plan, "memory_per_device", 0) or 0)
+    return int(profile_with_buffers(problem, np.asarray(plan.choices)).max())
+
+
+
+
+def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rounds: int = 3) -> Any:
+    """A plan whose peak *with* collective buffers meets ``problem.memory_budget``.
+
+    The solver holds only its linear memory terms to the budget; when the chosen plan's buffers take it
+    over, ``resolve(tighter_problem)`` solves again under the budget less those buffers' bytes (at most
+    ``rounds`` times). ``InfeasibleBudgetError`` from a tighter solve is raised against the user's budget,
+    with the buffers added to the bytes needed.
+    """
+    from .problem import InfeasibleBudgetError
+    budget = problem.memory_budget
+    if budget is None:
+        return plan
+    for _ in range(rounds):
+        extra = peak_with_buffers(problem, plan) - int(plan.memory_per_device)
+        if peak_with_buffers(problem, plan) <= budget or extra <= 0:
+            return plan
+        try:
+            better = resolve(problem.with_budget(int(budget - extra)))
+        except InfeasibleBudgetError as e:
+            raise InfeasibleBudgetError(budget, e.needed + extra, problem.mesh,
+                                        "needs, with its collectives' buffers,") from e
+        if better.memory_per_device >= plan.memory_per_device and \
+                peak_with_buffers(problem, better) >= peak_with_buffers(problem, plan):
+            return better
+        plan = better
+    return plan
+
+
+__all__ = ["profile_with_buffers", "peak_with_buffers", "fit_with_buffers"]
