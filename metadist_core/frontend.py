@@ -111,6 +111,12 @@ class Frontend(abc.ABC):
         whole step's plan: how its inputs are stored)."""
         raise NotSupported(f"frontend {self.name!r} cannot run micro-batches (micro_batches > 1)")
 
+    # -- offload (metadist_core.offload) ------------------------------------------
+    def offloads(self) -> bool:
+        """Does ``lower`` run ``offload="optimizer"`` (the host region of :mod:`metadist_core.offload` on the
+        host)? Only then may a step compile with it; `metadist plan` prices it for every frontend."""
+        return False
+
     # -- pipelines (metadist_core.stages, metadist_core.pipeplan) ---------------
     def pipelines(self) -> bool:
         """Can ``lower_stages`` run a pipeline? (The planner prices one only then.)"""

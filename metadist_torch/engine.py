@@ -203,7 +203,11 @@ def measure_device(seconds: float = 0.5):
     flops = rate(lambda: a @ b, 2 * n ** 3)
     x = torch.randn(1 << 20, device=dev)
     bw = rate(lambda: x.add(1.0), 2 * x.numel() * 4)
-    return DeviceSpec(f"measured-{dev.type}", float(flops), float(bw))
+    link = None   # a CPU is its own host (metadist_core.offload): no link to price
+    if dev.type == "cuda":   # host link: pinned host -> device copies of 64 MiB
+        h = torch.empty(1 << 24, pin_memory=True)
+        link = float(rate(lambda: x.new_empty(h.shape).copy_(h, non_blocking=True), h.numel() * 4))
+    return DeviceSpec(f"measured-{dev.type}", float(flops), float(bw), host_link=link)
 
 
 def finish_worker(code: int = 0) -> None:

@@ -1,0 +1,138 @@
+"""offload="optimizer": the optimizer state and its update on the host; priced by the host link.
+
+One process here (world size 1: the traced graph rewritten by metadist_torch.offload); the torchrun run
+on 2 gloo ranks is test_offload_distributed.py. On this CPU machine the host is the device, so the
+transfers are identities, but the program holds them and the update runs as the host region says.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+STEPS = 4
+
+
+def _build(seed: int = 0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _step(model, opt, x, y):
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _data():
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(STEPS)]
+
+
+def test_offloaded_step_gives_the_single_device_numbers_and_keeps_state_on_the_host():
+    from metadist_core.offload import host_region
+    from metadist_torch import metadist_compile
+    from metadist_torch.offload import count_transfers, host_tensors
+    data = _data()
+    m_ref, o_ref = _build()
+    ref = [float(_step(m_ref, o_ref, *d).detach()) for d in data]
+    m, o = _build()
+    step = metadist_compile(offload="optimizer")(_step)
+    got = [float(step(m, o, *d)) for d in data]
+    assert got == pytest.approx(ref, rel=1e-5)
+    for (k, a), b in zip(m_ref.state_dict().items(), m.state_dict().values()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), k
+    for pr, p in zip(m_ref.parameters(), m.parameters()):
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.allclose(o_ref.state[pr][k].float(), o.state[p][k].float(), rtol=1e-5, atol=1e-7), k
+    prog = step.runnable
+    info = prog.offload
+    n_params = len(list(m.parameters()))
+    # gradients and parameters go to the host, new parameters come back; the state never moves
+    assert count_transfers(prog.traced.gm) == {"md_to_host": 2 * n_params, "md_to_device": n_params}
+    assert info.to_host == 2 * n_params and info.to_device == n_params and info.host_nodes > 0
+    assert all(t.device.type == "cpu" for t in host_tensors(prog.traced.state))
+    # the host region is the update: nothing the loss needs, every new optimizer state value
+    g = step.graph
+    region = host_region(g)
+    loss_var = g.outputs[0]
+    assert not set(region.ops) & set(g.ops_computing([loss_var]))
+    state_out = [g.aliases[v] for v in g.inputs if g.vars[v].role == "optimizer_state"]
+    assert all(g.vars[v].producer in region.ops for v in state_out)
+    assert all(g.vars[v].role == "gradient" or g.vars[v].role == "parameter" for v in region.to_host)
+
+
+def test_a_step_without_optimizer_state_offloads_nothing():
+    from metadist_torch import metadist_compile
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1)
+    m_ref = torch.nn.Linear(4, 2)
+    m_ref.load_state_dict(m.state_dict())
+    o_ref = torch.optim.SGD(m_ref.parameters(), lr=0.1)
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    step = metadist_compile(offload="optimizer")(_step)
+    assert float(step(m, o, x, y)) == pytest.approx(float(_step(m_ref, o_ref, x, y).detach()), rel=1e-6)
+    assert step.runnable.offload.host_nodes == 0
+    assert torch.allclose(m.weight, m_ref.weight)
+
+
+def test_offload_setting_is_checked():
+    from metadist_core.config import load_settings
+    assert load_settings(offload="optimizer").offload == "optimizer"
+    assert load_settings().offload is None
+    with pytest.raises(ValueError, match="unknown offload 'gpu'.*'optimizer'"):
+        load_settings(offload="gpu")
+    with pytest.raises(ValueError, match="micro_batches=2"):
+        load_settings(offload="optimizer", micro_batches=2)
+
+
+def test_device_spec_host_link_round_trips_and_presets_have_one():
+    from metadist_core.cost import DEVICE_PRESETS, DeviceSpec
+    d = DeviceSpec("x", 1e12, 1e11, host_link=32e9)
+    assert DeviceSpec.from_json(d.to_json()) == d
+    assert DeviceSpec.from_json(DeviceSpec().to_json()).host_link is None
+    assert DEVICE_PRESETS["a100"].host_link == 25e9 and DEVICE_PRESETS["h100"].host_link == 50e9
+    assert DEVICE_PRESETS["cpu"].host_link is None
+
+
+def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
+    """Same plan (the ddp preset pins it) with and without offload, priced for an A100: the offloaded plan's
+    peak device memory is lower by at least the optimizer state's bytes, its compute higher by at least the
+    host-link transfer time; on a CPU device transfers are free."""
+    from metadist_core.cost import DEVICE_PRESETS
+    from metadist_core.pipeline import plan_graph
+    from metadist_core.placement import Mesh
+    from metadist_torch.trace import trace_step
+    m, o = _build()
+    x, y = _data()[0]
+    graph = trace_step(_step, (m, o, x, y)).graph
+    mesh = Mesh((2,))
+    common = dict(cache_dir=str(tmp_path / "rules"), progress=False, strategy="ddp", measure_links=False)
+    a100 = DEVICE_PRESETS["a100"]
+    on_dev = plan_graph(graph, mesh, device=a100, **common).plan
+    off = plan_graph(graph, mesh, device=a100, offload="optimizer", **common)
+    off_plan = off.plan
+    assert off_plan.choices == on_dev.choices
+    state_bytes = sum(graph.vars[v].numel * 4 for v in graph.inputs if graph.vars[v].role == "optimizer_state")
+    stats = off_plan.stats["offload"]
+    assert stats["host_state_bytes"] == state_bytes   # replicated under ddp: every rank holds all of it
+    assert off_plan.memory_per_device <= on_dev.memory_per_device - state_bytes
+    param_bytes = sum(graph.vars[v].numel * 4 for v in graph.inputs if graph.vars[v].role == "parameter")
+    assert stats["to_host_bytes"] == 2 * param_bytes and stats["to_device_bytes"] == param_bytes
+    assert stats["transfer_seconds"] == pytest.approx(3 * param_bytes / a100.host_link)
+    assert off_plan.compute_seconds - on_dev.compute_seconds >= stats["transfer_seconds"] * (1 - 1e-9)
+    on_cpu = plan_graph(graph, mesh, offload="optimizer", **common).plan
+    assert on_cpu.stats["offload"]["transfer_seconds"] == 0.0
+
+
+def test_a_frontend_that_cannot_offload_says_so():
+    from metadist_core.config import load_settings
+    from metadist_core.frontend import NotSupported
+    from metadist_core.pipeline import compile_step
+    from metadist_core.reference import ReferenceFrontend
+    with pytest.raises(NotSupported, match="offload='optimizer' is not yet for the reference frontend"):
+        compile_step(ReferenceFrontend(), lambda: None, (), {}, load_settings(offload="optimizer"))
