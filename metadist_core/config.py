@@ -20,6 +20,9 @@
 | pipeline_stages| METADIST_PIPELINE_STAGES   | pipeline_stages | none (planner; k: k stages on axis 0)|
 | schedule       | METADIST_SCHEDULE          | schedule        | 1f1b               |
 | grad_compression | METADIST_GRAD_COMPRESSION | grad_compression | none (bf16, fp16) |
+| measure_memory | METADIST_MEASURE_MEMORY    | measure_memory  | true (the first call after each compile: step.memory) |
+| recompute      | METADIST_RECOMPUTE         | recompute       | true (only when a memory budget needs it) |
+| offload        | METADIST_OFFLOAD           | offload         | none ("optimizer": state and update on the host) |
 """
 from __future__ import annotations
 
@@ -57,6 +60,9 @@ class Settings:
     micro_batches: int = 1
     pipeline_stages: int | None = None
     schedule: str = "1f1b"
+    measure_memory: bool = True   # measure the peak tensor bytes of the first call after each compile
+    recompute: bool = True   # recompute forward segments when no plan meets memory_budget without it
+    offload: str | None = None   # None | "optimizer": optimizer state and its update on the host (metadist_core.offload)
 
     @property
     def bucket_bytes(self) -> int:
@@ -94,7 +100,7 @@ def load_settings(**explicit: Any) -> Settings:
             value = file_vals.get(f.name)
         if value is None:
             continue
-        if f.name in ("coalesce", "progress", "measure_links"):
+        if f.name in ("coalesce", "progress", "measure_links", "recompute", "measure_memory"):
             value = _bool(f.name, value)
         elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws", "max_real_discovery",
                         "micro_batches",
@@ -125,6 +131,12 @@ def load_settings(**explicit: Any) -> Settings:
         from .compression import compression_dtype
         wire = compression_dtype(s.grad_compression)   # an unknown name: ValueError naming the choices
         s.grad_compression = None if wire is None else {"bfloat16": "bf16", "float16": "fp16"}[wire]
+    if s.offload is not None:
+        from .offload import check_offload
+        s.offload = check_offload(s.offload)   # an unknown name: ValueError naming the choices
+        if s.offload and (s.micro_batches > 1 or (s.pipeline_stages or 1) > 1):
+            raise ValueError(f"offload={s.offload!r} does not combine with micro_batches={s.micro_batches} or "
+                             f"pipeline_stages={s.pipeline_stages} yet; use one or the other")
     return s
 
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 # Canonical dtype strings and their sizes in bytes.
+#: Suffix of the ids of ops and values recomputed for the backward (metadist_core.recompute).
+RECOMPUTED_SUFFIX = "@rc"
+
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,

@@ -30,7 +30,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
-from .ir import MetaIR
+from .ir import RECOMPUTED_SUFFIX, MetaIR
 from .placement import Sharding
 
 log = logging.getLogger("metadist.microbatch")
@@ -186,6 +186,7 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
     fwd_roots = [o for o in graph.outputs if o not in state_outs0] + \
         [o for s, o in graph.aliases.items() if s not in update_aliases]
     forward = (_ancestors(graph, fwd_roots) & batch) | set(inputs_by_role["input"])
+    forward |= {v for v in batch if v.endswith(RECOMPUTED_SUFFIX)}   # forward values recomputed for the backward
     consumers: dict[str, list[str]] = {}
     for op in graph.ops:
         if op.id in region:

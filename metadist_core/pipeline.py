@@ -83,19 +83,44 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
         from .profile import load_profile
         device = load_profile(s.mesh_profile).device
     plain, named = split_constraints(constraints)
-    problem = build_problem(graph, book, mesh, op_costs=op_costs(graph, pm), constraints=plain,
-                            memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
-                            bucket_bytes=s.bucket_bytes if s.coalesce else None)
-    # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.presets)
-    problem = steer(problem, s.strategy, named, getattr(graph, "annotations", None))
-    timings["build_problem"] = time.perf_counter() - t
-
-    t = time.perf_counter()
     options = {**s.solver_options(), **(solver_options or {})}
-    with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
-        plan = pm.solve(s.solver, problem, options)
+    timings["build_problem"] = timings["solve"] = 0.0
+
+    def solve(g: MetaIR) -> tuple[Any, Any]:
+        t0 = time.perf_counter()
+        problem = build_problem(g, book, mesh, op_costs=op_costs(g, pm), constraints=plain,
+                                memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
+                                bucket_bytes=s.bucket_bytes if s.coalesce else None)
+        region = None
+        if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
+            from .offload import apply_offload
+            region = apply_offload(problem, g, op_costs(g, pm))
+        # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.presets)
+        problem = steer(problem, s.strategy, named, getattr(g, "annotations", None))
+        t1 = time.perf_counter()
+        timings["build_problem"] += t1 - t0
+        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
+            plan = pm.solve(s.solver, problem, options)
+            if s.memory_budget is not None:   # the budget holds with the collectives' buffers (memprofile)
+                from .memprofile import fit_with_buffers
+                plan = fit_with_buffers(problem, plan, lambda p: pm.solve(s.solver, p, options))
+        if region is not None:
+            from .offload import offload_stats
+            plan.stats["offload"] = offload_stats(region, problem, plan)
+        timings["solve"] += time.perf_counter() - t1
+        return problem, plan
+
+    # under a memory budget no plan meets, recompute forward segments (metadist_core.recompute)
+    from .recompute import choose
+    flops = {i: c[0] for i, c in op_costs(graph, pm).items()} if s.memory_budget is not None else None
+    graph, (problem, plan), segs = choose(graph, s.memory_budget, solve, flops, enabled=s.recompute)
+    if segs:
+        plan.recompute = [i for seg in segs for i in seg.recompute]
+        plan.stats["recompute"] = {"segments": len(segs), "ops": len(plan.recompute),
+                                   "saved_bytes": sum(seg.saved_bytes for seg in segs)}
     plan.stats.setdefault("strategy", s.strategy)
-    timings["solve"] = time.perf_counter() - t
+    from .memprofile import peak_with_buffers   # the peak with the collectives' buffers, beside the solver's
+    plan.stats["peak_with_buffers"] = peak_with_buffers(problem, plan)
     log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
     return CompileResult(graph, book, problem, plan, None, timings)
 
@@ -149,6 +174,10 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
             report_plan_only(result, request, s, pm)
             raise
 
+    if s.offload and not frontend.offloads():
+        from .frontend import NotSupported
+        raise NotSupported(f"offload={s.offload!r} is not yet for the {frontend.name} frontend (torch runs it); "
+                           f"`metadist plan` prices it, running needs offload=None")
     t = time.perf_counter()
     traced = frontend.trace(fn, tuple(args), dict(kwargs))
     timings["trace"] = time.perf_counter() - t
@@ -195,6 +224,10 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     if run_mesh.size > 1:
         plan = frontend.share(plan, traced)
         timings["share"] = time.perf_counter() - t
+    if getattr(plan, "recompute", None):   # every rank runs the graph the plan was made for
+        from .recompute import rewrite
+        traced = dataclasses.replace(traced, graph=rewrite(traced.graph, plan.recompute))
+        graph = traced.graph
     t = time.perf_counter()
     if getattr(plan, "stages", None):
         runnable = frontend.lower_stages(traced, plan, run_mesh, s)   # a pipeline: stage programs
@@ -219,7 +252,7 @@ def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callab
     if k is not None and k > 1:
         return pipeline_plan(graph, mesh, s, solve_on, k)
     if k is not None or s.memory_budget is None or mesh.shape[0] < 2 or not has_gradients(graph) \
-            or not frontend.pipelines():
+            or not frontend.pipelines() or s.offload:   # stage programs do not offload (yet)
         return None
     try:
         flat = solve_on(mesh)
@@ -228,9 +261,16 @@ def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callab
     except Exception as e:   # no unpipelined plan meets the budget: a pipeline may
         log.info("no unpipelined plan: %s", e)
         flat = None
-    if flat is not None:   # the unpipelined plan meets the budget: today's behaviour
+    if flat is not None and not flat.plan.recompute:   # the unpipelined plan meets the budget as it is
         return flat
-    return pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
+    if flat is None:
+        return pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
+    try:   # it meets the budget by recomputing: a pipeline may be cheaper
+        piped = pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
+    except Exception as e:
+        log.info("no pipeline beside the recomputing plan: %s", e)
+        return flat
+    return piped if piped is not None and piped.plan.objective < flat.plan.objective else flat
 
 
 class CompiledStep:

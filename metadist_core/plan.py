@@ -67,6 +67,7 @@ class ShardingPlan:
     labels: dict[str, str] = field(default_factory=dict)   # parameter var -> the user's name of it
     problem: ShardingProblem | None = field(default=None, repr=False, compare=False)  # not serialised
     stages: list = field(default_factory=list)     # pipeline stages (metadist_core.stages.Stage); empty: none
+    recompute: list[str] = field(default_factory=list)   # forward op ids recomputed for the backward (recompute.py)
 
     @property
     def gap(self) -> float | None:
@@ -200,6 +201,11 @@ class ShardingPlan:
         lines += ["  ".join(r[c].ljust(w[c]) for c in range(3)) + "  " + r[3] for r in shown]
         if len(rows) > len(shown):
             lines.append(f"... {len(rows) - len(shown)} more rows (values not shown are replicated with no collectives)")
+        if self.recompute:
+            segs = self.stats.get("recompute", {}).get("segments")
+            lines.append(f"recomputed for the backward: {len(self.recompute)} forward ops"
+                         + (f" in {segs} segments" if segs else "") + ": " + ", ".join(self.recompute[:12])
+                         + (" ..." if len(self.recompute) > 12 else ""))
         if self.stages:
             from .stages import describe
             pl = self.stats.get("pipeline", {})
@@ -233,6 +239,7 @@ class ShardingPlan:
             "solve_seconds": self.solve_seconds, "choices": self.choices, "stats": self.stats,
             **({"labels": self.labels} if self.labels else {}),
             **({"stages": [st.to_json() for st in self.stages]} if self.stages else {}),
+            **({"recompute": list(self.recompute)} if self.recompute else {}),
         }
 
     @classmethod
@@ -247,7 +254,8 @@ class ShardingPlan:
                    float(d.get("compute_seconds", 0.0)), float(d.get("comm_seconds", 0.0)),
                    int(d.get("memory_per_device", 0)), d.get("lower_bound"), d.get("solver", ""),
                    float(d.get("solve_seconds", 0.0)), list(d.get("choices", [])), dict(d.get("stats", {})),
-                   dict(d.get("labels", {})), stages=_stages_from_json(d.get("stages", [])))
+                   dict(d.get("labels", {})), stages=_stages_from_json(d.get("stages", [])),
+                   recompute=list(d.get("recompute", [])))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))

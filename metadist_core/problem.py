@@ -25,7 +25,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_constraints
-from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, local_bytes, reshard, reshard_cost, strategy_split
+from .aliasing import alias_liveness
+from .cost import (DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, reshard, reshard_cost,
+                   strategy_split)
 from .ir import MetaIR
 from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
 from .prune import useful_rules
@@ -190,7 +192,7 @@ class ShardingProblem:
         for i, n in enumerate(self.nodes):
             for s, v in enumerate(n.outputs):
                 info = self.vars[v]
-                if info["shape"] is None:
+                if info["shape"] is None or info.get("view") or info.get("host"):   # host: metadist_core.offload
                     continue
                 b = np.array([local_bytes(info["shape"], info["dtype"], o.outputs[s], self.mesh) for o in n.options],
                              dtype=float)
@@ -314,9 +316,11 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     """
     from .compression import wire_dtypes
     device = device or DEVICE_PRESETS["cpu"]
-    live = graph.liveness()
+    live, views = alias_liveness(graph, graph.liveness())   # a view takes no bytes and holds its base alive
     vars_ = {v.id: {"shape": v.shape, "dtype": v.dtype, "role": v.role, "live": list(live.get(v.id, (0, 0)))}
              for v in graph.vars.values()}
+    for v in views:
+        vars_[v]["view"] = True   # no memory term of its own (metadist_core.aliasing)
     for v in graph.vars.values():
         if v.label:
             vars_[v.id]["label"] = v.label   # the user's name (explain, constraints by name)
@@ -357,7 +361,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
             strat_cache[sig] = (opts, splits)
         opts, splits = strat_cache[sig]
         flops, nbytes = (op_costs or {}).get(op.id) or estimate_op_cost(op, graph)
-        compute.append(np.array([compute_cost(flops, nbytes, s, device) for s in splits]))
+        dt = compute_dtype([graph.vars[v].dtype for v in t_in], [graph.vars[v].dtype for v in op.outputs])
+        compute.append(np.array([compute_cost(flops, nbytes, s, device, dt) for s in splits]))
         nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
     cons = parse_constraints(constraints or [])

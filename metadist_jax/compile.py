@@ -38,12 +38,12 @@ class JaxStep(CompiledStep):
                  constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
                  progress: bool | None = None, plugins: PluginManager | None = None, micro_batches: int | None = None,
                  pipeline_stages: int | None = None, schedule: str | None = None,
-                 strategy: str | None = None) -> None:
+                 strategy: str | None = None, recompute: bool | None = None) -> None:
         pm = plugins or PluginManager()
         super().__init__(pm.frontend(JaxFrontend.name), fn, mesh=mesh, constraints=constraints, solver_options=solver_options,
                          plugins=pm, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
                          progress=progress, micro_batches=micro_batches, pipeline_stages=pipeline_stages,
-                         schedule=schedule, strategy=strategy)
+                         schedule=schedule, strategy=strategy, recompute=recompute)
 
     def lowered(self) -> LoweredStep:
         """The lowered step of the last compile (an error before the first call)."""
@@ -96,7 +96,8 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
                      constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
                      progress: bool | None = None, plugins: PluginManager | None = None,
                      micro_batches: int | None = None, pipeline_stages: int | None = None,
-                     schedule: str | None = None, strategy: str | None = None) -> Any:
+                     schedule: str | None = None, strategy: str | None = None,
+                     recompute: bool | None = None) -> Any:
     """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``.
 
     :param mesh: None (every device of every process as one axis), a shape
@@ -117,6 +118,8 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
     :param schedule: validated only (pipelines are not implemented yet).
     :param strategy: "auto" (default) or a preset ("ddp", "zero1", "zero2", "zero3"/"fsdp", "tp", "tp+dp"):
         constraints on the same plan search (:mod:`metadist_core.presets`).
+    :param recompute: True (default): recompute forward segments when no plan meets ``memory_budget``
+        without it (copies fenced by ``optimization_barrier`` so XLA keeps them); False: never.
 
     Use as ``@metadist_compile`` or ``@metadist_compile(mesh=(2, 4))``; returns a :class:`JaxStep`.
     """
@@ -124,7 +127,7 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
         return JaxStep(f, mesh=mesh, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
                        constraints=constraints, solver_options=solver_options, progress=progress, plugins=plugins,
                        micro_batches=micro_batches, pipeline_stages=pipeline_stages, schedule=schedule,
-                       strategy=strategy)
+                       strategy=strategy, recompute=recompute)
 
     return wrap(fn) if fn is not None else wrap
 

@@ -27,6 +27,7 @@ from metadist_core.cost import Collective
 from metadist_core.interpret import COLLECTIVE_KINDS, Collectives, check_plan_ends, interpret
 from metadist_core.ir import MetaIR, MetaOp
 from metadist_core.placement import IndivisibleError, Mesh, Sharding, shard_shape
+from metadist_core.recompute import SUFFIX as RECOMPUTED
 
 from .engine import put
 from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload
@@ -182,6 +183,12 @@ def local_op_runner(graph: MetaIR, mesh: Mesh) -> Any:
         want = [None if graph.vars[v].shape is None else tuple(shard_shape(graph.vars[v].shape, sh, mesh, even=True))
                 for v, sh in zip(op.outputs, out_sh)]
         reshape_to = want[0] if payload.name == "reshape" else None
+        if op.id.endswith(RECOMPUTED):   # a recomputed copy: XLA must not merge it with the forward's op
+            arrays = [k for k, x in enumerate(ins) if isinstance(x, jax.Array)]
+            fenced = jax.lax.optimization_barrier(tuple(ins[k] for k in arrays))
+            ins = list(ins)
+            for k, x in zip(arrays, fenced):
+                ins[k] = x
         outs = bind_payload(payload, ins, full_shapes=full_in, reshape_to=reshape_to)
         for v, x, w, sh in zip(op.outputs, outs, want, out_sh):
             if w is not None and tuple(x.shape) != w:

@@ -27,6 +27,7 @@ same way) draw the same numbers.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable
 
 from metadist_core.pipeline import CompiledStep
@@ -49,12 +50,36 @@ class TorchStep(CompiledStep):
         stats = getattr(self.runnable, "stats", None)
         return stats if isinstance(stats, CommStats) else CommStats()
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        res = self.compile(*args, **kwargs)
+        measured = self.__dict__.setdefault("_memory", {})
+        if not self.settings.measure_memory or id(res) in measured:
+            return res.runnable(*args, **kwargs)
+        from .memory import measure_compiled   # the first call after a compile: peak memory measured
+        t = time.perf_counter()
+        out, measured[id(res)] = measure_compiled(res, args, kwargs)
+        res.timings["measure_memory"] = time.perf_counter() - t
+        return out
+
+    @property
+    def memory(self) -> dict[str, Any]:
+        """Peak tensor bytes on this rank in the first call after the last compile, beside the plan's
+        prediction: ``predicted_peak_bytes`` (with collective buffers), ``predicted_solver_bytes``
+        (``plan.memory_per_device``, what the budget bounds), ``measured_peak_bytes``,
+        ``method`` ("cuda_allocator" | "live_storages"), ``baseline_bytes`` (held before the call),
+        ``end_bytes`` and ``ratio`` (measured / predicted); {} before it (or with ``measure_memory`` off).
+        See :mod:`metadist_torch.memory`."""
+        if self.last is None:
+            return {}
+        return dict(self.__dict__.get("_memory", {}).get(id(self.last), {}))
+
 
 def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget: int | None = None,
                      cache_dir: str | None = None, *, constraints: Iterable[Any] | None = None,
                      plugins: PluginManager | None = None, micro_batches: int | None = None,
                      pipeline_stages: int | None = None, schedule: str | None = None,
-                     grad_compression: str | None = None,
+                     grad_compression: str | None = None, offload: str | None = None,
+                     recompute: bool | None = None,
                      strategy: str | None = None) -> Callable[[Callable], TorchStep]:
     """Decorate a training step so that it runs split over the devices of ``mesh``.
 
@@ -74,8 +99,14 @@ def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget:
         split by its own plan on the other axes, run on torch.distributed.pipelining; None: the planner may
         pipeline when a ``memory_budget`` is set (:mod:`metadist_core.pipeplan`).
     :param schedule: "1f1b" | "gpipe" | "interleaved" (2 stages per device): the pipelining schedule.
+    :param recompute: True (default): under a ``memory_budget`` no plan meets as it is, forward segments
+        (a transformer block's halves) are recomputed for the backward, the fewest that make a plan fit
+        (``plan.recompute`` lists the ops; :mod:`metadist_core.recompute`); False: never.
     :param grad_compression: None, "bf16" or "fp16": gradient collectives travel in that dtype and are
         decompressed before the optimizer (approximate; see :mod:`metadist_torch.compression`).
+    :param offload: None or "optimizer": optimizer state lives in host memory (pinned on CUDA) and the
+        optimizer update runs on the host CPU; gradients go to the host and new parameters come back every
+        step (:mod:`metadist_torch.offload`, priced by :mod:`metadist_core.offload`).
     """
     if callable(mesh) and not isinstance(mesh, (tuple, list)) and not hasattr(mesh, "shape"):
         raise TypeError("metadist_compile takes arguments: write @metadist_compile() with parentheses")
@@ -84,7 +115,7 @@ def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget:
         return TorchStep(TorchFrontend(), fn, mesh=mesh, constraints=constraints, plugins=plugins, solver=solver,
                          memory_budget=memory_budget, cache_dir=cache_dir, micro_batches=micro_batches,
                          pipeline_stages=pipeline_stages, schedule=schedule, grad_compression=grad_compression,
-                         strategy=strategy)
+                         strategy=strategy, offload=offload, recompute=recompute)
 
     return wrap
 

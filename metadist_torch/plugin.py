@@ -64,7 +64,10 @@ class TorchFrontend(Frontend):
         if fn is None:
             raise TypeError("the torch frontend traces a step function; got None")
         init_optimizer_state(optimizers_in(args, kwargs))
-        step = trace_step(fn, args, kwargs, state=collect_state(args, kwargs))
+        state = collect_state(args, kwargs)
+        from .offload import state_to_device
+        state_to_device(state)   # offloaded optimizer state back beside the parameters: tracing runs the optimizer
+        step = trace_step(fn, args, kwargs, state=state)
         return Traced(step.graph, context=step)
 
     def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> "Mesh":
@@ -97,15 +100,29 @@ class TorchFrontend(Frontend):
         step = traced.context
         eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
         if not eng.distributed:
+            if settings.offload:   # the optimizer update on the host (metadist_torch.offload)
+                from .offload import offload_traced, state_to_host
+                off_step, info = offload_traced(step)
+                state_to_host(step.state)
+                prog = LocalProgram(off_step)
+                prog.offload = info
+                return prog
             return LocalProgram(step)
         place_state(step, plan, eng)
         from .compression import wire_map
         graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
                            coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
                            wire=wire_map(traced.graph, settings.grad_compression))
+        info = None
+        if settings.offload:   # the optimizer update on the host, its state stored there (metadist_torch.offload)
+            from .offload import offload_rank_graph, state_to_host
+            info = offload_rank_graph(graph, traced.graph, eng.device)
+            state_to_host(step.state, eng)
         if step.random_ops:
             eng.sync_rng()   # once per engine: every rank draws what rank 0 (and one device) would
-        return RankProgram(step, graph, plan, eng)
+        prog = RankProgram(step, graph, plan, eng)
+        prog.offload = info
+        return prog
 
     def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
         from .pipeline import split_batch
@@ -117,6 +134,9 @@ class TorchFrontend(Frontend):
         from .pipeline import lower_micro_batches
         eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
         return lower_micro_batches(traced.context, cut, plans, mesh, eng, settings)
+
+    def offloads(self) -> bool:
+        return True
 
     def pipelines(self) -> bool:
         return True

@@ -1,0 +1,144 @@
+"""Activation recomputation (metadist_core.recompute) on traced torch steps.
+
+- the rewritten graph computes exactly what the original does (both lowered and run on one device), dropout
+  included (random ops are kept, never recomputed);
+- recomputing lowers the cost model's peak and raises its compute;
+- under a budget between the leanest plan without recomputation and the leanest with it, the planner
+  recomputes and meets the budget, and ``recompute=False`` is the infeasibility error with both byte counts;
+- 4 gloo ranks: the compiled GPT example and transformers' GPT-2 under such a budget give the single-device
+  numbers (slow; the GPT example case runs in CI).
+"""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from metadist_core.config import load_settings  # noqa: E402
+from metadist_core.pipeline import plan_graph, replicated_plan  # noqa: E402
+from metadist_core.placement import Mesh  # noqa: E402
+from metadist_core.recompute import SUFFIX, RecomputeBudgetError, is_random, order, rewrite, segments  # noqa: E402
+from metadist_torch.lower import lower_plan  # noqa: E402
+from metadist_torch.plugin import TorchFrontend  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _gpt():
+    spec = importlib.util.spec_from_file_location("example_gpt_rc", REPO / "examples" / "torch" / "gpt.py")
+    m = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = m
+    spec.loader.exec_module(m)
+    return m
+
+
+gpt = _gpt()
+
+
+def _traced(dropout: float = 0.0, layers: int = 2):
+    c = gpt.GPTConfig(layers=layers, dropout=dropout, vocab=128, width=64, seq=64, batch=16)
+    model, opt = gpt.build(c)
+    idx, tg = gpt.batch(c)
+    return TorchFrontend().trace(gpt.train_step, (model, opt, idx, tg), {}), (idx, tg)
+
+
+def _run_on_one_device(graph, step, user):
+    """Lower ``graph`` with the replicated plan on a mesh of one and run it on the step's state and ``user``."""
+    mesh = Mesh((1,))
+    plan, _ = replicated_plan(graph, mesh)
+    rg = lower_plan(graph, plan, mesh, coords=(0,), groups=None, coalesce=False)
+    n_s = len(step.state.slots)
+    vals = {step.in_names[i]: s.get().detach().clone() for i, s in enumerate(step.state.slots)}
+    vals.update({step.in_names[n_s + j]: t for j, t in enumerate(user)})
+    vals.update({n: t for n, t in zip(step.in_names[n_s + len(user):], step.constants)})
+    torch.manual_seed(7)
+    with torch.no_grad():
+        return rg(*[vals[v] for v in rg.input_vars]), rg
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_rewritten_step_computes_the_same_numbers(dropout):
+    tr, user = _traced(dropout)
+    g = tr.graph
+    segs = segments(g)
+    assert len(segs) >= 4, f"expected the two halves of each block as segments, got {len(segs)}"
+    ops = [i for s in segs for i in s.recompute]
+    assert not any(is_random(g.op(i).key) for i in ops)
+    g2 = rewrite(g, ops)
+    assert len(g2.ops) == len(g.ops) + len(ops)
+    # every copy runs after the forward ended (right before the backward that reads it)
+    loss_pos = max(g2.op_index(g2.producer(o).id) for o in g2.outputs[:1])
+    assert all(g2.op_index(i + SUFFIX) > loss_pos for i in ops)
+    base, rg1 = _run_on_one_device(g, tr.context, user)
+    rec, rg2 = _run_on_one_device(g2, tr.context, user)
+    assert rg1.output_vars == rg2.output_vars and rg1.state_inputs == rg2.state_inputs
+    assert len(base) == len(rec)
+    for k, (a, b) in enumerate(zip(base, rec)):
+        assert torch.equal(a, b), f"output {k} ({(rg1.output_vars + rg1.state_inputs)[k]}) differs"
+
+
+def test_recomputing_trades_memory_for_compute():
+    tr, _ = _traced(layers=3)
+    g = tr.graph
+    segs = order(segments(g))
+    mesh = Mesh((1,))
+    peaks, comps = [], []
+    for k in (0, len(segs) // 2, len(segs)):
+        p, _ = replicated_plan(rewrite(g, [i for s in segs[:k] for i in s.recompute]), mesh)
+        peaks.append(p.memory_per_device)
+        comps.append(p.compute_seconds)
+    assert peaks[0] > peaks[1] > peaks[2], peaks
+    assert comps[0] < comps[2], comps
+
+
+def test_planner_recomputes_under_a_budget_only_recompute_meets():
+    tr, _ = _traced(layers=2)
+    g, mesh = tr.graph, Mesh((4,))
+    with pytest.raises(RecomputeBudgetError) as e:   # nothing fits one byte: both leanest figures come back
+        plan_graph(g, mesh, settings=load_settings(memory_budget=1))
+    without, lean = e.value.without, e.value.with_recompute
+    assert without > lean > 0, (without, lean)
+    budget = (without + lean) // 2
+    res = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
+    assert res.plan.recompute, "the plan meets the budget without recomputing?"
+    assert res.plan.memory_per_device <= budget
+    assert "recomputed for the backward" in str(res.plan)
+    assert res.graph is not g and len(res.graph.ops) == len(g.ops) + len(res.plan.recompute)
+    free = plan_graph(g, mesh, settings=load_settings())
+    assert not free.plan.recompute and free.plan.objective <= res.plan.objective
+    with pytest.raises(RecomputeBudgetError, match="recompute=False") as e:
+        plan_graph(g, mesh, settings=load_settings(memory_budget=budget, recompute=False))
+    assert f"{without:,}" in str(e.value) and e.value.without == without
+
+
+def _torchrun(case: str, timeout: int = 900) -> str:
+    from metadist_torch.demo import torchrun_cmd
+    cmd = torchrun_cmd(REPO / "tests" / "metadist_torch" / "_recompute_worker.py", 4, [case])
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_gpt_example_recomputes_on_4_ranks_with_single_device_numbers():
+    out = _torchrun("gpt")
+    assert "RECOMPUTE OK gpt" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_hf_gpt2_recomputes_on_4_ranks_with_single_device_numbers():
+    pytest.importorskip("transformers")
+    out = _torchrun("gpt2")
+    assert "RECOMPUTE OK gpt2" in out, out[-2000:]
+
+
+@pytest.mark.slow
+def test_recompute_with_micro_batches_on_4_ranks_with_single_device_numbers():
+    out = _torchrun("gpt_mb")
+    assert "RECOMPUTE OK gpt_mb" in out, out[-2000:]
