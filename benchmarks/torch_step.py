@@ -271,8 +271,8 @@ def run_model(m: Model, args, rank: int, world: int) -> dict:
         t, _ = _timed_steps(lambda b: m.step(model, opt, *b), batches, warmup)
         return {"step_s": t}
 
-    systems = [("metadist", lambda: metadist(), None), ("ddp", ddp, ("ddp", None)),
-               ("fsdp2", fsdp2, ("fsdp", None))]
+    systems = [("metadist", lambda: metadist(), None), ("metadist_ddp", lambda: metadist("ddp"), None),
+               ("ddp", ddp, ("ddp", None)), ("fsdp2", fsdp2, ("fsdp", None))]
     if m.tp_plan is not None:
         systems += [("tp", lambda: tp((world,)), ("tp", None))]
         if world == 4:
@@ -394,7 +394,7 @@ def main(argv=None) -> int:
     for model in args.models.split(","):
         per = [r[model] for r in ranks]
         ok = [s for s in per[0] if s != "desc" and all("step_s" in p.get(s, {}) for p in per)]
-        best = min((statistics.median(p[s]["step_s"] for p in per) for s in ok if s != "metadist"), default=None)
+        best = min((statistics.median(p[s]["step_s"] for p in per) for s in ok if not s.startswith("metadist")), default=None)
         for system in [s for s in per[0] if s != "desc"]:
             r0 = per[0][system]
             rec = {"benchmark": NAME, "model": model, "model_desc": per[0]["desc"], "system": system,

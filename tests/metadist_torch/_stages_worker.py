@@ -15,10 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 STEPS = 3
 
 
-def _check(name, build, batches, step_fn, errors, report, **kw):
+def _check(name, build, batches, step_fn, errors, report, compare=None, **kw):
     from _pipeline_worker import _load  # noqa: F401 - same loader as the micro-batch worker
     from test_compile_distributed import _compare
     from metadist_torch import metadist_compile
+    compare = compare or _compare
     model_ref, opt_ref = build()
     losses_ref = [float(step_fn(model_ref, opt_ref, *b).detach()) for b in batches]
     model, opt = build()
@@ -29,7 +30,7 @@ def _check(name, build, batches, step_fn, errors, report, **kw):
         import traceback
         errors.append(f"{name}: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return
-    _compare(name, model_ref, opt_ref, model, opt, losses_ref, losses, errors)
+    compare(name, model_ref, opt_ref, model, opt, losses_ref, losses, errors)
     plan = step.plan
     mods = getattr(step.runnable, "modules", {})
     ran = next(iter(mods.values())).sub.ran if mods else {}
@@ -71,6 +72,19 @@ def worker() -> int:
                    report, **kw)
         else:
             _check(name, build, gb, gpt.train_step, errors, report, **kw)
+    # transformers' GPT-2 (tied input and output embeddings: the owning stage sends the weight on and gets its
+    # gradient back through the pipeline's backward), AdamW; key-bias noise masked as in test_third_party
+    from _pipeline_worker import _masked_compare
+    third = _load(Path(__file__).resolve().parent / "test_third_party.py", "third_party")
+    ids = [(torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(i)),) for i in range(STEPS)]
+    gpt2_runs = {
+        "gpt2-pp2-1f1b@2x2": dict(mesh=(2, 2), pipeline_stages=2, schedule="1f1b", micro_batches=4),
+        "gpt2-pp2-gpipe@2x2": dict(mesh=(2, 2), pipeline_stages=2, schedule="gpipe", micro_batches=2),
+        "gpt2-pp4-1f1b@4": dict(mesh=(4,), pipeline_stages=4, schedule="1f1b", micro_batches=4),
+    }
+    for name, kw in gpt2_runs.items():
+        if mode == "all" or name in mode.split(","):
+            _check(name, lambda: third.build()[0], ids, third.step, errors, report, compare=_masked_compare, **kw)
     # a bad combination: 3 stages on a first axis of 4 devices
     try:
         from metadist_torch import metadist_compile

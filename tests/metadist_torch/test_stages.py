@@ -1,8 +1,9 @@
 """Pipeline parallelism for torch on torch.distributed.pipelining: stages along mesh axis 0, each split on the
 other axes by its own plan; GPipe, 1F1B and interleaved 1F1B; the planner pipelining under a memory budget.
 
-One torchrun launch on 4 gloo ranks (slow) checks, on the GPT example, that every pipelined step equals the
-single-device step over 3 steps (loss, parameters, optimizer state; rtol 1e-4). At world size 1 a pipeline
+One torchrun launch on 4 gloo ranks (slow) checks, on the GPT example and on transformers' GPT-2 (AdamW, tied
+embeddings), that every pipelined step equals the single-device step over 3 steps (loss, parameters, optimizer
+state; rtol 1e-4; GPT-2's zero-gradient key biases masked as in test_third_party). At world size 1 a pipeline
 is a clear error.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ def test_pipelines_match_single_device_on_4_gloo_ranks(tmp_path):
     assert not res["errors"], "\n".join(res["errors"])
     by = {r["name"]: r for r in res["report"]}
     assert set(by) == {"gpt-pp2-1f1b-tp@2x2", "gpt-pp2-gpipe@2x2", "gpt-pp4-1f1b@4", "gpt-pp4-interleaved@4",
-                       "gpt-auto-budget@4"}
+                       "gpt-auto-budget@4", "gpt2-pp2-1f1b@2x2", "gpt2-pp2-gpipe@2x2", "gpt2-pp4-1f1b@4"}
+    assert by["gpt2-pp4-1f1b@4"]["stages"] == 4 and by["gpt2-pp2-gpipe@2x2"]["devices"] == [[0, 1], [2, 3]]
     assert by["gpt-pp2-1f1b-tp@2x2"]["devices"] == [[0, 1], [2, 3]]
     assert by["gpt-pp2-1f1b-tp@2x2"]["plan_mesh"] == [2]            # each stage's own plan on the other axis
     assert by["gpt-pp2-1f1b-tp@2x2"]["sharded_values"] > 0          # ... which splits values within the stage
