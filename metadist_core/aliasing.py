@@ -58,4 +58,25 @@ def alias_liveness(graph: MetaIR, live: Mapping[str, tuple[int, int]]) -> tuple[
     return out, set(base)
 
 
-__all__ = ["VIEW_OPS", "is_view", "view_bases", "alias_liveness"]
+def inplace_state_liveness(graph: MetaIR, live: dict[str, list[int]], views: set[str] = frozenset()
+                           ) -> dict[str, list[int]]:
+    """``live`` with each new state value dying where it is written into its state's storage.
+
+    The lowering copies a new parameter / optimizer state value into the old one's storage as soon as the
+    old value's last reader has run (``metadist_torch.lower.write_state_in_place``), so the new value
+    lives from its producer to ``max(producer, last reader of the old or new value)``, not to the end of the
+    step. A new state value the step also returns, or one that is a view, keeps its liveness."""
+    readers: dict[str, int] = {}
+    for i, op in enumerate(graph.ops):
+        for v in op.inputs:
+            readers[v] = i
+    state_outs = set(graph.aliases.values())
+    returned = {o for o in graph.outputs if o not in state_outs}
+    for s, o in graph.aliases.items():
+        if o == s or o in returned or o in views or o not in live or o in graph.inputs:
+            continue
+        live[o][1] = max(live[o][0], readers.get(s, -1), readers.get(o, -1))
+    return live
+
+
+__all__ = ["VIEW_OPS", "is_view", "view_bases", "alias_liveness", "inplace_state_liveness"]

@@ -144,6 +144,9 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
         shared[key] = x
         return x
 
+    state_of: dict[str, list[str]] = {}
+    for s_in, s_out in graph.aliases.items():
+        state_of.setdefault(s_out, []).append(s_in)
     for op in graph.ops:
         ins = [move(v, incoming.get((op.id, slot))) for slot, v in enumerate(op.inputs)]
         outs = list(run_op(op, ins, op_output_shardings(plan, op, mesh)))
@@ -153,12 +156,17 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
             env[v] = x
             if keep_values:
                 result.values[v] = x
+        for v in op.outputs:   # new state goes to its stored layout at once: it can be written back early
+            for s_in in state_of.get(v, ()):
+                result.state[s_in] = move(v, finals.get((v, s_in)))
     state_outs = set(graph.aliases.values())
     for o in graph.outputs:
         if o not in state_outs:
             result.outputs[o] = move(o, finals.get((o, OUTPUT)))
     for s_in, s_out in graph.aliases.items():
-        result.state[s_in] = move(s_out, finals.get((s_out, s_in)))
+        if s_in not in result.state:   # state the step returns unchanged (an input)
+            result.state[s_in] = move(s_out, finals.get((s_out, s_in)))
+    result.state = {s_in: result.state[s_in] for s_in in graph.aliases}   # the aliases' order
     return result
 
 

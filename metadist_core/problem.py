@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_constraints
-from .aliasing import alias_liveness
+from .aliasing import alias_liveness, inplace_state_liveness
 from .cost import (DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, reshard, reshard_cost,
                    strategy_split)
 from .ir import MetaIR
@@ -317,6 +317,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     from .compression import wire_dtypes
     device = device or DEVICE_PRESETS["cpu"]
     live, views = alias_liveness(graph, graph.liveness())   # a view takes no bytes and holds its base alive
+    live = inplace_state_liveness(graph, live, views)        # new state is written into the old in place
     vars_ = {v.id: {"shape": v.shape, "dtype": v.dtype, "role": v.role, "live": list(live.get(v.id, (0, 0)))}
              for v in graph.vars.values()}
     for v in views:

@@ -316,12 +316,15 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[int], 
 
 def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], groups: Sequence[Any] | None,
                stats: CommStats | None = None, coalesce: bool = True, bucket_bytes: int = 25 * 2**20,
-               wire: Mapping[str, torch.dtype] | None = None) -> RankGraph:
+               wire: Mapping[str, torch.dtype] | None = None, inplace_state: bool = False) -> RankGraph:
     """Build this rank's fx program for ``plan`` (``groups[axis]``: the process group of each mesh axis).
 
     ``coalesce`` merges independent all_reduces of one axis into buckets of up to ``bucket_bytes``.
     ``wire`` (value id -> torch dtype, :func:`metadist_torch.compression.wire_map`): the values whose
-    collectives travel compressed.
+    collectives travel compressed. ``inplace_state``: each new state value is copied into its input's
+    storage as soon as the old value's last reader has run, so the new one dies there (what the memory
+    model prices, :func:`metadist_core.aliasing.inplace_state_liveness`); the program then returns the
+    updated inputs themselves.
     """
     stats = stats if stats is not None else CommStats()
     coords = tuple(int(c) for c in coords)
@@ -342,6 +345,8 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     g.eliminate_dead_code()
     if coalesce:
         coalesce_all_reduces(g, colls.reduces, lambda axis: colls.fn(axis, "all_reduce_bucket"), bucket_bytes)
+    if inplace_state:
+        write_state_in_place(g, [inputs[v] for v in state_inputs], len(output_vars))
     from .schedule import issue_early
     issue_early(g)   # all_reduces issued as soon as their input exists, waited for at their first reader
     n_coll = sum(1 for _, c in res.collectives if not c.is_free)
@@ -349,6 +354,41 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
                    n_coll)
     rg.collectives = [(v, c) for v, c in res.collectives if not c.is_free]   # as run, before bucketing
     return rg
+
+
+def write_state_in_place(g: fx.Graph, placeholders: Sequence[fx.Node], n_outputs: int) -> int:
+    """Copy each new state value (the output after the first ``n_outputs``) into its placeholder right after
+    the old value's last reader (and after the new value exists), and return the placeholder instead.
+
+    A collective reading the old value whose result is not read before the copy may still be reading it
+    asynchronously: it is waited for first.
+    Returns how many state values are written in place."""
+    from .schedule import md_wait
+    out = next(n for n in g.nodes if n.op == "output")
+    vals = list(out.args[0])
+    order = {n: i for i, n in enumerate(g.nodes)}
+    user_outs = set(vals[:n_outputs])
+    done = 0
+    for k, ph in enumerate(placeholders):
+        new = vals[n_outputs + k]
+        if not isinstance(new, fx.Node) or new is ph or new in user_outs or new.op == "placeholder":
+            continue
+        readers = [u for u in ph.users if u is not out]
+        last = max([new, *readers], key=lambda n: order[n])
+        # a collective reading the old value whose result nothing has read by then may still be reading it:
+        # wait for it first (a collective whose result was read was waited for there; waiting again at the
+        # copy would keep its result, a gathered parameter, alive to the end of the step)
+        colls = [u for u in readers if u.op == "call_function" and getattr(u.target, "__name__", "").startswith("md_")
+                 and not any(order[x] <= order[last] for x in u.users)]
+        with g.inserting_after(last):
+            c = g.call_function(torch.ops.aten.copy_.default, (ph, new))
+        if colls:
+            with g.inserting_before(c):
+                g.call_function(md_wait, tuple(colls))
+        vals[n_outputs + k] = ph
+        done += 1
+    out.args = (tuple(vals),)
+    return done
 
 
 def _safe(name: str) -> str:

@@ -112,7 +112,8 @@ class TorchFrontend(Frontend):
         from .compression import wire_map
         graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
                            coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
-                           wire=wire_map(traced.graph, settings.grad_compression))
+                           wire=wire_map(traced.graph, settings.grad_compression),
+                           inplace_state=not settings.offload)   # offload moves the update to the host
         info = None
         if settings.offload:   # the optimizer update on the host, its state stored there (metadist_torch.offload)
             from .offload import offload_rank_graph, state_to_host
