@@ -8,9 +8,11 @@ AdamW on 4 gloo ranks, one launch, one thread per rank. Systems: ``none``
 gradient accumulation), ``pp2x2`` (``pipeline_stages=2`` on mesh (2, 2): two
 stages, each split two ways by its own plan) and ``pp4`` (``pipeline_stages=4``
 on mesh (4,)), each with schedules GPipe and 1F1B and m micro-batches. For
-every run: the median step time after warm-up (the slowest rank), the peak RSS
-during the timed steps (VmHWM reset through /proc/self/clear_refs where the
-kernel allows), the cost model's step time and bytes per device beside them,
+every run: the median step time after warm-up (the slowest rank), the peak
+tensor memory of the first call (``step.memory``: live tensor storages, the
+largest rank) and the peak RSS during the timed steps (VmHWM reset through
+/proc/self/clear_refs where the kernel allows), the cost model's step time and
+bytes per device beside them,
 and the measured bubble -- the share of the step a rank's stage is not
 computing (time outside ``forward_one_chunk``/``backward_one_chunk``, mean over
 ranks) -- against the schedule's ``(p-1)/(m+p-1)``. Results:
@@ -130,7 +132,9 @@ def worker(args) -> int:
                         ts.append(time.perf_counter() - t0)
                     plan = step.plan
                     pl = plan.stats.get("pipeline")
+                    measured = (step.memory or {}).get("measured_peak_bytes")   # the first call, tensor bytes
                     rec.update(step_s=statistics.median(ts), peak_rss=_peak(), busy_s=busy["s"] / steps,
+                               measured_peak=measured,
                                predicted_s=pl["step_time"] if pl else m * plan.objective,
                                predicted_bytes=max(s.memory for s in plan.stages) if plan.stages
                                else plan.memory_per_device,
@@ -185,11 +189,13 @@ def main(argv=None) -> int:
         rec.update(step_ms=step_s * 1e3, predicted_ms=r0["predicted_s"] * 1e3,
                    peak_rss_mb=max(p["peak_rss"] for p in per) / 2**20,
                    predicted_mb=r0["predicted_bytes"] / 2**20,
+                   measured_peak_mb=(max(p["measured_peak"] for p in per) / 2**20
+                                     if all(p.get("measured_peak") for p in per) else None),
                    bubble_measured=(1 - busy / step_s) if r0["stages"] else 0.0,
                    bubble_model=(p_ - 1) / (m + p_ - 1))
         records.append(rec)
-    cols = ["system", "mesh", "schedule", "micro_batches", "step_ms", "predicted_ms", "peak_rss_mb", "predicted_mb",
-            "bubble_measured", "bubble_model", "error"]
+    cols = ["system", "mesh", "schedule", "micro_batches", "step_ms", "predicted_ms", "measured_peak_mb",
+            "predicted_mb", "peak_rss_mb", "bubble_measured", "bubble_model", "error"]
     path = write_results(NAME, records, cols, "Pipeline parallelism: GPT-2 on 4 gloo ranks",
                          notes=f"{records[0].get('model', '')}; step_ms: median of the slowest rank; predicted_ms: "
                                "the cost model (pipelines: (m+p-1) x the slowest stage; none: m x the micro-batch "
