@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     from metadist_torch.demo import torchrun_cmd
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
-        wargs = ["--worker", "--out", str(out)]   # the user's rule cache: discovery once per machine + (["--quick"] if args.quick else [])
+        # the user's rule cache: discovery once per machine
+        wargs = ["--worker", "--out", str(out)] + (["--quick"] if args.quick else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run(torchrun_cmd(Path(__file__), args.nproc, wargs), env=env, capture_output=True,
