@@ -58,6 +58,15 @@ class Frontend(abc.ABC):
     runner_module: str = ""   # a module with op_spec(op, graph) and op_cost(op, graph), imported on first use
     proxy_shapes: bool = False  # op_spec reads only the graph's shapes and op.attrs: discovery may use proxy sizes
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A concrete adapter runs ops for discovery: it names a ``runner_module`` or overrides ``op_spec``."""
+        super().__init_subclass__(**kwargs)
+        abstract = any(getattr(getattr(cls, n, None), "__isabstractmethod__", False)
+                       for n in getattr(Frontend, "__abstractmethods__", ()))
+        if not abstract and not cls.runner_module and cls.op_spec is Frontend.op_spec:
+            raise TypeError(f"frontend adapter {cls.__name__} runs no ops for discovery: set runner_module to a "
+                            f"module with op_spec(op, graph), or override op_spec")
+
     # -- the flow ---------------------------------------------------------------
     @abc.abstractmethod
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
@@ -136,9 +145,7 @@ class Frontend(abc.ABC):
         """An OpSpec that runs ``op`` on numpy inputs for ShardCombine; raise ``Unrunnable`` when it cannot.
 
         By default ``runner_module.op_spec(op, graph)``, the module imported on first use (so that
-        loading the plugin imports no framework)."""
-        if not self.runner_module:
-            raise NotImplementedError(f"frontend {self.name!r} does not define op_spec()")
+        loading the plugin imports no framework); an adapter with neither is refused at class creation."""
         return importlib.import_module(self.runner_module).op_spec(op, graph)
 
     def op_cost(self, op: "MetaOp", graph: "MetaIR") -> tuple[float, float] | None:

@@ -102,3 +102,18 @@ def test_cli_unknown_solver_is_one_line_and_launches_nothing(capsys, argv):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'nope'" in err and "ilp" in err and "beam" in err and "Traceback" not in err
+
+
+def test_an_adapter_that_runs_no_ops_is_refused_when_defined():
+    import pytest as _pytest
+
+    from metadist_core.frontend import Frontend
+    from metadist_core.reference import ReferenceFrontend
+
+    with _pytest.raises(TypeError, match="runs no ops for discovery"):
+        class NoRunner(ReferenceFrontend):   # noqa: F841 - concrete, neither runner_module nor op_spec
+            runner_module = ""
+
+    class Partial(Frontend):   # still abstract: allowed
+        pass
+    assert Partial.__abstractmethods__
