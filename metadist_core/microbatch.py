@@ -63,7 +63,7 @@ def micro_batch_size(sizes: Sequence[tuple[str, int]], m: int) -> int:
     return b // m
 
 
-def _descendants(graph: MetaIR, roots: Iterable[str]) -> set[str]:
+def descendants(graph: MetaIR, roots: Iterable[str]) -> set[str]:
     """Vars that depend on any of ``roots`` (roots included)."""
     dep = set(roots)
     for op in graph.ops:
@@ -72,7 +72,7 @@ def _descendants(graph: MetaIR, roots: Iterable[str]) -> set[str]:
     return dep
 
 
-def _ancestors(graph: MetaIR, targets: Iterable[str]) -> set[str]:
+def ancestors(graph: MetaIR, targets: Iterable[str]) -> set[str]:
     """Vars that ``targets`` are computed from (targets included)."""
     out: set[str] = set()
     todo = list(targets)
@@ -172,8 +172,8 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
                       ("input", "parameter", "optimizer_state", "buffer")}
     if not inputs_by_role["input"]:
         raise MicroBatchError("micro_batches needs a batch: the step has no tensor input")
-    batch = _descendants(graph, inputs_by_role["input"])
-    stateful = _descendants(graph, inputs_by_role["optimizer_state"])
+    batch = descendants(graph, inputs_by_role["input"])
+    stateful = descendants(graph, inputs_by_role["optimizer_state"])
     update_aliases = {s: o for s, o in graph.aliases.items() if graph.vars[s].role in UPDATE_ROLES}
     region = {op.id for op in graph.ops if any(v in batch for v in op.outputs)
               and not any(v in stateful for v in op.outputs)}
@@ -185,7 +185,7 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
     state_outs0 = set(graph.aliases.values())
     fwd_roots = [o for o in graph.outputs if o not in state_outs0] + \
         [o for s, o in graph.aliases.items() if s not in update_aliases]
-    forward = (_ancestors(graph, fwd_roots) & batch) | set(inputs_by_role["input"])
+    forward = (ancestors(graph, fwd_roots) & batch) | set(inputs_by_role["input"])
     forward |= {v for v in batch if v.endswith(RECOMPUTED_SUFFIX)}   # forward values recomputed for the backward
     consumers: dict[str, list[str]] = {}
     for op in graph.ops:

@@ -21,7 +21,7 @@ from .microbatch import cut_at_gradients
 from .placement import Mesh
 from .ir import DTYPE_BYTES
 from .stages import (STATE_ROLES, CutChoice, StageError, best_cuts, build_stages, crossing_bytes, describe,
-                     forward_ops, nbytes, owner_positions, positions, stage_devices)
+                     forward_ops, owner_positions, positions, stage_devices)
 
 log = logging.getLogger("metadist.pipeplan")
 
@@ -93,13 +93,13 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
         return int(math.prod(shape)) * DTYPE_BYTES.get(mv.dtype, 4)
 
     op_memory = [0.0] * n
-    p_bytes = sum(nbytes(graph, v) for v in graph.inputs if graph.vars[v].role == "parameter")
-    s_bytes = sum(nbytes(graph, v) for v in graph.inputs if graph.vars[v].role == "optimizer_state")
+    p_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "parameter")
+    s_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "optimizer_state")
     ratio = s_bytes / p_bytes if p_bytes else 0.0   # optimizer state per parameter byte (Adam: ~2)
     for v, c in owner_positions(graph, core).items():
         if graph.vars[v].role in STATE_ROLES:   # the value, its gradient, its optimizer state, kept whole
-            op_memory[c] += (2 + ratio) * nbytes(graph, v) if graph.vars[v].role == "parameter" \
-                else nbytes(graph, v)
+            op_memory[c] += (2 + ratio) * graph.vars[v].nbytes if graph.vars[v].role == "parameter" \
+                else graph.vars[v].nbytes
     act = [0.0] * n
     for v, c in pos.items():
         act[c] += local_bytes(v)

@@ -30,7 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .ir import DTYPE_BYTES, RECOMPUTED_SUFFIX, MetaIR
+from .ir import RECOMPUTED_SUFFIX, MetaIR
 from .problem import InfeasibleBudgetError
 from .stages import forward_ops, positions
 
@@ -79,16 +79,6 @@ def is_random(key: str) -> bool:
     """Does the op with this key draw random numbers?"""
     k = key.lower()
     return any(m in k for m in RANDOM_MARKERS)
-
-
-def _bytes(graph: MetaIR, v: str) -> int:
-    mv = graph.vars[v]
-    if mv.shape is None:
-        return 0
-    n = 1
-    for d in mv.shape:
-        n *= int(d)
-    return n * DTYPE_BYTES.get(mv.dtype, 4)
 
 
 def segments(graph: MetaIR, flops: dict[str, float] | None = None) -> list[Segment]:
@@ -146,7 +136,7 @@ def segments(graph: MetaIR, flops: dict[str, float] | None = None) -> list[Segme
             todo.extend(graph.op(i).inputs)
         rec = [i for i in seg_ops if i in need]
         fl = sum((flops or {}).get(i, 0.0) for i in rec)
-        result.append(Segment(len(result), seg_ops, rec, saved, sum(_bytes(graph, v) for v in saved), fl))
+        result.append(Segment(len(result), seg_ops, rec, saved, sum(graph.vars[v].nbytes for v in saved), fl))
     return result
 
 

@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from .ir import DTYPE_BYTES, MetaIR
-from .microbatch import ACC_SUFFIX
+from .ir import MetaIR
+from .microbatch import ACC_SUFFIX, ancestors, descendants
 
 STATE_ROLES = ("parameter", "optimizer_state", "buffer")
 
@@ -63,35 +63,6 @@ class Stage:
         return (f"stage {self.index} on devices {self.devices}: {len(self.ops)} ops, {len(self.params)} "
                 f"parameters, receives {len(self.inputs)} values, sends {len(self.outputs)}; "
                 f"{self.cost * 1e3:.3f} ms/micro-batch, {self.memory / 2**20:.1f} MiB/device")
-
-
-def nbytes(graph: MetaIR, v: str) -> int:
-    mv = graph.vars[v]
-    return int(math.prod(mv.shape or ())) * DTYPE_BYTES.get(mv.dtype, 4)
-
-
-def ancestors(graph: MetaIR, targets: Iterable[str]) -> set[str]:
-    """Values ``targets`` are computed from (targets included)."""
-    out: set[str] = set()
-    todo = list(targets)
-    while todo:
-        v = todo.pop()
-        if v in out:
-            continue
-        out.add(v)
-        p = graph.vars[v].producer
-        if p is not None:
-            todo.extend(graph.op(p).inputs)
-    return out
-
-
-def descendants(graph: MetaIR, roots: Iterable[str]) -> set[str]:
-    """Values computed from any of ``roots`` (roots included)."""
-    dep = set(roots)
-    for op in graph.ops:
-        if any(v in dep for v in op.inputs):
-            dep.update(op.outputs)
-    return dep
 
 
 def new_buffers(graph: MetaIR) -> list[str]:
@@ -156,8 +127,8 @@ def crossing_bytes(graph: MetaIR, ops: Sequence[str]) -> list[int]:
     for v, b in born.items():
         e = last.get(v, b)
         if e > b:
-            diff[b + 1] += nbytes(graph, v)
-            diff[e + 1] -= nbytes(graph, v)
+            diff[b + 1] += graph.vars[v].nbytes
+            diff[e + 1] -= graph.vars[v].nbytes
     out, acc = [0] * (n + 1), 0
     for c in range(n + 1):
         acc += diff[c]
@@ -386,6 +357,6 @@ def describe(stages: Sequence[Stage], schedule: str, m: int) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Stage", "StageError", "ancestors", "descendants", "CutChoice", "forward_ops", "free_values",
+__all__ = ["Stage", "StageError", "CutChoice", "forward_ops", "free_values",
            "build_stages", "crossing_bytes", "best_cuts", "brute_force_cuts", "evaluate_cuts", "positions",
-           "owner_positions", "in_flight", "bubble_fraction", "stage_devices", "describe", "nbytes"]
+           "owner_positions", "in_flight", "bubble_fraction", "stage_devices", "describe"]

@@ -27,8 +27,8 @@ import torch
 
 from metadist_core.frontend import NotSupported
 from metadist_core.ir import MetaIR
-from metadist_core.microbatch import GradientCut, combine
-from metadist_core.stages import Stage, descendants, stage_devices
+from metadist_core.microbatch import GradientCut, combine, descendants
+from metadist_core.stages import Stage, stage_devices
 
 from .calls import rebuild, resolve_target
 from .engine import Engine

@@ -11,7 +11,7 @@ from metadist_core.ir import MetaIR
 from metadist_core.pipeplan import check_stages
 from metadist_core.placement import Mesh
 from metadist_core.stages import (Stage, StageError, best_cuts, bubble_fraction, brute_force_cuts, build_stages,
-                                  crossing_bytes, evaluate_cuts, forward_ops, nbytes)
+                                  crossing_bytes, evaluate_cuts, forward_ops)
 
 
 def mlp_step(layers: int = 4, b: int = 8, w: int = 4) -> MetaIR:
@@ -100,7 +100,7 @@ def test_stages_of_a_training_graph():
         assert stages[-1].outputs == ["loss"]
         for a, b in zip(stages, stages[1:]):
             assert a.outputs == b.inputs                     # what one stage sends the next receives
-            sent = sum(nbytes(g, v) for v in a.outputs)
+            sent = sum(g.vars[v].nbytes for v in a.outputs)
             assert sent == cross[cuts[a.index]]              # the DP's price of the cut is what is sent
         owned = [p for s in stages for p in s.params]
         assert sorted(owned) == ["W0", "W1", "W2", "W3"]     # each parameter lives in one stage
