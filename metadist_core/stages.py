@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .ir import MetaIR
-from .microbatch import ACC_SUFFIX, ancestors, descendants
+from .microbatch import ACC_SUFFIX
 
 STATE_ROLES = ("parameter", "optimizer_state", "buffer")
 
