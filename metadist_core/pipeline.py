@@ -22,7 +22,7 @@ from .config import Settings, load_settings
 from .constraints import as_constraint_list, split_constraints
 from .discover import discover
 from .frontend import Frontend, Traced
-from .ir import MetaIR
+from .ir import RECOMPUTED_SUFFIX, MetaIR
 from .placement import Mesh
 from .plugins import PluginManager
 from .presets import check_strategy, steer
@@ -86,15 +86,19 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     options = {**s.solver_options(), **(solver_options or {})}
     timings["build_problem"] = timings["solve"] = 0.0
 
+    costs = op_costs(graph, pm)   # once: a recomputed copy costs what its original does
+
     def solve(g: MetaIR) -> tuple[Any, Any]:
         t0 = time.perf_counter()
-        problem = build_problem(g, book, mesh, op_costs=op_costs(g, pm), constraints=plain,
+        g_costs = costs if g is graph else {op.id: costs[op.id.removesuffix(RECOMPUTED_SUFFIX)] for op in g.ops
+                                            if op.id.removesuffix(RECOMPUTED_SUFFIX) in costs}
+        problem = build_problem(g, book, mesh, op_costs=g_costs, constraints=plain,
                                 memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
                                 bucket_bytes=s.bucket_bytes if s.coalesce else None)
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
             from .offload import apply_offload
-            region = apply_offload(problem, g, op_costs(g, pm))
+            region = apply_offload(problem, g, g_costs)
         # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.presets)
         problem = steer(problem, s.strategy, named, getattr(g, "annotations", None))
         t1 = time.perf_counter()
@@ -112,7 +116,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
 
     # under a memory budget no plan meets, recompute forward segments (metadist_core.recompute)
     from .recompute import choose
-    flops = {i: c[0] for i, c in op_costs(graph, pm).items()} if s.memory_budget is not None else None
+    flops = {i: c[0] for i, c in costs.items()} if s.memory_budget is not None else None
     graph, (problem, plan), segs = choose(graph, s.memory_budget, solve, flops, enabled=s.recompute)
     if segs:
         plan.recompute = [i for seg in segs for i in seg.recompute]
