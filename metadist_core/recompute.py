@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .ir import RECOMPUTED_SUFFIX, MetaIR
 from .problem import InfeasibleBudgetError
@@ -207,19 +207,19 @@ def rewrite(graph: MetaIR, op_ids: Sequence[str]) -> MetaIR:
     return g
 
 
-def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], object],
-           flops: dict[str, float] | None = None, enabled: bool = True,
-           infeasible: type[Exception] = InfeasibleBudgetError) -> tuple[MetaIR, object, list[Segment]]:
+def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[Any, Any]],
+           flops: dict[str, float] | None = None, enabled: bool = True) -> tuple[MetaIR, tuple[Any, Any],
+                                                                                 list[Segment]]:
     """Solve ``graph``; when no plan fits ``budget``, recompute the fewest segments that make one fit.
 
-    ``solve(graph)`` returns a result or raises ``infeasible`` (an exception with
-    ``.needed``, the least bytes per device any plan of that graph needs). Returns
+    ``solve(graph)`` returns ``(problem, plan)`` or raises :class:`InfeasibleBudgetError`
+    (its ``.needed``: the least bytes per device any plan of that graph needs). Returns
     the graph solved (rewritten when recomputing), ``solve``'s result and the
     segments recomputed.
     """
     try:
         return graph, solve(graph), []
-    except infeasible as e:
+    except InfeasibleBudgetError as e:
         if budget is None:
             raise
         first = e
@@ -231,7 +231,7 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], object],
     full = rewrite(graph, ops_for(len(segs)))
     try:
         best = (len(segs), full, solve(full))
-    except infeasible as e:
+    except InfeasibleBudgetError as e:
         lean = int(getattr(e, "needed", 0))
         raise RecomputeBudgetError(
             f"memory budget of {budget:,} bytes per device cannot be met: the leanest plan without "
@@ -242,8 +242,8 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], object],
         raise RecomputeBudgetError(
             f"memory budget of {budget:,} bytes per device cannot be met with recompute=False: the leanest "
             f"plan needs {without:,} bytes per device; with recomputation (recompute=True) a plan needs "
-            f"{_peak(best[2]):,} or less; allow recompute or raise memory_budget to {without:,}",
-            budget, without, _peak(best[2])) from first
+            f"{best[2][1].memory_per_device:,} or less; allow recompute or raise memory_budget to {without:,}",
+            budget, without, best[2][1].memory_per_device) from first
     lo, hi = 0, len(segs)   # infeasible at lo, feasible at hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -251,20 +251,12 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], object],
         try:
             best = (mid, g, solve(g))
             hi = mid
-        except infeasible:
+        except InfeasibleBudgetError:
             lo = mid
     k, g, res = best
     log.info("recompute %d of %d forward segments (%d ops) to fit %s bytes per device", k, len(segs),
              len(ops_for(k)), f"{budget:,}")
     return g, res, segs[:k]
-
-
-def _peak(res: object) -> int:
-    """The plan's peak bytes per device; ``res`` is a plan or holds one (a tuple, a result)."""
-    for x in (res, getattr(res, "plan", None), *(res if isinstance(res, tuple) else ())):
-        if hasattr(x, "memory_per_device"):
-            return int(x.memory_per_device)
-    return 0
 
 
 __all__ = ["SUFFIX", "RANDOM_MARKERS", "RecomputeBudgetError", "RecomputeError", "Segment", "choose", "is_random", "order", "rewrite",
