@@ -10,8 +10,8 @@ What it fixes for every engine:
 
 - graph inputs arrive as this engine's local values under ``plan.input_shardings``;
 - before an op reads a value, that edge's collectives run in order; the same
-  collectives on the same value run **once** however many ops read it (the
-  cost model charges them once too);
+  collectives on the same value run **once** per reader phase however many ops
+  read it (the cost model charges them so too; :mod:`metadist_core.phases`);
 - a graph output leaves whole (its ``<output>`` edge must end replicated),
   updated state leaves with its state edge's collectives, stored as its input
   is (both checked on the plan before anything runs);
@@ -25,6 +25,7 @@ from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 
 from .cost import Collective, UnknownCollectiveError
 from .ir import MetaIR, MetaOp
+from .phases import reader_phases, share_phase
 from .placement import Mesh, Sharding
 
 V = TypeVar("V")
@@ -82,9 +83,10 @@ class Interpretation(Generic[V]):
     collectives: list[tuple[str, Collective]] = field(default_factory=list)  # (var, collective) as run
 
 
-def edge_key(var: str, collectives: Sequence[Collective]) -> tuple:
-    """Two edges with equal keys move the same value the same way: they share one result."""
-    return (var, tuple((c.kind, c.axis, c.dims, c.reduce, str(c.before), str(c.after)) for c in collectives))
+def edge_key(var: str, collectives: Sequence[Collective], phase: int = 0) -> tuple:
+    """Two edges with equal keys move the same value the same way in the same phase: they share one result."""
+    return (var, phase, tuple((c.kind, c.axis, c.dims, c.reduce, str(c.before), str(c.after))
+                              for c in collectives))
 
 
 def op_output_shardings(plan: Any, op: MetaOp, mesh: Mesh) -> list[Sharding]:
@@ -126,12 +128,14 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
     env: dict[str, Any] = dict(inputs)
     shared: dict[tuple, Any] = {}
     result = Interpretation({}, {})
+    # the phases the plan was priced with (a micro-batch or stage part keeps its whole step's), else the graph's
+    phases = getattr(getattr(plan, "problem", None), "phases", None) or reader_phases(graph)
 
     def move(var: str, edge: Any) -> Any:
         x = env[var]
         if edge is None or not edge.collectives:
             return x
-        key = edge_key(var, edge.collectives)
+        key = edge_key(var, edge.collectives, share_phase(phases, edge.dst, edge.src_sharding))
         if key in shared:
             return shared[key]
         shape = tuple(graph.vars[var].shape or ())

@@ -5,8 +5,9 @@ charge every value its bytes under the sharding its defining node chose, over
 its liveness; they depend on one decision each, which keeps them linear in
 the ILP. A plan also holds what its reshards make: an all_reduce's result
 beside the partial sum it reduces, an all_gather's whole parameter, each held
-from where it is made to the last op that reads the value in that sharding,
-while a value that every reader takes resharded dies as soon as its
+from where it is made to the last op of its reader phase that reads the value
+in that sharding (:mod:`metadist_core.phases`: the forward's copy is not kept for
+the backward), while a value that every reader takes resharded dies as soon as its
 collective has been issued. Those bytes depend on two decisions (the source's
 sharding and the reader's), so :func:`peak_with_buffers` prices them for a
 chosen plan, after the solve: what ``step.memory`` and the memory benchmark
@@ -17,7 +18,8 @@ Positions are op positions as in the memory terms (-1: before the first op,
 (all_reduce, reduce_scatter) is issued as soon as its input exists (the torch
 lowering issues all_reduces early, :mod:`metadist_torch.schedule`); others are
 made at their first reader. Bucketed all_reduces of gradients share one flat
-buffer per bucket: each gradient lives until the last reader of its bucket.
+buffer per bucket: each gradient lives from where it is made until the last
+reader of its bucket.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .cost import local_bytes
+from .phases import FORWARD
 from .placement import Sharding
 
 
@@ -38,8 +41,8 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
     for i, n in enumerate(problem.nodes):
         for s, v in enumerate(n.outputs):
             src_sh[v] = n.options[int(choice[i])].outputs[s]
-    # per value: target sharding -> [first reader position, last reader position]
-    targets: dict[str, dict[Sharding, list[int]]] = {}
+    # per value: (target sharding, reader phase) -> [first reader position, last reader position]
+    targets: dict[str, dict[tuple[Sharding, int], list[int]]] = {}
     for e in problem.edges:
         if e.dst < 0:   # a graph output, returned whole
             pos, tgt = n_steps, rep
@@ -48,7 +51,8 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         else:
             pos = e.dst - n_in
             tgt = problem.nodes[e.dst].options[int(choice[e.dst])].inputs[e.dst_slot]
-        span = targets.setdefault(e.var, {}).setdefault(tgt, [pos, pos])
+        ph = FORWARD if src_sh[e.var].has_partial() else problem.edge_phase(e)   # phases.share_phase
+        span = targets.setdefault(e.var, {}).setdefault((tgt, ph), [pos, pos])
         span[0], span[1] = min(span[0], pos), max(span[1], pos)
     out: list[tuple[int, int, float]] = []
     reduced: list[tuple[int, int, float, str]] = []   # bucketed all_reduce results: (issue, end, bytes, dtype)
@@ -58,36 +62,43 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         start, end = info["live"]
         own = src_sh[v]
         reads = targets.get(v, {})
-        direct = [span for t, span in reads.items() if t == own]
-        moved = [(t, span) for t, span in reads.items() if t != own]
-        issue = {t: (start if any(p.is_partial() for p in own) else span[0]) for t, span in moved}
+        direct = [span for (t, _), span in reads.items() if t == own]
+        moved = [(t, span) for (t, _), span in reads.items() if t != own]
+        issue = [start if own.has_partial() else span[0] for _, span in moved]
         if moved and not direct and end < n_steps:   # read only resharded: gone once its collectives are issued
-            end = max(issue.values())
+            end = max(issue)
         if not info.get("view"):   # a view holds its base's storage (counted there); its reshards are its own
             out.append((start, end, float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))))
-        for t, span in moved:
+        for (t, span), at in zip(moved, issue):
             b = float(local_bytes(info["shape"], info["dtype"], t, problem.mesh))
             if problem.bucket_bytes and info.get("bucketed") and not any(p.is_partial() for p in t) \
                     and all(p.is_partial() or p.is_replicate() for p in own):
-                reduced.append((issue[t], span[1], b, info["dtype"]))   # an all_reduce: joins a bucket
+                reduced.append((at, span[1], b, info["dtype"]))   # an all_reduce: joins a bucket
             else:
-                out.append((issue[t], span[1], b))
+                out.append((at, span[1], b))
     return out + _buckets(reduced, problem.bucket_bytes)
 
 
 def _buckets(reduced: list[tuple[int, int, float, str]], bucket_bytes: int | None) -> list[tuple[int, int, float]]:
     """All_reduce results made in buckets (:func:`metadist_torch.lower.coalesce_all_reduces`): one flat
-    buffer per bucket whose members are views, so every member lives until the bucket's last reader."""
+    buffer per bucket whose members are views, so every member lives until the bucket's last reader. A
+    bucket runs once its last member exists; until then each member is its own partial sum, held from
+    where it is made: each member is charged from its own start to the bucket's end."""
     out = []
     open_: dict[str, list] = {}
+
+    def close(members: list, end: int) -> None:
+        out.extend((start, end, b) for start, b in members)
     for start, end, b, dtype in sorted(reduced):
         cur = open_.get(dtype)
-        if cur is None or cur[2] + b > (bucket_bytes or 0):
+        if cur is None or cur[1] + b > (bucket_bytes or 0):
             if cur is not None:
-                out.append((cur[0], cur[1], cur[2]))
-            cur = open_[dtype] = [start, end, 0.0]
-        cur[1], cur[2] = max(cur[1], end), cur[2] + b
-    out.extend((c[0], c[1], c[2]) for c in open_.values())
+                close(cur[2], cur[0])
+            cur = open_[dtype] = [end, 0.0, []]
+        cur[0], cur[1] = max(cur[0], end), cur[1] + b
+        cur[2].append((start, b))
+    for c in open_.values():
+        close(c[2], c[0])
     return out
 
 

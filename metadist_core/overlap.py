@@ -5,8 +5,8 @@ per-value prices that an ILP can optimise. :func:`predict` replays the plan the
 way every lowering runs it and gives the step time the benchmarks print beside
 the measured one:
 
-- a reshard runs once per (value, target sharding) however many ops read it
-  (:func:`metadist_core.interpret.interpret`);
+- a reshard runs once per (value, target sharding, reader phase) however many
+  ops read it (:func:`metadist_core.interpret.interpret`, :mod:`metadist_core.phases`);
 - the all_reduces of gradient values (``vars[v]["bucketed"]``) run in buckets of
   ``problem.bucket_bytes`` per (axis, reduce, dtype), one latency per bucket, a
   bucket issued when its last member is computed;
@@ -16,7 +16,7 @@ the measured one:
   One collective runs at a time per mesh axis;
 - the other collectives run where their first reader is, and the compute waits.
 
-:func:`priced_collectives` lists the collectives priced, one per (value, target),
+:func:`priced_collectives` lists the collectives priced, one per (value, target, phase),
 in the order the lowering issues them (kind, axis, bytes): the lowering's list
 must be the same (a test checks it).
 """
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import Collective, all_reduce_cost
+from .phases import share_phase
 
 OUTPUT = "<output>"
 
@@ -50,11 +51,12 @@ class Prediction:
 
 
 def priced_collectives(plan: Any) -> list[tuple[str, Collective]]:
-    """``(var, collective)`` for every non-free collective the plan prices, once per (value, target),
-    in the order the interpreter runs them (op order, then outputs, then state)."""
+    """``(var, collective)`` for every non-free collective the plan prices, once per (value, target, reader
+    phase), in the order the interpreter runs them (op order, then outputs, then state)."""
     out, seen = [], set()
     incoming, finals = plan.edge_index()
     problem = plan.problem
+    phases = problem.phases if problem is not None else {}
     order = [n.id for n in problem.nodes if n.kind == "op"] if problem is not None else list(plan.op_strategies)
     by_dst: dict[str, list] = {}
     for (op, slot), e in sorted(incoming.items(), key=lambda kv: kv[0][1]):
@@ -62,7 +64,7 @@ def priced_collectives(plan: Any) -> list[tuple[str, Collective]]:
     edges = [e for op in order for e in by_dst.get(op, [])]
     edges += [e for (v, d), e in finals.items() if d == OUTPUT] + [e for (v, d), e in finals.items() if d != OUTPUT]
     for e in edges:
-        key = (e.var, e.src_sharding, e.dst_sharding)
+        key = (e.var, e.src_sharding, e.dst_sharding, share_phase(phases, e.dst, e.src_sharding))
         if not e.collectives or key in seen:
             continue
         seen.add(key)
@@ -86,7 +88,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         if n.kind == "input":
             ready[n.outputs[0]] = 0.0
     axis_free = [0.0] * mesh.ndim             # one collective at a time per mesh axis
-    done: dict[tuple, float] = {}             # (var, src, dst) -> when the moved value is there
+    done: dict[tuple, float] = {}             # (var, src, dst, phase) -> when the moved value is there
     pending: dict[tuple, dict] = {}           # open gradient bucket per (axis, reduce, dtype)
     stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "exposed": 0.0}
 
@@ -108,13 +110,16 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         for k in b["members"]:
             done[k] = s + cost
 
+    def key_of(var: str, e: Any) -> tuple:
+        return (var, e.src_sharding, e.dst_sharding, share_phase(problem.phases, e.dst, e.src_sharding))
+
     def bucketed(var: str, e: Any) -> bool:
         return bool(bucket and problem.vars[var].get("bucketed") and len(e.collectives) == 1
                     and e.collectives[0].kind == "all_reduce")
 
     def issue(var: str, e: Any) -> None:
         """Issue the edge's collectives: a gradient all_reduce joins a bucket; others run now."""
-        key = (var, e.src_sharding, e.dst_sharding)
+        key = key_of(var, e)
         if key in done or key in pending_members:
             return
         colls = [c for c in e.collectives if not c.is_free]
@@ -145,7 +150,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         nonlocal t
         if e is None or not e.collectives:
             return
-        key = (var, e.src_sharding, e.dst_sharding)
+        key = key_of(var, e)
         if key in pending_members:
             bk = pending_members.pop(key)
             if bk in pending:

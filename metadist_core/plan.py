@@ -14,6 +14,7 @@ import numpy as np
 
 from .cost import Collective, reshard
 from .placement import Sharding
+from .phases import share_phase
 from .problem import OUTPUT, ShardingProblem
 from .rules import Strategy
 
@@ -134,8 +135,9 @@ class ShardingPlan:
             colls = [] if a == b or info["shape"] is None else reshard(a, b, info["shape"],
                                                                      info.get("comm_dtype", info["dtype"]), mesh)
             pe = PlanEdge(e.var, src_node.id, dst, slot, a, b, colls)
-            if (e.var, a, b) not in priced:   # one reshard per (value, target), as the lowering runs it
-                priced.add((e.var, a, b))
+            k = (e.var, a, b, share_phase(problem.phases, dst, a))
+            if k not in priced:   # one reshard per (value, target, reader phase), as the lowering runs it
+                priced.add(k)
                 comm += problem.price(e.var, colls)
             edges.append(pe)
         labels = {v: info["label"] for v, info in problem.vars.items()

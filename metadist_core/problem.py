@@ -29,6 +29,7 @@ from .aliasing import alias_liveness, inplace_state_liveness
 from .cost import (DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, reshard, reshard_cost,
                    strategy_split)
 from .ir import MetaIR
+from .phases import FORWARD, phase_of, reader_phases
 from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
 from .prune import useful_rules
 from .rules import RuleBook, Strategy, expand_rules
@@ -120,6 +121,7 @@ class ShardingProblem:
     outputs: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
     bucket_bytes: int | None = None       # the lowering buckets gradient all_reduces up to this size (None: off)
+    phases: dict[str, int] = field(default_factory=dict)   # op id -> reader phase (metadist_core.phases)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
@@ -180,7 +182,7 @@ class ShardingProblem:
             readers.setdefault(e.var, []).append(e)
         shared = []
         for var, es in readers.items():
-            if len(es) > 1:   # read by several ends: one reshard per (value, target), as the lowering runs it
+            if len(es) > 1:   # read by several ends: one reshard per (value, target, phase), as the lowering runs it
                 shared.append(self._shared_term(es))
                 continue
             e = es[0]
@@ -207,18 +209,36 @@ class ShardingProblem:
         opts = self.nodes[e.dst].options
         return _distinct([o.outputs[0] if e.dst_slot < 0 else o.inputs[e.dst_slot] for o in opts])[0]
 
+    def edge_phase(self, e: Edge) -> int:
+        """The reader phase of edge ``e`` (:mod:`metadist_core.phases`): graph outputs and state are read last."""
+        return phase_of(self.phases, self.nodes[e.dst].id if e.dst >= 0 and e.dst_slot >= 0 else OUTPUT)
+
+    def edge_sources(self, e: Edge) -> list[Sharding]:
+        """The source Sharding of each row of ``e.table``."""
+        return _distinct([o.outputs[e.src_slot] for o in self.nodes[e.src].options])[0]
+
     def _shared_term(self, es: list[Edge]) -> SharedTerm:
-        """The edges of one value as one SharedTerm over the union of their target shardings."""
-        cols: dict[Sharding, int] = {}
+        """The edges of one value as one SharedTerm over the union of their (target sharding, reader phase)
+        columns; under a Partial source the phases of one target share a column (``merge``)."""
+        cols: dict[tuple[Sharding, int], int] = {}
         colvals: dict[int, np.ndarray] = {}
         ends = []
         for e in es:
-            gmap = np.array([cols.setdefault(t, len(cols)) for t in self.edge_targets(e)], dtype=np.int32)
+            ph = self.edge_phase(e)
+            gmap = np.array([cols.setdefault((t, ph), len(cols)) for t in self.edge_targets(e)], dtype=np.int32)
             for c, gc in enumerate(gmap):
                 colvals[int(gc)] = e.table[:, c]
             ends.append((-1, gmap[:1]) if e.dst < 0 else (e.dst, gmap[e.dst_map]))
         table = np.stack([colvals[c] for c in range(len(cols))], axis=1)
-        return SharedTerm(es[0].src, es[0].src_map, ends, table)
+        merge = None
+        if len({ph for _, ph in cols}) > 1:
+            srcs = self.edge_sources(es[0])
+            merge = np.tile(np.arange(len(cols), dtype=np.int32), (len(srcs), 1))
+            for r, a in enumerate(srcs):
+                for (t, ph), c in cols.items():
+                    if a.has_partial():   # one early all_reduce serves every phase (phases.share_phase)
+                        merge[r, c] = cols.get((t, FORWARD), c)
+        return SharedTerm(es[0].src, es[0].src_map, ends, table, merge)
 
     def replicated_choice(self) -> np.ndarray:
         """Per node, the index of its fully replicated option."""
@@ -247,6 +267,7 @@ class ShardingProblem:
             "memory_budget": self.memory_budget, "constraints": [c.to_json() for c in self.constraints],
             "outputs": self.outputs, "aliases": self.aliases,
             **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}),
+            **({"phases": self.phases} if self.phases else {}),
         }
 
     @classmethod
@@ -259,7 +280,8 @@ class ShardingProblem:
                    [Node.from_json(n) for n in d["nodes"]], [np.asarray(c, dtype=float) for c in d["compute"]],
                    [Edge.from_json(e) for e in d["edges"]], [np.asarray(a, dtype=bool) for a in d["allowed"]],
                    int(d["n_steps"]), d.get("memory_budget"), parse_constraints(d.get("constraints") or []),
-                   list(d.get("outputs", [])), dict(d.get("aliases", {})), d.get("bucket_bytes"))
+                   list(d.get("outputs", [])), dict(d.get("aliases", {})), d.get("bucket_bytes"),
+                   dict(d.get("phases", {})))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -369,7 +391,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     cons = parse_constraints(constraints or [])
     prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),
                            memory_budget, cons, list(graph.outputs), dict(graph.aliases),
-                           int(bucket_bytes) if bucket_bytes else None)
+                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph))
     apply_constraints(prob)
     prob.edges = _build_edges(prob)
     return prob

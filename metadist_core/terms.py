@@ -35,10 +35,12 @@ class EdgeTerm:
 class SharedTerm:
     """One value read by several ends: each distinct (source row, target column) is paid once.
 
-    The lowering runs a reshard once per (value, target sharding) however many
-    ops read it (:func:`metadist_core.interpret.interpret`), so the readers of a
-    value share the cost: ``cost = sum over the distinct columns c chosen by the
-    readers of table[row, c]``. ``src`` / a reader's node is -1 when it is fixed;
+    The lowering runs a reshard once per (value, target sharding, reader phase)
+    however many ops read it (:func:`metadist_core.interpret.interpret`), so the
+    readers of a value share the cost: ``cost = sum over the distinct columns c
+    chosen by the readers of table[row, c]``, where a column is a (target, phase)
+    and ``merge`` folds the phases of one target into one column under a Partial
+    source row. ``src`` / a reader's node is -1 when it is fixed;
     its map then holds one entry (the fixed row or column).
     """
 
@@ -46,10 +48,16 @@ class SharedTerm:
     src_map: np.ndarray                              # option of src -> row
     readers: list[tuple[int, np.ndarray]]            # (node, option -> column)
     table: np.ndarray                                # seconds, rows x columns
+    merge: np.ndarray | None = None                  # rows x columns -> the column actually paid (None: itself)
+
+    def paid(self, row: int, col: int) -> int:
+        """The column paid when a reader takes ``col`` under source row ``row``: columns that differ only in
+        the reader's phase are one reshard under a Partial source (:mod:`metadist_core.phases`)."""
+        return col if self.merge is None else int(self.merge[row, col])
 
     def cost(self, choice: np.ndarray) -> float:
         r = int(self.src_map[0 if self.src < 0 else choice[self.src]])
-        cols = {int(m[0 if n < 0 else choice[n]]) for n, m in self.readers}
+        cols = {self.paid(r, int(m[0 if n < 0 else choice[n]])) for n, m in self.readers}
         return float(sum(self.table[r, c] for c in cols))
 
 
@@ -252,7 +260,7 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
                 free = not np.any(g.table[np.ix_(rows_all, np.unique(m))])
             if not free:
                 readers.append((node, m))
-        g2 = SharedTerm(s_node, s_map, readers, g.table)
+        g2 = SharedTerm(s_node, s_map, readers, g.table, g.merge)
         if not np.any(g.table):
             continue
         if not readers:
@@ -262,7 +270,8 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
         elif len(readers) == 1:   # one reader left: an ordinary pairwise term
             offset += _fold_per_reader(g2, unary, edges)
         else:   # terms with the same ends (tied layers) pick the same columns: their tables add up
-            key = (s_node, s_map.tobytes(), tuple((n, m.tobytes()) for n, m in readers), g.table.shape)
+            key = (s_node, s_map.tobytes(), tuple((n, m.tobytes()) for n, m in readers), g.table.shape,
+                   None if g.merge is None else g.merge.tobytes())
             if key in merged:
                 merged[key].table = merged[key].table + g.table
             else:

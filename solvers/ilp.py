@@ -84,7 +84,10 @@ class _Model:
             ub.append(np.ones(R * C))
             zidx = z0 + np.arange(R * C).reshape(R, C)
             for node, m in g.readers:
+                pairs: dict = {}
                 for (rr, cc), terms in self._pair_indicators(g, node, m, nv).items():
+                    pairs.setdefault((rr, g.paid(rr, cc)), []).extend(terms)
+                for (rr, cc), terms in pairs.items():
                     if g.table[rr, cc] <= 0:
                         continue
                     if not terms:            # both ends fixed: the pair is always there

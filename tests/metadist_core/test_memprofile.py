@@ -56,7 +56,10 @@ def test_buffers_add_the_gathered_weight_where_it_is_read():
     assert split, "the weight has a Shard(0) storage option"
     choice[w] = split[0]
     plan = ShardingPlan.from_choices(problem, choice)
-    # the split weight (48 bytes) is below the replicated one (96), but while the mm and the decay read it
-    # whole a gathered copy (96 bytes) is held beside it: the peak with buffers exceeds the solver's figure
+    # the split weight (48 bytes) is below the replicated one (96), but where the mm reads it whole a
+    # gathered copy (96 bytes) is held beside it: the peak with buffers exceeds the solver's figure
     assert peak_with_buffers(problem, plan) > plan.memory_per_device
-    assert peak_with_buffers(problem, plan) >= rep.memory_per_device
+    # the decay (after the forward) gathers it again rather than keeping the forward's copy (phases.py):
+    # by hand, at the mm: x 128 + w 48 + y 192 + gathered w 96 = 464 bytes; holding the copy to the decay
+    # would make the scale's position the peak: w 48 + y 192 + z 192 + 96 = 528
+    assert peak_with_buffers(problem, plan) == 464
