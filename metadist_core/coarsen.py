@@ -168,7 +168,7 @@ def _tie(t: Terms, rounds: int) -> tuple[list[int], list[np.ndarray], list[int]]
         if m.node >= 0:
             mem_by_node.setdefault(m.node, []).append(_digest(m.nbytes))
     for g in t.shared:   # a value read by several ops: its ends must look alike to share a decision
-        sig = _digest(g.table)
+        sig = _digest(g.table, g.merge)
         for role, (node, m) in [("src", (g.src, g.src_map))] + [("reader", r) for r in g.readers]:
             if node >= 0:
                 mem_by_node.setdefault(node, []).append(_digest(role, sig, m))
