@@ -13,6 +13,9 @@ tensor memory over one training step stays within the budget (and, for MetaDist,
 - ``fsdp2_ckpt``: the same with ``torch.utils.checkpoint`` on every block
   (``gradient_checkpointing_enable(use_reentrant=False)``).
 
+After the searches MetaDist also runs at FSDP2 + checkpointing's depth, so the step times compare at one
+depth too (``equal_depth`` in the metadist record).
+
 Memory is measured the same way for all (:func:`metadist_torch.memory.measure_peak`: live tensor
 storages on CPU, the CUDA allocator's peak on a GPU); MetaDist's prediction (``step.memory``'s
 ``predicted_peak_bytes``: the plan's peak with its collectives' buffers; ``predicted_solver_mb``: the
@@ -190,6 +193,14 @@ def worker(args) -> int:
         t = time.perf_counter()
         res[system] = search(system, sh, budget, args, rank, world)
         res[system]["search_s"] = time.perf_counter() - t
+    if "metadist" in res and "fsdp2_ckpt" in res:   # the step times at one depth: FSDP2 + checkpointing's
+        depth = res["fsdp2_ckpt"]["best"]["layers"]
+        probes = {p["layers"]: p for p in res["metadist"]["probes"]}
+        if depth and depth not in probes:
+            probes[depth] = _probe("metadist", depth, sh, budget, args, rank, world)
+            res["metadist"]["probes"].append(probes[depth])
+        res["equal_depth"] = {"layers": depth, "metadist_ms": probes.get(depth, {}).get("step_ms"),
+                              "fsdp2_ckpt_ms": res["fsdp2_ckpt"]["best"].get("step_ms")}
     if rank == 0:
         Path(args.out).write_text(json.dumps({"shape": sh, "world": world, "results": res}, default=str))
     dist.barrier()
@@ -233,6 +244,7 @@ def main(argv=None) -> int:
     desc = (f"GPT-2 (transformers) width {sh['width']} heads {sh['heads']} vocab {sh['vocab']} seq {sh['seq']} "
             f"batch {sh['batch']}, {data['world']} gloo ranks")
     records = []
+    equal = data["results"].pop("equal_depth", None)
     for system, r in data["results"].items():
         b = r["best"]
         records.append({"benchmark": NAME, "model": desc, "system": system, "budget_mb": args.budget_mb,
@@ -242,7 +254,8 @@ def main(argv=None) -> int:
                         "measured_over_predicted": (b["measured_peak_mb"] / b["predicted_peak_mb"]
                                                     if b.get("predicted_peak_mb") and b.get("measured_peak_mb")
                                                     else None),
-                        "plan": b.get("plan"), "search_s": r["search_s"], "probes": r["probes"], "quick": args.quick})
+                        "plan": b.get("plan"), "search_s": r["search_s"], "probes": r["probes"], "quick": args.quick,
+                        **({"equal_depth": equal} if equal and system == "metadist" else {})})
     ref = {r["system"]: r for r in records}
     notes = [f"{desc}. Budget {args.budget_mb:g} MiB per device; depth searched by doubling then bisection "
              f"(up to {sh['cap']} layers); a depth fits when every rank's measured peak is within the budget. "
@@ -251,6 +264,10 @@ def main(argv=None) -> int:
         md, ck = ref["metadist"], ref["fsdp2_ckpt"]
         notes.append(f"MetaDist {md['max_layers']} layers vs FSDP2+checkpointing {ck['max_layers']}; step time "
                      f"ratio at each system's own depth {md['step_ms'] / ck['step_ms']:.2f}x.")
+    if equal and equal.get("metadist_ms") and equal.get("fsdp2_ckpt_ms"):
+        notes.append(f"At FSDP2+checkpointing's depth ({equal['layers']} layers): MetaDist {equal['metadist_ms']:.0f} ms, "
+                     f"FSDP2+checkpointing {equal['fsdp2_ckpt_ms']:.0f} ms "
+                     f"({equal['metadist_ms'] / equal['fsdp2_ckpt_ms']:.2f}x).")
     for r in records:   # every probe: predicted beside measured
         for p in r["probes"]:
             if p.get("predicted_peak_mb") and p.get("measured_peak_mb"):

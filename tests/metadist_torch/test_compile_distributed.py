@@ -273,8 +273,10 @@ def worker() -> int:
         _check(f"mlp-adam-random-plan@{tag}", mlp, mlp.MLPConfig(hidden=20, batch=10, layers=2, optimizer="adam"),
                mesh, errors, report, random_seed=2)
         _check(f"cnn@{tag}", cnn, cnn.CNNConfig(channels=8, image=8, batch=8), mesh, errors, report)
+        # a budget no replicated plan meets (expect_sharded checks that a large weight is sharded); with the
+        # memory model's bucket copies and 3 % headroom 380,000 bytes had needed recomputation on 2 ranks
         _check(f"gpt-vocab96@{tag}", gpt, gpt.GPTConfig(vocab=96, **gpt_small), mesh, errors, report,
-               memory_budget=int(os.environ.get("MD_TEST_GPT_BUDGET", "380000")), expect_sharded=True,
+               memory_budget=int(os.environ.get("MD_TEST_GPT_BUDGET", "430000")), expect_sharded=True,
                checkpoint=True)
         _check(f"gpt-vocab97@{tag}", gpt, gpt.GPTConfig(vocab=97, **gpt_small), mesh, errors, report)
     if world == 2:  # dropout runs replicated; every rank draws what the single-device step draws
