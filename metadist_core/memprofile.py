@@ -22,8 +22,9 @@ activation) keeps the moved copy alive as long as the view lives. Bucketed
 all_reduces of gradients share one flat buffer per bucket: each gradient lives
 from where it is made until the last reader of its bucket, and where the bucket
 runs (once its last member exists) its concatenation and the collective's
-result are held beside the members (:data:`BUCKET_COPIES`; an ``avg`` adds its
-quotient).
+result are held beside the members (``problem.bucket_copies``, what the
+frontend's lowering makes: the torch one 2, and an ``avg`` adds its quotient;
+XLA schedules JAX's collectives itself, 0).
 """
 from __future__ import annotations
 
@@ -33,13 +34,11 @@ from typing import Any, Callable
 import numpy as np
 
 from .cost import local_bytes
-from .phases import FORWARD
+from .placement import Sharding
 
-BUCKET_COPIES = 2   # a bucket's concatenation and the functional all_reduce's result, beside its members
 # the part of a memory budget plans leave free for what the model does not count (a kernel's workspace,
 # allocator rounding, the engine's own buffers): predictions ran 0.93-1.02x the measured peak on GPT-2
 HEADROOM = 0.03
-from .placement import Sharding
 
 
 def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]:
@@ -61,11 +60,11 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         else:
             pos = e.dst - n_in
             tgt = problem.nodes[e.dst].options[int(choice[e.dst])].inputs[e.dst_slot]
-        ph = FORWARD if src_sh[e.var].has_partial() else problem.edge_phase(e)   # phases.share_phase
-        span = targets.setdefault(e.var, {}).setdefault((tgt, ph), [pos, pos])
-        # a view of the moved copy (a reshape of a gathered activation) keeps the copy alive as long as it lives
-        last = max([pos] + [problem.vars[o]["live"][1] for o in (problem.nodes[e.dst].outputs if e.dst >= 0 else [])
-                            if e.dst_slot >= 0 and problem.vars.get(o, {}).get("view")])
+        span = targets.setdefault(e.var, {}).setdefault((tgt, problem.edge_phase(e, src_sh[e.var])), [pos, pos])
+        last = pos
+        if e.dst >= 0 and e.dst_slot >= 0:   # a view of the moved copy keeps the copy alive while the view lives
+            last = max([pos] + [problem.vars[o]["live"][1] for o in problem.nodes[e.dst].outputs
+                                if problem.vars.get(o, {}).get("view")])
         span[0], span[1] = min(span[0], pos), max(span[1], last)
     out: list[tuple[int, int, float]] = []
     reduced: list[tuple[int, int, float, str, int]] = []   # bucketed all_reduces: (issue, end, bytes, dtype, copies)
@@ -87,7 +86,8 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
             if problem.bucket_bytes and info.get("bucketed") and not any(p.is_partial() for p in t) \
                     and all(p.is_partial() or p.is_replicate() for p in own):
                 avg = any(getattr(p, "reduce", None) == "avg" for p in own)
-                reduced.append((at, span[1], b, info["dtype"], BUCKET_COPIES + int(avg)))   # joins a bucket
+                copies = problem.bucket_copies + int(avg) if problem.bucket_copies else 0
+                reduced.append((at, span[1], b, info["dtype"], copies))   # an all_reduce: joins a bucket
             else:
                 out.append((at, span[1], b))
     return out + _buckets(reduced, problem.bucket_bytes)
@@ -140,35 +140,49 @@ def peak_with_buffers(problem: Any, plan: Any) -> int:
 
 
 
-def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rounds: int = 3) -> Any:
+def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rounds: int = 6) -> Any:
     """A plan whose peak *with* collective buffers meets ``problem.memory_budget`` less :data:`HEADROOM`.
 
-    The solver holds only its linear memory terms to the budget; when the chosen plan's buffers take it
-    over (or into the headroom), ``resolve(tighter_problem)`` solves again under the budget less the
-    headroom and those buffers' bytes (at most ``rounds`` times). ``InfeasibleBudgetError`` from a tighter
-    solve is raised against the user's budget: the bytes needed are the leanest plan's with its buffers,
-    grown by the headroom.
+    The solver holds only its linear memory terms to the budget. When the chosen plan's buffers take it
+    over the target, ``resolve(tighter_problem)`` solves again under a tighter solver budget: first the
+    target less the overshooting plan's buffers; when that is infeasible (no plan's own terms go that
+    low), halfway between the least any plan needs and the last budget that gave too many buffers; after
+    a plan that still overshoots, that budget less the overshoot (at most ``rounds`` solves). When none
+    fits, ``InfeasibleBudgetError`` says what the leanest plan found needs, with its buffers and the
+    headroom.
     """
     from .problem import InfeasibleBudgetError
     budget = problem.memory_budget
     if budget is None:
         return plan
     target = int(budget * (1.0 - HEADROOM))
+    peak = peak_with_buffers(problem, plan)
+    if peak <= target:
+        return plan
+    best = peak                       # the least peak with buffers seen
+    over = int(problem.memory_budget)  # the last solver budget whose plan overshot the target
+    floor = 0                         # no plan's own terms go below this (from an infeasible solve)
+    b = target - max(0, peak - int(plan.memory_per_device))
     for _ in range(rounds):
-        peak = peak_with_buffers(problem, plan)
-        if peak <= target:
-            return plan
-        extra = max(0, peak - int(plan.memory_per_device))
+        if b <= floor:
+            b = (floor + over) // 2
+        if b <= floor or b >= over:
+            break
         try:
-            better = resolve(problem.with_budget(target - extra))
+            cand = resolve(problem.with_budget(int(b)))
         except InfeasibleBudgetError as e:
-            need = int(math.ceil((e.needed + extra) / (1.0 - HEADROOM)))
-            raise InfeasibleBudgetError(budget, need, problem.mesh,
-                                        f"needs, with its collectives' buffers and {HEADROOM:.0%} headroom,") from e
-        if better.memory_per_device >= plan.memory_per_device and peak_with_buffers(problem, better) >= peak:
-            return better
-        plan = better
-    return plan
+            floor = max(floor, int(e.needed))
+            b = (floor + over) // 2
+            continue
+        peak = peak_with_buffers(problem, cand)
+        if peak <= target:
+            return cand
+        best = min(best, peak)
+        over = int(b)
+        b = b - (peak - target)
+    need = int(math.ceil(best / (1.0 - HEADROOM)))
+    raise InfeasibleBudgetError(budget, need, problem.mesh,
+                                f"found needs, with its collectives' buffers and {HEADROOM:.0%} headroom,")
 
 
-__all__ = ["profile_with_buffers", "peak_with_buffers", "fit_with_buffers", "BUCKET_COPIES", "HEADROOM"]
+__all__ = ["profile_with_buffers", "peak_with_buffers", "fit_with_buffers", "HEADROOM"]

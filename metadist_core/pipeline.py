@@ -58,7 +58,8 @@ def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, fl
 
 def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
                settings: Settings | None = None, constraints: Iterable[Any] | None = None,
-               solver_options: dict | None = None, device: Any = None, **setting_values: Any) -> CompileResult:
+               solver_options: dict | None = None, device: Any = None, bucket_copies: int = 0,
+               **setting_values: Any) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
 
     ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
@@ -94,7 +95,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                             if op.id.removesuffix(RECOMPUTED_SUFFIX) in costs}
         problem = build_problem(g, book, mesh, op_costs=g_costs, constraints=plain,
                                 memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
-                                bucket_bytes=s.bucket_bytes if s.coalesce else None)
+                                bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies)
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
             from .offload import apply_offload
@@ -207,7 +208,8 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
             return CompileResult(graph, RuleBook(), pr1, p1)
         return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
                           constraints=user_constraints + frontend.constraints(graph, m),
-                          device=profile.device if profile is not None else None)
+                          device=profile.device if profile is not None else None,
+                          bucket_copies=frontend.bucket_copies)
 
     book, problem, plan = RuleBook(), None, None
     if run_mesh.size == 1:

@@ -29,7 +29,7 @@ from .aliasing import alias_liveness, inplace_state_liveness
 from .cost import (DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, reshard, reshard_cost,
                    strategy_split)
 from .ir import MetaIR
-from .phases import FORWARD, phase_of, reader_phases
+from .phases import FORWARD, phase_of, reader_phases, share_phase
 from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
 from .prune import useful_rules
 from .rules import RuleBook, Strategy, expand_rules
@@ -122,6 +122,7 @@ class ShardingProblem:
     aliases: dict[str, str] = field(default_factory=dict)
     bucket_bytes: int | None = None       # the lowering buckets gradient all_reduces up to this size (None: off)
     phases: dict[str, int] = field(default_factory=dict)   # op id -> reader phase (metadist_core.phases)
+    bucket_copies: int = 0                # extra copies of a gradient bucket where it runs (metadist_core.memprofile)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
@@ -209,9 +210,11 @@ class ShardingProblem:
         opts = self.nodes[e.dst].options
         return _distinct([o.outputs[0] if e.dst_slot < 0 else o.inputs[e.dst_slot] for o in opts])[0]
 
-    def edge_phase(self, e: Edge) -> int:
-        """The reader phase of edge ``e`` (:mod:`metadist_core.phases`): graph outputs and state are read last."""
-        return phase_of(self.phases, self.nodes[e.dst].id if e.dst >= 0 and e.dst_slot >= 0 else OUTPUT)
+    def edge_phase(self, e: Edge, source: Sharding | None = None) -> int:
+        """The reader phase of edge ``e`` (:mod:`metadist_core.phases`; graph outputs and state are read last);
+        with the ``source`` sharding, the phase its reshard is shared in (one for every reader of a Partial)."""
+        reader = self.nodes[e.dst].id if e.dst >= 0 and e.dst_slot >= 0 else OUTPUT
+        return phase_of(self.phases, reader) if source is None else share_phase(self.phases, reader, source)
 
     def edge_sources(self, e: Edge) -> list[Sharding]:
         """The source Sharding of each row of ``e.table``."""
@@ -268,6 +271,7 @@ class ShardingProblem:
             "outputs": self.outputs, "aliases": self.aliases,
             **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}),
             **({"phases": self.phases} if self.phases else {}),
+            **({"bucket_copies": self.bucket_copies} if self.bucket_copies else {}),
         }
 
     @classmethod
@@ -281,7 +285,7 @@ class ShardingProblem:
                    [Edge.from_json(e) for e in d["edges"]], [np.asarray(a, dtype=bool) for a in d["allowed"]],
                    int(d["n_steps"]), d.get("memory_budget"), parse_constraints(d.get("constraints") or []),
                    list(d.get("outputs", [])), dict(d.get("aliases", {})), d.get("bucket_bytes"),
-                   dict(d.get("phases", {})))
+                   dict(d.get("phases", {})), int(d.get("bucket_copies", 0)))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -325,7 +329,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   device: DeviceSpec | None = None,
                   prune: bool = True,
                   grad_compression: str | None = None,
-                  bucket_bytes: int | None = None) -> ShardingProblem:
+                  bucket_bytes: int | None = None, bucket_copies: int = 0) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them
@@ -391,7 +395,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     cons = parse_constraints(constraints or [])
     prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),
                            memory_budget, cons, list(graph.outputs), dict(graph.aliases),
-                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph))
+                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph), int(bucket_copies))
     apply_constraints(prob)
     prob.edges = _build_edges(prob)
     return prob
