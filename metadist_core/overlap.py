@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import Collective, all_reduce_cost
-from .phases import share_phase
+from .phases import reshard_key
 
 OUTPUT = "<output>"
 
@@ -64,7 +64,7 @@ def priced_collectives(plan: Any) -> list[tuple[str, Collective]]:
     edges = [e for op in order for e in by_dst.get(op, [])]
     edges += [e for (v, d), e in finals.items() if d == OUTPUT] + [e for (v, d), e in finals.items() if d != OUTPUT]
     for e in edges:
-        key = (e.var, e.src_sharding, e.dst_sharding, share_phase(phases, e.dst, e.src_sharding))
+        key = reshard_key(e.var, e.src_sharding, e.dst_sharding, e.dst, phases)
         if not e.collectives or key in seen:
             continue
         seen.add(key)
@@ -110,16 +110,13 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         for k in b["members"]:
             done[k] = s + cost
 
-    def key_of(var: str, e: Any) -> tuple:
-        return (var, e.src_sharding, e.dst_sharding, share_phase(problem.phases, e.dst, e.src_sharding))
-
     def bucketed(var: str, e: Any) -> bool:
         return bool(bucket and problem.vars[var].get("bucketed") and len(e.collectives) == 1
                     and e.collectives[0].kind == "all_reduce")
 
     def issue(var: str, e: Any) -> None:
         """Issue the edge's collectives: a gradient all_reduce joins a bucket; others run now."""
-        key = key_of(var, e)
+        key = reshard_key(var, e.src_sharding, e.dst_sharding, e.dst, problem.phases)
         if key in done or key in pending_members:
             return
         colls = [c for c in e.collectives if not c.is_free]
@@ -150,7 +147,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         nonlocal t
         if e is None or not e.collectives:
             return
-        key = key_of(var, e)
+        key = reshard_key(var, e.src_sharding, e.dst_sharding, e.dst, problem.phases)
         if key in pending_members:
             bk = pending_members.pop(key)
             if bk in pending:

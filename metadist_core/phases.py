@@ -51,4 +51,9 @@ def share_phase(phases: Mapping[str, int], reader: str, source: Sharding) -> int
     return FORWARD if source.has_partial() else phase_of(phases, reader)
 
 
-__all__ = ["FORWARD", "LATER", "reader_phases", "phase_of", "share_phase"]
+def reshard_key(var: str, source: Sharding, target: Sharding, reader: str, phases: Mapping[str, int]) -> tuple:
+    """Reshards with equal keys are one collective: the value, both shardings and the phase it is shared in."""
+    return (var, source, target, share_phase(phases, reader, source))
+
+
+__all__ = ["FORWARD", "LATER", "reader_phases", "phase_of", "share_phase", "reshard_key"]

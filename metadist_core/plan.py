@@ -14,7 +14,7 @@ import numpy as np
 
 from .cost import Collective, reshard
 from .placement import Sharding
-from .phases import share_phase
+from .phases import reshard_key
 from .problem import OUTPUT, ShardingProblem
 from .rules import Strategy
 
@@ -135,7 +135,7 @@ class ShardingPlan:
             colls = [] if a == b or info["shape"] is None else reshard(a, b, info["shape"],
                                                                      info.get("comm_dtype", info["dtype"]), mesh)
             pe = PlanEdge(e.var, src_node.id, dst, slot, a, b, colls)
-            k = (e.var, a, b, share_phase(problem.phases, dst, a))
+            k = reshard_key(e.var, a, b, dst, problem.phases)
             if k not in priced:   # one reshard per (value, target, reader phase), as the lowering runs it
                 priced.add(k)
                 comm += problem.price(e.var, colls)

@@ -238,8 +238,8 @@ class ShardingProblem:
             srcs = self.edge_sources(es[0])
             merge = np.tile(np.arange(len(cols), dtype=np.int32), (len(srcs), 1))
             for r, a in enumerate(srcs):
-                for (t, ph), c in cols.items():
-                    if a.has_partial():   # one early all_reduce serves every phase (phases.share_phase)
+                if a.has_partial():   # one early all_reduce serves every phase (phases.share_phase)
+                    for (t, _), c in cols.items():
                         merge[r, c] = cols.get((t, FORWARD), c)
         return SharedTerm(es[0].src, es[0].src_map, ends, table, merge)
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from metadist_core.constraints import Pin
-from metadist_core.cost import all_gather_cost, all_reduce_cost
+from metadist_core.cost import all_reduce_cost
 from metadist_core.interpret import interpret
 from metadist_core.ir import MetaIR
 from metadist_core.memprofile import peak_with_buffers
