@@ -150,10 +150,18 @@ def profile_from_samples(samples: Sequence[dict], nodes: int, devices_per_node: 
 
 # -- measured by default: the profile cache ---------------------------------------
 
+#: bumped when the way a profile is measured changes: older cached profiles are measured again
+#: (2: messages up to 16 MiB, so that bandwidth shows beside the latency; 3: device rates measured by all
+#: ranks at once)
+MEASURE_VERSION = 3
+
+
 def profile_key(world_size: int, device_kind: str, host: str | None = None) -> dict:
-    """What a measured profile is valid for: this host, this world size, this kind of device."""
+    """What a measured profile is valid for: this host, this world size, this kind of device, this
+    way of measuring (:data:`MEASURE_VERSION`)."""
     import socket
-    return {"host": host or socket.gethostname(), "world_size": int(world_size), "device_kind": str(device_kind)}
+    return {"host": host or socket.gethostname(), "world_size": int(world_size), "device_kind": str(device_kind),
+            "measure": MEASURE_VERSION}
 
 
 def profile_cache_path(cache_dir: str | os.PathLike | None, key: dict) -> Path:

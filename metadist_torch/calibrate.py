@@ -23,15 +23,20 @@ DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)   # bytes
 KINDS = ("all_reduce", "all_gather")
 
 
-def _time(fn, iters: int, sync) -> float:
+def _time(fn, iters: int, sync, before=None, reps: int = 1) -> float:
+    """Median seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()`` runs
+    untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time)."""
     fn()
     sync()
     ts = []
     for _ in range(iters):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
-        fn()
+        for _ in range(reps):
+            fn()
         sync()
-        ts.append(time.perf_counter() - t0)
+        ts.append((time.perf_counter() - t0) / reps)
     return statistics.median(ts)
 
 
@@ -120,12 +125,16 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
 
 # -- measured by default: the first compile on a machine ----------------------------
 
-LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20)   # bytes per all_reduce timed on each mesh axis
+# bytes per all_reduce timed on each mesh axis: up to 16 MiB, where the bandwidth term outweighs the
+# latency and the ranks' uneven arrival (with 1 MiB at most, gloo on 4 ranks of 2 cores fitted beta to 0
+# while 16 MiB all_reduces took 27-33 ms, i.e. 1.1-1.3 ns/byte)
+LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 
 
-def measure_device_rates(iters: int = 7) -> dict:
-    """This process's matmul FLOP/s, memory-bound bytes/s and per-op overhead (medians: the ranks of one
-    machine measure at once, so the figures include what they take from each other)."""
+def measure_device_rates(iters: int = 7, before=None) -> dict:
+    """This process's matmul FLOP/s, memory-bound bytes/s and per-op overhead (medians). ``before``: a
+    barrier, so that the ranks of one machine measure at once and the figures include what they take from
+    each other (4 gloo ranks on 2 cores: 55-61 GFLOP/s each so, 167 measured one at a time)."""
     import torch
     from metadist_torch.engine import device
     dev = device()
@@ -134,13 +143,13 @@ def measure_device_rates(iters: int = 7) -> dict:
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
     x = torch.randn(1 << 20 if dev.type == "cpu" else 1 << 26, device=dev)
     tiny = torch.randn(8, device=dev)
-    mm = _time(lambda: a @ b, iters, sync)
-    add = _time(lambda: x.add(1.0), iters, sync)
-    over = _time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync) / 50
+    mm = _time(lambda: a @ b, iters, sync, before, reps=20)
+    add = _time(lambda: x.add(1.0), iters, sync, before, reps=5)
+    over = _time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync, before) / 50
     low = {}   # bf16/fp16 matmul rates: tensor cores (or AMX on a CPU) make them far faster, or far slower
     for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         a16, b16 = a.to(dt), b.to(dt)
-        low[name] = 2 * n ** 3 / max(_time(lambda: a16 @ b16, iters, sync) - over, 1e-9)
+        low[name] = 2 * n ** 3 / max(_time(lambda: a16 @ b16, iters, sync, before, reps=5) - over, 1e-9)
     return {"peak_flops": 2 * n ** 3 / max(mm - over, 1e-9), "mem_bandwidth": 2 * x.numel() * 4 / max(add - over, 1e-9),
             "op_overhead": over, "flops_by_dtype": low}
 
@@ -189,7 +198,7 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
                             "seconds": float(t.item())})
         a, b = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
         axes.append({"alpha": a, "beta": b})
-    rates = measure_device_rates()
+    rates = measure_device_rates(before=dist.barrier)
     low = sorted(rates["flops_by_dtype"])
     vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]]
                        + [rates["flops_by_dtype"][k] for k in low], dtype=torch.float64)
