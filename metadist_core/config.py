@@ -10,6 +10,7 @@
 | time_limit     | METADIST_TIME_LIMIT        | time_limit      | 60 (solver, s)     |
 | coalesce       | METADIST_COALESCE          | coalesce        | true (bucket all-reduces) |
 | bucket_mb      | METADIST_BUCKET_MB         | bucket_mb       | 25 (MiB per bucket)|
+| shard_bucket_mb | METADIST_SHARD_BUCKET_MB | shard_bucket_mb | 4 (MiB per parameter all_gather bucket; 0: off) |
 | beam_width     | METADIST_BEAM_WIDTH        | beam_width      | 8 (beam solver)    |
 | verify_draws   | METADIST_VERIFY_DRAWS      | verify_draws    | 2 (random draws per rule) |
 | progress       | METADIST_PROGRESS          | progress        | on a terminal      |
@@ -50,6 +51,7 @@ class Settings:
     time_limit: float = 60.0
     coalesce: bool = True
     bucket_mb: float = 25.0
+    shard_bucket_mb: float = 4.0   # inputs all-gathered together up to this size (metadist_core.gathers); 0: off
     beam_width: int = 8
     verify_draws: int = 2
     measure_links: bool = True   # measure link and device costs on the first compile (else the defaults)
@@ -67,6 +69,10 @@ class Settings:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+    @property
+    def shard_bucket_bytes(self) -> int:
+        return int(self.shard_bucket_mb * 2**20)
 
     def solver_options(self) -> dict[str, Any]:
         """The options every solver receives (unknown keys are ignored by a solver)."""
@@ -109,7 +115,7 @@ def load_settings(**explicit: Any) -> Settings:
                 value = int(float(value))
             except ValueError:
                 raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
-        elif f.name in ("time_limit", "bucket_mb"):
+        elif f.name in ("time_limit", "bucket_mb", "shard_bucket_mb"):
             value = float(value)
         else:
             value = str(value)
@@ -125,6 +131,8 @@ def load_settings(**explicit: Any) -> Settings:
     if s.strategy != "auto":
         from .presets import check_strategy
         s.strategy = check_strategy(s.strategy)   # an unknown name: ValueError listing the presets
+    if s.shard_bucket_mb < 0:
+        raise ValueError(f"shard_bucket_mb must be 0 (off) or more, got {s.shard_bucket_mb}")
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
     if s.grad_compression is not None:

@@ -58,6 +58,7 @@ class Frontend(abc.ABC):
     runner_module: str = ""   # a module with op_spec(op, graph) and op_cost(op, graph), imported on first use
     proxy_shapes: bool = False  # op_spec reads only the graph's shapes and op.attrs: discovery may use proxy sizes
     bucket_copies: int = 0     # extra copies of a gradient bucket the lowering holds where it runs (memprofile)
+    shard_buckets: bool = False   # the lowering gathers inputs and reduce-scatters gradients in buckets (gathers.py)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A concrete adapter runs ops for discovery: it names a ``runner_module`` or overrides ``op_spec``."""

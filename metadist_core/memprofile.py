@@ -24,7 +24,9 @@ from where it is made until the last reader of its bucket, and where the bucket
 runs (once its last member exists) its concatenation and the collective's
 result are held beside the members (``problem.bucket_copies``, what the
 frontend's lowering makes: the torch one 2, and an ``avg`` adds its quotient;
-XLA schedules JAX's collectives itself, 0).
+XLA schedules JAX's collectives itself, 0). Inputs all-gathered in one bucket
+(:mod:`metadist_core.gathers`) are all made where the bucket runs, beside its
+two flat buffers (the pieces sent and the gathered whole).
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .cost import local_bytes
+from .gathers import gather_buckets
 from .placement import Sharding
 
 # the part of a memory budget plans leave free for what the model does not count (a kernel's workspace,
@@ -67,6 +70,12 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
                                 if problem.vars.get(o, {}).get("view")])
         span[0], span[1] = min(span[0], pos), max(span[1], last)
     out: list[tuple[int, int, float]] = []
+    early: dict[tuple, int] = {}   # (var, target, phase) -> where its gather bucket runs (metadist_core.gathers)
+    for bucket in gather_buckets(problem, choice):
+        at = bucket[0].first
+        for g in bucket:
+            early[(g.var, g.key[2], g.key[3])] = at
+        out.append((at, at, float(sum(g.gathered + g.local for g in bucket))))   # the flat buffers
     reduced: list[tuple[int, int, float, str, int]] = []   # bucketed all_reduces: (issue, end, bytes, dtype, copies)
     for v, info in problem.vars.items():
         if info["shape"] is None or v not in src_sh:
@@ -76,7 +85,8 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         reads = targets.get(v, {})
         direct = [span for (t, _), span in reads.items() if t == own]
         moved = [(t, span) for (t, _), span in reads.items() if t != own]
-        issue = [start if own.has_partial() else span[0] for _, span in moved]
+        issue = [start if own.has_partial() else early.get((v, t, ph), span[0])
+                 for (t, ph), span in reads.items() if t != own]
         if moved and not direct and end < n_steps:   # read only resharded: gone once its collectives are issued
             end = max(issue)
         if not info.get("view"):   # a view holds its base's storage (counted there); its reshards are its own
@@ -87,38 +97,47 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
                     and all(p.is_partial() or p.is_replicate() for p in own):
                 avg = any(getattr(p, "reduce", None) == "avg" for p in own)
                 copies = problem.bucket_copies + int(avg) if problem.bucket_copies else 0
-                reduced.append((at, span[1], b, info["dtype"], copies))   # an all_reduce: joins a bucket
+                kind = "reduce_scatter" if any(p.is_shard() for p in t) else "all_reduce"
+                src_b = float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))
+                reduced.append((at, span[1], b, info["dtype"], copies, kind, src_b))   # joins a bucket
             else:
                 out.append((at, span[1], b))
-    return out + _buckets(reduced, problem.bucket_bytes)
+    caps = {"all_reduce": problem.bucket_bytes, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
+    return out + _buckets(reduced, caps)
 
 
-def _buckets(reduced: list[tuple[int, int, float, str, int]], bucket_bytes: int | None
-             ) -> list[tuple[int, int, float]]:
-    """All_reduces made in buckets (:func:`metadist_torch.lower.coalesce_all_reduces`): one flat buffer per
-    bucket whose members are views, so every member lives until the bucket's last reader. A bucket runs
-    once its last member exists; until then each member is its own partial sum, held from where it is
-    made. Where the bucket runs, its members, their concatenation and the collective's result (and for an
-    ``avg`` the result divided) are all held at once: ``copies`` extra bytes of the bucket there."""
+def _buckets(reduced: list[tuple], caps: dict) -> list[tuple[int, int, float]]:
+    """All_reduces and reduce_scatters of gradients made in buckets of up to ``caps[kind]`` bytes
+    (:func:`metadist_torch.lower.coalesce_all_reduces`): one flat buffer per bucket whose results are
+    views, so every result lives until the bucket's last reader. A bucket runs once its last member
+    exists; until then each member is its own partial sum, held from where it is made. Where the bucket
+    runs, the partial sums, their concatenation and the collective's result (and for an ``avg`` the result
+    divided) are all held at once (``copies``: 2, or 3 with the quotient; 0 when the lowering makes no
+    copies). A reduce_scatter's result is the member's shard: the partial sum dies where the bucket runs."""
     out = []
     open_: dict[tuple, list] = {}
 
-    def close(cur: list) -> None:
-        end, total, members, copies = cur
-        out.extend((start, end, b) for start, b in members)
-        at = max(start for start, _ in members)
-        out.append((at, at, total * copies))
-    for start, end, b, dtype, copies in sorted(reduced):
-        key = (dtype, copies)   # the lowering buckets per reduce op and dtype
+    def close(kind: str, cur: list) -> None:
+        end, total, members, copies, src_total = cur
+        at = max(start for start, _, _ in members)
+        for start, b, sb in members:
+            if kind == "all_reduce":
+                out.append((start, end, b))
+            else:
+                out.extend([(start, at, sb), (at, end, b)])
+        if copies:
+            out.append((at, at, src_total + total * (copies - 1)))
+    for start, end, b, dtype, copies, kind, sb in sorted(reduced):
+        key = (kind, dtype, copies)   # the lowering buckets per kind, reduce op and dtype
         cur = open_.get(key)
-        if cur is None or cur[1] + b > (bucket_bytes or 0):
+        if cur is None or ((cur[1] + b) if kind == "all_reduce" else (cur[4] + sb)) > (caps.get(kind) or 0):
             if cur is not None:
-                close(cur)
-            cur = open_[key] = [end, 0.0, [], copies]
-        cur[0], cur[1] = max(cur[0], end), cur[1] + b
-        cur[2].append((start, b))
-    for c in open_.values():
-        close(c)
+                close(kind, cur)
+            cur = open_[key] = [end, 0.0, [], copies, 0.0]
+        cur[0], cur[1], cur[4] = max(cur[0], end), cur[1] + b, cur[4] + sb
+        cur[2].append((start, b, sb))
+    for key, c in open_.items():
+        close(key[0], c)
     return out
 
 
@@ -181,8 +200,25 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
         over = int(b)
         b = b - (peak - target)
     need = int(math.ceil(best / (1.0 - HEADROOM)))
-    raise InfeasibleBudgetError(budget, need, problem.mesh,
+    err = InfeasibleBudgetError(budget, need, problem.mesh,
                                 f"found needs, with its collectives' buffers and {HEADROOM:.0%} headroom,")
+    err.with_buffers = True
+    raise err
 
 
-__all__ = ["profile_with_buffers", "peak_with_buffers", "fit_with_buffers", "HEADROOM"]
+def budget_for(problem: Any, plan: Any) -> int:
+    """The budget under which ``plan`` fits with its collectives' buffers and the :data:`HEADROOM`."""
+    return int(math.ceil(peak_with_buffers(problem, plan) / (1.0 - HEADROOM)))
+
+
+def leanest_with_buffers(problem: Any, needed: int, resolve: Callable[[Any], Any]) -> int:
+    """The budget the solver's leanest plan needs once its buffers and the headroom are counted.
+
+    ``needed``: the least bytes the solver's own terms allow (an ``InfeasibleBudgetError``'s); the plan
+    solved under that budget is measured with :func:`peak_with_buffers`. This is the figure to give a
+    user: a budget of it fits that plan (``fit_with_buffers`` accepts it)."""
+    return max(int(needed), budget_for(problem, resolve(problem.with_budget(int(needed)))))
+
+
+__all__ = ["profile_with_buffers", "peak_with_buffers", "fit_with_buffers", "budget_for", "leanest_with_buffers",
+           "HEADROOM"]

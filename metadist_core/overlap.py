@@ -8,13 +8,16 @@ the measured one:
 - a reshard runs once per (value, target sharding, reader phase) however many
   ops read it (:func:`metadist_core.interpret.interpret`, :mod:`metadist_core.phases`);
 - the all_reduces of gradient values (``vars[v]["bucketed"]``) run in buckets of
-  ``problem.bucket_bytes`` per (axis, reduce, dtype), one latency per bucket, a
-  bucket issued when its last member is computed;
-- all_reduces are issued as soon as their input exists and waited for just before
+  ``problem.bucket_bytes`` per (axis, reduce, dtype), their reduce_scatters in buckets
+  of ``problem.shard_bucket_bytes``, one latency per bucket, a bucket issued when its
+  last member is computed;
+- all_reduces and reduce_scatters are issued as soon as their input exists and waited for just before
   their first reader (the torch lowering defers their wait), so they overlap with
   the compute in between: gradients with the rest of the backward, as DDP does.
   One collective runs at a time per mesh axis;
-- the other collectives run where their first reader is, and the compute waits.
+- the other collectives run where their first reader is, and the compute waits;
+  the all_gathers of graph inputs run in buckets (:mod:`metadist_core.gathers`),
+  one collective per bucket where its first member's reader is.
 
 :func:`priced_collectives` lists the collectives priced, one per (value, target, phase),
 in the order the lowering issues them (kind, axis, bytes): the lowering's list
@@ -26,7 +29,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import Collective, all_reduce_cost
+from .cost import Collective, all_gather_cost, all_reduce_cost, reduce_scatter_cost
+from .gathers import gather_buckets
 from .phases import reshard_key
 
 OUTPUT = "<output>"
@@ -90,7 +94,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     axis_free = [0.0] * mesh.ndim             # one collective at a time per mesh axis
     done: dict[tuple, float] = {}             # (var, src, dst, phase) -> when the moved value is there
     pending: dict[tuple, dict] = {}           # open gradient bucket per (axis, reduce, dtype)
-    stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "exposed": 0.0}
+    stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "exposed": 0.0, "gather_buckets": 0}
 
     def run_comm(c: Collective, start: float) -> float:
         s = max(start, axis_free[c.axis])
@@ -98,11 +102,13 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         stats["comm"] += c.cost
         return s + c.cost
 
+    caps = {"all_reduce": bucket, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
+
     def flush(key: tuple) -> None:
         b = pending.pop(key)
-        axis = key[0]
+        kind, axis = key[0], key[1]
         a, be = mesh.alpha[axis], mesh.beta[axis]
-        cost = all_reduce_cost(b["bytes"], mesh.shape[axis], a, be)
+        cost = (all_reduce_cost if kind == "all_reduce" else reduce_scatter_cost)(b["bytes"], mesh.shape[axis], a, be)
         s = max(b["ready"], axis_free[axis])
         axis_free[axis] = s + cost
         stats["comm"] += cost
@@ -111,11 +117,11 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             done[k] = s + cost
 
     def bucketed(var: str, e: Any) -> bool:
-        return bool(bucket and problem.vars[var].get("bucketed") and len(e.collectives) == 1
-                    and e.collectives[0].kind == "all_reduce")
+        return bool(problem.vars[var].get("bucketed") and len(e.collectives) == 1
+                    and caps.get(e.collectives[0].kind))
 
     def issue(var: str, e: Any) -> None:
-        """Issue the edge's collectives: a gradient all_reduce joins a bucket; others run now."""
+        """Issue the edge's collectives: a gradient all_reduce or reduce_scatter joins a bucket; others run now."""
         key = reshard_key(var, e.src_sharding, e.dst_sharding, e.dst, problem.phases)
         if key in done or key in pending_members:
             return
@@ -124,8 +130,8 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         stats["bytes"] += sum(c.nbytes for c in colls)
         if bucketed(var, e):
             c = colls[0]
-            bk = (c.axis, c.reduce, problem.vars[var].get("comm_dtype", problem.vars[var]["dtype"]))
-            if bk in pending and pending[bk]["bytes"] + c.nbytes > bucket:
+            bk = (c.kind, c.axis, c.reduce, problem.vars[var].get("comm_dtype", problem.vars[var]["dtype"]))
+            if bk in pending and pending[bk]["bytes"] + c.nbytes > caps[c.kind]:
                 flush(bk)
             b = pending.setdefault(bk, {"bytes": 0, "ready": 0.0, "members": []})
             b["bytes"] += c.nbytes
@@ -133,7 +139,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             b["members"].append(key)
             pending_members[key] = bk
             return
-        if all(c.kind == "all_reduce" for c in colls):      # deferred wait: issued at the producer
+        if all(c.kind in ("all_reduce", "reduce_scatter") for c in colls):   # deferred wait: issued at the producer
             at = ready.get(var, 0.0)
             for c in colls:
                 at = run_comm(c, at)
@@ -142,6 +148,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             done[key] = None                                 # runs where its first reader is
 
     pending_members: dict[tuple, tuple] = {}
+    gather_of = {g.key: b for b in gather_buckets(problem, choice) for g in b}   # metadist_core.gathers
 
     def wait(var: str, e: Any) -> None:
         nonlocal t
@@ -152,6 +159,17 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             bk = pending_members.pop(key)
             if bk in pending:
                 flush(bk)
+        if done.get(key) is None and key in gather_of:       # a bucket of input gathers: one collective
+            members = gather_of[key]
+            c0 = members[0]
+            a, be, n = mesh.alpha[c0.axis], mesh.beta[c0.axis], mesh.shape[c0.axis]
+            cost = all_gather_cost(sum(g.nbytes for g in members), n, a, be)
+            s = max(t, axis_free[c0.axis])
+            axis_free[c0.axis] = s + cost
+            stats["comm"] += cost
+            stats["gather_buckets"] += 1
+            for g in members:
+                done[g.key] = s + cost
         if done.get(key) is None:                            # synchronous: the compute runs it
             at = t
             for c in e.collectives:
@@ -189,7 +207,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     end = max([t] + axis_free)
     stats["exposed"] += end - t
     return Prediction(end, stats["compute"], stats["comm"], stats["exposed"], int(stats["bytes"]), stats["n"],
-                      stats["buckets"])
+                      stats["buckets"], {"gather_buckets": stats["gather_buckets"]})
 
 
 def buckets_latency(nbytes: list[int], bucket_bytes: int) -> int:

@@ -23,10 +23,13 @@ from .constraints import as_constraint_list, split_constraints
 from .discover import discover
 from .frontend import Frontend, Traced
 from .ir import RECOMPUTED_SUFFIX, MetaIR
+from .memprofile import HEADROOM, leanest_with_buffers
 from .placement import Mesh
 from .plugins import PluginManager
 from .presets import check_strategy, steer
 from .progress import Ticker
+from .problem import InfeasibleBudgetError
+from .recompute import needed
 from .rules import RuleBook
 
 log = logging.getLogger("metadist.pipeline")
@@ -59,13 +62,14 @@ def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, fl
 def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
                settings: Settings | None = None, constraints: Iterable[Any] | None = None,
                solver_options: dict | None = None, device: Any = None, bucket_copies: int = 0,
-               **setting_values: Any) -> CompileResult:
+               shard_buckets: bool = False, **setting_values: Any) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
 
     ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
     cache_dir, progress...) says how. ``device`` is the cost model's DeviceSpec;
     by default the one of the mesh profile (``mesh_profile`` setting), else the
-    CPU preset.
+    CPU preset. ``bucket_copies`` / ``shard_buckets``: what the frontend's lowering makes of buckets
+    (:class:`~metadist_core.frontend.Frontend`), priced by the memory model and the prediction.
     """
     from .problem import build_problem  # the solve half of the flow
 
@@ -95,7 +99,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                             if op.id.removesuffix(RECOMPUTED_SUFFIX) in costs}
         problem = build_problem(g, book, mesh, op_costs=g_costs, constraints=plain,
                                 memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
-                                bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies)
+                                bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
+                                shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None)
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
             from .offload import apply_offload
@@ -105,7 +110,12 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
         t1 = time.perf_counter()
         timings["build_problem"] += t1 - t0
         with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
-            plan = pm.solve(s.solver, problem, options)
+            try:
+                plan = pm.solve(s.solver, problem, options)
+            except InfeasibleBudgetError as e:   # the solver's figure lacks the buffers: priced when asked
+                e.need_with_buffers = functools.partial(leanest_with_buffers, problem, e.needed,
+                                                        lambda p: pm.solve(s.solver, p, options))
+                raise
             if s.memory_budget is not None:   # the budget holds with the collectives' buffers (memprofile)
                 from .memprofile import fit_with_buffers
                 plan = fit_with_buffers(problem, plan, lambda p: pm.solve(s.solver, p, options))
@@ -118,7 +128,13 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     # under a memory budget no plan meets, recompute forward segments (metadist_core.recompute)
     from .recompute import choose
     flops = {i: c[0] for i, c in costs.items()} if s.memory_budget is not None else None
-    graph, (problem, plan), segs = choose(graph, s.memory_budget, solve, flops, enabled=s.recompute)
+    try:
+        graph, (problem, plan), segs = choose(graph, s.memory_budget, solve, flops, enabled=s.recompute)
+    except InfeasibleBudgetError as e:
+        if getattr(e, "need_with_buffers", None) is None:
+            raise
+        raise InfeasibleBudgetError(e.budget, needed(e), mesh,
+                                    f"needs, with its collectives' buffers and {HEADROOM:.0%} headroom,") from e
     if segs:
         plan.recompute = [i for seg in segs for i in seg.recompute]
         plan.stats["recompute"] = {"segments": len(segs), "ops": len(plan.recompute),
@@ -171,7 +187,8 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
                                         user_constraints + frontend.constraints(traced.graph, plan_mesh))
         else:
             result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
-                                constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh))
+                                constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh),
+                                bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets)
         try:
             planonly.finish(result, plan_mesh, request)
         except planonly.PlanOnlyDone:   # the problem beside the plan (`metadist explain`), --compare's table
@@ -209,7 +226,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
                           constraints=user_constraints + frontend.constraints(graph, m),
                           device=profile.device if profile is not None else None,
-                          bucket_copies=frontend.bucket_copies)
+                          bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets)
 
     book, problem, plan = RuleBook(), None, None
     if run_mesh.size == 1:

@@ -123,6 +123,7 @@ class ShardingProblem:
     bucket_bytes: int | None = None       # the lowering buckets gradient all_reduces up to this size (None: off)
     phases: dict[str, int] = field(default_factory=dict)   # op id -> reader phase (metadist_core.phases)
     bucket_copies: int = 0                # extra copies of a gradient bucket where it runs (metadist_core.memprofile)
+    shard_bucket_bytes: int | None = None   # the lowering gathers inputs in buckets up to this size (gathers.py)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
@@ -148,15 +149,27 @@ class ShardingProblem:
         the latency ``2(n-1)alpha`` times ``min(1, nbytes / bucket_bytes)``, its share of a
         bucket. Summed over an axis that is ``total / bucket_bytes`` latencies, which is
         ``ceil(total / bucket_bytes)`` less at most one: an approximation that a solver can
-        price per value (:func:`metadist_core.overlap.predict` counts whole buckets).
+        price per value (:func:`metadist_core.overlap.predict` counts whole buckets). A graph
+        input moved by exactly one all_gather (``vars[var]["gather_bucketed"]``) is gathered in
+        buckets of ``shard_bucket_bytes`` (:mod:`metadist_core.gathers`) and pays the same way
+        its share ``min(1, nbytes / shard_bucket_bytes)`` of the latency ``(n-1)alpha``, as do
+        the reduce_scatters of gradient values.
         """
         total = 0.0
         bucketed = self.bucket_bytes and self.vars[var].get("bucketed")
+        if self.shard_bucket_bytes and self.vars[var].get("gather_bucketed") and len(collectives) == 1 \
+                and collectives[0].kind == "all_gather":
+            c = collectives[0]
+            latency = (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
+            return c.cost - latency * (1.0 - min(1.0, c.nbytes / self.shard_bucket_bytes))
         for c in collectives:
             cost = c.cost
             if bucketed and c.kind == "all_reduce":
                 latency = 2 * (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
                 cost -= latency * (1.0 - min(1.0, c.nbytes / self.bucket_bytes))
+            elif bucketed and c.kind == "reduce_scatter" and self.shard_bucket_bytes:
+                latency = (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
+                cost -= latency * (1.0 - min(1.0, c.nbytes / self.shard_bucket_bytes))
             total += cost
         return total
 
@@ -272,6 +285,7 @@ class ShardingProblem:
             **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}),
             **({"phases": self.phases} if self.phases else {}),
             **({"bucket_copies": self.bucket_copies} if self.bucket_copies else {}),
+            **({"shard_bucket_bytes": self.shard_bucket_bytes} if self.shard_bucket_bytes else {}),
         }
 
     @classmethod
@@ -285,7 +299,7 @@ class ShardingProblem:
                    [Edge.from_json(e) for e in d["edges"]], [np.asarray(a, dtype=bool) for a in d["allowed"]],
                    int(d["n_steps"]), d.get("memory_budget"), parse_constraints(d.get("constraints") or []),
                    list(d.get("outputs", [])), dict(d.get("aliases", {})), d.get("bucket_bytes"),
-                   dict(d.get("phases", {})), int(d.get("bucket_copies", 0)))
+                   dict(d.get("phases", {})), int(d.get("bucket_copies", 0)), d.get("shard_bucket_bytes"))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -329,7 +343,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   device: DeviceSpec | None = None,
                   prune: bool = True,
                   grad_compression: str | None = None,
-                  bucket_bytes: int | None = None, bucket_copies: int = 0) -> ShardingProblem:
+                  bucket_bytes: int | None = None, bucket_copies: int = 0,
+                  shard_bucket_bytes: int | None = None) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them
@@ -339,6 +354,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     optimum does not change, the problem gets smaller. ``grad_compression`` ("bf16" | "fp16") prices the
     collectives of gradient values at that dtype (``vars[v]["comm_dtype"]``, :mod:`metadist_core.compression`).
     ``bucket_bytes``: the lowering buckets gradient all_reduces up to this size (:meth:`ShardingProblem.price`).
+    ``shard_bucket_bytes``: it gathers graph inputs in buckets up to this size (:mod:`metadist_core.gathers`).
     """
     from .compression import wire_dtypes
     device = device or DEVICE_PRESETS["cpu"]
@@ -353,6 +369,10 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
             vars_[v.id]["label"] = v.label   # the user's name (explain, constraints by name)
     for v, wire in wire_dtypes(graph, grad_compression).items():
         vars_[v]["comm_dtype"] = wire
+    if shard_bucket_bytes:   # inputs the lowering may gather in buckets (metadist_core.gathers)
+        for v in graph.inputs:
+            if "comm_dtype" not in vars_[v]:
+                vars_[v]["gather_bucketed"] = True
     if bucket_bytes:
         from .compression import gradient_chain
         for v in gradient_chain(graph):
@@ -395,7 +415,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     cons = parse_constraints(constraints or [])
     prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),
                            memory_budget, cons, list(graph.outputs), dict(graph.aliases),
-                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph), int(bucket_copies))
+                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph), int(bucket_copies),
+                           int(shard_bucket_bytes) if shard_bucket_bytes else None)
     apply_constraints(prob)
     prob.edges = _build_edges(prob)
     return prob

@@ -56,7 +56,7 @@ class RecomputeBudgetError(InfeasibleBudgetError):
     def __init__(self, message: str, budget: int, without: int, with_recompute: int) -> None:
         ValueError.__init__(self, message)
         self.budget, self.without, self.with_recompute = int(budget), int(without), int(with_recompute)
-        self.needed = self.with_recompute if self.with_recompute > self.budget else self.without
+        self.needed = min(self.without, self.with_recompute) if self.with_recompute > self.budget else self.without
 
 
 @dataclass
@@ -207,13 +207,24 @@ def rewrite(graph: MetaIR, op_ids: Sequence[str]) -> MetaIR:
     return g
 
 
+def needed(e: InfeasibleBudgetError) -> int:
+    """The budget the error's leanest plan needs, its collectives' buffers included where the solve that
+    raised it says how to count them (``e.need_with_buffers``, set by the driver)."""
+    f = getattr(e, "need_with_buffers", None)
+    return int(f()) if f is not None else int(getattr(e, "needed", 0))
+
+
 def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[Any, Any]],
            flops: dict[str, float] | None = None, enabled: bool = True) -> tuple[MetaIR, tuple[Any, Any],
                                                                                  list[Segment]]:
-    """Solve ``graph``; when no plan fits ``budget``, recompute the fewest segments that make one fit.
+    """Solve ``graph``; when no plan fits ``budget``, recompute forward segments until one fits.
+
+    The fewest segments that fit are found by bisection; the counts doubling from there up to all
+    segments are solved too, and the count whose plan :func:`step_seconds` predicts fastest wins
+    (fewer recomputed ops leave the sharding less memory, which it may pay for in collectives).
 
     ``solve(graph)`` returns ``(problem, plan)`` or raises :class:`InfeasibleBudgetError`
-    (its ``.needed``: the least bytes per device any plan of that graph needs). Returns
+    (its ``.needed``: the least bytes per device any plan of that graph needs; :func:`needed`). Returns
     the graph solved (rewritten when recomputing), ``solve``'s result and the
     segments recomputed.
     """
@@ -223,7 +234,6 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
         if budget is None:
             raise
         first = e
-    without = int(getattr(first, "needed", 0))
     segs = order(segments(graph, flops))
     if not segs:
         raise first
@@ -232,32 +242,58 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     try:
         best = (len(segs), full, solve(full))
     except InfeasibleBudgetError as e:
-        lean = int(getattr(e, "needed", 0))
+        without, lean = needed(first), needed(e)
         raise RecomputeBudgetError(
             f"memory budget of {budget:,} bytes per device cannot be met: the leanest plan without "
             f"recomputation needs {without:,} bytes, and recomputing every one of the {len(segs)} forward "
-            f"segments still needs {lean:,}; raise memory_budget to at least {lean:,}, use more devices, "
+            f"segments still needs {lean:,}; raise memory_budget to at least {min(without, lean):,}, use more devices, "
             f"or offload the optimizer state", budget, without, lean) from e
     if not enabled:
+        from .memprofile import budget_for
+        without = needed(first)
         raise RecomputeBudgetError(
             f"memory budget of {budget:,} bytes per device cannot be met with recompute=False: the leanest "
             f"plan needs {without:,} bytes per device; with recomputation (recompute=True) a plan needs "
-            f"{best[2][1].memory_per_device:,} or less; allow recompute or raise memory_budget to {without:,}",
-            budget, without, best[2][1].memory_per_device) from first
+            f"{budget_for(*best[2]):,} or less; allow recompute or raise memory_budget to {without:,}",
+            budget, without, budget_for(*best[2])) from first
+    fits = {len(segs): best[1:]}   # segments recomputed -> (graph, (problem, plan))
     lo, hi = 0, len(segs)   # infeasible at lo, feasible at hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         g = rewrite(graph, ops_for(mid))
         try:
-            best = (mid, g, solve(g))
+            fits[mid] = (g, solve(g))
             hi = mid
         except InfeasibleBudgetError:
             lo = mid
-    k, g, res = best
-    log.info("recompute %d of %d forward segments (%d ops) to fit %s bytes per device", k, len(segs),
-             len(ops_for(k)), f"{budget:,}")
+    # the fewest segments leave the least memory to the sharding, which may then pay in collectives more
+    # than recomputing more would cost: a few more counts (doubling up to all) are solved too, and the
+    # plan the cost model says runs fastest (metadist_core.overlap.predict) is taken
+    k = hi * 2
+    while k < len(segs):
+        try:
+            g = rewrite(graph, ops_for(k))
+            fits[k] = (g, solve(g))
+        except InfeasibleBudgetError:   # a coarser segment choice may not fit where fewer did
+            pass
+        k *= 2
+    times = {k: step_seconds(*res) for k, (_, res) in fits.items()}
+    k = min(times, key=lambda c: (times[c], c))
+    g, res = fits[k]
+    log.info("recompute %d of %d forward segments (%d ops) to fit %s bytes per device (predicted step %s)",
+             k, len(segs), len(ops_for(k)), f"{budget:,}",
+             ", ".join(f"{c}: {times[c] * 1e3:.1f} ms" for c in sorted(times)))
     return g, res, segs[:k]
 
 
-__all__ = ["SUFFIX", "RANDOM_MARKERS", "RecomputeBudgetError", "RecomputeError", "Segment", "choose", "is_random", "order", "rewrite",
+def step_seconds(problem: Any, plan: Any) -> float:
+    """The step time the cost model predicts for ``plan`` as the lowering runs it (the solver's objective
+    when the plan has no problem to replay)."""
+    if problem is None or not getattr(plan, "choices", None):
+        return float(plan.objective)
+    from .overlap import predict
+    return predict(plan, problem).step
+
+
+__all__ = ["SUFFIX", "RANDOM_MARKERS", "RecomputeBudgetError", "RecomputeError", "Segment", "choose", "needed", "step_seconds", "is_random", "order", "rewrite",
            "segments"]

@@ -21,7 +21,9 @@ chunk size and cut the padding off again (each member's extent from
 ``avg`` is the sum divided by the axis size, as in every engine. Every
 collective adds its bytes to a :class:`~metadist_torch.stats.CommStats`.
 Independent all_reduces of one axis are then merged into buckets
-(``settings.coalesce``, up to ``settings.bucket_bytes`` each).
+(``settings.coalesce``, up to ``settings.bucket_bytes`` each), and so are the
+all_gathers of graph inputs (parameters), up to ``settings.shard_bucket_bytes``
+each, by the rule of :mod:`metadist_core.gathers` (:func:`coalesce_all_gathers`).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from metadist_core.cost import Collective
+from metadist_core.gathers import bucket_in_order
 from metadist_core.interpret import Collectives, interpret
 from metadist_core.ir import DTYPE_BYTES, MetaIR, MetaOp
 from metadist_core.placement import Mesh, Sharding, chunk_bounds, chunk_sizes, group_extents, shard_shape
@@ -118,6 +121,24 @@ class AxisComm:
             return y
         return compressed(x, wire, run)
 
+    def all_gather_bucket(self, xs: Sequence[torch.Tensor], dims: Sequence[int],
+                          sizes: Sequence[Sequence[int]]) -> tuple:
+        """Several all_gathers as one call on a flat buffer: each piece padded to its chunk, flattened and
+        concatenated; the gathered buffer is cut back into each member's pieces, concatenated along its
+        ``dims[i]`` (member ``i``'s ranks hold ``sizes[i]`` of it). Same values as one all_gather each."""
+        fc, ag, _ = _funcol()
+        padded = [_pad(x, d, max(s)).contiguous() for x, d, s in zip(xs, dims, sizes)]
+        flat = torch.cat([p.reshape(-1) for p in padded])
+        y = fc.wait_tensor(ag(flat, 0, self.group)).view(self.n, -1)
+        outs, off = [], 0
+        for p, d, s in zip(padded, dims, sizes):
+            k = p.numel()
+            pieces = y[:, off:off + k].reshape(self.n, *p.shape)
+            outs.append(torch.cat([pieces[i].narrow(d, 0, c) for i, c in enumerate(s) if c], dim=d))
+            off += k
+        self.stats.add("all_gather", sum(_nbytes(o) for o in outs), calls=len(xs))
+        return tuple(outs)
+
     def reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int, wire: torch.dtype | None = None) -> torch.Tensor:
         fc, _, rs = _funcol()
         sizes = chunk_sizes(x.shape[dim], self.n)
@@ -125,13 +146,38 @@ class AxisComm:
         op = "sum" if reduce == "avg" else reduce
 
         def run(t: torch.Tensor) -> torch.Tensor:
-            self.stats.add("reduce_scatter", _nbytes(t))
-            y = fc.wait_tensor(rs(_pad(t, dim, c * self.n).contiguous(), op, dim, self.group))
+            self.stats.add("reduce_scatter", _nbytes(t))   # not waited for: the first reader waits (schedule.py)
+            y = rs(_pad(t, dim, c * self.n).contiguous(), op, dim, self.group)
             return y.narrow(dim, 0, sizes[self.coord]) if sizes[self.coord] != c else y
         if wire is not None and reduce == "avg":
             return compressed(x, wire, run, divide=self.n)
         y = compressed(x, wire, run)
         return y / self.n if reduce == "avg" else y
+
+    def reduce_scatter_bucket(self, xs: Sequence[torch.Tensor], reduce: str, dims: Sequence[int]) -> tuple:
+        """Several reduce_scatters as one call: each member padded to whole chunks along its ``dims[i]``,
+        the flat buffer laid out rank by rank (every member's chunk for rank 0, then rank 1...), so that
+        this rank's part of the result holds its chunk of every member. Same values as one call each."""
+        fc, _, rs = _funcol()
+        n = self.n
+        chunks, shapes, keep = [], [], []
+        for x, d in zip(xs, dims):
+            sizes = chunk_sizes(x.shape[d], n)
+            c = max(sizes)
+            parts = _pad(x, d, c * n).contiguous().chunk(n, dim=d)
+            chunks.append([p.reshape(-1) for p in parts])
+            shapes.append(parts[0].shape)
+            keep.append((d, sizes[self.coord], c))
+        flat = torch.cat([chunks[m][r] for r in range(n) for m in range(len(xs))])
+        self.stats.add("reduce_scatter", sum(_nbytes(x) for x in xs), calls=len(xs))
+        y = rs(flat, "sum" if reduce == "avg" else reduce, 0, self.group)   # waited for at the first reader
+        if reduce == "avg":
+            y = y / n
+        outs = []
+        for piece, shape, (d, size, c) in zip(y.split([math.prod(s) for s in shapes]), shapes, keep):
+            piece = piece.view(shape)
+            outs.append(piece.narrow(d, 0, size) if size != c else piece)
+        return tuple(outs)
 
     def all_to_all(self, x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int],
                    wire: torch.dtype | None = None) -> torch.Tensor:
@@ -190,13 +236,15 @@ class TorchCollectives(Collectives):
         self.comms = [AxisComm(a, None if groups is None else groups[a], mesh.shape[a], self.coords[a], stats)
                       for a in range(mesh.ndim)]
         self.fns: dict[tuple[int, str], Callable] = {}
-        self.reduces: dict[fx.Node, tuple] = {}   # all_reduce node -> (axis, reduce, dtype, bytes): for bucketing
+        self.reduces: dict[fx.Node, tuple] = {}   # all_reduce / reduce_scatter node -> (kind, axis, reduce, dtype,
+        #                                           bytes): for bucketing
+        self.gathers: dict[fx.Node, tuple] = {}   # all_gather of a placeholder -> (axis, dtype, bytes): buckets
 
     def fn(self, axis: int, kind: str) -> Callable:
         k = (axis, kind)
         if k not in self.fns:
             self.fns[k] = _named(f"md_{kind}_axis{axis}", getattr(self.comms[axis], kind), self.stats,
-                                 "all_reduce" if kind == "all_reduce_bucket" else kind)
+                                 kind.removesuffix("_bucket"))
         return self.fns[k]
 
     def _call(self, x: fx.Node, c: Collective, *args: Any) -> fx.Node:
@@ -211,16 +259,22 @@ class TorchCollectives(Collectives):
         dtype = node.meta[DTYPE_META]
         wire = node.args[2] if len(node.args) > 2 else None   # buckets hold one dtype, sent one way
         size = DTYPE_BYTES.get(dtype, 4) if wire is None else wire.itemsize
-        self.reduces[node] = (c.axis, c.reduce, dtype if wire is None else f"{dtype}->{wire}",
+        self.reduces[node] = ("all_reduce", c.axis, c.reduce, dtype if wire is None else f"{dtype}->{wire}",
                               math.prod(shape) * size)
         return node
 
     def all_gather(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         d = c.dims[0]
-        return self._call(x, c, d, group_extents(shape, c.before, self.mesh, self.coords, c.axis, d))
+        node = self._call(x, c, d, group_extents(shape, c.before, self.mesh, self.coords, c.axis, d))
+        if x.op == "placeholder" and len(node.args) == 3:   # an input, sent in its own dtype: may be bucketed
+            self.gathers[node] = (c.axis, node.meta[DTYPE_META], int(c.nbytes))
+        return node
 
     def reduce_scatter(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
-        return self._call(x, c, c.reduce, c.dims[0])
+        node = self._call(x, c, c.reduce, c.dims[0])
+        if len(node.args) == 3:   # sent in its own dtype: may be bucketed
+            self.reduces[node] = ("reduce_scatter", c.axis, c.reduce, node.meta[DTYPE_META], int(c.nbytes))
+        return node
 
     def all_to_all(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         src, dst = c.dims
@@ -280,46 +334,84 @@ class RankGraph:
         return self.gm(*local_inputs)
 
 
-def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[int], Callable], bucket_bytes: int) -> None:
-    """Merge all_reduces that are independent of each other into buckets (as DDP does with gradients).
+def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, int], Callable],
+                         caps: Mapping[str, int]) -> None:
+    """Merge all_reduces (and reduce_scatters) that are independent of each other into buckets, as DDP
+    (and FSDP) do with gradients.
 
-    Walking the program in order, an all_reduce joins an open bucket of the same
-    axis, reduce op and dtype when its input is computed before the bucket's
-    first member; the bucket then runs at that first member's place, as one
-    all_reduce of the concatenated inputs. Values and bytes are unchanged.
+    Walking the program in order, a collective joins an open bucket of the same
+    kind, axis, reduce op and dtype when its input is computed before the bucket's
+    first member and the bucket stays within ``caps[kind]`` bytes (a kind without
+    a cap is not bucketed); the bucket then runs at that first member's place, as
+    one collective of the concatenated inputs. Values and bytes are unchanged.
     """
     order = {n: i for i, n in enumerate(g.nodes)}
     buckets: list[dict] = []
     for n in [n for n in g.nodes if n in reduces]:
-        axis, reduce, dtype, nbytes = reduces[n]
+        kind, axis, reduce, dtype, nbytes = reduces[n]
+        if not caps.get(kind):
+            continue
         src = n.args[0]
         for b in buckets:
-            if b["key"] == (axis, reduce, dtype) and b["bytes"] + nbytes <= bucket_bytes \
+            if b["key"] == (kind, axis, reduce, dtype) and b["bytes"] + nbytes <= caps[kind] \
                     and order[src] < order[b["anchor"]]:
                 b["members"].append(n)
                 b["bytes"] += nbytes
                 break
         else:
-            buckets.append({"key": (axis, reduce, dtype), "anchor": n, "members": [n], "bytes": nbytes})
+            buckets.append({"key": (kind, axis, reduce, dtype), "anchor": n, "members": [n], "bytes": nbytes})
     for b in buckets:
         if len(b["members"]) < 2:
             continue
-        axis, reduce, _ = b["key"]
+        kind, axis, reduce, _ = b["key"]
+        extra = [[m.args[2] for m in b["members"]]] if kind == "reduce_scatter" else b["anchor"].args[2:]
         with g.inserting_before(b["anchor"]):
-            call = g.call_function(bucket_fn(axis), ([m.args[0] for m in b["members"]], reduce,
-                                                     *b["anchor"].args[2:]))   # the wire dtype, if any
+            call = g.call_function(bucket_fn(kind, axis), ([m.args[0] for m in b["members"]], reduce,
+                                                           *extra))   # the dims; an all_reduce's wire dtype
             outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(b["members"]))]
         for m, o in zip(b["members"], outs):
             m.replace_all_uses_with(o)
             g.erase_node(m)
 
 
+def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], Callable], cap: int
+                         ) -> list[list[fx.Node]]:
+    """Merge the all_gathers of graph inputs into buckets by :func:`metadist_core.gathers.bucket_in_order`.
+
+    A gather counts when its input is a placeholder and only ops read its result (an edge of exactly one
+    all_gather, what :func:`metadist_core.gathers.gathers` finds in the plan). Each bucket of two or more
+    runs as one :meth:`AxisComm.all_gather_bucket` where its first member was. Returns the buckets made.
+    """
+    def only_ops_read(n: fx.Node) -> bool:
+        return all(u.op == "call_function" and not getattr(u.target, "__name__", "").startswith("md_")
+                   for u in n.users)
+    order = [n for n in g.nodes if n in gathers and only_ops_read(n)]
+    buckets = bucket_in_order([(n, gathers[n][:2], gathers[n][2]) for n in order], cap)
+    made = []
+    for b in buckets:
+        if len(b) < 2:
+            continue
+        with g.inserting_before(b[0]):
+            call = g.call_function(bucket_fn(gathers[b[0]][0]), ([m.args[0] for m in b], [m.args[1] for m in b],
+                                                                   [m.args[2] for m in b]))
+            outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(b))]
+        for m, o in zip(b, outs):
+            o.meta.update(m.meta)
+            m.replace_all_uses_with(o)
+            g.erase_node(m)
+        made.append(outs)
+    return made
+
+
 def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], groups: Sequence[Any] | None,
                stats: CommStats | None = None, coalesce: bool = True, bucket_bytes: int = 25 * 2**20,
+               shard_bucket_bytes: int = 0,
                wire: Mapping[str, torch.dtype] | None = None, inplace_state: bool = False) -> RankGraph:
     """Build this rank's fx program for ``plan`` (``groups[axis]``: the process group of each mesh axis).
 
-    ``coalesce`` merges independent all_reduces of one axis into buckets of up to ``bucket_bytes``.
+    ``coalesce`` merges independent all_reduces of one axis into buckets of up to ``bucket_bytes``, and
+    the all_gathers of inputs and the reduce_scatters into buckets of up to ``shard_bucket_bytes`` (0: each
+    on its own).
     ``wire`` (value id -> torch dtype, :func:`metadist_torch.compression.wire_map`): the values whose
     collectives travel compressed. ``inplace_state``: each new state value is copied into its input's
     storage as soon as the old value's last reader has run, so the new one dies there (what the memory
@@ -343,8 +435,13 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     output_vars, state_inputs = list(res.outputs), list(res.state)
     g.output(tuple([res.outputs[v] for v in output_vars] + [res.state[s] for s in state_inputs]))
     g.eliminate_dead_code()
+    gather_buckets: list[list[fx.Node]] = []
     if coalesce:
-        coalesce_all_reduces(g, colls.reduces, lambda axis: colls.fn(axis, "all_reduce_bucket"), bucket_bytes)
+        coalesce_all_reduces(g, colls.reduces, lambda kind, axis: colls.fn(axis, f"{kind}_bucket"),
+                             {"all_reduce": bucket_bytes, "reduce_scatter": shard_bucket_bytes})
+        if shard_bucket_bytes:
+            gather_buckets = coalesce_all_gathers(g, colls.gathers, lambda axis: colls.fn(axis, "all_gather_bucket"),
+                                                  shard_bucket_bytes)
     if inplace_state:
         write_state_in_place(g, [inputs[v] for v in state_inputs], len(output_vars))
     from .schedule import issue_early
@@ -353,6 +450,7 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     rg = RankGraph(fx.GraphModule(torch.nn.Module(), g), list(graph.inputs), output_vars, state_inputs, stats,
                    n_coll)
     rg.collectives = [(v, c) for v, c in res.collectives if not c.is_free]   # as run, before bucketing
+    rg.gather_buckets = [[o.meta.get(VAR_META) for o in outs] for outs in gather_buckets]   # values per bucket
     return rg
 
 

@@ -39,6 +39,7 @@ class TorchFrontend(Frontend):
     runner_module = "metadist_torch.oprunner"
     proxy_shapes = True   # op specs come from the graph's shapes and op.attrs alone
     bucket_copies = 2     # lower.AxisComm.all_reduce_bucket: the concatenation and the functional all_reduce's result
+    shard_buckets = True   # lower.coalesce_all_gathers and coalesce_reduces
 
     def __init__(self) -> None:
         self.engine: Engine | None = None   # the engine of the last resolve_mesh
@@ -113,6 +114,7 @@ class TorchFrontend(Frontend):
         from .compression import wire_map
         graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
                            coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
+                           shard_bucket_bytes=settings.shard_bucket_bytes,
                            wire=wire_map(traced.graph, settings.grad_compression),
                            inplace_state=not settings.offload)   # offload moves the update to the host
         info = None

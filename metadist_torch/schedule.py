@@ -1,7 +1,8 @@
-"""Asynchronous all_reduces in a rank program: issued as early as the graph allows, waited for as late.
+"""Asynchronous all_reduces and reduce_scatters in a rank program: issued as early as the graph allows,
+waited for as late.
 
-The all_reduce calls of a lowered program (``md_all_reduce_axis*`` and the
-buckets ``md_all_reduce_bucket_axis*``) return torch's functional-collective
+The all_reduce and reduce_scatter calls of a lowered program (``md_all_reduce_axis*``,
+``md_reduce_scatter_axis*`` and their buckets ``md_*_bucket_axis*``) return torch's functional-collective
 result without waiting on it (an ``AsyncCollectiveTensor``: the wait happens at
 its first non-view use, i.e. just before the first reader). :func:`issue_early`
 moves each of them to right after the last node it reads, so the collective
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis")
+ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_scatter_axis",
+                  "md_reduce_scatter_bucket_axis")
 
 
 def md_wait(*xs: Any) -> tuple:

@@ -106,7 +106,11 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets():
     budget = (without + lean) // 2
     res = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
     assert res.plan.recompute, "the plan meets the budget without recomputing?"
-    assert res.plan.memory_per_device <= budget
+    assert res.plan.memory_per_device <= budget and res.plan.stats["peak_with_buffers"] <= budget
+    # the figures are budgets, the collectives' buffers and the headroom counted: the one without
+    # recomputation is met without it
+    at = plan_graph(g, mesh, settings=load_settings(memory_budget=without))
+    assert not at.plan.recompute and at.plan.stats["peak_with_buffers"] <= without
     assert "recomputed for the backward" in str(res.plan)
     assert res.graph is not g and len(res.graph.ops) == len(g.ops) + len(res.plan.recompute)
     free = plan_graph(g, mesh, settings=load_settings())
