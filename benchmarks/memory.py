@@ -93,8 +93,12 @@ def _run_metadist(layers: int, sh: dict, budget: int, cache: str) -> dict:
     mem = step.memory
     ms = _median_ms(lambda b: step(model, opt, b), ids[1:])
     plan = step.plan
+    pred = None
+    if plan.problem is not None:   # rank 0 holds the problem: the cost model's step time for this plan
+        from metadist_core.overlap import predict
+        pred = predict(plan).step * 1e3
     return {"measured_peak": mem["measured_peak_bytes"], "predicted_peak": mem["predicted_peak_bytes"],
-            "predicted_solver_mb": plan.memory_per_device / MB, "step_ms": ms,
+            "predicted_solver_mb": plan.memory_per_device / MB, "step_ms": ms, "predicted_step_ms": pred,
             "method": mem["method"], "plan": plan.summary(), "recompute": len(getattr(plan, "recompute", []) or [])}
 
 
@@ -141,13 +145,14 @@ def _probe(system: str, layers: int, sh: dict, budget: int, args, rank: int, wor
            "step_ms": float(flags[2]) if ok else None, "error": err or None}
     if r.get("predicted_peak") is not None:
         out["predicted_peak_mb"] = r["predicted_peak"] / MB
-    for k in ("plan", "recompute", "method", "predicted_solver_mb"):
-        if k in r:
+    for k in ("plan", "recompute", "method", "predicted_solver_mb", "predicted_step_ms"):
+        if r.get(k) is not None:
             out[k] = r[k]
     if rank == 0:
         print(f"  {system:<11} {layers:>3} layers: "
               + (f"peak {out['measured_peak_mb']:.1f} MiB (budget {budget / MB:.0f}), "
                  f"predicted {out.get('predicted_peak_mb') or float('nan'):.1f}, {out['step_ms']:.0f} ms"
+                 + (f" (predicted {out['predicted_step_ms']:.0f} ms)" if out.get("predicted_step_ms") else "")
                  if ok else f"failed: {err}") + (" fits" if out["fits"] else ""), flush=True)
     return out
 
@@ -249,6 +254,7 @@ def main(argv=None) -> int:
         b = r["best"]
         records.append({"benchmark": NAME, "model": desc, "system": system, "budget_mb": args.budget_mb,
                         "max_layers": b["layers"], "step_ms": b.get("step_ms"),
+                        "predicted_step_ms": b.get("predicted_step_ms"),
                         "predicted_peak_mb": b.get("predicted_peak_mb"), "measured_peak_mb": b.get("measured_peak_mb"),
                         "predicted_solver_mb": b.get("predicted_solver_mb"), "recomputed_ops": b.get("recompute"),
                         "measured_over_predicted": (b["measured_peak_mb"] / b["predicted_peak_mb"]
@@ -268,12 +274,24 @@ def main(argv=None) -> int:
         notes.append(f"At FSDP2+checkpointing's depth ({equal['layers']} layers): MetaDist {equal['metadist_ms']:.0f} ms, "
                      f"FSDP2+checkpointing {equal['fsdp2_ckpt_ms']:.0f} ms "
                      f"({equal['metadist_ms'] / equal['fsdp2_ckpt_ms']:.2f}x).")
+    if "metadist" in ref and "fsdp2_ckpt" in ref:   # the step times at every depth both ran (fitting or not)
+        ck = {p["layers"]: p for p in ref["fsdp2_ckpt"]["probes"] if p.get("step_ms")}
+        rows = [(p["layers"], p["step_ms"], ck[p["layers"]]["step_ms"]) for p in
+                sorted(ref["metadist"]["probes"], key=lambda p: p["layers"]) if p.get("step_ms") and p["layers"] in ck]
+        ref["metadist"]["vs_fsdp2_ckpt_by_depth"] = [{"layers": n, "metadist_ms": a, "fsdp2_ckpt_ms": b,
+                                                      "ratio": a / b} for n, a, b in rows]
+        if rows:
+            notes.append("MetaDist / FSDP2+checkpointing step time at the depths both ran: "
+                         + ", ".join(f"{n} layers {a:.0f}/{b:.0f} ms = {a / b:.2f}x" for n, a, b in rows) + ".")
     for r in records:   # every probe: predicted beside measured
         for p in r["probes"]:
             if p.get("predicted_peak_mb") and p.get("measured_peak_mb"):
                 notes.append(f"{r['system']} {p['layers']} layers: predicted {p['predicted_peak_mb']:.1f} MiB, "
                              f"measured {p['measured_peak_mb']:.1f} MiB "
-                             f"({p['measured_peak_mb'] / p['predicted_peak_mb']:.2f}x)")
+                             f"({p['measured_peak_mb'] / p['predicted_peak_mb']:.2f}x)"
+                             + (f"; step predicted {p['predicted_step_ms']:.0f} ms, measured {p['step_ms']:.0f} ms "
+                                f"({p['step_ms'] / p['predicted_step_ms']:.2f}x)"
+                                if p.get("predicted_step_ms") and p.get("step_ms") else ""))
     path = write_results(NAME, records, ["system", "budget_mb", "max_layers", "step_ms", "predicted_peak_mb",
                                          "measured_peak_mb", "measured_over_predicted"],
                          "Deepest GPT-2 in a memory budget", "\n\n".join(notes))
