@@ -10,7 +10,7 @@
 | time_limit     | METADIST_TIME_LIMIT        | time_limit      | 60 (solver, s)     |
 | coalesce       | METADIST_COALESCE          | coalesce        | true (bucket all-reduces) |
 | bucket_mb      | METADIST_BUCKET_MB         | bucket_mb       | 25 (MiB per bucket)|
-| shard_bucket_mb | METADIST_SHARD_BUCKET_MB | shard_bucket_mb | 4 (MiB per parameter all_gather bucket; 0: off) |
+| shard_bucket_mb | METADIST_SHARD_BUCKET_MB | shard_bucket_mb | 4 (MiB per bucket of parameter all_gathers and gradient reduce_scatters; 0: off) |
 | beam_width     | METADIST_BEAM_WIDTH        | beam_width      | 8 (beam solver)    |
 | verify_draws   | METADIST_VERIFY_DRAWS      | verify_draws    | 2 (random draws per rule) |
 | progress       | METADIST_PROGRESS          | progress        | on a terminal      |
@@ -51,7 +51,7 @@ class Settings:
     time_limit: float = 60.0
     coalesce: bool = True
     bucket_mb: float = 25.0
-    shard_bucket_mb: float = 4.0   # inputs all-gathered together up to this size (metadist_core.gathers); 0: off
+    shard_bucket_mb: float = 4.0   # parameter all_gathers (metadist_core.gathers) and gradient reduce_scatters per bucket; 0: off
     beam_width: int = 8
     verify_draws: int = 2
     measure_links: bool = True   # measure link and device costs on the first compile (else the defaults)
