@@ -55,7 +55,6 @@ class Gather:
     gathered: int         # bytes per device of the gathered value
     local: int            # bytes per device of the piece sent
     first: int            # op position of its first reader
-    last: int             # op position of the last reader of this reshard (views of it included)
 
 
 def _single_gather(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: str, mesh: Any) -> Any:
@@ -74,7 +73,7 @@ def gathers(problem: Any, choice: Sequence[int]) -> list[Gather]:
     for i, n in enumerate(problem.nodes):
         if n.kind == "input":
             own[n.outputs[0]] = n.options[int(choice[i])].outputs[0]
-    found: dict[tuple, list] = {}   # key -> [(first pos, slot), last, var, target]
+    found: dict[tuple, list] = {}   # key -> [(first pos, slot), var, target]
     for e in problem.edges:
         if e.var not in own or e.dst < 0 or e.dst_slot < 0 or not problem.vars[e.var].get("gather_bucketed"):
             continue
@@ -82,21 +81,18 @@ def gathers(problem: Any, choice: Sequence[int]) -> list[Gather]:
         tgt = dst.options[int(choice[e.dst])].inputs[e.dst_slot]
         if tgt == own[e.var]:
             continue
-        pos = e.dst - n_in
-        last = max([pos] + [problem.vars[o]["live"][1] for o in dst.outputs
-                            if problem.vars.get(o, {}).get("view")])
         key = reshard_key(e.var, own[e.var], tgt, dst.id, problem.phases)
-        rec = found.setdefault(key, [(pos, e.dst_slot), last, e.var, tgt])
-        rec[0], rec[1] = min(rec[0], (pos, e.dst_slot)), max(rec[1], last)
+        rec = found.setdefault(key, [(e.dst - n_in, e.dst_slot), e.var, tgt])
+        rec[0] = min(rec[0], (e.dst - n_in, e.dst_slot))
     out = []
-    for key, ((pos, _), last, var, tgt) in sorted(found.items(), key=lambda kv: kv[1][0]):
+    for key, ((pos, _), var, tgt) in sorted(found.items(), key=lambda kv: kv[1][0]):
         info = problem.vars[var]
         c = _single_gather(own[var], tgt, info["shape"], info["dtype"], problem.mesh)
         if c is None:
             continue
         out.append(Gather(key, var, c.axis, info["dtype"], int(c.nbytes),
                           local_bytes(info["shape"], info["dtype"], tgt, problem.mesh),
-                          local_bytes(info["shape"], info["dtype"], own[var], problem.mesh), pos, last))
+                          local_bytes(info["shape"], info["dtype"], own[var], problem.mesh), pos))
     return out
 
 

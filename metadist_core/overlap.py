@@ -104,17 +104,20 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
 
     caps = {"all_reduce": bucket, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
 
-    def flush(key: tuple) -> None:
-        b = pending.pop(key)
-        kind, axis = key[0], key[1]
-        a, be = mesh.alpha[axis], mesh.beta[axis]
-        cost = (all_reduce_cost if kind == "all_reduce" else reduce_scatter_cost)(b["bytes"], mesh.shape[axis], a, be)
-        s = max(b["ready"], axis_free[axis])
+    def run_bucket(fn: Any, axis: int, nbytes: int, start: float, members: list, counter: str) -> None:
+        """One collective for a whole bucket on ``axis``: its members are there when it ends."""
+        cost = fn(nbytes, mesh.shape[axis], mesh.alpha[axis], mesh.beta[axis])
+        s = max(start, axis_free[axis])
         axis_free[axis] = s + cost
         stats["comm"] += cost
-        stats["buckets"] += 1
-        for k in b["members"]:
+        stats[counter] += 1
+        for k in members:
             done[k] = s + cost
+
+    def flush(key: tuple) -> None:
+        b = pending.pop(key)
+        run_bucket(all_reduce_cost if key[0] == "all_reduce" else reduce_scatter_cost, key[1], b["bytes"],
+                   b["ready"], b["members"], "buckets")
 
     def bucketed(var: str, e: Any) -> bool:
         return bool(problem.vars[var].get("bucketed") and len(e.collectives) == 1
@@ -161,15 +164,8 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
                 flush(bk)
         if done.get(key) is None and key in gather_of:       # a bucket of input gathers: one collective
             members = gather_of[key]
-            c0 = members[0]
-            a, be, n = mesh.alpha[c0.axis], mesh.beta[c0.axis], mesh.shape[c0.axis]
-            cost = all_gather_cost(sum(g.nbytes for g in members), n, a, be)
-            s = max(t, axis_free[c0.axis])
-            axis_free[c0.axis] = s + cost
-            stats["comm"] += cost
-            stats["gather_buckets"] += 1
-            for g in members:
-                done[g.key] = s + cost
+            run_bucket(all_gather_cost, members[0].axis, sum(g.nbytes for g in members), t,
+                       [g.key for g in members], "gather_buckets")
         if done.get(key) is None:                            # synchronous: the compute runs it
             at = t
             for c in e.collectives:

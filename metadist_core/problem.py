@@ -155,22 +155,22 @@ class ShardingProblem:
         its share ``min(1, nbytes / shard_bucket_bytes)`` of the latency ``(n-1)alpha``, as do
         the reduce_scatters of gradient values.
         """
-        total = 0.0
-        bucketed = self.bucket_bytes and self.vars[var].get("bucketed")
+        def shared(c: Any, steps: int, cap: int) -> float:   # c's cost less the latency its bucket-mates pay
+            latency = steps * (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
+            return c.cost - latency * (1.0 - min(1.0, c.nbytes / cap))
+
         if self.shard_bucket_bytes and self.vars[var].get("gather_bucketed") and len(collectives) == 1 \
                 and collectives[0].kind == "all_gather":
-            c = collectives[0]
-            latency = (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
-            return c.cost - latency * (1.0 - min(1.0, c.nbytes / self.shard_bucket_bytes))
+            return shared(collectives[0], 1, self.shard_bucket_bytes)
+        bucketed = self.bucket_bytes and self.vars[var].get("bucketed")
+        total = 0.0
         for c in collectives:
-            cost = c.cost
             if bucketed and c.kind == "all_reduce":
-                latency = 2 * (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
-                cost -= latency * (1.0 - min(1.0, c.nbytes / self.bucket_bytes))
+                total += shared(c, 2, self.bucket_bytes)
             elif bucketed and c.kind == "reduce_scatter" and self.shard_bucket_bytes:
-                latency = (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
-                cost -= latency * (1.0 - min(1.0, c.nbytes / self.shard_bucket_bytes))
-            total += cost
+                total += shared(c, 1, self.shard_bucket_bytes)
+            else:
+                total += c.cost
         return total
 
     def size(self) -> dict:
