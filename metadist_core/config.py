@@ -15,6 +15,7 @@
 | verify_draws   | METADIST_VERIFY_DRAWS      | verify_draws    | 2 (random draws per rule) |
 | progress       | METADIST_PROGRESS          | progress        | on a terminal      |
 | max_real_discovery | METADIST_MAX_REAL_DISCOVERY | max_real_discovery | 2**24 elements |
+| discovery_workers | METADIST_DISCOVERY_WORKERS | discovery_workers | 0 (one process per core, forked, for 12+ patterns; 1: none) |
 | measure_links  | METADIST_MEASURE_LINKS     | measure_links   | true (measure on first compile) |
 | strategy       | METADIST_STRATEGY          | strategy        | auto (or a preset: ddp, zero1..3, fsdp, tp, tp+dp) |
 | micro_batches  | METADIST_MICRO_BATCHES     | micro_batches   | 1 (no accumulation)|
@@ -56,6 +57,7 @@ class Settings:
     verify_draws: int = 2
     measure_links: bool = True   # measure link and device costs on the first compile (else the defaults)
     max_real_discovery: int = 2 ** 24   # elements: an op no proxy can stand for is discovered at real size below this
+    discovery_workers: int = 0   # processes discovering patterns side by side (0: one per core; 1: this one only)
     progress: bool | None = None
     strategy: str = "auto"   # "auto" or a preset of metadist_core.presets (constraints on the same problem)
     grad_compression: str | None = None   # None | "bf16" | "fp16": gradients travel compressed
@@ -109,7 +111,7 @@ def load_settings(**explicit: Any) -> Settings:
         if f.name in ("coalesce", "progress", "measure_links", "recompute", "measure_memory"):
             value = _bool(f.name, value)
         elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws", "max_real_discovery",
-                        "micro_batches",
+                        "micro_batches", "discovery_workers",
                         "pipeline_stages"):
             try:
                 value = int(float(value))
@@ -122,6 +124,8 @@ def load_settings(**explicit: Any) -> Settings:
         setattr(s, f.name, value)
     if s.verify_draws < 1:
         raise ValueError(f"verify_draws must be at least 1, got {s.verify_draws}")
+    if s.discovery_workers < 0:
+        raise ValueError(f"discovery_workers must be 0 (one per core) or more, got {s.discovery_workers}")
     if s.micro_batches < 1:
         raise ValueError(f"micro_batches must be at least 1, got {s.micro_batches}")
     if s.pipeline_stages is not None and s.pipeline_stages < 1:

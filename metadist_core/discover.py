@@ -38,12 +38,14 @@ def _proxies_ok(ops: Any, op: MetaOp) -> bool:
 
 def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_sizes: Sequence[int] = (2,),
              save: bool = True, progress: bool | None = None, draws: int = 2, axis_size: int | None = None,
-             max_real: int = 2 ** 24) -> RuleBook:
+             max_real: int = 2 ** 24, workers: int = 0) -> RuleBook:
     """Fill ``rulebook`` with the rules of every op pattern of ``graph`` on axes of ``axis_sizes`` devices.
 
     ``ops`` answers ``op_spec(op, graph)`` (a ``PluginManager``: the frontend that
     owns the op). Rules found are saved to the rulebook's cache file when
-    ``save`` is true and the rulebook has a cache dir.
+    ``save`` is true and the rulebook has a cache dir. ``workers``: processes
+    that discover patterns side by side (0: one per CPU core when there are
+    enough patterns and every frontend involved can fork; 1: this process only).
     """
     book = rulebook if rulebook is not None else RuleBook()
     sizes = sorted({int(n) for n in ([axis_size] if axis_size else axis_sizes) if int(n) > 1})
@@ -70,18 +72,55 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
     show = False if not todo else progress  # None: the bar decides from the terminal and the progress setting
     owner = getattr(ops, "owner", None)
     fronts = {id(fe): fe for op, _ in todo.values() if owner is not None and (fe := owner(op)) is not None}
-    with contextlib.ExitStack() as stack, \
-            Progress(len(todo), f"discover ({len(todo)} op patterns)", enabled=show) as bar:
+    n_workers = worker_count(workers, len(todo), list(fronts.values()),
+                             all_owned=owner is not None and all(owner(op) is not None for op, _ in todo.values()))
+    desc = f"discover ({len(todo)} op patterns" + (f", {n_workers} processes)" if n_workers > 1 else ")")
+    with contextlib.ExitStack() as stack, Progress(len(todo), desc, enabled=show) as bar:
         for fe in fronts.values():
             stack.enter_context(fe.discovering())
-        for key, (op, pat) in todo.items():
-            entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws, max_real=max_real)
+        jobs = list(todo.values())
+        if n_workers > 1:
+            from .forkpool import discover_forked
+            done = discover_forked(jobs, graph, ops, n_workers, warned, bar, draws=draws, max_real=max_real)
+        else:
+            done = {}
+        for i, (op, pat) in enumerate(jobs):
+            if i in done:
+                entry, used = done[i]
+            else:   # serially (also what a parallel run left: a worker that died)
+                entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws, max_real=max_real)
+                bar.update(1, op.key)
             book.add(used, entry)
             book.discovered += 1
-            bar.update(1, op.key)
     if todo and save:
         book.save()
     return book
+
+
+MIN_PARALLEL = 12   # fewer patterns than this are discovered in this process: a fork costs more than it saves
+
+
+def worker_count(requested: int, n_patterns: int, frontends: Sequence[Any], all_owned: bool = True) -> int:
+    """How many processes discover ``n_patterns`` patterns: ``requested`` (0: one per usable CPU core, at
+    most 8), but 1 when there are few patterns, the platform cannot fork, or a frontend involved cannot
+    run its ops in a forked child (``Frontend.can_fork_discovery``)."""
+    import multiprocessing
+    import os
+    if requested == 1 or n_patterns < 2:
+        return 1
+    if "fork" not in multiprocessing.get_all_start_methods() or not frontends or not all_owned:
+        return 1
+    if not all(getattr(fe, "can_fork_discovery", lambda: False)() for fe in frontends):
+        return 1
+    if requested <= 0:
+        if n_patterns < MIN_PARALLEL:
+            return 1
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:   # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+        requested = min(cores, 8)
+    return max(1, min(requested, n_patterns))
 
 
 def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check_shapes: bool,

@@ -164,6 +164,11 @@ class Frontend(abc.ABC):
         ShardCombine runs many tiny ops, where a thread pool costs more than it gives)."""
         return contextlib.nullcontext()
 
+    def can_fork_discovery(self) -> bool:
+        """May discovery run this frontend's ops in forked child processes right now? False by default (a
+        runtime with threads or a device context of its own may not survive a fork)."""
+        return False
+
     # -- optional command-line jobs ------------------------------------------------
     def demo(self, args: Sequence[str]) -> int:
         """Run this frontend's end-to-end demo with command-line ``args``; return an exit code."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from .ir import MetaIR, MetaOp
+from .placement import splits_nonempty
 
 SMALL = 4            # sizes up to this stay exactly as they are (1, pairs, kernels of 3, RGB...)
 MAX_MULTIPLE = 4     # a large size that is k x another (k <= this) keeps that relation (a fused qkv is 3 x width)
@@ -211,26 +212,94 @@ def op_pattern(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True, 
 
 def proxy_sizes(basis: Mapping[int, tuple], axis_size: int, instance: int = 0) -> dict[int, int]:
     """Small sizes for the large ones of ``basis``: each base keeps its remainder mod ``axis_size``, bases
-    stay distinct, products and multiples stay products and multiples. ``instance`` 0 and 1 differ."""
+    stay distinct, products and multiples stay products and multiples.
+
+    Instance 0 gives the bases the smallest such sizes, apart by more than ``SMALL``. Instance 1 gives
+    each base another of those same sizes (rotated among the bases of one remainder; a base alone in
+    its remainder moves up), so every size changes, the order of the bases changes, and the proxy is no
+    larger. Instances 2 and up lie above every size instance 0 uses: sizes discovery never ran.
+    """
+    if instance == 1:
+        first = _assign(basis, axis_size, 0)
+        rotated = _rotated(basis, axis_size, first)
+        if rotated is not None:
+            return rotated
+        return _assign(basis, axis_size, 1)
+    if instance >= 2:
+        first = _assign(basis, axis_size, 0)
+        top = max([v for s, v in first.items() if basis[s][0] == "base"] + [0])
+        return _assign(basis, axis_size, 0, floor=top + SMALL + 1 + (instance - 2) * axis_size)
+    return _assign(basis, axis_size, instance)
+
+
+def _derived(basis: Mapping[int, tuple], out: dict[int, int], s: int) -> int:
+    e = basis[s]
+    if e[0] == "mul":
+        return e[1] * out[e[2]]
+    if e[0] == "add":
+        return out[e[1]] + e[2]
+    return math.prod(out.get(f, f) for f in e[1:])
+
+
+def _assign(basis: Mapping[int, tuple], axis_size: int, instance: int, floor: int = 0) -> dict[int, int]:
     n = axis_size
-    floor = max(SMALL + 1, n)              # every device of the axis holds a piece
+    floor = max(SMALL + 1, n, floor)       # every device of the axis holds a piece
     used: set[int] = set()
     out: dict[int, int] = {}
     for s in sorted(basis):
-        e = basis[s]
-        if e[0] == "mul":
-            out[s] = e[1] * out[e[2]]
-        elif e[0] == "add":
-            out[s] = out[e[1]] + e[2]
-        elif e[0] == "prod":
-            out[s] = math.prod(out.get(f, f) for f in e[1:])
+        if basis[s][0] != "base":
+            out[s] = _derived(basis, out, s)
         else:
             r = s % n
             p = n * (-(-floor // n) + instance) + r
-            while any(abs(p - u) <= SMALL for u in used) or p < floor or p <= SMALL:
-                p += n   # distinct bases stay apart by more than any "size + k" relation
+            # distinct bases stay apart by more than any "size + k" relation; a size whose split over the
+            # axis leaves a device empty stays one that does, and one that does not stays one that does not
+            while any(abs(p - u) <= SMALL for u in used) or p < floor or p <= SMALL \
+                    or splits_nonempty(p, n) != splits_nonempty(s, n):
+                p += n
+                if p > max(s, floor) + 16 * n * (SMALL + 1):   # only a few small sizes leave a device empty
+                    raise NoProxy(f"no proxy for its size {s} keeps which devices of an axis of {n} get none")
             out[s] = p
         used.add(out[s])
+    return out
+
+
+def _rotated(basis: Mapping[int, tuple], n: int, first: dict[int, int]) -> dict[int, int] | None:
+    """Instance 0's base sizes handed round within each remainder class (a lone base moves up by ``n``
+    where a size keeps its empty-piece class); None when the result breaks a rule of the proxy (two sizes
+    too close, a size repeated)."""
+    bases = [s for s in sorted(basis) if basis[s][0] == "base"]
+    groups: dict[int, list[int]] = {}
+    for s in bases:
+        groups.setdefault(first[s] % n, []).append(s)
+    out: dict[int, int] = {}
+    for members in groups.values():   # classes of several bases: hand their sizes round
+        if len(members) > 1:
+            vals = [first[s] for s in members]
+            for k, s in enumerate(members):
+                out[s] = vals[(k + 1) % len(vals)]
+    for members in groups.values():   # a lone base: up by n, clear of every size placed or still to move
+        if len(members) == 1:
+            s0 = members[0]
+            v = first[s0] + n
+            while any(abs(v - out.get(t, first[t])) <= SMALL for t in bases if t != s0) \
+                    or splits_nonempty(v, n) != splits_nonempty(s0, n):
+                v += n
+                if v > first[s0] + 16 * n * (SMALL + 1):   # no other size keeps its class: it stays
+                    v = first[s0]
+                    break
+            out[s0] = v
+    for s in sorted(basis):
+        if basis[s][0] != "base":
+            out[s] = _derived(basis, out, s)
+    if any(splits_nonempty(out[s], n) != splits_nonempty(s, n) for s in bases):
+        return None
+    values = [out[s] for s in sorted(basis)]
+    if len(set(values)) != len(values):
+        return None
+    for s in bases:
+        if any(t != s and abs(out[s] - out[t]) <= SMALL for t in basis):
+            return None
     return out
 
 

@@ -80,7 +80,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
 
     t = time.perf_counter()
     book = discover(graph, pm, RuleBook.load(s.cache_dir), axis_sizes=mesh.shape, progress=s.progress,
-                    draws=s.verify_draws, max_real=s.max_real_discovery)
+                    draws=s.verify_draws, max_real=s.max_real_discovery, workers=s.discovery_workers)
     timings["discover"] = time.perf_counter() - t
 
     t = time.perf_counter()

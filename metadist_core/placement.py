@@ -171,6 +171,15 @@ def chunk_sizes(size: int, n: int) -> list[int]:
     return [max(0, min(c, size - i * c)) for i in range(n)]
 
 
+def splits_nonempty(size: int, n: int) -> bool:
+    """Does ``torch.chunk`` of a dim of ``size`` into ``n`` leave every piece non-empty? (12 into 8 leaves
+    two empty: chunks of 2.) A placement that leaves a device nothing is never planned nor discovered:
+    some kernels trap on an empty dim."""
+    if n <= 1:
+        return size >= 1
+    return size >= n and -(-size // n) * (n - 1) < size
+
+
 def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
     """[start, stop) of piece ``index`` of ``n`` of a dim of ``size``."""
     c = -(-size // n) if size else 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, parse_placement
+from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, parse_placement, splits_nonempty
 
 log = logging.getLogger("metadist.rules")
 
@@ -117,7 +117,7 @@ def _tensor_ok(shape: Sequence[int] | None, placements: Sequence[Placement], mes
                 return False
             d = p.dim % len(local)
             n = mesh.shape[axis]
-            if local[d] < n:
+            if not splits_nonempty(local[d], n):
                 return False
             if local[d] % n and discovered_axis_size is not None and \
                     ((discovered_axis_size and n != discovered_axis_size) or d in split):
@@ -285,10 +285,21 @@ class RuleBook:
         return path
 
 
+_KEYS: dict[tuple, list[str]] = {}   # op content -> its keys: a 12-layer step asks 12 times for each
+
+
 def rule_keys(op, graph, axis_size: int) -> list[str]:
     """The RuleBook keys that may hold ``op``'s rules on an axis of ``axis_size``, most general first."""
     from .patterns import pattern_candidates
-    return [p.key for p in pattern_candidates(op, graph, axis_size)]
+    outs = tuple((None if graph.vars[v].shape is None else tuple(graph.vars[v].shape), graph.vars[v].dtype)
+                 for v in op.outputs)
+    memo = (op.signature(graph), outs, axis_size)
+    keys = _KEYS.get(memo)
+    if keys is None:
+        if len(_KEYS) > 200_000:
+            _KEYS.clear()
+        keys = _KEYS[memo] = [p.key for p in pattern_candidates(op, graph, axis_size)]
+    return list(keys)
 
 
 def default_cache_dir() -> Path:

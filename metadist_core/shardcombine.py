@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .placement import REDUCE_OPS, Partial, Placement, Replicate, Shard, chunk_bounds, chunk_sizes
+from .placement import REDUCE_OPS, Partial, Placement, Replicate, Shard, chunk_bounds, chunk_sizes, splits_nonempty
 from .reshape import reshape_local_shape
 from .rules import ShardingRule
 from .verify import families, partial_pieces
@@ -139,7 +139,7 @@ def _same(full: Any, got: Any, exact: bool) -> bool:
 def input_candidates(x: np.ndarray, n: int, allow_partial: bool) -> list[Placement]:
     cands: list[Placement] = [Replicate()]
     if _is_tensor(x):
-        cands += [Shard(d) for d in range(x.ndim) if x.shape[d] >= n]
+        cands += [Shard(d) for d in range(x.ndim) if splits_nonempty(x.shape[d], n)]
         if allow_partial and _is_float(x) and x.size > 0:
             cands += [Partial(r) for r in REDUCE_OPS]
     return cands

@@ -182,9 +182,12 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
     if integer:
         gap = rng.integers(1, 5, size=shape).astype(x.dtype)
     else:   # half the gaps small next to the value itself, half spanning four decades of the scale
-        near = rng.uniform(0.05, 2.0, size=shape) * np.maximum(np.abs(x), 0.5)
-        far = np.exp(rng.uniform(np.log(0.05), np.log(50.0), size=shape)) * scale
-        gap = np.where(rng.random(shape) < 0.5, near, far).astype(x.dtype)
+        # one uniform draw per element picks the half (below or above 0.5) and, rescaled, the place in it
+        u = rng.random(shape)
+        near = u < 0.5
+        t = np.where(near, 2.0 * u, 2.0 * u - 1.0)
+        gap = np.where(near, (0.05 + 1.95 * t) * np.maximum(np.abs(x), 0.5),
+                       np.exp(np.log(0.05) + t * np.log(1000.0)) * scale).astype(x.dtype)
     mine = owner[None] == np.arange(n).reshape((n,) + (1,) * x.ndim)
     with np.errstate(invalid="ignore"):
         pieces = np.where(mine, x[None], x[None] + sign * gap)

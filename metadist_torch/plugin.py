@@ -56,6 +56,14 @@ class TorchFrontend(Frontend):
         finally:
             torch.set_num_threads(before)
 
+    def can_fork_discovery(self) -> bool:
+        """Forked children run CPU aten ops well (as DataLoader workers do), but not once CUDA or a process
+        group is up in this process (a rank of torchrun plans alone, its peers waiting)."""
+        import torch
+        if torch.cuda.is_initialized():
+            return False
+        return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         from .state import signature
         return signature(args, kwargs)
