@@ -122,11 +122,17 @@ def trace_llama_8b():
     return PluginManager().frontend("torch").trace(step, (model, opt, ids), {}).graph
 
 
-def _child(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, time_limit: float) -> dict:
+def _child(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, time_limit: float,
+           timeout: float | None = None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.plan_scale", "--one", model, "x".join(map(str, mesh_shape)),
            "--cache", cache, "--time-limit", str(time_limit)] + (["--hand"] if hand else [])
     env = dict(os.environ, METADIST_PROGRESS="0")
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1])
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[1],
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:   # a row that says so, not a missing row
+        return {"model": model, "mesh": "x".join(map(str, mesh_shape)), "system": "MetaDist (ilp)",
+                "total_s": None, "note": f"did not plan within {timeout:g} s (stopped)"}
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -174,6 +180,10 @@ def main(argv=None) -> None:
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--hand", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--cases", nargs="+", metavar="MODEL:MESH",
+                    help="only these cases (say gpt2-small-12l:2x4 llama-8b:8x8)")
+    ap.add_argument("--case-timeout", type=float, default=None,
+                    help="seconds a case (cold or warm) may take before it is stopped and reported as such")
     args = ap.parse_args(argv)
     if args.one:
         model, mesh = args.one
@@ -181,12 +191,19 @@ def main(argv=None) -> None:
         print(json.dumps(rec, default=float))
         return
     records = []
-    for model, mesh_shape in (QUICK if args.quick else CASES):
+    cases = QUICK if args.quick else CASES
+    if args.cases:
+        cases = [(c.split(":")[0], tuple(int(x) for x in c.split(":")[1].split("x"))) for c in args.cases]
+    for model, mesh_shape in cases:
         with tempfile.TemporaryDirectory(prefix="metadist-plan-scale-") as cache:
             for cold in (True, False):
-                rec = _child(model, mesh_shape, cache, hand=not cold, time_limit=args.time_limit)
+                rec = _child(model, mesh_shape, cache, hand=not cold, time_limit=args.time_limit,
+                             timeout=args.case_timeout)
                 rec["cold"] = cold
                 records.append(rec)
+                if rec["total_s"] is None:
+                    print(f"{model} on {rec['mesh']} ({'cold' if cold else 'warm'}): {rec['note']}", flush=True)
+                    break
                 print(f"{model} on {rec['mesh']} ({'cold' if cold else 'warm'}): total {rec['total_s']:.1f} s "
                       f"(load {rec['trace_s']:.1f}, discover {rec.get('discover_s', 0):.1f}, build "
                       f"{rec.get('build_problem_s', 0):.1f}, solve {rec.get('solve_s', 0):.1f}), "
@@ -194,7 +211,7 @@ def main(argv=None) -> None:
                       + (f", vs best hand {rec['vs_best_hand']:.3f}" if rec.get("vs_best_hand") else ""), flush=True)
     records += AUTOPARALLEL
     cols = ["model", "mesh", "system", "cold", "total_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
-            "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "gap", "vs_best_hand", "ilp_vars"]
+            "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "gap", "vs_best_hand", "ilp_vars", "note"]
     notes = ("Graphs: the recorded GPT-2 whole steps in ../shared/graphs (batch 8 x 128 tokens; `trace_s` is loading "
              "the recorded graph) and transformers' LlamaForCausalLM at 8B built on the meta device with AdamW, batch "
              "8 x 512 (`trace_s` is the torch frontend's real trace). Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "

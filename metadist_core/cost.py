@@ -247,10 +247,19 @@ def reshard(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: str, mesh
     well defined. An empty list means nothing to do.
     """
     shape = tuple(int(s) for s in shape)
+    try:
+        return list(_reshard(src, dst, shape, dtype, mesh))
+    except TypeError:   # layouts given as lists: not hashable, so not cached
+        return list(_reshard.__wrapped__(src, dst, shape, dtype, mesh))
+
+
+@lru_cache(maxsize=1 << 16)
+def _reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype: str, mesh: Mesh) -> tuple[Collective, ...]:
+    """:func:`reshard`, once per (layouts, shape, dtype, mesh): a step's layers ask the same questions."""
     s = _normalise(src, len(shape), mesh, "source")
     d = _normalise(dst, len(shape), mesh, "destination")
     if s == d:
-        return []
+        return ()
     if largest_local_shape(shape, s, mesh.shape) is None:
         raise ValueError(f"source sharding {src} leaves a device an empty piece of shape {shape} on mesh {mesh}")
     if largest_local_shape(shape, d, mesh.shape) is None:
@@ -267,7 +276,31 @@ def reshard(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: str, mesh
         steps.append(Collective(kind, axis, dims, red, int(nb), float(cost), Sharding(prev), Sharding(cur)))
         cur = prev
     steps.reverse()
-    return steps
+    return tuple(steps)
+
+
+def reshard_costs(src: Sharding, dsts: Sequence[Sharding], shape: Sequence[int], dtype: str, mesh: Mesh
+                  ) -> list[float]:
+    """:func:`reshard_cost` from ``src`` to each of ``dsts``, read off one cheapest-path search per kind
+    of reduction involved (no step list is built: a problem's tables ask for millions of these)."""
+    shape = tuple(int(x) for x in shape)
+    s = _normalise(src, len(shape), mesh, "source")
+    src_ok = largest_local_shape(shape, s, mesh.shape) is not None
+    out: list[float] = []
+    for dst in dsts:
+        d = _normalise(dst, len(shape), mesh, "destination")
+        if s == d:
+            out.append(0.0)
+            continue
+        best = None
+        if src_ok and largest_local_shape(shape, d, mesh.shape) is not None:
+            reduces = tuple(sorted({p.reduce for p in s + d if isinstance(p, Partial)}))
+            best = _dijkstra(shape, itemsize(dtype), s, mesh.shape, mesh.alpha, mesh.beta, reduces)[0].get(d)
+        if best is None:   # the same error reshard gives, with its message
+            reshard(src, dst, shape, dtype, mesh)
+            raise AssertionError("unreachable")   # pragma: no cover
+        out.append(float(best[0]))
+    return out
 
 
 def reshard_cost(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: str, mesh: Mesh) -> float:

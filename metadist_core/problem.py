@@ -26,8 +26,8 @@ import numpy as np
 
 from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_constraints
 from .aliasing import alias_liveness, inplace_state_liveness
-from .cost import (DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, reshard, reshard_cost,
-                   strategy_split)
+from .cost import (DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, reshard,
+                   reshard_costs, strategy_split)
 from .ir import MetaIR
 from .phases import FORWARD, phase_of, reader_phases, share_phase
 from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
@@ -448,9 +448,11 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
         if key not in table_cache:
             t = np.zeros((len(srcs), len(dsts)))
             for r, a in enumerate(srcs):
-                for c, b in enumerate(dsts):
-                    t[r, c] = (prob.price(var, reshard(a, b, info["shape"], dtype, mesh)) if bucketed and a != b
-                               else reshard_cost(a, b, info["shape"], dtype, mesh))
+                if bucketed:
+                    for c, b in enumerate(dsts):
+                        t[r, c] = prob.price(var, reshard(a, b, info["shape"], dtype, mesh)) if a != b else 0.0
+                else:
+                    t[r, :] = reshard_costs(a, dsts, info["shape"], dtype, mesh)
             table_cache[key] = t
         return table_cache[key]
 
