@@ -283,9 +283,27 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
         ch = enforce_budget(t, t.adjacency(), ch, NAME)
         stats["status"] = (f"{res.message}; the ILP incumbent needed {over:,} bytes per device over the budget "
                            f"of {int(budget):,} when time ran out, repaired by local search")
+    if res.status != 0:   # stopped before proving optimality: a beam sweep may have found better
+        ch, note = _better_of_beam(t, model, ch, budget)
+        if note:
+            stats["status"] = f"{stats['status']}; {note}"
     lb = getattr(res, "mip_dual_bound", None)
     lb = None if lb is None or not np.isfinite(lb) else float(lb) / model.scale + t.offset
     return ch, lb, stats
+
+
+def _better_of_beam(t: Terms, model: _Model, ch: np.ndarray, budget: float | None) -> tuple[np.ndarray, str]:
+    """The ILP incumbent or a beam sweep's plan, whichever is cheaper (and within the budget). On GPT-2
+    small's step on (2,2,2) (385k variables) HiGHS's incumbent after 60 s cost 1.43x the plan a beam
+    sweep finds in 0.1 s."""
+    from ._common import multi_sweep
+    beam, _ = multi_sweep(t, 8, 3)
+    if budget is not None and model.mem is not None and model.mem.peak(beam) > budget * (1 + 1e-9) + 1:
+        return ch, ""
+    ours, theirs = t.objective(ch), t.objective(beam)
+    if theirs < ours:
+        return beam, f"a beam sweep's plan ({theirs * 1e3:.3f} ms) beat the ILP incumbent ({ours * 1e3:.3f} ms)"
+    return ch, ""
 
 
 def _min_peak(model: _Model, t: Terms, deadline: float, gap: float) -> int:

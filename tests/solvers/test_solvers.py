@@ -103,6 +103,34 @@ def test_ilp_out_of_time_with_lazy_memory_rows_still_honours_the_budget(pm, monk
     assert "repaired" in plan.stats["status"]
 
 
+def test_an_ilp_stopped_by_its_time_limit_returns_no_worse_than_a_beam_sweep(pm, monkeypatch):
+    """HiGHS stopped at its time limit may hold a poor incumbent (on (2,2,2) 1.43x a beam sweep's plan):
+    the ILP then returns whichever of the two is cheaper."""
+    from types import SimpleNamespace
+
+    from metadist_solvers import ilp
+
+    g = mm_only(6, 6, 6)
+    p = build_problem(g, rulebook(g), Mesh((2, 3), alpha=1e-7, beta=1e-9))
+    best, _ = brute_force(p)
+    real = ilp._lazy
+    worst: dict = {}
+
+    def stopped(model, steps, b, deadline, gap, peak_var=False):   # the dearest option everywhere
+        res, ch, steps, rounds = real(model, steps, b, deadline, gap, peak_var)
+        bad = np.array([int(np.argmax(np.where(a, u, -np.inf))) for a, u in zip(model.t.allowed, model.t.unary)])
+        worst["objective"] = model.t.objective(bad)
+        return SimpleNamespace(status=1, message="Time limit reached", x=res.x,
+                               mip_dual_bound=getattr(res, "mip_dual_bound", None)), bad, steps, rounds
+
+    monkeypatch.setattr(ilp, "_lazy", stopped)
+    plan = pm.solve("ilp", p, {"coarsen": False})
+    beam = pm.solve("beam", p, {"coarsen": False})
+    assert worst["objective"] > beam.objective * 1.01          # the stopped incumbent is really worse
+    assert plan.objective == pytest.approx(min(worst["objective"], beam.objective), rel=1e-9)
+    assert plan.objective >= best * (1 - 1e-9) and "beam sweep" in plan.stats["status"]
+
+
 def test_plans_carry_collectives_and_figures(pm):
     g = linear_step()
     p = build_problem(g, rulebook(g), Mesh((2,), alpha=1e-7, beta=1e-9))
