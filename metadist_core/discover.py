@@ -87,7 +87,7 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
         for i, (op, pat) in enumerate(jobs):
             if i in done:
                 entry, used = done[i]
-            else:   # serially (also what a parallel run left: a worker that died)
+            else:   # in this process
                 entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws, max_real=max_real)
                 bar.update(1, op.key)
             book.add(used, entry)
