@@ -23,8 +23,8 @@ all_reduces of gradients share one flat buffer per bucket: each gradient lives
 from where it is made until the last reader of its bucket, and where the bucket
 runs (once its last member exists) its concatenation and the collective's
 result are held beside the members (``problem.bucket_copies``, what the
-frontend's lowering makes: the torch one 2, and an ``avg`` adds its quotient;
-XLA schedules JAX's collectives itself, 0). Inputs all-gathered in one bucket
+frontend's lowering makes: the torch one 2; an ``avg``'s quotient is made
+where the result is waited for, once the members and the concatenation are gone; XLA schedules JAX's collectives itself, 0). Inputs all-gathered in one bucket
 (:mod:`metadist_core.gathers`) are all made where the bucket runs, beside its
 two flat buffers (the pieces sent and the gathered whole).
 """
@@ -95,8 +95,7 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
             b = float(local_bytes(info["shape"], info["dtype"], t, problem.mesh))
             if problem.bucket_bytes and info.get("bucketed") and not any(p.is_partial() for p in t) \
                     and all(p.is_partial() or p.is_replicate() for p in own):
-                avg = any(getattr(p, "reduce", None) == "avg" for p in own)
-                copies = problem.bucket_copies + int(avg) if problem.bucket_copies else 0
+                copies = problem.bucket_copies
                 kind = "reduce_scatter" if any(p.is_shard() for p in t) else "all_reduce"
                 src_b = float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))
                 held = 0.0 if info.get("view") else src_b   # a view's partial sum is its base's bytes
@@ -112,9 +111,9 @@ def _buckets(reduced: list[tuple], caps: dict) -> list[tuple[int, int, float]]:
     (:func:`metadist_torch.lower.coalesce_all_reduces`): one flat buffer per bucket whose results are
     views, so every result lives until the bucket's last reader. A bucket runs once its last member
     exists; until then each member is its own partial sum, held from where it is made. Where the bucket
-    runs, the partial sums, their concatenation and the collective's result (and for an ``avg`` the result
-    divided) are all held at once (``copies``: 2, or 3 with the quotient; 0 when the lowering makes no
-    copies). The results (whole for an all_reduce, the members' shards for a reduce_scatter) live on
+    runs, the partial sums, their concatenation and the collective's result are all held at once
+    (``copies``: 2; 0 when the lowering makes no copies; an ``avg``'s quotient comes later, at the wait,
+    when the concatenation is gone). The results (whole for an all_reduce, the members' shards for a reduce_scatter) live on
     from there; the partial sums die there. A gradient that is a view holds no bytes of its own until the
     bucket runs: its base holds its partial sum (counting both had made a bucketed plan 22 % too heavy)."""
     out = []
@@ -125,7 +124,7 @@ def _buckets(reduced: list[tuple], caps: dict) -> list[tuple[int, int, float]]:
         at = max(start for start, _, _ in members)
         for start, b, held in members:   # the partial sum until the bucket runs, then the result
             out.extend([(start, at, held), (at, end, b)])
-        if copies:   # the concatenation, the result (held as the members from here on), and a quotient
+        if copies:   # the concatenation and the result (held as the members from here on)
             out.append((at, at, src_total + total * (copies - 2)))
     for start, end, b, dtype, copies, kind, sb, held in sorted(reduced):
         key = (kind, dtype, copies)   # the lowering buckets per kind, reduce op and dtype

@@ -51,14 +51,61 @@ SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "_res
                            "expand_copy", "_reshape_alias"})
 DTYPE_META = "metadist_dtype"   # fx node meta: the canonical dtype of the value a node holds
 VAR_META = "metadist_var"       # fx node meta: the MetaIR value a node holds (a collective's: the value it moves)
+ASYNC_KINDS = frozenset({"all_reduce", "reduce_scatter", "all_reduce_bucket", "reduce_scatter_bucket"})
 WIRE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})   # take a wire dtype
 
 
-def _funcol():
+def _ops():
+    """torch's functional collective ops themselves: plain tensors in and out, no ``AsyncCollectiveTensor``
+    subclass (whose Python dispatch on every later op cost ~10 ms a step on the GPT example)."""
+    return torch.ops._c10d_functional
+
+
+def _group_name(group: Any) -> str:
     import torch.distributed._functional_collectives as fc
-    ag = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
-    rs = getattr(fc, "reduce_scatter_single", None) or fc.reduce_scatter_tensor
-    return fc, ag, rs
+    try:
+        return fc._group_or_group_name(fc._resolve_group(group, ""))
+    except (AttributeError, TypeError):   # the helpers moved: a ProcessGroup names itself
+        return group.group_name
+
+
+class Pending:
+    """A collective in flight: its raw result (not yet safe to read) and what to make of it once waited for.
+
+    :meth:`wait` waits once (``_c10d_functional.wait_tensor``) and applies ``post`` (cut padding, divide an
+    ``avg``, cast back from the wire dtype, split a bucket). ``pending[i]`` is member ``i`` of a bucket's
+    tuple, waited for with the whole bucket. The rank program calls :func:`md_done` on it just before the
+    first op that reads the value (:mod:`metadist_torch.schedule`)."""
+
+    __slots__ = ("raw", "post", "_out")
+
+    def __init__(self, raw: torch.Tensor, post: Callable[[torch.Tensor], Any]) -> None:
+        self.raw, self.post, self._out = raw, post, None
+
+    def wait(self) -> Any:
+        if self.raw is not None:
+            _ops().wait_tensor(self.raw)
+            self._out = self.post(self.raw)
+            self.raw = self.post = None
+        return self._out
+
+    def __getitem__(self, i: int) -> "_Member":
+        return _Member(self, i)
+
+
+class _Member:
+    __slots__ = ("bucket", "i")
+
+    def __init__(self, bucket: Pending, i: int) -> None:
+        self.bucket, self.i = bucket, i
+
+    def wait(self) -> torch.Tensor:
+        return self.bucket.wait()[self.i]
+
+
+def md_done(p: Any) -> Any:
+    """The value of a pending collective (waited for here); anything else as it is."""
+    return p.wait() if isinstance(p, (Pending, _Member)) else p
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -73,50 +120,81 @@ def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(shape)], dim=dim)
 
 
+def _send(x: torch.Tensor, wire: torch.dtype | None, divide: int = 1) -> tuple[torch.Tensor, torch.dtype | None]:
+    """What travels for ``x`` (:func:`~metadist_torch.compression.compressed`'s rule, split so the cast back can
+    wait for the collective): ``x / divide`` when ``divide`` > 1, in ``wire`` when it is a float of another
+    dtype; and the dtype to cast the result back to (None: none)."""
+    if divide > 1:
+        x = x / divide
+    if wire is None or x.dtype == wire or not x.dtype.is_floating_point:
+        return x, None
+    return x.to(wire), x.dtype
+
+
 class AxisComm:
-    """The collectives of one mesh axis for this rank, run on tensors: group, size and coordinate on it."""
+    """The collectives of one mesh axis for this rank, run on tensors: group, size and coordinate on it.
+
+    All_reduces and reduce_scatters (and their buckets) start asynchronously: ``start_*`` returns a
+    :class:`Pending`; the plain methods wait at once. The others are synchronous."""
 
     def __init__(self, axis: int, group: Any, n: int, coord: int, stats: CommStats) -> None:
         self.axis, self.group, self.n, self.coord, self.stats = axis, group, n, coord, stats
+        self._gname: str | None = None
+
+    @property
+    def gname(self) -> str:
+        if self._gname is None:
+            self._gname = _group_name(self.group)
+        return self._gname
+
+    def _finish(self, back: torch.dtype | None, divide: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        def post(y: torch.Tensor) -> torch.Tensor:
+            if back is not None:
+                y = y.to(back)
+            return y / self.n if divide else y
+        return post
+
+    def start_all_reduce(self, x: torch.Tensor, reduce: str, wire: torch.dtype | None = None) -> Pending:
+        """``wire``: the dtype the value travels in (grad_compression), cast back after; None: its own."""
+        pre = wire is not None and reduce == "avg"     # a compressed avg travels pre-divided
+        t, back = _send(x, wire, self.n if pre else 1)
+        self.stats.add("all_reduce", _nbytes(t))
+        raw = _ops().all_reduce(t.contiguous(), "sum" if reduce == "avg" else reduce, self.gname)
+        return Pending(raw, self._finish(back, reduce == "avg" and not pre))
 
     def all_reduce(self, x: torch.Tensor, reduce: str, wire: torch.dtype | None = None) -> torch.Tensor:
-        """``wire``: the dtype the value travels in (grad_compression), cast back after; None: its own."""
-        fc, _, _ = _funcol()
+        return self.start_all_reduce(x, reduce, wire).wait()
 
-        def run(t: torch.Tensor) -> torch.Tensor:
-            self.stats.add("all_reduce", _nbytes(t))   # not waited for: the first reader waits (schedule.py)
-            return fc.all_reduce(t.contiguous(), "sum" if reduce == "avg" else reduce, self.group)
-        if wire is not None and reduce == "avg":
-            return compressed(x, wire, run, divide=self.n)
-        y = compressed(x, wire, run)
-        return y / self.n if reduce == "avg" else y
+    def start_all_reduce_bucket(self, xs: Sequence[torch.Tensor], reduce: str,
+                                wire: torch.dtype | None = None) -> Pending:
+        """Several independent all_reduces of one dtype as one call on a flat buffer (same bytes, one latency)."""
+        shapes = [x.shape for x in xs]
+        numels = [x.numel() for x in xs]
+        pre = wire is not None and reduce == "avg"
+        t, back = _send(torch.cat([x.reshape(-1) for x in xs]), wire, self.n if pre else 1)
+        self.stats.add("all_reduce", _nbytes(t), calls=len(xs))   # calls count the plan's collectives
+        raw = _ops().all_reduce(t, "sum" if reduce == "avg" else reduce, self.gname)
+        finish = self._finish(back, reduce == "avg" and not pre)
+        return Pending(raw, lambda y: tuple(p.view(sh) for p, sh in zip(finish(y).split(numels), shapes)))
 
     def all_reduce_bucket(self, xs: Sequence[torch.Tensor], reduce: str, wire: torch.dtype | None = None) -> tuple:
-        """Several independent all_reduces of one dtype as one call on a flat buffer (same bytes, one latency)."""
-        fc, _, _ = _funcol()
-        flat = torch.cat([x.reshape(-1) for x in xs])
+        return self.start_all_reduce_bucket(xs, reduce, wire).wait()
 
-        def run(t: torch.Tensor) -> torch.Tensor:
-            self.stats.add("all_reduce", _nbytes(t), calls=len(xs))   # calls count the plan's collectives
-            return fc.all_reduce(t, "sum" if reduce == "avg" else reduce, self.group)   # waited at first use
-        if wire is not None and reduce == "avg":
-            y = compressed(flat, wire, run, divide=self.n)
-        else:
-            y = compressed(flat, wire, run)
-            if reduce == "avg":
-                y = y / self.n
-        return tuple(p.view(x.shape) for p, x in zip(y.split([x.numel() for x in xs]), xs))
+    def _gather_raw(self, t: torch.Tensor) -> torch.Tensor:
+        """All members' ``t`` stacked on dim 0 (every member sends the same shape), waited for."""
+        ops = _ops()
+        return ops.wait_tensor(ops.all_gather_into_tensor(t.contiguous(), self.n, self.gname))
 
     def all_gather(self, x: torch.Tensor, dim: int, sizes: Sequence[int],
                    wire: torch.dtype | None = None) -> torch.Tensor:
         """Concatenate the members' pieces along ``dim``; member ``i`` holds ``sizes[i]`` of it."""
-        fc, ag, _ = _funcol()
         c = max(sizes)
 
         def run(t: torch.Tensor) -> torch.Tensor:
-            y = fc.wait_tensor(ag(_pad(t, dim, c).contiguous(), dim, self.group))
-            if any(s != c for s in sizes):
-                y = torch.cat([y.narrow(dim, i * c, s) for i, s in enumerate(sizes) if s], dim=dim)
+            y = self._gather_raw(_pad(t, dim, c))
+            if dim != 0 or any(s != c for s in sizes):
+                pieces = y.chunk(self.n, 0)
+                y = torch.cat([pieces[i].narrow(dim, 0, s) for i, s in enumerate(sizes) if s], dim=dim)
             self.stats.add("all_gather", _nbytes(y))
             return y
         return compressed(x, wire, run)
@@ -126,10 +204,8 @@ class AxisComm:
         """Several all_gathers as one call on a flat buffer: each piece padded to its chunk, flattened and
         concatenated; the gathered buffer is cut back into each member's pieces, concatenated along its
         ``dims[i]`` (member ``i``'s ranks hold ``sizes[i]`` of it). Same values as one all_gather each."""
-        fc, ag, _ = _funcol()
         padded = [_pad(x, d, max(s)).contiguous() for x, d, s in zip(xs, dims, sizes)]
-        flat = torch.cat([p.reshape(-1) for p in padded])
-        y = fc.wait_tensor(ag(flat, 0, self.group)).view(self.n, -1)
+        y = self._gather_raw(torch.cat([p.reshape(-1) for p in padded])).view(self.n, -1)
         outs, off = [], 0
         for p, d, s in zip(padded, dims, sizes):
             k = p.numel()
@@ -139,26 +215,29 @@ class AxisComm:
         self.stats.add("all_gather", sum(_nbytes(o) for o in outs), calls=len(xs))
         return tuple(outs)
 
-    def reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int, wire: torch.dtype | None = None) -> torch.Tensor:
-        fc, _, rs = _funcol()
-        sizes = chunk_sizes(x.shape[dim], self.n)
+    def start_reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int,
+                             wire: torch.dtype | None = None) -> Pending:
+        n = self.n
+        sizes = chunk_sizes(x.shape[dim], n)
         c = max(sizes)
-        op = "sum" if reduce == "avg" else reduce
+        pre = wire is not None and reduce == "avg"
+        t, back = _send(x, wire, n if pre else 1)
+        self.stats.add("reduce_scatter", _nbytes(t))
+        t = _pad(t, dim, c * n)
+        if dim != 0:   # this rank's chunk along dim is what reduce_scatter_tensor leaves along dim 0
+            t = torch.cat(t.chunk(n, dim), dim=0)
+        raw = _ops().reduce_scatter_tensor(t.contiguous(), "sum" if reduce == "avg" else reduce, n, self.gname)
+        finish = self._finish(back, reduce == "avg" and not pre)
+        mine = sizes[self.coord]
+        return Pending(raw, lambda y: finish(y.narrow(dim, 0, mine) if mine != c else y))
 
-        def run(t: torch.Tensor) -> torch.Tensor:
-            self.stats.add("reduce_scatter", _nbytes(t))   # not waited for: the first reader waits (schedule.py)
-            y = rs(_pad(t, dim, c * self.n).contiguous(), op, dim, self.group)
-            return y.narrow(dim, 0, sizes[self.coord]) if sizes[self.coord] != c else y
-        if wire is not None and reduce == "avg":
-            return compressed(x, wire, run, divide=self.n)
-        y = compressed(x, wire, run)
-        return y / self.n if reduce == "avg" else y
+    def reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int, wire: torch.dtype | None = None) -> torch.Tensor:
+        return self.start_reduce_scatter(x, reduce, dim, wire).wait()
 
-    def reduce_scatter_bucket(self, xs: Sequence[torch.Tensor], reduce: str, dims: Sequence[int]) -> tuple:
+    def start_reduce_scatter_bucket(self, xs: Sequence[torch.Tensor], reduce: str, dims: Sequence[int]) -> Pending:
         """Several reduce_scatters as one call: each member padded to whole chunks along its ``dims[i]``,
         the flat buffer laid out rank by rank (every member's chunk for rank 0, then rank 1...), so that
         this rank's part of the result holds its chunk of every member. Same values as one call each."""
-        fc, _, rs = _funcol()
         n = self.n
         chunks, shapes, keep = [], [], []
         for x, d in zip(xs, dims):
@@ -170,28 +249,34 @@ class AxisComm:
             keep.append((d, sizes[self.coord], c))
         flat = torch.cat([chunks[m][r] for r in range(n) for m in range(len(xs))])
         self.stats.add("reduce_scatter", sum(_nbytes(x) for x in xs), calls=len(xs))
-        y = rs(flat, "sum" if reduce == "avg" else reduce, 0, self.group)   # waited for at the first reader
-        if reduce == "avg":
-            y = y / n
-        outs = []
-        for piece, shape, (d, size, c) in zip(y.split([math.prod(s) for s in shapes]), shapes, keep):
-            piece = piece.view(shape)
-            outs.append(piece.narrow(d, 0, size) if size != c else piece)
-        return tuple(outs)
+        raw = _ops().reduce_scatter_tensor(flat, "sum" if reduce == "avg" else reduce, n, self.gname)
+
+        def post(y: torch.Tensor) -> tuple:
+            if reduce == "avg":
+                y = y / n
+            outs = []
+            for piece, shape, (d, size, c) in zip(y.split([math.prod(s) for s in shapes]), shapes, keep):
+                piece = piece.view(shape)
+                outs.append(piece.narrow(d, 0, size) if size != c else piece)
+            return tuple(outs)
+        return Pending(raw, post)
+
+    def reduce_scatter_bucket(self, xs: Sequence[torch.Tensor], reduce: str, dims: Sequence[int]) -> tuple:
+        return self.start_reduce_scatter_bucket(xs, reduce, dims).wait()
 
     def all_to_all(self, x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int],
                    wire: torch.dtype | None = None) -> torch.Tensor:
         """Gather ``src`` (member ``i`` holds ``src_sizes[i]`` of it) while splitting ``dst``."""
         if wire is not None and x.dtype != wire and x.dtype.is_floating_point:
             return self.all_to_all(x.to(wire), src, dst, src_sizes).to(x.dtype)
-        fc, _, _ = _funcol()
+        ops = _ops()
         n = self.n
         dst_sizes = chunk_sizes(x.shape[dst], n)
         cs, cd = max(src_sizes), max(dst_sizes)
         self.stats.add("all_to_all", _nbytes(x))
         xp = _pad(_pad(x, src, cs), dst, cd * n)
         send = torch.stack(xp.split(cd, dim=dst), dim=0).contiguous()
-        recv = fc.wait_tensor(fc.all_to_all_single(send, None, None, self.group))
+        recv = ops.wait_tensor(ops.all_to_all_single(send, [1] * n, [1] * n, self.gname))
         pieces = []
         for i in range(n):
             if src_sizes[i] == 0:
@@ -243,8 +328,8 @@ class TorchCollectives(Collectives):
     def fn(self, axis: int, kind: str) -> Callable:
         k = (axis, kind)
         if k not in self.fns:
-            self.fns[k] = _named(f"md_{kind}_axis{axis}", getattr(self.comms[axis], kind), self.stats,
-                                 kind.removesuffix("_bucket"))
+            method = getattr(self.comms[axis], f"start_{kind}" if kind in ASYNC_KINDS else kind)
+            self.fns[k] = _named(f"md_{kind}_axis{axis}", method, self.stats, kind.removesuffix("_bucket"))
         return self.fns[k]
 
     def _call(self, x: fx.Node, c: Collective, *args: Any) -> fx.Node:
@@ -254,6 +339,13 @@ class TorchCollectives(Collectives):
         node.meta[VAR_META] = x.meta.get(VAR_META)
         return node
 
+    def _done(self, node: fx.Node) -> fx.Node:
+        """The value of an async collective: an :func:`md_done` node right after it (before its first reader);
+        :func:`metadist_torch.schedule.issue_early` then moves the collective itself up."""
+        done = self.g.call_function(md_done, (node,))
+        done.meta.update(node.meta)
+        return done
+
     def all_reduce(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         node = self._call(x, c, c.reduce)
         dtype = node.meta[DTYPE_META]
@@ -261,7 +353,7 @@ class TorchCollectives(Collectives):
         size = DTYPE_BYTES.get(dtype, 4) if wire is None else wire.itemsize
         self.reduces[node] = ("all_reduce", c.axis, c.reduce, dtype if wire is None else f"{dtype}->{wire}",
                               math.prod(shape) * size)
-        return node
+        return self._done(node)
 
     def all_gather(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         d = c.dims[0]
@@ -274,7 +366,7 @@ class TorchCollectives(Collectives):
         node = self._call(x, c, c.reduce, c.dims[0])
         if len(node.args) == 3:   # sent in its own dtype: may be bucketed
             self.reduces[node] = ("reduce_scatter", c.axis, c.reduce, node.meta[DTYPE_META], int(c.nbytes))
-        return node
+        return self._done(node)
 
     def all_to_all(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         src, dst = c.dims
@@ -477,7 +569,7 @@ def write_state_in_place(g: fx.Graph, placeholders: Sequence[fx.Node], n_outputs
         # wait for it first (a collective whose result was read was waited for there; waiting again at the
         # copy would keep its result, a gathered parameter, alive to the end of the step)
         colls = [u for u in readers if u.op == "call_function" and getattr(u.target, "__name__", "").startswith("md_")
-                 and not any(order[x] <= order[last] for x in u.users)]
+                 and not any(order[x] <= order[last] for x in _value_readers(u))]
         with g.inserting_after(last):
             c = g.call_function(torch.ops.aten.copy_.default, (ph, new))
         if colls:
@@ -487,6 +579,15 @@ def write_state_in_place(g: fx.Graph, placeholders: Sequence[fx.Node], n_outputs
         done += 1
     out.args = (tuple(vals),)
     return done
+
+
+def _value_readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read a collective's value: through its ``md_done`` (which moves to its first reader)."""
+    out: list[fx.Node] = []
+    for u in node.users:
+        through = u.op == "call_function" and (u.target is md_done or u.target is operator.getitem)
+        out.extend(_value_readers(u) if through else [u])
+    return out
 
 
 def _safe(name: str) -> str:

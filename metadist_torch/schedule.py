@@ -2,14 +2,15 @@
 waited for as late.
 
 The all_reduce and reduce_scatter calls of a lowered program (``md_all_reduce_axis*``,
-``md_reduce_scatter_axis*`` and their buckets ``md_*_bucket_axis*``) return torch's functional-collective
-result without waiting on it (an ``AsyncCollectiveTensor``: the wait happens at
-its first non-view use, i.e. just before the first reader). :func:`issue_early`
-moves each of them to right after the last node it reads, so the collective
-runs while the ops in between compute: a gradient's all_reduce overlaps with
-the rest of the backward, as in DDP. The order of collectives stays the same on
-every rank (the same deterministic pass on the same program). Outputs are
-waited for before the program returns (:func:`md_wait`).
+``md_reduce_scatter_axis*`` and their buckets ``md_*_bucket_axis*``) start torch's functional collective
+op and return a :class:`~metadist_torch.lower.Pending` (plain tensors: no ``AsyncCollectiveTensor``,
+whose Python dispatch on every later op cost more than the overlap gained); an ``md_done`` node
+waits for it and gives the value. :func:`issue_early` moves each collective to right after the last
+node it reads and each ``md_done`` to right before the first node that reads the value, so the
+collective runs while the ops in between compute: a gradient's all_reduce overlaps with the rest of
+the backward, as in DDP. The order of collectives stays the same on every rank (the same
+deterministic pass on the same program). Outputs pass through :func:`md_wait` before the program
+returns.
 """
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_
 
 
 def md_wait(*xs: Any) -> tuple:
-    """Wait for every pending collective result among ``xs``."""
-    import torch.distributed._functional_collectives as fc
-    return tuple(fc.wait_tensor(x) if isinstance(x, fc.AsyncCollectiveTensor) else x for x in xs)
+    """Wait for every pending collective among ``xs`` (their values in its place); other values pass."""
+    from .lower import md_done
+    return tuple(md_done(x) for x in xs)
+
+
+def is_done(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "") == "md_done"
 
 
 def is_async(node: fx.Node) -> bool:
@@ -34,8 +39,14 @@ def is_async(node: fx.Node) -> bool:
 
 
 def issue_early(g: fx.Graph) -> int:
-    """Move every async all_reduce (and the getitems of a bucket) right after its latest input; wrap the
-    outputs in one :func:`md_wait`. Returns how many collective nodes moved."""
+    """Move every async all_reduce (and the getitems of a bucket) right after its latest input and every
+    ``md_done`` right before its first reader; wrap the outputs in one :func:`md_wait`. Returns how many
+    collective nodes moved."""
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for node in [n for n in g.nodes if is_done(n)]:
+        first = min(node.users, key=lambda u: order[u], default=None)
+        if first is not None and order[first] > order[node] + 1:
+            first.prepend(node)
     moved = 0
     nodes = list(g.nodes)
     for node in nodes:
@@ -66,4 +77,4 @@ def issue_early(g: fx.Graph) -> int:
     return moved
 
 
-__all__ = ["issue_early", "md_wait", "is_async"]
+__all__ = ["issue_early", "md_wait", "is_async", "is_done"]

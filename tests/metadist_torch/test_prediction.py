@@ -22,7 +22,7 @@ from metadist_core.pipeline import plan_graph  # noqa: E402
 from metadist_core.placement import Mesh  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
-from metadist_torch.schedule import is_async  # noqa: E402
+from metadist_torch.schedule import is_async, is_done  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,6 +62,12 @@ def test_lowered_collectives_are_the_priced_ones(traced, strategy, tmp_path_fact
                 between = [m for m in nodes[last + 1:i] if not is_async(m) and not
                            (m.target is operator.getitem and is_async(m.args[0]))]
                 assert not between, f"{n.name} waits behind {[m.name for m in between]}"
+            if is_done(n):   # waited for just before the first node that reads the value (behind other waits)
+                j = i + 1
+                while is_done(nodes[j]):
+                    j += 1
+                assert nodes[j] in n.users or any(nodes[j] in m.users for m in nodes[i + 1:j]), \
+                    f"{n.name} waits before {nodes[j].name}, which does not read it"
     pr = predict(plan)
     assert pr.n_collectives == len(priced) and pr.comm_bytes == sum(b for *_, b in priced)
     assert pr.step >= pr.compute - 1e-12
