@@ -172,6 +172,16 @@ def _tie(t: Terms, rounds: int) -> tuple[list[int], list[np.ndarray], list[int]]
         for role, (node, m) in [("src", (g.src, g.src_map))] + [("reader", r) for r in g.readers]:
             if node >= 0:
                 mem_by_node.setdefault(node, []).append(_digest(role, sig, m))
+    for tg in t.toggles:   # a node a toggle prices (recomputation) ties only with nodes priced alike
+        for node, a in tg.unary:
+            if node >= 0:
+                mem_by_node.setdefault(node, []).append(_digest("toggle", a))
+        for m in tg.mem_add + tg.mem_drop:
+            if m.node >= 0:
+                mem_by_node.setdefault(m.node, []).append(_digest("toggle-mem", m.nbytes))
+        for e in tg.pairs:
+            for end, node in (("src", e.src), ("dst", e.dst)):
+                mem_by_node.setdefault(node, []).append(_digest("toggle-pair", end, e.table, e.src_map, e.dst_map))
     color = [_digest(u, a, sorted(mem_by_node.get(i, []))) for i, (u, a) in enumerate(zip(t.unary, t.allowed))]
     edge_sig = [_digest(e.src_map, e.dst_map, e.table) for e in t.edges]
     adj = t.adjacency()

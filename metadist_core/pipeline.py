@@ -93,8 +93,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
 
     costs = op_costs(graph, pm)   # once: a recomputed copy costs what its original does
 
-    def solve(g: MetaIR) -> tuple[Any, Any]:
-        t0 = time.perf_counter()
+    def build(g: MetaIR) -> tuple[Any, Any, dict]:
         g_costs = costs if g is graph else {op.id: costs[op.id.removesuffix(RECOMPUTED_SUFFIX)] for op in g.ops
                                             if op.id.removesuffix(RECOMPUTED_SUFFIX) in costs}
         problem = build_problem(g, book, mesh, op_costs=g_costs, constraints=plain,
@@ -107,6 +106,11 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
             region = apply_offload(problem, g, g_costs)
         # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.presets)
         problem = steer(problem, s.strategy, named, getattr(g, "annotations", None))
+        return problem, region, g_costs
+
+    def solve(g: MetaIR) -> tuple[Any, Any]:
+        t0 = time.perf_counter()
+        problem, region, g_costs = build(g)
         t1 = time.perf_counter()
         timings["build_problem"] += t1 - t0
         with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
@@ -128,8 +132,35 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     # under a memory budget no plan meets, recompute forward segments (metadist_core.recompute)
     from .recompute import choose
     flops = {i: c[0] for i, c in costs.items()} if s.memory_budget is not None else None
+
+    def propose(segs: list) -> list | None:
+        """The segments the solver recomputes when it prices them beside the shardings (the ILP), or None."""
+        if s.solver != "ilp":
+            return None
+        from .recompute import toggles
+        t0 = time.perf_counter()
+        problem, _, _ = build(graph)
+        problem.toggles = toggles(problem, graph, segs)
+        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions, {len(segs)} recompute segments)",
+                    enabled=s.progress):
+            try:   # under the headroom, then less the collectives' buffers of the plan it found
+                from .memprofile import peak_with_buffers
+                target = int(s.memory_budget * (1.0 - HEADROOM))
+                plan = pm.solve(s.solver, problem.with_budget(target), options)
+                extra = peak_with_buffers(problem, plan) - plan.memory_per_device
+                if extra > 0:
+                    plan = pm.solve(s.solver, problem.with_budget(target - extra), options)
+            except (InfeasibleBudgetError, RuntimeError) as e:
+                log.info("no plan with recomputation priced in the ILP (%s); searching segment counts", e)
+                return None
+            finally:
+                timings["solve"] += time.perf_counter() - t0
+        on = plan.stats.get("toggles_on")
+        return None if on is None else [segs[j] for j in on]
+
     try:
-        graph, (problem, plan), segs = choose(graph, s.memory_budget, solve, flops, enabled=s.recompute)
+        graph, (problem, plan), segs = choose(graph, s.memory_budget, solve, flops, enabled=s.recompute,
+                                              propose=propose)
     except InfeasibleBudgetError as e:
         if getattr(e, "need_with_buffers", None) is None:
             raise
@@ -138,6 +169,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     if segs:
         plan.recompute = [i for seg in segs for i in seg.recompute]
         plan.stats["recompute"] = {"segments": len(segs), "ops": len(plan.recompute),
+                                   "chosen_by": plan.stats.pop("recompute_chosen_by", "?"),
                                    "saved_bytes": sum(seg.saved_bytes for seg in segs)}
     plan.stats.setdefault("strategy", s.strategy)
     from .memprofile import peak_with_buffers   # the peak with the collectives' buffers, beside the solver's

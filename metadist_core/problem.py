@@ -124,6 +124,7 @@ class ShardingProblem:
     phases: dict[str, int] = field(default_factory=dict)   # op id -> reader phase (metadist_core.phases)
     bucket_copies: int = 0                # extra copies of a gradient bucket where it runs (metadist_core.memprofile)
     shard_bucket_bytes: int | None = None   # the lowering gathers inputs in buckets up to this size (gathers.py)
+    toggles: list = field(default_factory=list)   # terms.Toggle: yes/no decisions priced beside (recompute.py)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
@@ -186,6 +187,7 @@ class ShardingProblem:
             cached = self.__dict__["_terms_cache"] = self._make_terms()
         t = copy.copy(cached)
         t.budget = self.memory_budget
+        t.toggles = list(self.toggles)
         return t
 
     def _make_terms(self) -> Terms:

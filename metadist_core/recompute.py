@@ -17,9 +17,18 @@ the ops that made it runs again just before its first backward reader.
   the backward reading the copies. The sharding problem of that graph prices
   both sides exactly: the copies' compute (under their own sharding) and the
   shorter liveness of the originals.
-- :func:`choose` is the search: the fewest segments, in order of bytes saved
-  per FLOP recomputed, whose rewritten graph has a plan under the memory
-  budget (each candidate solved by the solver; bisection over the count).
+- :func:`toggles` prices each segment as a yes/no decision of the sharding
+  problem of the plain graph (:class:`metadist_core.terms.Toggle`): on, the
+  copies' compute (each under its original's sharding) is paid, the copies'
+  bytes are live from where they run to their last backward reader, and the
+  originals' bytes stop at their last forward reader. A solver that prices
+  toggles (the ILP) chooses the segments and the shardings together.
+- :func:`choose` solves the plain graph; when no plan meets the budget it takes
+  the segments the ILP chose (``propose``) and solves their rewritten graph
+  exactly; without a proposal (another solver), or when the exact solve does
+  not fit, it searches: the fewest segments, in order of bytes saved per FLOP
+  recomputed, whose rewritten graph has a plan under the memory budget
+  (bisection over the count).
 
 Random ops (dropout masks) are never recomputed: their outputs are kept, so a
 recomputed value reads the very mask the forward drew.
@@ -207,6 +216,67 @@ def rewrite(graph: MetaIR, op_ids: Sequence[str]) -> MetaIR:
     return g
 
 
+def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> list[Any]:
+    """One :class:`metadist_core.terms.Toggle` per segment of ``graph``, on the nodes of ``problem`` (the sharding
+    problem of ``graph`` itself, not rewritten). Not priced: reshards of the kept values the copies read."""
+    import numpy as np
+
+    from .aliasing import alias_liveness
+    from .cost import local_bytes
+    from .terms import EdgeTerm, MemTerm, Toggle
+    if not segs:
+        return []
+    full = rewrite(graph, [i for s in segs for i in s.recompute])
+    live, views = alias_liveness(full, full.liveness())
+    # a position of the rewritten graph -> the plain graph's: a copy counts at the op before the one it precedes
+    at, k = [], -1
+    for op in full.ops:
+        if not op.id.endswith(SUFFIX):
+            k += 1
+        at.append(k)
+    n = len(graph.ops)
+    where = lambda p: p if p < 0 else (n if p >= len(at) else at[p])   # noqa: E731
+
+    def nbytes(v: str) -> tuple[int, Any]:
+        node, slot = problem.definer(v)
+        info = problem.vars[v]
+        return node, np.array([local_bytes(info["shape"], info["dtype"], o.outputs[slot], problem.mesh)
+                               for o in problem.nodes[node].options], dtype=float)
+
+    into: dict[tuple[int, str], list] = {}   # (reader node, value) -> its edges
+    for e in problem.edges:
+        if e.dst >= 0 and e.dst_slot >= 0:
+            into.setdefault((e.dst, e.var), []).append(e)
+    out = []
+    for s in segs:
+        unary = [(problem.op_node(i), problem.compute[problem.op_node(i)]) for i in s.recompute]
+        # the copies read their inputs again, in the backward: each reshard paid once more (an upper bound:
+        # a backward reader of the same value in the same target may share it)
+        pairs = [EdgeTerm(e.src, e.dst, e.src_map, e.dst_map, e.table) for i in s.recompute
+                 for v in dict.fromkeys(graph.op(i).inputs) for e in into.get((problem.op_node(i), v), [])
+                 if np.any(e.table)]
+        drop, add = [], []
+        for i in s.ops:   # the segment's values held for less long
+            for v in graph.op(i).outputs:
+                info = problem.vars.get(v)
+                if info is None or info["shape"] is None or info.get("view") or info.get("host") or v not in live:
+                    continue
+                end, stop = int(info["live"][1]), where(live[v][1])
+                if stop < end:
+                    node, b = nbytes(v)
+                    drop.append(MemTerm(node, b, stop + 1, end))
+        for i in s.recompute:   # the copies, from where they run to their last reader
+            for v in graph.op(i).outputs:
+                c = v + SUFFIX
+                info = problem.vars.get(v)
+                if c not in live or c in views or info is None or info["shape"] is None:
+                    continue
+                node, b = nbytes(v)
+                add.append(MemTerm(node, b, where(live[c][0]), where(live[c][1])))
+        out.append(Toggle(unary, add, drop, f"segment {s.index}", pairs))
+    return out
+
+
 def needed(e: InfeasibleBudgetError) -> int:
     """The budget the error's leanest plan needs, its collectives' buffers included where the solve that
     raised it says how to count them (``e.need_with_buffers``, set by the driver)."""
@@ -215,11 +285,14 @@ def needed(e: InfeasibleBudgetError) -> int:
 
 
 def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[Any, Any]],
-           flops: dict[str, float] | None = None, enabled: bool = True) -> tuple[MetaIR, tuple[Any, Any],
-                                                                                 list[Segment]]:
+           flops: dict[str, float] | None = None, enabled: bool = True,
+           propose: Callable[[list[Segment]], list[Segment] | None] | None = None
+           ) -> tuple[MetaIR, tuple[Any, Any], list[Segment]]:
     """Solve ``graph``; when no plan fits ``budget``, recompute forward segments until one fits.
 
-    The fewest segments that fit are found by bisection; the counts doubling from there up to all
+    ``propose(segments)``: the segments a solver that prices :func:`toggles` chose (None: it has no
+    choice); their rewritten graph is solved first. Without one, or when that graph has no plan under the
+    budget, the fewest segments that fit are found by bisection; the counts doubling from there up to all
     segments are solved too, and the count whose plan :func:`step_seconds` predicts fastest wins
     (fewer recomputed ops leave the sharding less memory, which it may pay for in collectives).
 
@@ -237,6 +310,19 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     segs = order(segments(graph, flops))
     if not segs:
         raise first
+    picked = propose(segs) if enabled and propose is not None else None
+    if picked:
+        g = rewrite(graph, [i for s in picked for i in s.recompute])
+        try:
+            res = solve(g)
+            _chosen_by(res, "the solver, with the shardings")
+            log.info("recompute %d of %d forward segments (%d ops), chosen with the shardings, to fit %s bytes "
+                     "per device", len(picked), len(segs), sum(len(s.recompute) for s in picked), f"{budget:,}")
+            return g, res, picked
+        except InfeasibleBudgetError:
+            log.info("the %d segments chosen with the shardings do not fit %s bytes per device once the copies' "
+                     "reshards and the collectives' buffers are priced; searching segment counts",
+                     len(picked), f"{budget:,}")
     ops_for = lambda k: [i for s in segs[:k] for i in s.recompute]   # noqa: E731
     full = rewrite(graph, ops_for(len(segs)))
     try:
@@ -280,10 +366,17 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     times = {k: step_seconds(*res) for k, (_, res) in fits.items()}
     k = min(times, key=lambda c: (times[c], c))
     g, res = fits[k]
+    _chosen_by(res, "search over segment counts")
     log.info("recompute %d of %d forward segments (%d ops) to fit %s bytes per device (predicted step %s)",
              k, len(segs), len(ops_for(k)), f"{budget:,}",
              ", ".join(f"{c}: {times[c] * 1e3:.1f} ms" for c in sorted(times)))
     return g, res, segs[:k]
+
+
+def _chosen_by(res: tuple[Any, Any], how: str) -> None:
+    stats = getattr(res[1], "stats", None)
+    if isinstance(stats, dict):
+        stats["recompute_chosen_by"] = how
 
 
 def step_seconds(problem: Any, plan: Any) -> float:
@@ -296,4 +389,4 @@ def step_seconds(problem: Any, plan: Any) -> float:
 
 
 __all__ = ["SUFFIX", "RANDOM_MARKERS", "RecomputeBudgetError", "RecomputeError", "Segment", "choose", "needed", "step_seconds", "is_random", "order", "rewrite",
-           "segments"]
+           "segments", "toggles"]

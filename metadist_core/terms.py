@@ -70,6 +70,34 @@ class MemTerm:
 
 
 @dataclass
+class Toggle:
+    """A yes/no decision beside the shardings (recomputing one forward segment, metadist_core.recompute).
+
+    Off, the problem is the plain one. On: the ``unary`` costs are paid (``(node, cost per option)``;
+    node -1: a constant, one entry), the ``mem_add`` terms are live and the ``mem_drop`` terms (parts of
+    the plain problem's memory terms) are not. Solvers that do not price toggles leave them off.
+    """
+
+    unary: list[tuple[int, np.ndarray]]
+    mem_add: list[MemTerm]
+    mem_drop: list[MemTerm]
+    name: str = ""
+    pairs: list[EdgeTerm] = field(default_factory=list)   # pairwise costs paid when on (both ends free nodes)
+
+    def cost(self, choice: np.ndarray) -> float:
+        return float(sum(a[0 if n < 0 else choice[n]] for n, a in self.unary)
+                     + sum(e.cost(choice[e.src], choice[e.dst]) for e in self.pairs))
+
+
+def _toggle_terms(terms: list[MemTerm], on: np.ndarray | None, toggles: list[Toggle]) -> list[tuple[MemTerm, int]]:
+    """(term, +1 added / -1 dropped) of the toggles that are on."""
+    if on is None:
+        return []
+    return [(m, sg) for t, o in zip(toggles, on) if o
+            for sg, ms in ((1, t.mem_add), (-1, t.mem_drop)) for m in ms]
+
+
+@dataclass
 class Terms:
     unary: list[np.ndarray]
     edges: list[EdgeTerm]
@@ -81,6 +109,7 @@ class Terms:
     names: list[str] = field(default_factory=list)
     mesh_name: str = "?"               # the mesh, for messages (an infeasible budget names it)
     shared: list[SharedTerm] = field(default_factory=list)   # values read by several ops: paid once per target
+    toggles: list[Toggle] = field(default_factory=list)      # yes/no decisions priced beside the shardings
 
     @property
     def n_nodes(self) -> int:
@@ -101,12 +130,15 @@ class Terms:
         return u
 
     # -- evaluation ---------------------------------------------------------
-    def objective(self, choice: np.ndarray) -> float:
+    def objective(self, choice: np.ndarray, on: np.ndarray | None = None) -> float:
+        """The cost of ``choice``, with the toggles ``on`` (a bool per toggle; None: all off)."""
         c = self.offset + sum(float(self.unary[i][k]) for i, k in enumerate(choice))
         for e in self.edges:
             c += e.cost(choice[e.src], choice[e.dst])
         for g in self.shared:
             c += g.cost(choice)
+        if on is not None:
+            c += sum(t.cost(choice) for t, o in zip(self.toggles, on) if o)
         return c
 
     def pairwise(self) -> "Terms":
@@ -121,18 +153,21 @@ class Terms:
         return Terms(unary, edges, self.mem, self.allowed, self.n_steps, self.budget, offset, self.names,
                      self.mesh_name)
 
-    def memory_profile(self, choice: np.ndarray) -> np.ndarray:
-        """Bytes per device live at each position -1 .. n_steps (index 0 is position -1)."""
+    def memory_profile(self, choice: np.ndarray, on: np.ndarray | None = None) -> np.ndarray:
+        """Bytes per device live at each position -1 .. n_steps (index 0 is position -1), with the toggles
+        ``on`` (None: all off)."""
         prof = np.zeros(self.n_steps + 3)
-        for m in self.mem:
-            b = m.nbytes[0 if m.node < 0 else choice[m.node]]
+        for m, sg in [(m, 1) for m in self.mem] + _toggle_terms(self.mem, on, self.toggles):
+            b = sg * m.nbytes[0 if m.node < 0 else choice[m.node]]
             prof[m.start + 1] += b
             prof[m.end + 2] -= b
         return np.cumsum(prof)[:-1]
 
-    def peak_memory(self, choice: np.ndarray) -> int:
+    def peak_memory(self, choice: np.ndarray, on: np.ndarray | None = None) -> int:
         if not self.mem:
             return 0
+        if on is not None:
+            return int(self.memory_profile(choice, on).max())
         return int(self.memory_profile(choice).max())
 
     def is_allowed(self, choice: np.ndarray) -> bool:
@@ -277,13 +312,42 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
             else:
                 merged[key] = g2
                 shared.append(g2)
-    mem = []
-    for m in terms.mem:
+    def mem_of(m: MemTerm) -> MemTerm:
         if m.node < 0:
-            mem.append(m)
-        elif assign[m.node] < 0:
-            mem.append(MemTerm(-1, m.nbytes[maps[m.node][:1]], m.start, m.end))
-        else:
-            mem.append(MemTerm(assign[m.node], m.nbytes[maps[m.node]], m.start, m.end))
-    return Terms(unary, edges, mem, allowed, terms.n_steps, terms.budget, offset,
-                 names or [f"n{i}" for i in range(n)], terms.mesh_name, shared)
+            return m
+        if assign[m.node] < 0:
+            return MemTerm(-1, m.nbytes[maps[m.node][:1]], m.start, m.end)
+        return MemTerm(assign[m.node], m.nbytes[maps[m.node]], m.start, m.end)
+
+    def unary_of(node: int, a: np.ndarray) -> tuple[int, np.ndarray]:
+        if node < 0:
+            return -1, a[:1]
+        return (-1, a[maps[node][:1]]) if assign[node] < 0 else (int(assign[node]), a[maps[node]])
+
+    toggles = []
+    for t in terms.toggles:   # a toggle's costs on one coarse node add up; constants fold into one entry
+        by: dict[int, np.ndarray] = {}
+        pairs = []
+
+        def put(c: int, a2: np.ndarray) -> None:
+            by[c] = by[c] + a2 if c in by else a2.astype(float).copy()
+
+        for node, a in t.unary:
+            put(*unary_of(node, a))
+        for e in t.pairs:   # as the edges above: inside one node or to a fixed one it is a unary cost
+            cu, cw = assign[e.src], assign[e.dst]
+            smap, dmap = e.src_map[maps[e.src]], e.dst_map[maps[e.dst]]
+            if cu < 0 and cw < 0:
+                put(-1, e.table[smap[:1], dmap[0]])
+            elif cu < 0:
+                put(cw, e.table[smap[0], dmap])
+            elif cw < 0:
+                put(cu, e.table[smap, dmap[0]])
+            elif cu == cw:
+                put(cu, e.table[smap, dmap])
+            else:
+                pairs.append(EdgeTerm(cu, cw, smap, dmap, e.table))
+        toggles.append(Toggle(list(by.items()), [mem_of(m) for m in t.mem_add], [mem_of(m) for m in t.mem_drop],
+                              t.name, pairs))
+    return Terms(unary, edges, [mem_of(m) for m in terms.mem], allowed, terms.n_steps, terms.budget, offset,
+                 names or [f"n{i}" for i in range(n)], terms.mesh_name, shared, toggles)

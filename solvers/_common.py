@@ -32,33 +32,57 @@ def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsS
     fine = co.expand(choice)
     stats = {**stats, "coarsen_seconds": t1 - t0, "search_seconds": t2 - t1, "sizes": co.stages,
              "coarse_objective": co.terms.objective(np.asarray(choice))}
+    on = stats.get("toggles_on")
+    if on is not None:   # toggles priced (recomputation): the plan is a proposal whose memory counts them
+        mask = np.zeros(len(co.terms.toggles), dtype=bool)
+        mask[list(on)] = True
+        peak = co.terms.peak_memory(np.asarray(choice), mask)
+        stats["peak_with_toggles"] = peak
+        stats["objective_with_toggles"] = co.terms.objective(np.asarray(choice), mask)
     plan = ShardingPlan.from_choices(problem, fine, solver=name, solve_seconds=t2 - t0, lower_bound=lb, stats=stats)
-    if problem.memory_budget is not None and plan.memory_per_device > problem.memory_budget:
+    if on is not None:
+        if problem.memory_budget is not None and peak > problem.memory_budget * (1 + 1e-9) + 1:
+            raise RuntimeError(f"solver {name} returned toggles and shardings of {peak:,} bytes per device over "
+                               f"the budget of {problem.memory_budget:,}; this is a solver bug")
+    elif problem.memory_budget is not None and plan.memory_per_device > problem.memory_budget:
         raise RuntimeError(f"solver {name} returned a plan of {plan.memory_per_device:,} bytes per device over the "
                            f"budget of {problem.memory_budget:,}; this is a solver bug")
     return plan
 
 
 class MemIndex:
-    """Vectorised peak-memory evaluation of a Terms."""
+    """Vectorised peak-memory evaluation of a Terms (its toggles' terms where ``on`` says a toggle is on)."""
 
     def __init__(self, t: Terms) -> None:
         self.t = t
         m = t.mem
-        self.node = np.array([x.node for x in m], dtype=np.int64)
-        self.start = np.array([x.start + 1 for x in m], dtype=np.int64)
-        self.stop = np.array([x.end + 2 for x in m], dtype=np.int64)
-        kmax = max([len(x.nbytes) for x in m] + [1])
-        self.bytes = np.zeros((len(m), kmax))
-        for r, x in enumerate(m):
-            self.bytes[r, :len(x.nbytes)] = x.nbytes
+        self.node, self.start, self.stop, self.bytes = self._arrays(m)
         self.by_node: dict[int, np.ndarray] = {}
         for r, x in enumerate(m):
             self.by_node.setdefault(x.node, []).append(r)
         self.by_node = {k: np.asarray(v) for k, v in self.by_node.items()}
         self.length = t.n_steps + 3
+        # the toggles' terms: sign +1 (added when on) / -1 (dropped when on), and the toggle of each
+        tm = [(x, sg, j) for j, tg in enumerate(t.toggles) for sg, xs in ((1, tg.mem_add), (-1, tg.mem_drop))
+              for x in xs]
+        self.t_node, self.t_start, self.t_stop, self.t_bytes = self._arrays([x for x, _, _ in tm])
+        self.t_sign = np.array([sg for _, sg, _ in tm], dtype=float)
+        self.t_toggle = np.array([j for _, _, j in tm], dtype=np.int64)
+        self.on: np.ndarray | None = None   # the toggles' state profile() uses when given none
 
-    def profile(self, choice: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _arrays(m) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        node = np.array([x.node for x in m], dtype=np.int64)
+        start = np.array([x.start + 1 for x in m], dtype=np.int64)
+        stop = np.array([x.end + 2 for x in m], dtype=np.int64)
+        kmax = max([len(x.nbytes) for x in m] + [1])
+        b = np.zeros((len(m), kmax))
+        for r, x in enumerate(m):
+            b[r, :len(x.nbytes)] = x.nbytes
+        return node, start, stop, b
+
+    def profile(self, choice: np.ndarray, on: np.ndarray | None = None) -> np.ndarray:
+        on = self.on if on is None else on
         if not len(self.node):
             return np.zeros(1)
         k = np.where(self.node < 0, 0, np.asarray(choice)[np.maximum(self.node, 0)])
@@ -66,10 +90,16 @@ class MemIndex:
         prof = np.zeros(self.length)
         np.add.at(prof, self.start, b)
         np.add.at(prof, self.stop, -b)
+        if on is not None and len(self.t_node):
+            sel = np.asarray(on, dtype=bool)[self.t_toggle]
+            k = np.where(self.t_node < 0, 0, np.asarray(choice)[np.maximum(self.t_node, 0)])
+            b = self.t_bytes[np.arange(len(k)), k] * self.t_sign * sel
+            np.add.at(prof, self.t_start, b)
+            np.add.at(prof, self.t_stop, -b)
         return np.cumsum(prof)[:-1]
 
-    def peak(self, choice: np.ndarray) -> float:
-        return float(self.profile(choice).max())
+    def peak(self, choice: np.ndarray, on: np.ndarray | None = None) -> float:
+        return float(self.profile(choice, on).max())
 
     def live_at(self, node: int, step_index: int) -> np.ndarray:
         """Bytes at profile index ``step_index`` that node's options hold (per option)."""

@@ -112,6 +112,96 @@ class _Model:
                         hi.append(0.0)
                         r += 1
                 self._pending = []
+        # toggles (recomputing a forward segment): binary r; its costs through g >= cost(x) - C (1 - r); an
+        # added memory term through w >= bytes(x) - B (1 - r), a dropped one through u <= bytes(x), u <= B r
+        finite = np.abs(np.concatenate(c)) if c else np.zeros(0)
+        finite = finite[np.isfinite(finite)]
+        # HiGHS tolerances are absolute: bring costs (seconds, often 1e-9..1e-1) to order one
+        self.scale = 1.0 / finite.max() * 1e3 if finite.size and finite.max() > 0 else 1.0
+        self.mem_unit = float(max([1.0] + [float(np.max(m.nbytes)) for m in t.mem if len(m.nbytes)]))
+        S, U = self.scale, self.mem_unit   # toggle rows in scaled seconds and in memory units
+        self.r_idx: list[int] = []
+        self.gated: dict[int, list[tuple[int, int]]] = {}   # mem term (toggle, k) -> variable, sign
+        self.toggle_mem: list[tuple[object, int, int]] = []   # (MemTerm, variable, sign) for memory_row
+        xo = self.xoff
+
+        def expr(node: int, a: np.ndarray) -> tuple[list[int], list[float], float]:
+            if node < 0:
+                return [], [], float(a[0])
+            return [int(xo[node] + k) for k in range(len(a))], [float(v) for v in a], 0.0
+
+        for tg in t.toggles:
+            rv = nv
+            nv += 1
+            self.r_idx.append(rv)
+            c.append(np.zeros(1))
+            ub.append(np.ones(1))
+            if tg.unary or tg.pairs:
+                cols_, vals_, const = [], [], 0.0
+                for node, a in tg.unary:
+                    cc, vv, k0 = expr(node, a)
+                    cols_ += cc
+                    vals_ += vv
+                    const += k0
+                for e in tg.pairs:   # a transportation polytope per pair, its cost into g
+                    R, C = e.table.shape
+                    yidx = nv + np.arange(R * C).reshape(R, C)
+                    nv += R * C
+                    c.append(np.zeros(R * C))
+                    ub.append(np.full(R * C, np.inf))
+                    for side, m_, node in ((0, e.src_map, e.src), (1, e.dst_map, e.dst)):
+                        for q in range(R if side == 0 else C):
+                            ys = (yidx[q] if side == 0 else yidx[:, q]).tolist()
+                            ks = np.flatnonzero(m_ == q)
+                            rows += [r] * (len(ys) + len(ks))
+                            cols += ys + (xo[node] + ks).tolist()
+                            vals += [1.0] * len(ys) + [-1.0] * len(ks)
+                            lo.append(0.0)
+                            hi.append(0.0)
+                            r += 1
+                    cols_ += yidx.reshape(-1).tolist()
+                    vals_ += e.table.reshape(-1).tolist()
+                gv = nv
+                nv += 1
+                big = const + sum(float(np.max(a)) for n_, a in tg.unary if n_ >= 0) + sum(
+                    float(np.max(e.table)) for e in tg.pairs)
+                c.append(np.full(1, 1.0 / S))           # g in scaled seconds
+                ub.append(np.full(1, np.inf))
+                rows += [r] * (2 + len(cols_))          # g - cost(x) - big r >= const - big
+                cols += [gv, rv] + cols_
+                vals += [1.0, -big * S] + [-v * S for v in vals_]
+                lo.append((const - big) * S)
+                hi.append(np.inf)
+                r += 1
+            for sign, terms_ in ((1, tg.mem_add), (-1, tg.mem_drop)):
+                for m in terms_:
+                    mv = nv
+                    nv += 1
+                    c.append(np.zeros(1))
+                    ub.append(np.full(1, np.inf))
+                    cc, vv, k0 = expr(m.node, m.nbytes / U)   # w, u in memory units
+                    big = float(np.max(m.nbytes)) / U
+                    if sign > 0:                            # w - bytes(x) - B r >= k0 - B
+                        rows += [r] * (2 + len(cc))
+                        cols += [mv, rv] + cc
+                        vals += [1.0, -big] + [-v for v in vv]
+                        lo.append(k0 - big)
+                        hi.append(np.inf)
+                        r += 1
+                    else:                                   # u - bytes(x) <= k0 and u - B r <= 0
+                        rows += [r] * (1 + len(cc))
+                        cols += [mv] + cc
+                        vals += [1.0] + [-v for v in vv]
+                        lo.append(-np.inf)
+                        hi.append(k0)
+                        r += 1
+                        rows += [r, r]
+                        cols += [mv, rv]
+                        vals += [1.0, -big]
+                        lo.append(-np.inf)
+                        hi.append(0.0)
+                        r += 1
+                    self.toggle_mem.append((m, mv, sign))
         self.nx, self.nv = nx, nv
         self.c = np.concatenate(c) if c else np.zeros(0)
         self.ub = np.concatenate(ub) if ub else np.zeros(0)
@@ -119,12 +209,9 @@ class _Model:
         for j, v in lb_extra.items():
             self.lb[j] = v
         self.A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
+        self.A.eliminate_zeros()   # zero costs of toggled pairs: HiGHS stumbled on explicit zeros
         self.lo, self.hi = np.asarray(lo), np.asarray(hi)
         self.mem = MemIndex(t) if t.mem else None
-        finite = np.abs(self.c[np.isfinite(self.c)])
-        # HiGHS tolerances are absolute: bring costs (seconds, often 1e-9..1e-1) to order one
-        self.scale = 1.0 / finite.max() * 1e3 if finite.size and finite.max() > 0 else 1.0
-        self.mem_unit = float(max(1.0, self.mem.bytes.max())) if self.mem is not None else 1.0
         self.mem_rows: dict[int, tuple[np.ndarray, float]] = {}
 
     _pending: list = []
@@ -185,6 +272,9 @@ class _Model:
                 else:
                     k = self.t.n_options[node]
                     coef[self.xoff[node]:self.xoff[node] + k] += m.bytes[rr, :k]
+            for mt, mv, sign in self.toggle_mem:   # toggled terms through their variables
+                if mt.start + 1 <= step < mt.end + 2:
+                    coef[mv] += sign * self.mem_unit
             self.mem_rows[step] = (coef, const)
         return self.mem_rows[step]
 
@@ -196,6 +286,7 @@ class _Model:
         nv = self.nv
         integrality = np.zeros(nv + int(peak_var))
         integrality[:self.nx] = 1
+        integrality[self.r_idx] = 1
         ub = self.ub
         cons = [LinearConstraint(A if not peak_var else _pad(A), lo, hi)]
         if steps:
@@ -210,12 +301,28 @@ class _Model:
             c = np.concatenate([np.zeros(nv), [1.0]])
             ub = np.concatenate([ub, [np.inf]])
         lb = np.concatenate([self.lb, np.zeros(len(ub) - len(self.lb))])
-        return milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
-                    options={"time_limit": max(0.1, time_limit), "mip_rel_gap": gap, "disp": False,
-                             "presolve": self.presolve})
+        t0 = time.perf_counter()
+        res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
+                   options={"time_limit": max(0.1, time_limit), "mip_rel_gap": gap, "disp": False,
+                            "presolve": self.presolve})
+        if res.status == 4 and not self.presolve:
+            # HiGHS "Solve error" (seen in transformNewIntegerFeasibleSolution with presolve off, on a
+            # small problem with toggles): the same model with presolve on
+            res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
+                       options={"time_limit": max(0.1, time_limit - (time.perf_counter() - t0)),
+                                "mip_rel_gap": gap, "disp": False, "presolve": True})
+        return res
 
     def choice(self, x: np.ndarray) -> np.ndarray:
         return np.array([int(np.argmax(x[o:o + k])) for o, k in zip(self.xoff, self.t.n_options)], dtype=np.int64)
+
+    def toggles_on(self, x: np.ndarray) -> np.ndarray | None:
+        """The toggles the solution turns on (None: the Terms have none)."""
+        return np.asarray(x)[self.r_idx] > 0.5 if self.r_idx else None
+
+    def profile(self, x: np.ndarray) -> np.ndarray:
+        """Bytes per device at each position under the solution ``x`` (its shardings and toggles)."""
+        return self.mem.profile(self.choice(x), self.toggles_on(x))
 
 
 def _pad(A):
@@ -236,7 +343,7 @@ def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float,
         ch = model.choice(res.x)
         if model.mem is None:
             return res, ch, steps, rounds
-        prof = model.mem.profile(ch)
+        prof = model.profile(res.x)
         tpk = int(np.argmax(prof))
         limit = res.x[-1] * model.mem_unit if peak_var else budget
         if prof[tpk] <= limit * (1 + 1e-9) + 1 or tpk in steps or time.perf_counter() > deadline:
@@ -276,14 +383,20 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
         else:
             raise RuntimeError(f"the ILP found no plan within time_limit={time_limit:g} s ({res.message}); "
                                f"raise time_limit or use solver='beam'")
-    if budget is not None and model.mem is not None and model.mem.peak(ch) > budget * (1 + 1e-9) + 1:
+    if model.r_idx:   # toggles priced: the toggles and shardings go back together, not repaired one by one
+        on = model.toggles_on(res.x)
+        stats["toggles_on"] = [int(j) for j in np.flatnonzero(on)]
+        if budget is not None and model.mem is not None and model.mem.peak(ch, on) > budget * (1 + 1e-9) + 1:
+            raise RuntimeError(f"the ILP ran out of time_limit={time_limit:g} s before its toggles and shardings "
+                               f"met the memory budget ({res.message}); raise time_limit")
+    elif budget is not None and model.mem is not None and model.mem.peak(ch) > budget * (1 + 1e-9) + 1:
         # the lazy memory rows ran out of time (or a row was already in): the incumbent is over budget;
         # repair it rather than return it (the bound below still holds for the repaired plan)
         over = int(model.mem.peak(ch))
         ch = enforce_budget(t, t.adjacency(), ch, NAME)
         stats["status"] = (f"{res.message}; the ILP incumbent needed {over:,} bytes per device over the budget "
                            f"of {int(budget):,} when time ran out, repaired by local search")
-    if res.status != 0:   # stopped before proving optimality: a beam sweep may have found better
+    if res.status != 0 and not model.r_idx:   # stopped before proving optimality: a beam sweep may do better
         ch, note = _better_of_beam(t, model, ch, budget)
         if note:
             stats["status"] = f"{stats['status']}; {note}"
@@ -312,7 +425,7 @@ def _min_peak(model: _Model, t: Terms, deadline: float, gap: float) -> int:
     res, ch, _, _ = _lazy(model, start, np.inf, deadline, gap, peak_var=True)
     if ch is None:
         return int(model.mem.peak(min_memory_choice(t, model.mem)))
-    return int(np.ceil(model.mem.peak(ch)))
+    return int(np.ceil(model.profile(res.x).max()))
 
 
 @hookimpl

@@ -3,8 +3,10 @@
 - the rewritten graph computes exactly what the original does (both lowered and run on one device), dropout
   included (random ops are kept, never recomputed);
 - recomputing lowers the cost model's peak and raises its compute;
+- a segment's toggle (recomputation priced in the ILP) costs and holds exactly what rewriting the graph does;
 - under a budget between the leanest plan without recomputation and the leanest with it, the planner
-  recomputes and meets the budget, and ``recompute=False`` is the infeasibility error with both byte counts;
+  recomputes (segments chosen by the ILP with the shardings, no worse than the search over segment counts)
+  and meets the budget, and ``recompute=False`` is the infeasibility error with both byte counts;
 - 4 gloo ranks: the compiled GPT example and transformers' GPT-2 under such a budget give the single-device
   numbers (slow; the GPT example case runs in CI).
 """
@@ -96,7 +98,43 @@ def test_recomputing_trades_memory_for_compute():
     assert comps[0] < comps[2], comps
 
 
-def test_planner_recomputes_under_a_budget_only_recompute_meets():
+def test_toggles_price_the_rewritten_graph_exactly():
+    """A segment's toggle on the plain graph's problem costs and holds what rewriting the graph does: for
+    several sets of segments, the plain problem with those toggles on and the rewritten graph's problem
+    (copies sharded as their originals) give the same step cost and memory profile peak, on one device and
+    under the 4-device plan."""
+    import numpy as np
+
+    from metadist_core.pipeline import op_costs
+    from metadist_core.plan import ShardingPlan
+    from metadist_core.plugins import PluginManager
+    from metadist_core.problem import build_problem
+    from metadist_core.recompute import toggles
+
+    tr, _ = _traced(layers=2)
+    g = tr.graph
+    segs = order(segments(g))
+    costs = op_costs(g, PluginManager())
+    for mesh in (Mesh((1,)), Mesh((4,))):
+        res = plan_graph(g, mesh, settings=load_settings(coalesce=False))
+        prob = build_problem(g, res.rulebook, mesh, op_costs=costs, device=res.problem.device)
+        prob.toggles = toggles(prob, g, segs)
+        t = prob.terms()
+        ch = np.asarray(ShardingPlan.from_choices(prob, {n.id: int(k) for n, k in zip(res.problem.nodes,
+                                                                                       res.plan.choices)}).choices)
+        by_id = {n.id: int(k) for n, k in zip(prob.nodes, ch)}
+        for picked in ([], [0], [1, 3], list(range(len(segs)))):
+            on = np.zeros(len(segs), dtype=bool)
+            on[picked] = True
+            g2 = rewrite(g, [i for k in picked for i in segs[k].recompute])
+            c2 = {op.id: c for op in g2.ops for c in [costs.get(op.id.removesuffix(SUFFIX))] if c is not None}
+            p2 = build_problem(g2, res.rulebook, mesh, op_costs=c2, device=prob.device)
+            exact = ShardingPlan.from_choices(p2, {n.id: by_id[n.id.removesuffix(SUFFIX)] for n in p2.nodes})
+            assert t.peak_memory(ch, on) == exact.memory_per_device, (mesh, picked)
+            assert t.objective(ch, on) == pytest.approx(exact.objective, rel=1e-9), (mesh, picked)
+
+
+def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
     tr, _ = _traced(layers=2)
     g, mesh = tr.graph, Mesh((4,))
     with pytest.raises(RecomputeBudgetError) as e:   # nothing fits one byte: both leanest figures come back
@@ -106,6 +144,7 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets():
     budget = (without + lean) // 2
     res = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
     assert res.plan.recompute, "the plan meets the budget without recomputing?"
+    assert res.plan.stats["recompute"]["chosen_by"].startswith("the solver"), res.plan.stats["recompute"]
     assert res.plan.memory_per_device <= budget and res.plan.stats["peak_with_buffers"] <= budget
     # the figures are budgets, the collectives' buffers and the headroom counted: the one without
     # recomputation is met without it
@@ -115,6 +154,13 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets():
     assert res.graph is not g and len(res.graph.ops) == len(g.ops) + len(res.plan.recompute)
     free = plan_graph(g, mesh, settings=load_settings())
     assert not free.plan.recompute and free.plan.objective <= res.plan.objective
+    # the search over segment counts (what a solver without toggles gets) finds no cheaper plan (1 %: the
+    # search picks by overlap.predict, the ILP by its objective)
+    import metadist_core.recompute as rc
+    monkeypatch.setattr(rc, "toggles", lambda *a, **k: [])
+    searched = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
+    assert searched.plan.stats["recompute"]["chosen_by"].startswith("search")
+    assert res.plan.objective <= searched.plan.objective * 1.01, (res.plan.objective, searched.plan.objective)
     with pytest.raises(RecomputeBudgetError, match="recompute=False") as e:
         plan_graph(g, mesh, settings=load_settings(memory_budget=budget, recompute=False))
     assert f"{without:,}" in str(e.value) and e.value.without == without
