@@ -133,23 +133,19 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     from .recompute import choose
     flops = {i: c[0] for i, c in costs.items()} if s.memory_budget is not None else None
 
-    def propose(segs: list) -> list | None:
+    def propose(segs: list, cut: int) -> list | None:
         """The segments the solver recomputes when it prices them beside the shardings (the ILP), or None."""
         if s.solver != "ilp":
             return None
-        from .recompute import toggles
+        from .recompute import price_segments
         t0 = time.perf_counter()
         problem, _, _ = build(graph)
-        problem.toggles = toggles(problem, graph, segs)
+        price_segments(problem, graph, segs)
         with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions, {len(segs)} recompute segments)",
                     enabled=s.progress):
-            try:   # under the headroom, then less the collectives' buffers of the plan it found
-                from .memprofile import peak_with_buffers
-                target = int(s.memory_budget * (1.0 - HEADROOM))
-                plan = pm.solve(s.solver, problem.with_budget(target), options)
-                extra = peak_with_buffers(problem, plan) - plan.memory_per_device
-                if extra > 0:
-                    plan = pm.solve(s.solver, problem.with_budget(target - extra), options)
+            try:   # under the headroom, less what an earlier proposal overshot with its buffers
+                plan = pm.solve(s.solver, problem.with_budget(int(s.memory_budget * (1.0 - HEADROOM)) - cut),
+                                {**options, "least_peak": False})
             except (InfeasibleBudgetError, RuntimeError) as e:
                 log.info("no plan with recomputation priced in the ILP (%s); searching segment counts", e)
                 return None

@@ -125,6 +125,7 @@ class ShardingProblem:
     bucket_copies: int = 0                # extra copies of a gradient bucket where it runs (metadist_core.memprofile)
     shard_bucket_bytes: int | None = None   # the lowering gathers inputs in buckets up to this size (gathers.py)
     toggles: list = field(default_factory=list)   # terms.Toggle: yes/no decisions priced beside (recompute.py)
+    step_map: list[int] | None = None    # op position -> position in the toggles' graph (its last: the step count)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
@@ -188,6 +189,11 @@ class ShardingProblem:
         t = copy.copy(cached)
         t.budget = self.memory_budget
         t.toggles = list(self.toggles)
+        if self.step_map is not None:   # memory terms in the positions of the graph the toggles are priced on
+            sm = self.step_map
+            t.mem = [MemTerm(m.node, m.nbytes, sm[m.start] if m.start >= 0 else m.start,
+                             sm[m.end] if m.end >= 0 else m.end) for m in cached.mem]
+            t.n_steps = sm[-1]
         return t
 
     def _make_terms(self) -> Terms:

@@ -216,26 +216,22 @@ def rewrite(graph: MetaIR, op_ids: Sequence[str]) -> MetaIR:
     return g
 
 
-def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> list[Any]:
+def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> tuple[list[Any], list[int]]:
     """One :class:`metadist_core.terms.Toggle` per segment of ``graph``, on the nodes of ``problem`` (the sharding
-    problem of ``graph`` itself, not rewritten). Not priced: reshards of the kept values the copies read."""
+    problem of ``graph`` itself, not rewritten), and the step map to set as ``problem.step_map``: memory is
+    counted at the positions of the graph with every segment rewritten, so a chain of copies frees each
+    link as the next one runs, as the lowering does. Set both with :func:`price_segments`."""
     import numpy as np
 
     from .aliasing import alias_liveness
     from .cost import local_bytes
     from .terms import EdgeTerm, MemTerm, Toggle
     if not segs:
-        return []
+        return [], list(range(len(graph.ops) + 1))
     full = rewrite(graph, [i for s in segs for i in s.recompute])
     live, views = alias_liveness(full, full.liveness())
-    # a position of the rewritten graph -> the plain graph's: a copy counts at the op before the one it precedes
-    at, k = [], -1
-    for op in full.ops:
-        if not op.id.endswith(SUFFIX):
-            k += 1
-        at.append(k)
-    n = len(graph.ops)
-    where = lambda p: p if p < 0 else (n if p >= len(at) else at[p])   # noqa: E731
+    step_map = [k for k, op in enumerate(full.ops) if not op.id.endswith(SUFFIX)] + [len(full.ops)]
+    sm = lambda p: p if p < 0 else step_map[p]   # noqa: E731   (plain position -> rewritten)
 
     def nbytes(v: str) -> tuple[int, Any]:
         node, slot = problem.definer(v)
@@ -261,7 +257,7 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> list[Any]:
                 info = problem.vars.get(v)
                 if info is None or info["shape"] is None or info.get("view") or info.get("host") or v not in live:
                     continue
-                end, stop = int(info["live"][1]), where(live[v][1])
+                end, stop = sm(int(info["live"][1])), live[v][1]
                 if stop < end:
                     node, b = nbytes(v)
                     drop.append(MemTerm(node, b, stop + 1, end))
@@ -272,9 +268,15 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> list[Any]:
                 if c not in live or c in views or info is None or info["shape"] is None:
                     continue
                 node, b = nbytes(v)
-                add.append(MemTerm(node, b, where(live[c][0]), where(live[c][1])))
+                add.append(MemTerm(node, b, live[c][0], live[c][1]))
         out.append(Toggle(unary, add, drop, f"segment {s.index}", pairs))
-    return out
+    return out, step_map
+
+
+def price_segments(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> Any:
+    """``problem`` (of ``graph``, not rewritten) with one toggle per segment (:func:`toggles`); returns it."""
+    problem.toggles, problem.step_map = toggles(problem, graph, segs)
+    return problem
 
 
 def needed(e: InfeasibleBudgetError) -> int:
@@ -286,12 +288,13 @@ def needed(e: InfeasibleBudgetError) -> int:
 
 def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[Any, Any]],
            flops: dict[str, float] | None = None, enabled: bool = True,
-           propose: Callable[[list[Segment]], list[Segment] | None] | None = None
+           propose: Callable[[list[Segment], int], list[Segment] | None] | None = None
            ) -> tuple[MetaIR, tuple[Any, Any], list[Segment]]:
     """Solve ``graph``; when no plan fits ``budget``, recompute forward segments until one fits.
 
-    ``propose(segments)``: the segments a solver that prices :func:`toggles` chose (None: it has no
-    choice); their rewritten graph is solved first. Without one, or when that graph has no plan under the
+    ``propose(segments, cut)``: the segments a solver that prices :func:`toggles` chose under the budget
+    less ``cut`` bytes (None: it has no choice); their rewritten graph is solved first, and proposed again
+    under a budget cut by what its plan overshot with the collectives' buffers (once more). Without one, or when that graph has no plan under the
     budget, the fewest segments that fit are found by bisection; the counts doubling from there up to all
     segments are solved too, and the count whose plan :func:`step_seconds` predicts fastest wins
     (fewer recomputed ops leave the sharding less memory, which it may pay for in collectives).
@@ -310,19 +313,29 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     segs = order(segments(graph, flops))
     if not segs:
         raise first
-    picked = propose(segs) if enabled and propose is not None else None
-    if picked:
+    picked = propose(segs, 0) if enabled and propose is not None else None
+    cut = 0
+    for _ in range(2):   # the proposal's plan may overshoot once the collectives' buffers are priced
+        if not picked:
+            break
         g = rewrite(graph, [i for s in picked for i in s.recompute])
         try:
             res = solve(g)
-            _chosen_by(res, "the solver, with the shardings")
-            log.info("recompute %d of %d forward segments (%d ops), chosen with the shardings, to fit %s bytes "
-                     "per device", len(picked), len(segs), sum(len(s.recompute) for s in picked), f"{budget:,}")
-            return g, res, picked
-        except InfeasibleBudgetError:
-            log.info("the %d segments chosen with the shardings do not fit %s bytes per device once the copies' "
-                     "reshards and the collectives' buffers are priced; searching segment counts",
-                     len(picked), f"{budget:,}")
+        except InfeasibleBudgetError as e:
+            over = int(getattr(e, "needed", 0)) - int(budget)
+            log.info("the %d segments chosen with the shardings need %s bytes per device with the collectives' "
+                     "buffers, over the budget of %s", len(picked), f"{getattr(e, 'needed', 0):,}", f"{budget:,}")
+            if over <= 0:
+                break
+            cut += over
+            picked = propose(segs, cut)
+            continue
+        _chosen_by(res, "the solver, with the shardings")
+        log.info("recompute %d of %d forward segments (%d ops), chosen with the shardings, to fit %s bytes "
+                 "per device", len(picked), len(segs), sum(len(s.recompute) for s in picked), f"{budget:,}")
+        return g, res, picked
+    if propose is not None and enabled:
+        log.info("no recomputation chosen with the shardings fits; searching segment counts")
     ops_for = lambda k: [i for s in segs[:k] for i in s.recompute]   # noqa: E731
     full = rewrite(graph, ops_for(len(segs)))
     try:
@@ -389,4 +402,4 @@ def step_seconds(problem: Any, plan: Any) -> float:
 
 
 __all__ = ["SUFFIX", "RANDOM_MARKERS", "RecomputeBudgetError", "RecomputeError", "Segment", "choose", "needed", "step_seconds", "is_random", "order", "rewrite",
-           "segments", "toggles"]
+           "segments", "toggles", "price_segments"]

@@ -7,7 +7,8 @@ polytope: row sums equal the source's choice, column sums the destination's),
 which is exact for 0/1 choices and keeps the LP tight. The memory budget is a
 constraint per op position, added lazily where the solution's peak breaks it.
 Options: ``time_limit`` (s, default 60), ``mip_rel_gap`` (default 1e-4), ``presolve``
-(HiGHS presolve, default off: it slowed the real graphs measured).
+(HiGHS presolve, default off: it slowed the real graphs measured), ``least_peak`` (default True: an
+infeasible budget's error gives the least peak any plan needs, one more solve).
 The plan carries the objective, the LP/MIP lower bound and the gap.
 """
 from __future__ import annotations
@@ -373,7 +374,8 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
                   "milp_seconds": time.perf_counter() - t0 - stats["build_seconds"]})
     if ch is None:
         if res.status == 2 and budget is not None:
-            need = _min_peak(model, t, deadline + 30.0, gap)
+            # least_peak=False: the caller only needs to know (the least peak is another ILP solve)
+            need = _min_peak(model, t, deadline + 30.0, gap) if options.get("least_peak", True) else budget + 1
             raise InfeasibleBudgetError(budget, need, t.mesh_name)
         if budget is None:
             # no incumbent in time: hand back a beam plan, with the ILP's bound when it has one

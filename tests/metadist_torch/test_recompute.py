@@ -109,7 +109,7 @@ def test_toggles_price_the_rewritten_graph_exactly():
     from metadist_core.plan import ShardingPlan
     from metadist_core.plugins import PluginManager
     from metadist_core.problem import build_problem
-    from metadist_core.recompute import toggles
+    from metadist_core.recompute import price_segments
 
     tr, _ = _traced(layers=2)
     g = tr.graph
@@ -118,7 +118,7 @@ def test_toggles_price_the_rewritten_graph_exactly():
     for mesh in (Mesh((1,)), Mesh((4,))):
         res = plan_graph(g, mesh, settings=load_settings(coalesce=False))
         prob = build_problem(g, res.rulebook, mesh, op_costs=costs, device=res.problem.device)
-        prob.toggles = toggles(prob, g, segs)
+        price_segments(prob, g, segs)
         t = prob.terms()
         ch = np.asarray(ShardingPlan.from_choices(prob, {n.id: int(k) for n, k in zip(res.problem.nodes,
                                                                                        res.plan.choices)}).choices)
@@ -157,7 +157,7 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
     # the search over segment counts (what a solver without toggles gets) finds no cheaper plan (1 %: the
     # search picks by overlap.predict, the ILP by its objective)
     import metadist_core.recompute as rc
-    monkeypatch.setattr(rc, "toggles", lambda *a, **k: [])
+    monkeypatch.setattr(rc, "price_segments", lambda problem, *a: problem)
     searched = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
     assert searched.plan.stats["recompute"]["chosen_by"].startswith("search")
     assert res.plan.objective <= searched.plan.objective * 1.01, (res.plan.objective, searched.plan.objective)
