@@ -99,7 +99,12 @@ def _run_metadist(layers: int, sh: dict, budget: int, cache: str) -> dict:
         pred = predict(plan).step * 1e3
     return {"measured_peak": mem["measured_peak_bytes"], "predicted_peak": mem["predicted_peak_bytes"],
             "predicted_solver_mb": plan.memory_per_device / MB, "step_ms": ms, "predicted_step_ms": pred,
-            "method": mem["method"], "plan": plan.summary(), "recompute": len(getattr(plan, "recompute", []) or [])}
+            "method": mem["method"], "plan": plan.summary(), "recompute": len(getattr(plan, "recompute", []) or []),
+            # who chose the recomputed segments (the ILP with the shardings, or the search over counts), and
+            # the planning seconds (trace, discover, build, solve) on this rank
+            "recompute_chosen_by": (plan.stats or {}).get("recompute", {}).get("chosen_by"),
+            "plan_s": sum(v for k, v in (getattr(step, "timings", None) or {}).items()
+                          if k in ("trace", "discover", "build_problem", "solve"))}
 
 
 def _run_fsdp2(layers: int, sh: dict, ckpt: bool, rank: int, world: int) -> dict:
@@ -145,7 +150,8 @@ def _probe(system: str, layers: int, sh: dict, budget: int, args, rank: int, wor
            "step_ms": float(flags[2]) if ok else None, "error": err or None}
     if r.get("predicted_peak") is not None:
         out["predicted_peak_mb"] = r["predicted_peak"] / MB
-    for k in ("plan", "recompute", "method", "predicted_solver_mb", "predicted_step_ms"):
+    for k in ("plan", "recompute", "method", "predicted_solver_mb", "predicted_step_ms", "recompute_chosen_by",
+              "plan_s"):
         if r.get(k) is not None:
             out[k] = r[k]
     if rank == 0:
@@ -153,6 +159,8 @@ def _probe(system: str, layers: int, sh: dict, budget: int, args, rank: int, wor
               + (f"peak {out['measured_peak_mb']:.1f} MiB (budget {budget / MB:.0f}), "
                  f"predicted {out.get('predicted_peak_mb') or float('nan'):.1f}, {out['step_ms']:.0f} ms"
                  + (f" (predicted {out['predicted_step_ms']:.0f} ms)" if out.get("predicted_step_ms") else "")
+                 + (f", {out['recompute']} ops recomputed ({out['recompute_chosen_by']})" if out.get("recompute")
+                    else "") + (f", planned in {out['plan_s']:.1f} s" if out.get("plan_s") else "")
                  if ok else f"failed: {err}") + (" fits" if out["fits"] else ""), flush=True)
     return out
 
