@@ -38,7 +38,7 @@ class TorchFrontend(Frontend):
     description = "PyTorch: aten ops run through torch.ops for ShardCombine"
     runner_module = "metadist_torch.oprunner"
     proxy_shapes = True   # op specs come from the graph's shapes and op.attrs alone
-    bucket_copies = 2     # lower.AxisComm.all_reduce_bucket: the concatenation and the functional all_reduce's result
+    bucket_copies = 2     # collectives.AxisComm.all_reduce_bucket: the concatenation and the functional all_reduce's result
     shard_buckets = True   # lower.coalesce_all_gathers and coalesce_reduces
 
     def __init__(self) -> None:

@@ -3,7 +3,7 @@ waited for as late.
 
 The all_reduce and reduce_scatter calls of a lowered program (``md_all_reduce_axis*``,
 ``md_reduce_scatter_axis*`` and their buckets ``md_*_bucket_axis*``) start torch's functional collective
-op and return a :class:`~metadist_torch.lower.Pending` (plain tensors: no ``AsyncCollectiveTensor``,
+op and return a :class:`~metadist_torch.collectives.Pending` (plain tensors: no ``AsyncCollectiveTensor``,
 whose Python dispatch on every later op cost more than the overlap gained); an ``md_done`` node
 waits for it and gives the value. :func:`issue_early` moves each collective to right after the last
 node it reads and each ``md_done`` to right before the first node that reads the value, so the
@@ -26,7 +26,7 @@ ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_
 
 def md_wait(*xs: Any) -> tuple:
     """Wait for every pending collective among ``xs`` (their values in its place); other values pass."""
-    from .lower import md_done
+    from .collectives import md_done
     return tuple(md_done(x) for x in xs)
 
 
