@@ -189,10 +189,8 @@ def apply_offload(problem: Any, graph: MetaIR, op_costs: Mapping[str, tuple[floa
                                        for o in problem.nodes[i].options])
     moved = 0
     for v in (*region.to_host, *region.to_device):
-        info = problem.vars[v]
         i, slot = problem.definer(v)
-        opts = problem.nodes[i].options
-        b = np.array([local_bytes(info["shape"], info["dtype"], o.outputs[slot], mesh) for o in opts], dtype=float)
+        b = problem.output_bytes(i, slot)
         problem.compute[i] = problem.compute[i] + np.array([transfer_seconds(x, problem.device) for x in b])
         moved += 1
     for v in region.host_vars:

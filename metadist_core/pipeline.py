@@ -11,6 +11,7 @@ and solves a graph already traced (tools, benchmarks, tests).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import logging
@@ -93,7 +94,12 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
 
     costs = op_costs(graph, pm)   # once: a recomputed copy costs what its original does
 
+    plain_built: list = []   # the plain graph's problem: built once, for its solve and the recompute proposals
+
     def build(g: MetaIR) -> tuple[Any, Any, dict]:
+        if g is graph and plain_built:   # a shallow copy: a proposal sets toggles on it, not on the original
+            problem, region, g_costs = plain_built[0]
+            return copy.copy(problem), region, g_costs
         g_costs = costs if g is graph else {op.id: costs[op.id.removesuffix(RECOMPUTED_SUFFIX)] for op in g.ops
                                             if op.id.removesuffix(RECOMPUTED_SUFFIX) in costs}
         problem = build_problem(g, book, mesh, op_costs=g_costs, constraints=plain,
@@ -106,6 +112,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
             region = apply_offload(problem, g, g_costs)
         # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.presets)
         problem = steer(problem, s.strategy, named, getattr(g, "annotations", None))
+        if g is graph:
+            plain_built.append((problem, region, g_costs))
         return problem, region, g_costs
 
     def solve(g: MetaIR) -> tuple[Any, Any]:

@@ -135,6 +135,12 @@ class ShardingProblem:
             for s, v in enumerate(n.outputs):
                 self._definer[v] = (i, s)
 
+    def output_bytes(self, node: int, slot: int) -> np.ndarray:
+        """Bytes per device of output ``slot`` of ``node`` under each of its options."""
+        info = self.vars[self.nodes[node].outputs[slot]]
+        return np.array([local_bytes(info["shape"], info["dtype"], o.outputs[slot], self.mesh)
+                         for o in self.nodes[node].options], dtype=float)
+
     def op_node(self, op_id: str) -> int:
         """Node index of op ``op_id``."""
         return self._index[op_id]
@@ -218,9 +224,7 @@ class ShardingProblem:
                 info = self.vars[v]
                 if info["shape"] is None or info.get("view") or info.get("host"):   # host: metadist_core.offload
                     continue
-                b = np.array([local_bytes(info["shape"], info["dtype"], o.outputs[s], self.mesh) for o in n.options],
-                             dtype=float)
-                mem.append(MemTerm(i, b, info["live"][0], info["live"][1]))
+                mem.append(MemTerm(i, self.output_bytes(i, s), info["live"][0], info["live"][1]))
         return Terms(unary, edges, mem, [a.copy() for a in self.allowed], self.n_steps, self.memory_budget, 0.0,
                      [n.id for n in self.nodes], str(self.mesh), shared)
 

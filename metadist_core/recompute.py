@@ -224,7 +224,6 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> tuple[list[
     import numpy as np
 
     from .aliasing import alias_liveness
-    from .cost import local_bytes
     from .terms import EdgeTerm, MemTerm, Toggle
     if not segs:
         return [], list(range(len(graph.ops) + 1))
@@ -235,9 +234,7 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> tuple[list[
 
     def nbytes(v: str) -> tuple[int, Any]:
         node, slot = problem.definer(v)
-        info = problem.vars[v]
-        return node, np.array([local_bytes(info["shape"], info["dtype"], o.outputs[slot], problem.mesh)
-                               for o in problem.nodes[node].options], dtype=float)
+        return node, problem.output_bytes(node, slot)
 
     into: dict[tuple[int, str], list] = {}   # (reader node, value) -> its edges
     for e in problem.edges:

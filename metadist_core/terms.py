@@ -89,7 +89,7 @@ class Toggle:
                      + sum(e.cost(choice[e.src], choice[e.dst]) for e in self.pairs))
 
 
-def _toggle_terms(terms: list[MemTerm], on: np.ndarray | None, toggles: list[Toggle]) -> list[tuple[MemTerm, int]]:
+def _toggle_terms(on: np.ndarray | None, toggles: list[Toggle]) -> list[tuple[MemTerm, int]]:
     """(term, +1 added / -1 dropped) of the toggles that are on."""
     if on is None:
         return []
@@ -157,7 +157,7 @@ class Terms:
         """Bytes per device live at each position -1 .. n_steps (index 0 is position -1), with the toggles
         ``on`` (None: all off)."""
         prof = np.zeros(self.n_steps + 3)
-        for m, sg in [(m, 1) for m in self.mem] + _toggle_terms(self.mem, on, self.toggles):
+        for m, sg in [(m, 1) for m in self.mem] + _toggle_terms(on, self.toggles):
             b = sg * m.nbytes[0 if m.node < 0 else choice[m.node]]
             prof[m.start + 1] += b
             prof[m.end + 2] -= b
@@ -166,9 +166,7 @@ class Terms:
     def peak_memory(self, choice: np.ndarray, on: np.ndarray | None = None) -> int:
         if not self.mem:
             return 0
-        if on is not None:
-            return int(self.memory_profile(choice, on).max())
-        return int(self.memory_profile(choice).max())
+        return int(self.memory_profile(choice, on).max())
 
     def is_allowed(self, choice: np.ndarray) -> bool:
         return all(self.allowed[i][k] for i, k in enumerate(choice))
@@ -206,6 +204,23 @@ def _compress(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return src_map.reshape(-1).astype(np.int32), dst_map.reshape(-1).astype(np.int32), cols
 
 
+def _onto(e: EdgeTerm, assign: list[int], maps: list[np.ndarray]) -> tuple[int, int, np.ndarray, np.ndarray,
+                                                                          tuple[int, np.ndarray] | None]:
+    """Edge ``e`` on the coarse nodes: its coarse ends, their option maps into its table, and ``(node, cost
+    per option)`` when it folds into one node's unary cost (node -1: a constant, one entry), else None."""
+    cu, cw = assign[e.src], assign[e.dst]
+    smap, dmap = e.src_map[maps[e.src]], e.dst_map[maps[e.dst]]
+    if cu < 0 and cw < 0:
+        return cu, cw, smap, dmap, (-1, e.table[smap[:1], dmap[0]])
+    if cu < 0:
+        return cu, cw, smap, dmap, (cw, e.table[smap[0], dmap])
+    if cw < 0:
+        return cu, cw, smap, dmap, (cu, e.table[smap, dmap[0]])
+    if cu == cw:
+        return cu, cw, smap, dmap, (cu, e.table[smap, dmap])
+    return cu, cw, smap, dmap, None
+
+
 def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options: list[int],
              names: list[str] | None = None) -> Terms:
     """Coarser Terms in which fine node ``i`` takes option ``maps[i][k]`` when coarse node ``assign[i]`` takes ``k``.
@@ -227,19 +242,13 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
         allowed[c] &= terms.allowed[i][m]
     pairs: dict[tuple[int, int], list] = {}
     for e in terms.edges:
-        cu, cw = assign[e.src], assign[e.dst]
-        smap, dmap = e.src_map[maps[e.src]], e.dst_map[maps[e.dst]]
-        if cu < 0 and cw < 0:
-            offset += float(e.table[smap[0], dmap[0]])
-            continue
-        if cu < 0:
-            unary[cw] += e.table[smap[0], dmap]
-            continue
-        if cw < 0:
-            unary[cu] += e.table[smap, dmap[0]]
-            continue
-        if cu == cw:
-            unary[cu] += e.table[smap, dmap]
+        cu, cw, smap, dmap, folded = _onto(e, assign, maps)
+        if folded is not None:
+            node, a = folded
+            if node < 0:
+                offset += float(a[0])
+            else:
+                unary[node] += a
             continue
         if cu > cw:
             pairs.setdefault((cw, cu), []).append((dmap, smap, e.table.T))
@@ -335,16 +344,9 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
         for node, a in t.unary:
             put(*unary_of(node, a))
         for e in t.pairs:   # as the edges above: inside one node or to a fixed one it is a unary cost
-            cu, cw = assign[e.src], assign[e.dst]
-            smap, dmap = e.src_map[maps[e.src]], e.dst_map[maps[e.dst]]
-            if cu < 0 and cw < 0:
-                put(-1, e.table[smap[:1], dmap[0]])
-            elif cu < 0:
-                put(cw, e.table[smap[0], dmap])
-            elif cw < 0:
-                put(cu, e.table[smap, dmap[0]])
-            elif cu == cw:
-                put(cu, e.table[smap, dmap])
+            cu, cw, smap, dmap, folded = _onto(e, assign, maps)
+            if folded is not None:
+                put(*folded)
             else:
                 pairs.append(EdgeTerm(cu, cw, smap, dmap, e.table))
         toggles.append(Toggle(list(by.items()), [mem_of(m) for m in t.mem_add], [mem_of(m) for m in t.mem_drop],

@@ -68,7 +68,6 @@ class MemIndex:
         self.t_node, self.t_start, self.t_stop, self.t_bytes = self._arrays([x for x, _, _ in tm])
         self.t_sign = np.array([sg for _, sg, _ in tm], dtype=float)
         self.t_toggle = np.array([j for _, _, j in tm], dtype=np.int64)
-        self.on: np.ndarray | None = None   # the toggles' state profile() uses when given none
 
     @staticmethod
     def _arrays(m) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -82,7 +81,7 @@ class MemIndex:
         return node, start, stop, b
 
     def profile(self, choice: np.ndarray, on: np.ndarray | None = None) -> np.ndarray:
-        on = self.on if on is None else on
+        """Bytes per device at each position under ``choice``, with the toggles ``on`` (None: all off)."""
         if not len(self.node):
             return np.zeros(1)
         k = np.where(self.node < 0, 0, np.asarray(choice)[np.maximum(self.node, 0)])

@@ -47,35 +47,36 @@ class _Model:
             hi.append(1.0)
             r += 1
         nv = nx
-        for e in t.edges:                           # transportation polytope per edge
+
+        def polytope(e) -> np.ndarray:
+            """Pair variables y[row, column] of edge ``e`` (new, from ``nv``), tied to its ends' choices: each
+            row sums to the source's indicator of that row, each column to the destination's."""
+            nonlocal nv, r
             R, C = e.table.shape
-            y0 = nv
+            yidx = nv + np.arange(R * C).reshape(R, C)
             nv += R * C
+            for q in range(R):
+                ks = np.flatnonzero(e.src_map == q)
+                rows.extend([r] * (C + len(ks)))
+                cols.extend(yidx[q].tolist() + (self.xoff[e.src] + ks).tolist())
+                vals.extend([1.0] * C + [-1.0] * len(ks))
+                lo.append(0.0)
+                hi.append(0.0)
+                r += 1
+            for q in range(C):
+                ks = np.flatnonzero(e.dst_map == q)
+                rows.extend([r] * (R + len(ks)))
+                cols.extend(yidx[:, q].tolist() + (self.xoff[e.dst] + ks).tolist())
+                vals.extend([1.0] * R + [-1.0] * len(ks))
+                lo.append(0.0)
+                hi.append(0.0)
+                r += 1
+            return yidx
+
+        for e in t.edges:                           # transportation polytope per edge
+            polytope(e)
             c.append(e.table.reshape(-1))
-            ub.append(np.full(R * C, np.inf))
-            yidx = y0 + np.arange(R * C).reshape(R, C)
-            for rr in range(R):
-                rows += [r] * C
-                cols += yidx[rr].tolist()
-                vals += [1.0] * C
-                ks = np.flatnonzero(e.src_map == rr)
-                rows += [r] * len(ks)
-                cols += (self.xoff[e.src] + ks).tolist()
-                vals += [-1.0] * len(ks)
-                lo.append(0.0)
-                hi.append(0.0)
-                r += 1
-            for cc in range(C):
-                rows += [r] * R
-                cols += yidx[:, cc].tolist()
-                vals += [1.0] * R
-                ks = np.flatnonzero(e.dst_map == cc)
-                rows += [r] * len(ks)
-                cols += (self.xoff[e.dst] + ks).tolist()
-                vals += [-1.0] * len(ks)
-                lo.append(0.0)
-                hi.append(0.0)
-                r += 1
+            ub.append(np.full(e.table.size, np.inf))
         lb_extra: dict[int, float] = {}
         self._polytopes: dict[tuple, dict] = {}
         for g in t.shared:                          # one z per (row, column) paid once, z >= every reader's pair
@@ -122,7 +123,6 @@ class _Model:
         self.mem_unit = float(max([1.0] + [float(np.max(m.nbytes)) for m in t.mem if len(m.nbytes)]))
         S, U = self.scale, self.mem_unit   # toggle rows in scaled seconds and in memory units
         self.r_idx: list[int] = []
-        self.gated: dict[int, list[tuple[int, int]]] = {}   # mem term (toggle, k) -> variable, sign
         self.toggle_mem: list[tuple[object, int, int]] = []   # (MemTerm, variable, sign) for memory_row
         xo = self.xoff
 
@@ -145,21 +145,9 @@ class _Model:
                     vals_ += vv
                     const += k0
                 for e in tg.pairs:   # a transportation polytope per pair, its cost into g
-                    R, C = e.table.shape
-                    yidx = nv + np.arange(R * C).reshape(R, C)
-                    nv += R * C
-                    c.append(np.zeros(R * C))
-                    ub.append(np.full(R * C, np.inf))
-                    for side, m_, node in ((0, e.src_map, e.src), (1, e.dst_map, e.dst)):
-                        for q in range(R if side == 0 else C):
-                            ys = (yidx[q] if side == 0 else yidx[:, q]).tolist()
-                            ks = np.flatnonzero(m_ == q)
-                            rows += [r] * (len(ys) + len(ks))
-                            cols += ys + (xo[node] + ks).tolist()
-                            vals += [1.0] * len(ys) + [-1.0] * len(ks)
-                            lo.append(0.0)
-                            hi.append(0.0)
-                            r += 1
+                    yidx = polytope(e)
+                    c.append(np.zeros(e.table.size))
+                    ub.append(np.full(e.table.size, np.inf))
                     cols_ += yidx.reshape(-1).tolist()
                     vals_ += e.table.reshape(-1).tolist()
                 gv = nv
