@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
+import numpy as np
+
 from .ir import DTYPE_BYTES
 from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, largest_local_shape, parse_placement
 
@@ -279,6 +281,65 @@ def _reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype: str, m
     return tuple(steps)
 
 
+class _StateGraph:
+    """Every layout reachable from the sources asked so far for one (shape, itemsize, mesh, reductions), the
+    cheapest one-axis step between each pair, and the cheapest path costs from each source (compiled
+    Dijkstra, scipy.sparse.csgraph): a problem's edge tables ask for every source x destination pair."""
+
+    def __init__(self, key: tuple) -> None:
+        self.key = key
+        self.index: dict[tuple, int] = {}
+        self.edges: dict[tuple[int, int], float] = {}
+        self.dist: dict[int, np.ndarray] = {}
+        self.matrix = None
+
+    def _add(self, state: tuple) -> int:
+        i = self.index.get(state)
+        if i is None:
+            i = self.index[state] = len(self.index)
+            self._todo.append(state)
+        return i
+
+    def _close(self, src: tuple) -> None:
+        """Add ``src`` and every layout it reaches, with their steps (a layout's steps depend on it alone,
+        so the rows computed before stay right)."""
+        self._todo: list[tuple] = []
+        self._add(src)
+        while self._todo:
+            s = self._todo.pop()
+            i = self.index[s]
+            for t, *_, cost in _neighbours(s, *self.key):
+                j = self._add(t)
+                if cost < self.edges.get((i, j), math.inf):
+                    self.edges[(i, j)] = cost
+        self.matrix = None
+
+    def costs_from(self, src: tuple) -> tuple[dict[tuple, int], np.ndarray]:
+        if src not in self.index:
+            self._close(src)
+        i = self.index[src]
+        if i not in self.dist or len(self.dist[i]) < len(self.index):
+            if self.matrix is None:
+                from scipy.sparse import csr_matrix
+                n = len(self.index)
+                ij = np.array(list(self.edges), dtype=np.int64).reshape(-1, 2)
+                w = np.fromiter(self.edges.values(), dtype=float, count=len(self.edges))
+                # csgraph drops stored zeros as non-edges: free steps (local slices) get the smallest positive
+                # weight and the sums are read back without it (at most ``n`` of them on a path)
+                self.matrix = csr_matrix((np.maximum(w, _FREE), (ij[:, 0], ij[:, 1])), shape=(n, n))
+            from scipy.sparse.csgraph import dijkstra
+            self.dist[i] = dijkstra(self.matrix, indices=i)
+        return self.index, self.dist[i]
+
+
+_FREE = 1e-300   # the weight a free step takes in the compiled search (far below any collective's seconds)
+
+
+@lru_cache(maxsize=4096)
+def _state_graph(shape, isz, mesh_shape, alphas, betas, reduces) -> _StateGraph:
+    return _StateGraph((shape, isz, mesh_shape, alphas, betas, reduces))
+
+
 def reshard_costs(src: Sharding, dsts: Sequence[Sharding], shape: Sequence[int], dtype: str, mesh: Mesh
                   ) -> list[float]:
     """:func:`reshard_cost` from ``src`` to each of ``dsts``, read off one cheapest-path search per kind
@@ -295,11 +356,16 @@ def reshard_costs(src: Sharding, dsts: Sequence[Sharding], shape: Sequence[int],
         best = None
         if src_ok and largest_local_shape(shape, d, mesh.shape) is not None:
             reduces = tuple(sorted({p.reduce for p in s + d if isinstance(p, Partial)}))
-            best = _dijkstra(shape, itemsize(dtype), s, mesh.shape, mesh.alpha, mesh.beta, reduces)[0].get(d)
+            index, dist = _state_graph(shape, itemsize(dtype), mesh.shape, mesh.alpha, mesh.beta,
+                                       reduces).costs_from(s)
+            j = index.get(d)
+            if j is not None and j < len(dist) and np.isfinite(dist[j]):
+                best = float(dist[j])
+                best = 0.0 if best < 1e-250 else best
         if best is None:   # the same error reshard gives, with its message
             reshard(src, dst, shape, dtype, mesh)
             raise AssertionError("unreachable")   # pragma: no cover
-        out.append(float(best[0]))
+        out.append(best)
     return out
 
 

@@ -27,6 +27,9 @@ def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsS
     else:
         co = coarsen(problem, tie_layers=bool(options.get("tie_layers", True)))
     t1 = time.perf_counter()
+    if problem.mesh.ndim > 1:   # what the axis descent needs to slice options by mesh axis (solvers/_axes.py)
+        from ._axes import axis_codes
+        options = {**options, "_axis_codes": lambda: axis_codes(problem, co)}
     choice, lb, stats = fn(co.terms, options)
     t2 = time.perf_counter()
     fine = co.expand(choice)

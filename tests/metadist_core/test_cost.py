@@ -152,3 +152,32 @@ def test_collective_json_round_trip():
     s = reshard(Sharding([P, Shard(0)]), Sharding([Shard(1), R]), (8, 8), "bfloat16", Mesh((2, 2)))
     assert s and [Collective.from_json(c.to_json()) for c in s] == s
     assert "axis" in str(s[0])
+
+
+@pytest.mark.parametrize("mesh_shape,shape", [((2, 2, 2), (8, 6, 4)), ((2, 2, 2), (16,)), ((2, 4), (12, 8)),
+                                              ((8, 16), (24, 40))])
+def test_table_costs_equal_the_priced_step_lists_for_every_pair(mesh_shape, shape):
+    """The compiled all-pairs search the problem's edge tables read agrees with the step list reshard
+    returns (what the lowering runs), pair by pair, and refuses what reshard refuses."""
+    import itertools
+
+    from metadist_core.cost import reshard_cost, reshard_costs
+    from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding, largest_local_shape
+    mesh = Mesh(mesh_shape, alpha=(1e-6, 3e-6, 5e-6)[:len(mesh_shape)], beta=(1e-9, 2e-9, 4e-9)[:len(mesh_shape)])
+    opts = [Replicate(), Partial("sum"), Partial("max")] + [Shard(d) for d in range(len(shape))]
+    states = [Sharding(c) for c in itertools.product(opts, repeat=len(mesh_shape))
+              if largest_local_shape(shape, c, mesh_shape) is not None]
+    compared = 0
+    for a in states[::max(1, len(states) // 24)]:   # two dozen sources, every destination
+        reachable = []
+        for b in states:
+            try:
+                reachable.append((b, reshard_cost(a, b, shape, "float32", mesh)))
+            except ValueError:   # e.g. Partial(max) -> Partial(sum): no step sequence
+                with pytest.raises(ValueError):
+                    reshard_costs(a, [b], shape, "float32", mesh)
+        got = reshard_costs(a, [b for b, _ in reachable], shape, "float32", mesh)
+        for (b, want), g in zip(reachable, got):
+            assert g == pytest.approx(want, rel=1e-12, abs=1e-18)
+            compared += 1
+    assert compared > 50
