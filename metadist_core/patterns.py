@@ -92,8 +92,17 @@ def view_relations(shapes: Sequence[Sequence[int] | None]) -> dict[int, tuple[in
     return rel
 
 
-def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False) -> dict[int, tuple]:
-    """Each large size (> SMALL) of the op's ``shapes`` as an expression over base sizes, smallest first.
+def exact_below(axis_size: int) -> int:
+    """Sizes up to this stay exactly as they are on an axis of ``axis_size``: the small ones (SMALL), and
+    every size below the axis size (a split of it leaves devices empty whatever it is; a proxy of it would
+    be larger than the size itself: on an axis of 16, GPT-2 XL's batch of 8 and 25 heads made proxies of
+    the attention ops larger than the real ops)."""
+    return max(SMALL, axis_size - 1)
+
+
+def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False, small: int = SMALL
+               ) -> dict[int, tuple]:
+    """Each large size (> ``small``) of the op's ``shapes`` as an expression over base sizes, smallest first.
 
     ``("base", i)`` is the i-th base; ``("prod", s1, s2, ...)`` is the product a view needs
     (:func:`view_relations`); with ``multiples``, ``("mul", k, s)`` is k x size s (k <= MAX_MULTIPLE:
@@ -114,10 +123,10 @@ def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False) 
                     aligned.add((x, y))
     out: dict[int, tuple] = {}
     n_base = 0
-    for s in sorted(x for x in sizes if x > SMALL):
+    for s in sorted(x for x in sizes if x > small):
         expr = None
         factors = rel.get(s)
-        if factors is not None and all(f <= SMALL or f in out for f in factors):
+        if factors is not None and all(f <= small or f in out for f in factors):
             expr = ("prod", *factors)
         if expr is None and multiples:   # a size next to another (a shifted sequence: 513 tokens, 512 targets)
             for k in range(1, SMALL + 1):
@@ -145,11 +154,11 @@ def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False) 
 
 
 def _symbol(s: int, basis: Mapping[int, tuple], n: int) -> str:
-    if s <= SMALL:
+    if s not in basis:   # an exact size
         return str(s)
     e = basis[s]
-    if e[0] == "base":
-        return f"a{e[1]}%{s % n}"
+    if e[0] == "base":   # its remainder, and whether a split over the axis leaves a device empty ("e")
+        return f"a{e[1]}%{s % n}" + ("" if splits_nonempty(s, n) else "e")
     if e[0] == "mul":
         return f"{e[1]}*({_symbol(e[2], basis, n)})"
     if e[0] == "add":
@@ -186,13 +195,14 @@ def op_pattern(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True, 
     exact = Pattern(f"exact|{op.signature(graph)}|n={axis_size}", axis_size, False)
     if not proxies:
         return exact
-    basis = size_basis(shapes, multiples)
+    small = exact_below(axis_size)
+    basis = size_basis(shapes, multiples, small)
     attrs = {k: v for k, v in (op.attrs or {}).items() if not k.startswith("_")}
-    bad = [v for v in _attr_ints(attrs) if v > SMALL and v < SENTINEL and v not in basis]
+    bad = [v for v in _attr_ints(attrs) if v > small and v < SENTINEL and v not in basis]
     if bad:
         return Pattern(exact.key, axis_size, False,
-                       reason=f"its static argument {bad[0]} is larger than {SMALL} but no size of its tensors")
-    sym_attrs = _map_attrs(attrs, lambda v: f"<{_symbol(v, basis, axis_size)}>" if SMALL < v < SENTINEL else v)
+                       reason=f"its static argument {bad[0]} is larger than {small} but no size of its tensors")
+    sym_attrs = _map_attrs(attrs, lambda v: f"<{_symbol(v, basis, axis_size)}>" if small < v < SENTINEL else v)
     try:
         attr_text = json.dumps(sym_attrs, sort_keys=True, default=str)
     except (TypeError, ValueError) as e:
@@ -307,13 +317,14 @@ def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multi
              ) -> tuple[MetaOp, MetaIR]:
     """``op`` alone in a new graph whose large sizes are proxies (size-bearing attributes rewritten)."""
     shapes = _shapes(op, graph)
-    basis = size_basis(shapes, multiples)
+    small = exact_below(axis_size)
+    basis = size_basis(shapes, multiples, small)
     if not basis:
         raise NoProxy("it has no size larger than the proxy threshold")
     sizes = proxy_sizes(basis, axis_size, instance)
 
     def fix(v: int) -> int:
-        if SMALL < v < SENTINEL:
+        if small < v < SENTINEL:
             if v not in sizes:
                 raise NoProxy(f"its static argument {v} is no size of its tensors")
             return sizes[v]
@@ -361,4 +372,4 @@ def proxy_numel(op: MetaOp, graph: MetaIR, axis_size: int) -> int:
     return sum(math.prod(g.vars[v].shape or ()) for v in p.inputs + p.outputs)
 
 
-__all__ = ["Pattern", "NoProxy", "op_pattern", "proxy_op", "proxy_sizes", "size_basis", "SMALL"]
+__all__ = ["Pattern", "NoProxy", "op_pattern", "proxy_op", "proxy_sizes", "size_basis", "exact_below", "SMALL"]

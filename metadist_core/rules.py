@@ -21,7 +21,8 @@ from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, par
 
 log = logging.getLogger("metadist.rules")
 
-CACHE_VERSION = 3   # 2: entries keyed by op pattern and axis size (metadist_core.patterns); 3: nonfinite draws
+CACHE_VERSION = 4   # 2: entries keyed by op pattern and axis size (metadist_core.patterns); 3: nonfinite draws;
+# 4: sizes below the axis size exact, and the empty-piece class in the pattern
 CACHE_FILE = "rules-v%d.json" % CACHE_VERSION
 
 

@@ -48,3 +48,32 @@ def test_a_split_that_leaves_a_device_empty_is_never_planned():
     assert not _tensor_ok((8, 12, 128), Sharding((Shard(1),)), mesh, 8)   # 12 heads over 8 devices
     assert _tensor_ok((8, 16, 128), Sharding((Shard(1),)), mesh, 8)
     assert _tensor_ok((8, 12, 128), Sharding((Shard(2),)), mesh, 8)
+
+
+def _one_op(shape):
+    from metadist_core.ir import MetaIR
+    g = MetaIR("one")
+    g.add_input("x", shape, "float32", "input")
+    g.add_op("aten.relu.default", ["x"], [("y", shape, "float32")], id="relu")
+    return g.ops[0], g
+
+
+def test_a_pattern_tells_apart_sizes_whose_split_leaves_a_device_empty():
+    from metadist_core.patterns import op_pattern
+    key = {s: op_pattern(*_one_op((s, 6)), 8).key for s in (20, 28, 36)}
+    assert not splits_nonempty(20, 8) and not splits_nonempty(28, 8) and splits_nonempty(36, 8)
+    assert key[20] == key[28] != key[36]      # all three are 4 mod 8; 36 gives every device a piece
+
+
+def test_sizes_below_the_axis_size_stay_exact_so_a_proxy_is_never_larger_than_the_op():
+    """GPT-2 XL's attention on an axis of 16 (batch 8, 25 heads): proxies used to come out larger than the
+    real tensors (every size pushed to at least 16), past the proxy budget, and discovery then ran the op at
+    its real shapes with 16 pieces of each (6 GB)."""
+    from metadist_core.patterns import exact_below, op_pattern, proxy_op
+    op, g = _one_op((8, 25, 128, 64))
+    assert exact_below(16) == 15 and exact_below(2) == SMALL
+    for inst in (0, 1):
+        p, pg = proxy_op(op, g, 16, inst)
+        shape = pg.vars[p.inputs[0]].shape
+        assert shape[0] == 8 and math.prod(shape) < math.prod((8, 25, 128, 64)) // 8
+    assert op_pattern(op, g, 16).key != op_pattern(*_one_op((9, 25, 128, 64)), 16).key   # 8 and 9 are exact
