@@ -202,42 +202,78 @@ def combine(pieces: list[Any], p: Placement, full: Any) -> Any | None:
         return stack.min(axis=0)
 
 
-@functools.lru_cache(maxsize=256)
-def _probe_index(size: int) -> np.ndarray:
-    return np.linspace(0, size - 1, 16).astype(np.int64)
-
-
-def _quick_differs(full: Any, got: Any) -> bool:
-    """A cheap look at 16 fixed elements: True when they already show ``got`` is not ``full``."""
-    if not (_is_tensor(full) and _is_tensor(got)) or full.shape != got.shape or full.size <= 64 \
-            or not _is_float(full):
-        return False
-    idx = _probe_index(full.size)
-    a, b = full.reshape(-1)[idx], got.reshape(-1)[idx]
-    with np.errstate(invalid="ignore", over="ignore"):
-        fin = np.isfinite(a) & np.isfinite(b)
-        if not fin.all():
-            return False
-        scale = float(np.max(np.abs(full))) if np.isfinite(full).all() else 0.0
-        return bool(np.any(np.abs(a - b) > 10 * _tolerance(full) * (np.abs(a) + 1e-3 * max(scale, 1e-30))))
-
-
 def valid_combines(pieces: list[Any], full: Any, exact: bool, among: set[Placement] | None = None) -> set[Placement]:
     """The ways to combine ``pieces`` that give ``full`` (only those in ``among``, when given)."""
     ndim = full.ndim if _is_tensor(full) else None
+    probe = _Probe.of(full)
     ok = set()
     for p in output_combines(ndim):
         if among is not None and p not in among:
+            continue
+        if probe is not None and probe.rules_out(pieces, p):   # 16 elements first: most combines fail there
             continue
         got = combine(pieces, p, full)
         if got is None:
             continue
         if isinstance(p, Replicate):
-            if not any(_quick_differs(full, x) for x in got) and all(_same(full, x, exact) for x in got):
+            if all(_same(full, x, exact) for x in got):
                 ok.add(p)
-        elif not _quick_differs(full, got) and _same(full, got, exact):
+        elif (probe is None or not probe.differs(got)) and _same(full, got, exact):
             ok.add(p)
     return ok
+
+
+class _Probe:
+    """16 fixed elements of a float output and its scale, read once: a cheap look that shows most wrong
+    combines wrong before a whole one is built and compared (the look never accepts anything)."""
+
+    def __init__(self, full: np.ndarray) -> None:
+        self.full = full
+        self.index = _probe_multi(full.shape)
+        self.values = full[self.index]
+        self.tol = 10 * _tolerance(full)
+        with np.errstate(invalid="ignore", over="ignore"):
+            self.scale = float(np.max(np.abs(full))) if np.isfinite(full).all() else 0.0
+
+    @classmethod
+    def of(cls, full: Any) -> "_Probe | None":
+        if not _is_tensor(full) or full.size <= 64 or not _is_float(full):
+            return None
+        return cls(full)
+
+    def _differs(self, b: np.ndarray) -> bool:
+        a = self.values
+        with np.errstate(invalid="ignore", over="ignore"):
+            if not (np.isfinite(a).all() and np.isfinite(b).all()):
+                return False
+            return bool(np.any(np.abs(a - b) > self.tol * (np.abs(a) + 1e-3 * max(self.scale, 1e-30))))
+
+    def differs(self, got: Any) -> bool:
+        """True when ``got`` (a whole output) already differs at the probed elements."""
+        if not _is_tensor(got) or got.shape != self.full.shape:
+            return False
+        return self._differs(got[self.index])
+
+    def rules_out(self, pieces: list[Any], p: Placement) -> bool:
+        """True when combining ``pieces`` as ``p`` surely does not give the output (Replicate, Partial)."""
+        if not all(_is_tensor(x) and x.shape == self.full.shape for x in pieces):
+            return False
+        if isinstance(p, Replicate):
+            return any(self._differs(x[self.index]) for x in pieces)
+        if not isinstance(p, Partial) or not all(_is_float(x) for x in pieces):
+            return False
+        vals = np.stack([x[self.index] for x in pieces])
+        with np.errstate(invalid="ignore", over="ignore"):
+            got = {"sum": vals.sum(axis=0), "avg": vals.mean(axis=0), "max": vals.max(axis=0),
+                   "min": vals.min(axis=0)}.get(p.reduce)
+        return got is not None and self._differs(got.astype(self.full.dtype))
+
+
+@functools.lru_cache(maxsize=1024)
+def _probe_multi(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """The multi-index of 16 fixed elements of an array of ``shape`` (read without flattening a view)."""
+    size = int(np.prod(shape))
+    return np.unravel_index(np.linspace(0, size - 1, 16).astype(np.int64), shape)
 
 
 # -- draws ------------------------------------------------------------------

@@ -220,3 +220,32 @@ def test_index_inputs_stay_in_range():
     assert _rule([R, Shard(0)], [Shard(0)]) in rules and _rule([R, Shard(1)], [Shard(1)]) in rules
     assert _rule([Shard(1), R], [Shard(2)]) in rules
     assert stats.runs > 0
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("reduce", ["sum", "avg", "max", "min"])
+def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype):
+    """The pieces of a Partial input reduce back to the value; for max/min one device holds each element
+    and the others lie strictly below (above), some close to the value and some far past its scale."""
+    from metadist_core.verify import partial_pieces
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((6, 7, 5)) * 3).astype(dtype)
+    n = 4
+    pieces = np.stack(partial_pieces(x, reduce, n, rng, False))
+    assert pieces.shape == (n,) + x.shape and pieces.dtype == x.dtype
+    tol = 1e-9 if dtype == "float64" else 1e-4
+    if reduce in ("sum", "avg"):
+        back = pieces.sum(axis=0) if reduce == "sum" else pieces.mean(axis=0)
+        np.testing.assert_allclose(back, x, rtol=tol, atol=tol * 30)
+        return
+    back = pieces.max(axis=0) if reduce == "max" else pieces.min(axis=0)
+    assert np.array_equal(back, x)
+    owners = (pieces == x[None]).sum(axis=0)
+    assert (owners == 1).all()                                    # one device holds the value
+    gap = np.abs(pieces - x[None])[pieces != x[None]]
+    scale = max(float(np.abs(x).max()), 1.0)
+    assert (gap < 0.5 * np.abs(x).max()).any() and (gap > 5 * scale).any()   # near and far gaps
+    if reduce == "max":
+        assert (pieces <= x[None]).all()
+    else:
+        assert (pieces >= x[None]).all()
