@@ -77,7 +77,8 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
            "total_s": t_load + sum(res.timings.values()), "objective_ms": plan.objective * 1e3,
            "gap": plan.gap, "decisions": len(res.problem.nodes),
            "decisions_coarse": (sizes.get("tied") or sizes.get("fixed") or sizes.get("fine") or {}).get("nodes"),
-           "ilp_vars": plan.stats.get("variables"), "peak_rss_mb": _peak_rss_mb()}
+           "ilp_vars": plan.stats.get("variables"), "peak_rss_mb": _peak_rss_mb(),
+           "solve_method": "axis descent" if "descent" in str(plan.stats.get("status", "")) else "one ILP"}
     if hand and model.startswith("gpt2"):
         from .solvers import constrained, discovered_info, hand_pins
         info = discovered_info(graph, {})
@@ -211,7 +212,8 @@ def main(argv=None) -> None:
                       + (f", vs best hand {rec['vs_best_hand']:.3f}" if rec.get("vs_best_hand") else ""), flush=True)
     records += AUTOPARALLEL
     cols = ["model", "mesh", "system", "cold", "total_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
-            "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "gap", "vs_best_hand", "ilp_vars", "note"]
+            "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "solve_method", "gap", "vs_best_hand", "ilp_vars",
+            "note"]
     notes = ("Graphs: the recorded GPT-2 whole steps in ../shared/graphs (batch 8 x 128 tokens; `trace_s` is loading "
              "the recorded graph) and transformers' LlamaForCausalLM at 8B built on the meta device with AdamW, batch "
              "8 x 512 (`trace_s` is the torch frontend's real trace). Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "
