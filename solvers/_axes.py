@@ -67,11 +67,13 @@ def _key(g: np.ndarray, fixed: tuple[int, ...]) -> np.ndarray:
 
 def descend(t: Terms, groups: list[np.ndarray | None], start: np.ndarray,
             solve: Callable[[Terms, float], np.ndarray], deadline: float, block: int = 1,
-            max_rounds: int = 50, log: Callable[[str], None] | None = None) -> tuple[np.ndarray, dict]:
+            max_rounds: int = 50, log: Callable[[str], None] | None = None,
+            accept: Callable[[np.ndarray], bool] | None = None) -> tuple[np.ndarray, dict]:
     """Improve ``start`` one block of ``block`` mesh axes at a time (see the module docstring), for at most
     ``max_rounds`` rounds through every block.
 
-    ``solve(sub_terms, seconds)`` returns a choice of the sub-problem. Returns the choice and stats.
+    ``solve(sub_terms, seconds)`` returns a choice of the sub-problem; a cheaper one replaces the plan when
+    ``accept`` (if given: the memory budget) takes it. Returns the choice and stats.
     """
     ndim = next((g.shape[1] for g in groups if g is not None), 0)
     blocks = list(itertools.combinations(range(ndim), min(block, ndim)))
@@ -106,7 +108,7 @@ def descend(t: Terms, groups: list[np.ndarray | None], start: np.ndarray,
             solves += 1
             new = np.array([m[k] for m, k in zip(maps, ch)], dtype=np.int64)
             o = t.objective(new)
-            if o < obj - 1e-12 * max(1.0, abs(obj)):
+            if o < obj - 1e-12 * max(1.0, abs(obj)) and (accept is None or accept(new)):
                 cur, obj = new, o
                 improved = True
             if log:

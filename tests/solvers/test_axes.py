@@ -95,3 +95,20 @@ def test_the_ilp_plugin_takes_the_descent_when_asked_or_when_the_one_ilp_is_too_
     assert "descent" not in (pm.solve("ilp", one_axis, {}).stats.get("status") or "")   # nothing to slice
     with pytest.raises(ValueError, match="method='both'"):
         pm.solve("ilp", p, {"method": "both"})
+
+
+def test_the_descent_keeps_a_memory_budget_that_binds():
+    from metadist_core.problem import InfeasibleBudgetError
+    pm = PluginManager()
+    p = _problem(lambda: linear_step(16, 8, 16))
+    free = pm.solve("ilp", p, {"method": "whole"})
+    with pytest.raises(InfeasibleBudgetError) as e:
+        pm.solve("ilp", p.with_budget(1), {"method": "whole"})
+    least = e.value.needed
+    assert least < free.memory_per_device           # a budget between the two binds
+    budget = (least + free.memory_per_device) // 2
+    q = p.with_budget(budget)
+    exact = pm.solve("ilp", q, {"method": "whole"})
+    axes = pm.solve("ilp", q, {"method": "axes"})
+    assert axes.memory_per_device <= budget
+    assert axes.objective >= exact.objective * (1 - 1e-9)
