@@ -262,11 +262,8 @@ class _Probe:
             return any(self._differs(x[self.index]) for x in pieces)
         if not isinstance(p, Partial) or not all(_is_float(x) for x in pieces):
             return False
-        vals = np.stack([x[self.index] for x in pieces])
-        with np.errstate(invalid="ignore", over="ignore"):
-            got = {"sum": vals.sum(axis=0), "avg": vals.mean(axis=0), "max": vals.max(axis=0),
-                   "min": vals.min(axis=0)}.get(p.reduce)
-        return got is not None and self._differs(got.astype(self.full.dtype))
+        got = combine([x[self.index] for x in pieces], p, self.values)   # the same reduction, on 16 elements
+        return got is not None and self._differs(got)
 
 
 @functools.lru_cache(maxsize=1024)

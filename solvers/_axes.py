@@ -87,6 +87,8 @@ def descend(t: Terms, groups: list[np.ndarray | None], start: np.ndarray,
         rounds += 1
         improved = False
         for free in blocks:
+            if time.perf_counter() >= deadline:
+                break
             fixed = tuple(a for a in range(ndim) if a not in free)
             maps = []
             for i in range(t.n_nodes):
@@ -101,10 +103,7 @@ def descend(t: Terms, groups: list[np.ndarray | None], start: np.ndarray,
                 maps.append(ok)
             sub = contract(t, list(range(t.n_nodes)), maps, [len(m) for m in maps], t.names)
             biggest = max(biggest, sub.size()["edge_cells"] + sum(sub.n_options))
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                break
-            ch = solve(sub, left)
+            ch = solve(sub, max(0.1, deadline - time.perf_counter()))
             solves += 1
             new = np.array([m[k] for m, k in zip(maps, ch)], dtype=np.int64)
             o = t.objective(new)
