@@ -312,9 +312,11 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
         raise first
     picked = propose(segs, 0) if enabled and propose is not None else None
     cut = 0
-    for _ in range(2):   # the proposal's plan may overshoot once the collectives' buffers are priced
+    tried: set = set()
+    for _ in range(3):   # the proposal's plan may overshoot once the collectives' buffers are priced
         if not picked:
             break
+        key = tuple(sorted(id(s) for s in picked))
         g = rewrite(graph, [i for s in picked for i in s.recompute])
         try:
             res = solve(g)
@@ -324,7 +326,10 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
                      "buffers, over the budget of %s", len(picked), f"{getattr(e, 'needed', 0):,}", f"{budget:,}")
             if over <= 0:
                 break
-            cut += over
+            # cut the proposal's budget by the overshoot; when the same segments come back (the solver's terms
+            # had that much slack), by at least 1 % of the budget more, and twice the cut before
+            cut = max(cut + over, 2 * cut, cut + int(budget) // 100) if key in tried else cut + over
+            tried.add(key)
             picked = propose(segs, cut)
             continue
         _chosen_by(res, "the solver, with the shardings")
