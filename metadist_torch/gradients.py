@@ -41,7 +41,7 @@ def capture_gradients(optimizers: Sequence[torch.optim.Optimizer],
             h.remove()
 
 
-def strip_gradients(gm: fx.GraphModule, n_grads: int) -> list[str]:
+def strip_gradients(gm: fx.GraphModule, n_grads: int, recompile: bool = True) -> list[str]:
     """Drop the last ``n_grads`` graph outputs (gradient clones); the names of the values they copied.
 
     A duplicate ``getitem`` is named by the first ``getitem`` of the same
@@ -69,7 +69,8 @@ def strip_gradients(gm: fx.GraphModule, n_grads: int) -> list[str]:
             names.append(src.name)
     out.args = (tuple(kept),)
     gm.graph.eliminate_dead_code()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return names
 
 

@@ -15,7 +15,8 @@ How (torch 2.13):
    ``capturable=True`` (CPU included, by patching
    ``_get_capturable_supported_devices`` while tracing), so the step counter
    stays a tensor and no ``.item()`` reaches the graph.
-3. The captured graph (which still holds in-place updates) is functionalized
+3. The captured graph (which still holds in-place updates) is functionalized:
+   in one pass over its nodes where aliasing allows (:mod:`metadist_torch.functional`), else
    by tracing it again under ``torch.func.functionalize``; profiler nodes and
    the trailing ``copy_`` into placeholders are dropped (the updated values are
    returned anyway).
@@ -30,7 +31,6 @@ differs on the very first step. A warning says so.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import time
 import warnings
@@ -47,6 +47,7 @@ from .amp import amp_decompositions
 from .state import (OptimizerParamHolder, StepState, capturable_optimizers, collect_state, init_optimizer_state,
                     optimizers_in, swapped_optimizer)
 from .gradients import capture_gradients, strip_gradients
+from .functional import functionalize_in_place
 from .to_ir import TraceError, target_key, to_meta_ir
 
 log = logging.getLogger("metadist.torch.trace")
@@ -162,12 +163,13 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
             raise TraceError(f"metadist could not trace the step {getattr(fn, '__name__', fn)!r}: "
                              f"{type(e).__name__}: {e}") from e
     t1 = time.perf_counter()
-    gm = functionalize_graph(gm, examples)
-    grad_names = set(strip_gradients(gm, out_box["n_grads"]))
+    gm = functionalize_graph(gm, examples, recompile=False)
+    grad_names = set(strip_gradients(gm, out_box["n_grads"], recompile=False))
     for n in gm.graph.nodes:   # by node meta: merging the step counters copies the graph and may rename nodes
         if n.name in grad_names:
             n.meta["metadist_gradient"] = True
     gm = merge_step_counters(gm, state)
+    gm.recompile()   # once: every pass above changed the graph only (Python code for 30k nodes takes 1-2 s)
     grad_names = [n.name for n in gm.graph.nodes if n.meta.get("metadist_gradient")]
     t2 = time.perf_counter()
     n_user_out = out_box["n_tensor_out"]
@@ -234,17 +236,22 @@ def _quiet():
         yield
 
 
-def functionalize_graph(gm: fx.GraphModule, examples: Sequence[torch.Tensor]) -> fx.GraphModule:
-    """Functionalize a captured graph (in-place ops -> functional ops) and clean it for MetaIR."""
+def functionalize_graph(gm: fx.GraphModule, examples: Sequence[torch.Tensor], recompile: bool = True) -> fx.GraphModule:
+    """Functionalize a captured graph (in-place ops -> functional ops) and clean it for MetaIR (``recompile``:
+    make its Python code; a caller that changes the graph further does it once at the end)."""
     from torch.fx.experimental.proxy_tensor import make_fx
     _drop_profiler_nodes(gm)
-    gm.recompile()
-    fgm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*examples)
-    _drop_profiler_nodes(fgm)
-    _drop_input_copies(fgm)
+    if functionalize_in_place(gm):   # the common case: one pass over the nodes (metadist_torch/functional.py)
+        fgm = gm
+    else:                            # aliasing the pass does not follow: trace it again, functionalized
+        gm.recompile()
+        fgm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*examples)
+        _drop_profiler_nodes(fgm)
+        _drop_input_copies(fgm)
     _drop_detach(fgm)
     fgm.graph.eliminate_dead_code()
-    fgm.recompile()
+    if recompile:
+        fgm.recompile()
     return fgm
 
 
@@ -263,9 +270,9 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
     corrections from each; where the counters hold the same value, all readers
     read the first one and common subexpressions are merged. Kept only when
     every merged counter's updated value is then the same graph value (so they
-    stay equal after every step); otherwise the graph is left as it was.
+    stay equal after every step); otherwise the graph is left as it was. The
+    graph is changed in place and not recompiled (the caller does that once).
     """
-    from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
     n_p, n_b = len(state.params), len(state.buffers)
     first: dict[tuple, int] = {}
     merged: dict[int, int] = {}
@@ -286,25 +293,57 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
             first[k] = i
     if not merged:
         return gm
-    new = copy.deepcopy(gm)
-    nphs = [n for n in new.graph.nodes if n.op == "placeholder"]
-    for i, i0 in merged.items():
-        nphs[i].replace_all_uses_with(nphs[i0])
-    banned = set(get_CSE_banned_ops()) | {n.target.overloadpacket for n in new.graph.nodes
-                                          if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
-                                          and torch.Tag.nondeterministic_seeded in n.target.tags}
-    res = CSEPass(banned).call(new).graph_module
-    out = next(n for n in res.graph.nodes if n.op == "output")
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    rep = _value_numbers(gm.graph, {phs[i]: phs[i0] for i, i0 in merged.items()})
+    out = next(n for n in gm.graph.nodes if n.op == "output")
     flat = pytree.tree_leaves(out.args[0])
-    n_state = len(state.slots)
-    outs = flat[len(flat) - n_state:]
+    outs = flat[len(flat) - len(state.slots):]
     for i, i0 in merged.items():
-        if outs[i] is not outs[i0]:
+        if rep.get(outs[i], outs[i]) is not rep.get(outs[i0], outs[i0]):
             log.debug("step counters update differently; not merged")
             return gm
-    res.graph.eliminate_dead_code()
-    res.recompile()
-    return res
+    for n in gm.graph.nodes:
+        if rep[n] is not n:
+            n.replace_all_uses_with(rep[n])
+    gm.graph.eliminate_dead_code()
+    return gm
+
+
+def _frozen(v: Any) -> Any:
+    """A hashable key of an argument, the Python type kept (``mul(x, 1)`` and ``mul(x, 1.0)`` differ)."""
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_frozen(a) for a in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _frozen(a)) for k, a in v.items())))
+    if isinstance(v, fx.Node):
+        return v
+    return (type(v).__name__, v)
+
+
+def _value_numbers(graph: fx.Graph, same: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Common subexpressions: per node, the first node of the graph computing the same value, reading the
+    placeholders ``same`` maps as the ones they map to. Random and impure ops are never merged."""
+    from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
+    banned = set(get_CSE_banned_ops())
+    rep: dict[fx.Node, fx.Node] = {}
+    seen: dict[tuple, fx.Node] = {}
+    for n in graph.nodes:
+        rep[n] = n
+        if n.op == "placeholder":
+            rep[n] = same.get(n, n)
+            continue
+        t = n.target
+        if n.op != "call_function" or getattr(t, "overloadpacket", t) in banned or \
+                (isinstance(t, torch._ops.OpOverload) and (torch.Tag.nondeterministic_seeded in t.tags
+                                                          or t._schema.is_mutable)):
+            continue
+        key = (t, _frozen(fx.node.map_arg(n.args, lambda a: rep[a])),
+               _frozen(fx.node.map_arg(n.kwargs, lambda a: rep[a])))
+        try:
+            rep[n] = seen.setdefault(key, n)
+        except TypeError:   # an unhashable argument: left alone
+            pass
+    return rep
 
 
 def _drop_profiler_nodes(gm: fx.GraphModule) -> None:
