@@ -4,7 +4,9 @@ Ops of one pattern (see :mod:`metadist_core.patterns`) share their rules, so a
 12-layer model costs no more discovery than a 2-layer one, and a wide model no
 more than a narrow one: each pattern runs once, at small proxy sizes, twice
 (two proxy instances; a rule must hold at both), on every axis size of the
-mesh. An op the frontend cannot run at proxy sizes (or whose pattern a proxy
+mesh, the smallest axis first: on a larger axis the first proxy instance tries
+the input placements of the rules the smaller one verified (:func:`seed_combos`).
+An op the frontend cannot run at proxy sizes (or whose pattern a proxy
 cannot keep) is discovered at its real shapes. Patterns already in the RuleBook
 (the on-disk cache) are not run again. An op whose frontend cannot run it in
 isolation, or for which no rule verifies, is recorded as running replicated,
@@ -78,23 +80,41 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
     with contextlib.ExitStack() as stack, Progress(len(todo), desc, enabled=show) as bar:
         for fe in fronts.values():
             stack.enter_context(fe.discovering())
-        jobs = list(todo.values())
-        if n_workers > 1:
-            from .forkpool import discover_forked
-            done = discover_forked(jobs, graph, ops, n_workers, warned, bar, draws=draws, max_real=max_real)
-        else:
-            done = {}
-        for i, (op, pat) in enumerate(jobs):
-            if i in done:
-                entry, used = done[i]
-            else:   # in this process
-                entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws, max_real=max_real)
-                bar.update(1, op.key)
-            book.add(used, entry)
-            book.discovered += 1
+        for n in sizes:   # the smallest axis first: its rules seed the search on the larger ones
+            jobs = [(op, pat) for op, pat in todo.values() if pat.axis_size == n]
+            seeds = {i: s for i, (op, _) in enumerate(jobs)
+                     if (s := seed_combos(book, op, graph, [m for m in sizes if m < n])) is not None}
+            k = min(n_workers, worker_count(workers, len(jobs), list(fronts.values()))) if n_workers > 1 else 1
+            if k > 1:
+                from .forkpool import discover_forked
+                done = discover_forked(jobs, graph, ops, k, warned, bar, draws=draws, max_real=max_real,
+                                       seeds=seeds)
+            else:
+                done = {}
+            for i, (op, pat) in enumerate(jobs):
+                if i in done:
+                    entry, used = done[i]
+                else:   # in this process
+                    entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws, max_real=max_real,
+                                                   seed=seeds.get(i))
+                    bar.update(1, op.key)
+                book.add(used, entry)
+                book.discovered += 1
     if todo and save:
         book.save()
     return book
+
+
+def seed_combos(book: RuleBook, op: MetaOp, graph: MetaIR, smaller: Sequence[int]) -> list[tuple] | None:
+    """The input placements of ``op``'s verified rules on the largest of the ``smaller`` axis sizes that
+    has them (None: none has). Discovery on a larger axis tries these combinations first: every rule is
+    still verified there, on two proxy instances, so a seed never admits a rule; it may miss one that holds
+    on the larger axis only (when the seeded search finds nothing, the whole search runs)."""
+    for m in sorted(smaller, reverse=True):
+        e = book.lookup(op, graph, m)
+        if e is not None and e.status == "ok" and e.rules:
+            return [r.inputs for r in e.rules]
+    return None
 
 
 MIN_PARALLEL = 12   # fewer patterns than this are discovered in this process: a fork costs more than it saves
@@ -136,9 +156,11 @@ def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check
 
 
 def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warned: set[str] | None = None, *,
-                     draws: int = 2, max_real: int = 2 ** 24) -> tuple[OpRules, str]:
+                     draws: int = 2, max_real: int = 2 ** 24, seed: Sequence[tuple] | None = None
+                     ) -> tuple[OpRules, str]:
     """The rules of ``op``'s pattern and the RuleBook key they belong under (the exact signature's key
-    when the op had to be discovered at its real shapes)."""
+    when the op had to be discovered at its real shapes). ``seed``: input placements to try first
+    (:func:`seed_combos`)."""
     n = pattern.axis_size
     if pattern.proxied:
         variants = [pattern] if pattern.multiples else [pattern, op_pattern(op, graph, n, multiples=True)]
@@ -146,7 +168,7 @@ def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warn
             if not pat.proxied:
                 continue
             try:
-                return _discover_proxied(op, graph, ops, pat, n, draws)
+                return _discover_proxied(op, graph, ops, pat, n, draws, seed)
             except RandomOp as e:   # random at any size: it runs replicated, no need to try it at full size
                 if warned is not None and op.key not in warned:
                     warned.add(op.key)
@@ -169,9 +191,10 @@ def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warn
     return discover_op(op, graph, ops, n, warned, draws=draws), pattern.key
 
 
-def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: int, draws: int
-                      ) -> tuple[OpRules, str]:
-    """Rules that hold at two proxy instances of ``pattern``; raises when the proxy cannot stand for the op."""
+def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: int, draws: int,
+                      seed: Sequence[tuple] | None = None) -> tuple[OpRules, str]:
+    """Rules that hold at two proxy instances of ``pattern``; raises when the proxy cannot stand for the op.
+    ``seed``: the first instance tries only these input placements, unless none of them holds."""
     t0 = time.perf_counter()
     found: list[list[ShardingRule]] = []
     for instance in (0, 1):
@@ -180,8 +203,11 @@ def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: 
         if spec is None:
             raise NoProxy(f"no loaded frontend runs ops with key {op.key!r}")
         # the second proxy re-verifies only what held at the first (a search there would find nothing more)
-        only = None if not found else [r.inputs for r in found[0]]
-        found.append(_rules_at(spec, p_graph, p_op, n, draws, True, only))
+        only = (list(seed) if seed else None) if not found else [r.inputs for r in found[0]]
+        got = _rules_at(spec, p_graph, p_op, n, draws, True, only)
+        if not found and seed and not got:   # nothing of the seed holds here: the whole search
+            got = _rules_at(spec, p_graph, p_op, n, draws, True, None)
+        found.append(got)
     both = [r for r in found[0] if r in set(found[1])]   # a rule must hold at two proxy sizes
     if not both:
         raise NoProxy("no rule held at both proxy sizes")

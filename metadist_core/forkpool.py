@@ -44,7 +44,7 @@ def _run(i: int) -> tuple[int, Any, str, list[tuple[str, int, str]]]:
     propagate, root.propagate = root.propagate, False   # the parent prints them, once
     try:
         entry, used = discover_pattern(op, w["graph"], w["ops"], pat, set(), draws=w["draws"],
-                                       max_real=w["max_real"])
+                                       max_real=w["max_real"], seed=w["seeds"].get(i))
     finally:
         root.removeHandler(handler)
         root.propagate = propagate
@@ -104,7 +104,8 @@ def _crashed(op: MetaOp, pat: Pattern, exitcode: int | None) -> Any:
 
 
 def discover_forked(jobs: Sequence[tuple[MetaOp, Pattern]], graph: MetaIR, ops: Any, workers: int,
-                    warned: set[str], bar: Any, *, draws: int, max_real: int) -> dict[int, tuple[Any, str]]:
+                    warned: set[str], bar: Any, *, draws: int, max_real: int,
+                    seeds: dict[int, Any] | None = None) -> dict[int, tuple[Any, str]]:
     """``{job index: (OpRules, RuleBook key)}`` for every job, run by ``workers`` forked processes, the
     largest first. A job that kills its process (a framework kernel that traps) runs replicated, with
     one warning naming the op; a fresh process takes the next job."""
@@ -112,7 +113,7 @@ def discover_forked(jobs: Sequence[tuple[MetaOp, Pattern]], graph: MetaIR, ops: 
     from multiprocessing.connection import wait
     ctx = multiprocessing.get_context("fork")
     pending = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i][0], graph, jobs[i][1]))
-    _WORK.update(jobs=list(jobs), graph=graph, ops=ops, draws=draws, max_real=max_real)
+    _WORK.update(jobs=list(jobs), graph=graph, ops=ops, draws=draws, max_real=max_real, seeds=dict(seeds or {}))
     done: dict[int, tuple[Any, str]] = {}
 
     def finish(i: int, entry: Any, used: str, records: Sequence[tuple[str, int, str]]) -> None:

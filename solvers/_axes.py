@@ -66,14 +66,13 @@ def _key(g: np.ndarray, fixed: tuple[int, ...]) -> np.ndarray:
 
 
 def descend(t: Terms, groups: list[np.ndarray | None], start: np.ndarray,
-            solve: Callable[..., np.ndarray], deadline: float, block: int = 1,
+            solve: Callable[[Terms, float], np.ndarray], deadline: float, block: int = 1,
             max_rounds: int = 50, log: Callable[[str], None] | None = None,
             accept: Callable[[np.ndarray], bool] | None = None) -> tuple[np.ndarray, dict]:
     """Improve ``start`` one block of ``block`` mesh axes at a time (see the module docstring), for at most
     ``max_rounds`` rounds through every block.
 
-    ``solve(sub_terms, seconds, start)`` returns a choice of the sub-problem (``start``: the current plan in the
-    sub-problem's options, a MIP start); a cheaper one replaces the plan when
+    ``solve(sub_terms, seconds)`` returns a choice of the sub-problem; a cheaper one replaces the plan when
     ``accept`` (if given: the memory budget) takes it. Returns the choice and stats.
     """
     ndim = next((g.shape[1] for g in groups if g is not None), 0)
@@ -104,8 +103,7 @@ def descend(t: Terms, groups: list[np.ndarray | None], start: np.ndarray,
                 maps.append(ok)
             sub = contract(t, list(range(t.n_nodes)), maps, [len(m) for m in maps], t.names)
             biggest = max(biggest, sub.size()["edge_cells"] + sum(sub.n_options))
-            here = np.array([int(np.searchsorted(m, c)) for m, c in zip(maps, cur)], dtype=np.int64)
-            ch = solve(sub, max(0.1, deadline - time.perf_counter()), here)
+            ch = solve(sub, max(0.1, deadline - time.perf_counter()))
             solves += 1
             new = np.array([m[k] for m, k in zip(maps, ch)], dtype=np.int64)
             o = t.objective(new)

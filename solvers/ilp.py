@@ -1,4 +1,4 @@
-"""ILP solver: every mesh axis at once, through HiGHS (highspy; scipy.optimize.milp without it, solvers/_highs.py).
+"""ILP solver: every mesh axis at once, through scipy.optimize.milp (HiGHS).
 
 One binary per (node, option) of the coarsened problem: a node's option fixes
 its shardings on all mesh axes together. Each edge gets continuous variables
@@ -19,14 +19,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from scipy.sparse import coo_matrix, csr_matrix, vstack
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
 
 from metadist_core.hookspecs import hookimpl
 from metadist_core.problem import InfeasibleBudgetError
 from metadist_core.terms import Terms
 
 from ._common import MemIndex, enforce_budget, min_memory_choice, solve_problem
-from ._highs import solve_milp
 
 NAME = "ilp"
 # above this many variables (options + edge table cells) the ILP of a multi-axis mesh is solved one block of
@@ -211,6 +211,10 @@ class _Model:
         self.mem_rows: dict[int, tuple[np.ndarray, float]] = {}
 
     _pending: list = []
+    # HiGHS through highspy 1.16 instead (tried 2026-11-23): one thread solved GPT-2 small's (2,4) MILP in the same
+    # time as scipy's HiGHS (4.7 s against 4.6 s) and a MIP start did not speed up the axis descent; two threads
+    # took 3.6 s, but its process-wide thread pool does not survive a fork (forked gloo ranks that solved again
+    # hung), so scipy stays
     # HiGHS presolve: off by default. On GPT-2 small's whole step on (2,4) (30,768 variables) it made the
     # solve 5.6-6.3 s against 3.4-4.0 s without (same optimum); on (8,) and (2,2,2) no difference
     presolve: bool = False
@@ -275,9 +279,7 @@ class _Model:
         return self.mem_rows[step]
 
     def solve(self, steps: list[int], budget: float, time_limit: float, gap: float,
-              objective: np.ndarray | None = None, peak_var: bool = False, start: np.ndarray | None = None):
-        """One MILP: the fixed rows, the memory rows of ``steps`` under ``budget`` (or, ``peak_var``, one more
-        variable, the peak in memory units, minimised); ``start``: a choice per node to begin from."""
+              objective: np.ndarray | None = None, peak_var: bool = False):
         c = self.c if objective is None else objective
         c = c * self.scale
         A, lo, hi = self.A, self.lo, self.hi
@@ -286,44 +288,30 @@ class _Model:
         integrality[:self.nx] = 1
         integrality[self.r_idx] = 1
         ub = self.ub
-        if peak_var:
-            A = _pad(A)
+        cons = [LinearConstraint(A if not peak_var else _pad(A), lo, hi)]
         if steps:
             M = np.array([self.memory_row(s)[0] for s in steps])
             consts = np.array([self.memory_row(s)[1] for s in steps])
             if peak_var:   # minimise the peak P (in units of mem_unit): rows - P <= -const
                 M = np.hstack([M / self.mem_unit, -np.ones((len(steps), 1))])
-                mhi = -consts / self.mem_unit
+                cons.append(LinearConstraint(M, -np.inf, -consts / self.mem_unit))
             else:
-                M = M / self.mem_unit
-                mhi = (budget - consts) / self.mem_unit
-            A = vstack([A, csr_matrix(M)]).tocsr()
-            lo = np.concatenate([lo, np.full(len(steps), -np.inf)])
-            hi = np.concatenate([hi, mhi])
+                cons.append(LinearConstraint(M / self.mem_unit, -np.inf, (budget - consts) / self.mem_unit))
         if peak_var:
             c = np.concatenate([np.zeros(nv), [1.0]])
             ub = np.concatenate([ub, [np.inf]])
         lb = np.concatenate([self.lb, np.zeros(len(ub) - len(self.lb))])
-        x0 = self.start_vector(start) if start is not None and not peak_var else None
         t0 = time.perf_counter()
-        res = solve_milp(c, integrality, lb, ub, A, lo, hi, time_limit=time_limit, gap=gap, presolve=self.presolve,
-                         start=x0)
+        res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
+                   options={"time_limit": max(0.1, time_limit), "mip_rel_gap": gap, "disp": False,
+                            "presolve": self.presolve})
         if res.status == 4 and not self.presolve:
             # HiGHS "Solve error" (seen in transformNewIntegerFeasibleSolution with presolve off, on a
             # small problem with toggles): the same model with presolve on
-            res = solve_milp(c, integrality, lb, ub, A, lo, hi, time_limit=time_limit - (time.perf_counter() - t0),
-                             gap=gap, presolve=True)
+            res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
+                       options={"time_limit": max(0.1, time_limit - (time.perf_counter() - t0)),
+                                "mip_rel_gap": gap, "disp": False, "presolve": True})
         return res
-
-    def start_vector(self, choice: np.ndarray) -> np.ndarray | None:
-        """The node variables of ``choice`` as a (partial) MIP start: HiGHS completes the continuous rest.
-        None when the Terms have toggles (their variables would be left open)."""
-        if self.r_idx:
-            return None
-        x = np.full(self.nv, np.nan)
-        x[:self.nx] = 0.0
-        x[self.xoff + np.asarray(choice, dtype=np.int64)] = 1.0
-        return x
 
     def choice(self, x: np.ndarray) -> np.ndarray:
         return np.array([int(np.argmax(x[o:o + k])) for o, k in zip(self.xoff, self.t.n_options)], dtype=np.int64)
@@ -338,22 +326,18 @@ class _Model:
 
 
 def _pad(A):
-    from scipy.sparse import hstack
+    from scipy.sparse import hstack, csr_matrix
     return hstack([A, csr_matrix((A.shape[0], 1))]).tocsr()
 
 
 def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float, gap: float,
-          peak_var: bool = False, start: np.ndarray | None = None):
-    """Solve, adding the memory row of each violated peak, until the budget holds everywhere. ``start``: a
-    plan (a choice per node) to begin from, given to the solver while it meets the memory rows so far."""
+          peak_var: bool = False):
+    """Solve, adding the memory row of each violated peak, until the budget holds everywhere."""
     steps = list(dict.fromkeys(start_steps))
     rounds = 0
     while True:
         rounds += 1
-        fits = start is not None and (model.mem is None or not steps or
-                                      max(model.mem.profile(start)[s] for s in steps) <= budget)
-        res = model.solve(steps, budget, deadline - time.perf_counter(), gap, peak_var=peak_var,
-                          start=start if fits else None)
+        res = model.solve(steps, budget, deadline - time.perf_counter(), gap, peak_var=peak_var)
         if res.x is None:
             return res, None, steps, rounds
         ch = model.choice(res.x)
@@ -392,9 +376,7 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
     if budget is not None and model.mem is not None:
         mem = model.mem
         steps = [int(np.argmax(mem.profile(min_memory_choice(t, mem))))]
-    start = options.get("_start")
-    res, ch, steps, rounds = _lazy(model, steps, budget if budget is not None else np.inf, deadline, gap,
-                                   start=None if start is None else np.asarray(start, dtype=np.int64))
+    res, ch, steps, rounds = _lazy(model, steps, budget if budget is not None else np.inf, deadline, gap)
     stats.update({"status": res.message, "memory_rows": len(steps), "lazy_rounds": rounds,
                   "milp_seconds": time.perf_counter() - t0 - stats["build_seconds"]})
     if ch is None:
@@ -452,8 +434,8 @@ def _by_axes(t: Terms, options: dict, groups: list, deadline: float, size: int) 
     budget = t.budget if t.mem else None
     mem = MemIndex(t) if budget is not None else None
 
-    def solve(sub: Terms, seconds: float, here: np.ndarray) -> np.ndarray:
-        return ilp_terms(sub, {**sub_opts, "time_limit": seconds, "_start": here})[0]
+    def solve(sub: Terms, seconds: float) -> np.ndarray:
+        return ilp_terms(sub, {**sub_opts, "time_limit": seconds})[0]
 
     def fits(choice: np.ndarray) -> bool:   # a slice stopped by its time limit may hand back an over-budget plan
         return mem is None or mem.peak(choice) <= budget * (1 + 1e-9) + 1
@@ -497,7 +479,7 @@ def _min_peak(model: _Model, t: Terms, deadline: float, gap: float) -> int:
 
 @hookimpl
 def metadist_solver_info():
-    return {"name": NAME, "description": "exact ILP over all mesh axes at once (HiGHS), "
+    return {"name": NAME, "description": "exact ILP over all mesh axes at once (scipy milp / HiGHS), "
                                          "memory budget as a constraint; objective, lower bound and gap"}
 
 

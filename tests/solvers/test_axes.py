@@ -61,12 +61,8 @@ def test_descent_is_monotone_a_local_optimum_and_never_beats_the_whole_ilp(name,
     groups = axis_codes(p, co)
     start = np.array([int(np.flatnonzero(a)[0]) for a in t.allowed])   # the first allowed option: a poor start
 
-    def solve(sub, seconds, here=None):
-        got = ilp_terms(sub, {"time_limit": seconds, "method": "whole", "_start": here})[0]
-        if here is not None:   # the current plan in the slice's options (the MIP start): never beaten by the answer
-            assert sub.objective(here) <= t.objective(start) * (1 + 1e-9)
-            assert sub.objective(got) <= sub.objective(here) * (1 + 1e-9)
-        return got
+    def solve(sub, seconds):
+        return ilp_terms(sub, {"time_limit": seconds, "method": "whole"})[0]
 
     ch, stats = descend(t, groups, start, solve, deadline=float("inf"))
     hist = stats["descent_history_ms"]

@@ -96,7 +96,7 @@ def test_ilp_out_of_time_with_lazy_memory_rows_still_honours_the_budget(pm, monk
     p, free_plan, _, budget = _binding_budget(pm)
     real = ilp._lazy
     # as if the deadline hit before the first memory row went in: the unbudgeted optimum comes back
-    monkeypatch.setattr(ilp, "_lazy", lambda model, steps, b, deadline, gap, peak_var=False, start=None:
+    monkeypatch.setattr(ilp, "_lazy", lambda model, steps, b, deadline, gap, peak_var=False:
                         real(model, [], float("inf"), deadline, gap, peak_var))
     plan = pm.solve("ilp", p.with_budget(budget), {})
     assert plan.memory_per_device <= budget < free_plan.memory_per_device
@@ -116,7 +116,7 @@ def test_an_ilp_stopped_by_its_time_limit_returns_no_worse_than_a_beam_sweep(pm,
     real = ilp._lazy
     worst: dict = {}
 
-    def stopped(model, steps, b, deadline, gap, peak_var=False, start=None):   # the dearest option everywhere
+    def stopped(model, steps, b, deadline, gap, peak_var=False):   # the dearest option everywhere
         res, ch, steps, rounds = real(model, steps, b, deadline, gap, peak_var)
         bad = np.array([int(np.argmax(np.where(a, u, -np.inf))) for a, u in zip(model.t.allowed, model.t.unary)])
         worst["objective"] = model.t.objective(bad)
