@@ -155,12 +155,14 @@ def _apply(gm: fx.GraphModule, plan: list[tuple]) -> None:
     current: dict[fx.Node, fx.Node] = {}   # storage -> the node holding its newest value
     root: dict[fx.Node, fx.Node] = {}
     todo = {n: (fop, extra, written, roots) for n, fop, extra, written, roots in plan}
+
+    def newest(a: fx.Node) -> fx.Node:   # a reader of a written storage reads its newest value
+        return current.get(root.get(a, a), a)
+
     for n in list(g.nodes):
         if n.op == "call_function" and n.target in _IDENTITY and isinstance(n.args[0], fx.Node):
             root[n] = root.get(n.args[0], n.args[0])
-        if n.op == "output" or n.op == "call_function" or n.op == "call_method":
-            def newest(a):
-                return current.get(root.get(a, a), a) if isinstance(a, fx.Node) else a
+        if n.op in ("output", "call_function", "call_method"):
             n.args = fx.node.map_arg(n.args, newest)
             n.kwargs = fx.node.map_arg(n.kwargs, newest)
         if n not in todo:

@@ -165,12 +165,9 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     t1 = time.perf_counter()
     gm = functionalize_graph(gm, examples, recompile=False)
     grad_names = set(strip_gradients(gm, out_box["n_grads"], recompile=False))
-    for n in gm.graph.nodes:   # by node meta: merging the step counters copies the graph and may rename nodes
-        if n.name in grad_names:
-            n.meta["metadist_gradient"] = True
-    gm = merge_step_counters(gm, state)
+    gm = merge_step_counters(gm, state)   # in place: names kept, merged duplicates gone
     gm.recompile()   # once: every pass above changed the graph only (Python code for 30k nodes takes 1-2 s)
-    grad_names = [n.name for n in gm.graph.nodes if n.meta.get("metadist_gradient")]
+    grad_names = [n.name for n in gm.graph.nodes if n.name in grad_names]
     t2 = time.perf_counter()
     n_user_out = out_box["n_tensor_out"]
     spec, consts = out_box["spec"], out_box["consts"]

@@ -18,6 +18,12 @@ log = logging.getLogger("metadist.solvers")
 TermsSolver = Callable[[Terms, dict], tuple[np.ndarray, float | None, dict]]
 
 
+def over_budget(peak: float, budget: float | None) -> bool:
+    """Does ``peak`` break ``budget`` (None: no budget)? A byte and a relative 1e-9 of slack absorb the float
+    rounding of memory rows solved in scaled units."""
+    return budget is not None and peak > budget * (1 + 1e-9) + 1
+
+
 def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsSolver) -> ShardingPlan:
     """Coarsen (unless ``options['coarsen']`` is False), run ``fn`` on the Terms, and build the plan."""
     t0 = time.perf_counter()
@@ -44,7 +50,7 @@ def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsS
         stats["objective_with_toggles"] = co.terms.objective(np.asarray(choice), mask)
     plan = ShardingPlan.from_choices(problem, fine, solver=name, solve_seconds=t2 - t0, lower_bound=lb, stats=stats)
     if on is not None:
-        if problem.memory_budget is not None and peak > problem.memory_budget * (1 + 1e-9) + 1:
+        if over_budget(peak, problem.memory_budget):
             raise RuntimeError(f"solver {name} returned toggles and shardings of {peak:,} bytes per device over "
                                f"the budget of {problem.memory_budget:,}; this is a solver bug")
     elif problem.memory_budget is not None and plan.memory_per_device > problem.memory_budget:

@@ -26,7 +26,7 @@ from metadist_core.hookspecs import hookimpl
 from metadist_core.problem import InfeasibleBudgetError
 from metadist_core.terms import Terms
 
-from ._common import MemIndex, enforce_budget, min_memory_choice, solve_problem
+from ._common import MemIndex, enforce_budget, min_memory_choice, over_budget, solve_problem
 
 NAME = "ilp"
 # above this many variables (options + edge table cells) the ILP of a multi-axis mesh is solved one block of
@@ -346,7 +346,7 @@ def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float,
         prof = model.profile(res.x)
         tpk = int(np.argmax(prof))
         limit = res.x[-1] * model.mem_unit if peak_var else budget
-        if prof[tpk] <= limit * (1 + 1e-9) + 1 or tpk in steps or time.perf_counter() > deadline:
+        if not over_budget(prof[tpk], limit) or tpk in steps or time.perf_counter() > deadline:
             return res, ch, steps, rounds
         steps.append(tpk)
 
@@ -395,10 +395,10 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
     if model.r_idx:   # toggles priced: the toggles and shardings go back together, not repaired one by one
         on = model.toggles_on(res.x)
         stats["toggles_on"] = [int(j) for j in np.flatnonzero(on)]
-        if budget is not None and model.mem is not None and model.mem.peak(ch, on) > budget * (1 + 1e-9) + 1:
+        if model.mem is not None and over_budget(model.mem.peak(ch, on), budget):
             raise RuntimeError(f"the ILP ran out of time_limit={time_limit:g} s before its toggles and shardings "
                                f"met the memory budget ({res.message}); raise time_limit")
-    elif budget is not None and model.mem is not None and model.mem.peak(ch) > budget * (1 + 1e-9) + 1:
+    elif model.mem is not None and over_budget(model.mem.peak(ch), budget):
         # the lazy memory rows ran out of time (or a row was already in): the incumbent is over budget;
         # repair it rather than return it (the bound below still holds for the repaired plan)
         over = int(model.mem.peak(ch))
@@ -438,7 +438,7 @@ def _by_axes(t: Terms, options: dict, groups: list, deadline: float, size: int) 
         return ilp_terms(sub, {**sub_opts, "time_limit": seconds})[0]
 
     def fits(choice: np.ndarray) -> bool:   # a slice stopped by its time limit may hand back an over-budget plan
-        return mem is None or mem.peak(choice) <= budget * (1 + 1e-9) + 1
+        return mem is None or not over_budget(mem.peak(choice), budget)
 
     # one axis at a time until no slice improves (cheap slices); then each block of up to ``axis_block`` axes
     # once (slices as big as a smaller mesh's whole problem), and one axis at a time again from there
@@ -460,7 +460,7 @@ def _better_of_beam(t: Terms, model: _Model, ch: np.ndarray, budget: float | Non
     sweep finds in 0.1 s."""
     from ._common import multi_sweep
     beam, _ = multi_sweep(t, 8, 3)
-    if budget is not None and model.mem is not None and model.mem.peak(beam) > budget * (1 + 1e-9) + 1:
+    if model.mem is not None and over_budget(model.mem.peak(beam), budget):
         return ch, ""
     ours, theirs = t.objective(ch), t.objective(beam)
     if theirs < ours:

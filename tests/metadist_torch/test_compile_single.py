@@ -5,31 +5,19 @@ loss, parameters, buffers and optimizer state must agree (rtol 1e-4).
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from metadist_torch import metadist_compile  # noqa: E402
+from _examples import load_example  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 5
 RTOL = 1e-4
 
-
-def _example(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / "torch" / f"{name}.py")
-    m = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = m
-    spec.loader.exec_module(m)
-    return m
-
-
-mlp, gpt, cnn = _example("mlp"), _example("gpt"), _example("cnn")
+mlp, gpt, cnn = load_example("mlp"), load_example("gpt"), load_example("cnn")
 
 
 @pytest.fixture(autouse=True, scope="module")

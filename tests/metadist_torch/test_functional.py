@@ -7,10 +7,6 @@ re-trace runs.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,27 +14,18 @@ torch = pytest.importorskip("torch")
 import metadist_torch.trace as trace_mod  # noqa: E402
 from metadist_torch.functional import functionalize_in_place  # noqa: E402
 from metadist_torch.trace import trace_step  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _example(name):
-    spec = importlib.util.spec_from_file_location(f"fx_example_{name}", REPO / "examples" / "torch" / f"{name}.py")
-    m = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = m
-    spec.loader.exec_module(m)
-    return m
+from _examples import load_example  # noqa: E402
 
 
 def _gpt():
-    gpt = _example("gpt")
+    gpt = load_example("gpt")
     c = gpt.GPTConfig()
     m, o = gpt.build(c)
     return gpt.train_step, (m, o, *gpt.batch(c))
 
 
 def _cnn():
-    cnn = _example("cnn")
+    cnn = load_example("cnn")
     c = cnn.CNNConfig()
     m, o = cnn.build(c)
     return cnn.train_step, (m, o, *cnn.batch(c))
@@ -60,7 +47,7 @@ def _sgd():
 
 def _gpt2_hf():
     pytest.importorskip("transformers")
-    hf = _example("gpt2_hf")
+    hf = load_example("gpt2_hf")
     m, o = hf.build("tiny", 16)
     return hf.train_step, (m, o, torch.randint(0, 1024, (2, 16)))
 
