@@ -143,16 +143,21 @@ def worker_count(requested: int, n_patterns: int, frontends: Sequence[Any], all_
     return max(1, min(requested, n_patterns))
 
 
+def _check_proxy_shapes(spec: OpSpec, graph: MetaIR, op: MetaOp) -> None:
+    """The proxy must be the same op: its outputs have the proxy graph's shapes (raises NoProxy)."""
+    outs = spec.fn(*spec.example_inputs)
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    for v, o in zip(op.outputs, outs):
+        want = graph.vars[v].shape
+        if want is not None and hasattr(o, "shape") and tuple(np.shape(o)) != tuple(want):
+            raise NoProxy(f"at proxy sizes it makes {v} of shape {tuple(np.shape(o))}, not {tuple(want)}")
+
+
 def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check_shapes: bool,
-              only: Sequence[tuple] | None = None) -> list[ShardingRule]:
-    if check_shapes:   # the proxy must be the same op: its outputs have the proxy graph's shapes
-        outs = spec.fn(*spec.example_inputs)
-        outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-        for v, o in zip(op.outputs, outs):
-            want = graph.vars[v].shape
-            if want is not None and hasattr(o, "shape") and tuple(np.shape(o)) != tuple(want):
-                raise NoProxy(f"at proxy sizes it makes {v} of shape {tuple(np.shape(o))}, not {tuple(want)}")
-    return discover_rules(spec, n, draws=draws, scalars=scalars_of(op.attrs), only=only)
+              only: Sequence[tuple] | None = None, sharded: bool | None = None) -> list[ShardingRule]:
+    if check_shapes:
+        _check_proxy_shapes(spec, graph, op)
+    return discover_rules(spec, n, draws=draws, scalars=scalars_of(op.attrs), only=only, sharded=sharded)
 
 
 def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warned: set[str] | None = None, *,
@@ -179,7 +184,7 @@ def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warn
                 log.debug("op %s (%s) at proxy sizes (%s): %s: %s", op.key, op.id, pat.key, type(e).__name__, e)
         log.info("op %s (%s) is discovered at its real shapes", op.key, op.id)
         pattern = op_pattern(op, graph, n, proxies=False)
-    numel = sum(graph.vars[v].numel for v in op.inputs + op.outputs if graph.vars[v].is_tensor)
+    numel = _numel(op, graph)
     if numel > max_real:   # discovery's memory must not grow with the model: such an op runs replicated
         reason = (f"its pattern could not be kept at proxy sizes and its tensors hold {numel:,} elements, more "
                   f"than the {max_real:,} discovery runs at real size (the max_real_discovery setting)")
@@ -202,16 +207,56 @@ def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: 
         spec = ops.op_spec(p_op, p_graph)
         if spec is None:
             raise NoProxy(f"no loaded frontend runs ops with key {op.key!r}")
+        small = _unsharded_proxy(op, graph, ops, n, instance, pattern.multiples, _numel(p_op, p_graph))
         # the second proxy re-verifies only what held at the first (a search there would find nothing more)
         only = (list(seed) if seed else None) if not found else [r.inputs for r in found[0]]
-        got = _rules_at(spec, p_graph, p_op, n, draws, True, only)
+
+        def search(only: Sequence[tuple] | None) -> list[ShardingRule]:
+            if small is None:
+                return _rules_at(spec, p_graph, p_op, n, draws, True, only)
+            return (_rules_at(small[0], small[2], small[1], n, draws, False, only, sharded=False)
+                    + _rules_at(spec, p_graph, p_op, n, draws, True, only, sharded=True))
+        got = search(only)
         if not found and seed and not got:   # nothing of the seed holds here: the whole search
-            got = _rules_at(spec, p_graph, p_op, n, draws, True, None)
+            got = search(None)
         found.append(got)
     both = [r for r in found[0] if r in set(found[1])]   # a rule must hold at two proxy sizes
     if not both:
         raise NoProxy("no rule held at both proxy sizes")
     return OpRules(op.key, both, n, "ok", "", time.perf_counter() - t0), pattern.key
+
+
+UNSHARDED_AT = 4   # on larger axes, combinations that shard no input are verified on the proxy of an axis of 2
+
+
+def _numel(op: MetaOp, graph: MetaIR) -> int:
+    return sum(graph.vars[v].numel for v in op.inputs + op.outputs if graph.vars[v].is_tensor)
+
+
+def _unsharded_proxy(op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int, multiples: bool,
+                     than: int) -> tuple[OpSpec, MetaOp, MetaIR] | None:
+    """The op at the (smaller) proxy sizes of an axis of 2, for the input combinations that shard nothing.
+
+    Inputs whole or Partial give every device the whole shapes, so no size needs to split over ``n``
+    devices: the sizes that keep an axis of ``n`` apart (each at least ``n``, remainders mod ``n``) only
+    make the ``n`` whole-size pieces of every Partial input dearer (they were half of discovery's time on
+    GPT-2 XL at axes of 8 and 16). The pieces are still ``n``, the reductions over ``n`` devices. None
+    below ``UNSHARDED_AT`` devices, when that proxy cannot stand for the op or holds more than half of ``than``
+    elements (the caller verifies everything on the proxy of ``n``)."""
+    if n <= UNSHARDED_AT:
+        return None
+    try:
+        p_op, p_graph = proxy_op(op, graph, 2, instance, multiples)
+        if 2 * _numel(p_op, p_graph) > than:   # not worth running the op's draws twice
+            return None
+        spec = ops.op_spec(p_op, p_graph)
+        if spec is None:
+            return None
+        _check_proxy_shapes(spec, p_graph, p_op)
+    except Exception as e:  # noqa: BLE001 - the proxy of n stands for it instead
+        log.debug("op %s (%s): no axis-2 proxy for its unsharded combinations: %s", op.key, op.id, e)
+        return None
+    return spec, p_op, p_graph
 
 
 def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned: set[str] | None = None, *,

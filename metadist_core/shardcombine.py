@@ -365,8 +365,11 @@ class _Runner:
                integer: bool, first: bool = False) -> list[list[Any]] | None:
         """Run the op on each device's pieces; per output, the list of per-device values. None if it raised."""
         split = [self._split(x, p, rng, integer, first) for x, p in zip(inputs, combo)]
+        # every input whole on every device: each device computes what the first does (the op gave the
+        # same result twice on the same inputs, checked on every draw before any candidate runs)
+        same = all(isinstance(p, Replicate) for p in combo) and self.spec.reshape_fn is None
         per_rank = []
-        for r in range(self.n):
+        for r in range(1 if same else self.n):
             local = [s[r] for s in split]
             try:
                 self.stats.runs += 1
@@ -382,6 +385,8 @@ class _Runner:
                 self.stats.raised += 1
                 return None
             per_rank.append(out)
+        if same:
+            per_rank *= self.n
         if len({len(o) for o in per_rank}) != 1:
             return None
         return [[o[i] for o in per_rank] for i in range(len(per_rank[0]))]
@@ -389,11 +394,14 @@ class _Runner:
 
 def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: int = 0,
                    stats: DiscoveryStats | None = None, scalars: Sequence[float] = (),
-                   only: Sequence[tuple[Placement, ...]] | None = None) -> list[ShardingRule]:
+                   only: Sequence[tuple[Placement, ...]] | None = None,
+                   sharded: bool | None = None) -> list[ShardingRule]:
     """Every verified one-axis ShardingRule of the op in ``spec`` on an axis of ``axis_size`` devices.
 
     ``scalars`` are the op's scalar static arguments (bounds, thresholds, ignore
-    indices): verification draws straddle and exceed them. Raises
+    indices): verification draws straddle and exceed them. ``sharded``: True
+    tries only the input combinations that shard some input, False only the
+    others (Replicate and Partial inputs), None all. Raises
     :class:`Unrunnable` when the op cannot be run on its examples, and
     :class:`RandomOp` when it does not give the same result twice.
     """
@@ -439,6 +447,8 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
     if only is not None:   # re-verify these input combinations only (found at another proxy size)
         keep = set(only)
         combos = [c for c in combos if c in keep]
+    if sharded is not None:
+        combos = [c for c in combos if any(isinstance(p, Shard) for p in c) == sharded]
     stats.candidates += len(combos)
 
     rules: list[ShardingRule] = []

@@ -157,6 +157,19 @@ def scalars_of(attrs: Any) -> list[float]:
     return sorted(set(out))
 
 
+def _pooled(draw: Callable[[int], tuple[np.ndarray, ...]], n: int, size: int, rng: np.random.Generator
+            ) -> tuple[np.ndarray, ...]:
+    """``n`` rows of ``size`` random values for each array ``draw(k)`` gives (``k`` values each): for ``n``
+    over 2, ``n`` distinct windows of one pool of twice ``size`` values, so an axis of 16 draws 2 values
+    per element, not 16 (the draws were half of discovery's time on GPT-2 XL at axes of 8 and 16). Rows
+    are shifted copies of one pool, every value still independent of the data and of its element's owner."""
+    if n <= 2 or size < 2:
+        return tuple(a.reshape(n, size) for a in draw(n * size))
+    length = size + max(size, n)
+    starts = rng.choice(length - size + 1, size=n, replace=False)
+    return tuple(np.lib.stride_tricks.sliding_window_view(a, size)[starts] for a in draw(length))   # copies
+
+
 def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator, integer: bool) -> list[np.ndarray]:
     """``n`` pieces whose ``reduce`` over devices is ``x``.
 
@@ -168,49 +181,56 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
     with np.errstate(invalid="ignore", over="ignore"):
         scale = float(np.max(np.abs(x))) if x.size and np.all(np.isfinite(x)) else 1.0
     scale = max(scale, 1.0)
+    size = x.size
     shape = (n,) + x.shape
     if reduce in ("sum", "avg"):
         target = x if reduce == "sum" else x * n
         if integer:
             noise = rng.integers(-3, 4, size=(n - 1,) + x.shape).astype(x.dtype)
         else:
-            noise = rng.standard_normal((n - 1,) + x.shape)
-            noise *= scale
-            noise = noise.astype(x.dtype, copy=False)
+            noise, = _pooled(lambda k: (rng.standard_normal(k),), n - 1, size, rng)
+            noise = (noise.reshape((n - 1,) + x.shape) * scale).astype(x.dtype, copy=False)
         rest = (target - noise.sum(axis=0)).astype(x.dtype, copy=False)
         return list(noise) + [rest]
-    owner = rng.integers(0, n, size=x.shape)
+    owner = rng.integers(0, n, size=size)
     sign = -1 if reduce == "max" else 1
-    mine = owner[None] == np.arange(n).reshape((n,) + (1,) * x.ndim)
+    flat = x.reshape(-1)
     if integer:
-        gap = rng.integers(1, 5, size=shape).astype(x.dtype)
+        gap = rng.integers(1, 5, size=(n, size)).astype(x.dtype)
     else:   # half the gaps small next to the value itself, half spanning four decades of the scale
-        # one uniform draw per element picks the half (below or above 0.5) and, rescaled, the place in it;
-        # worked in place: on these machines fresh pages cost more than the arithmetic (this function
-        # was a third of discovery's time)
-        gap = rng.random(shape)
-        far = gap >= 0.5
-        gap *= 2.0
-        gap -= far
+        def draw(k: int) -> tuple[np.ndarray, np.ndarray]:
+            # one uniform draw per value picks the half (below or above 0.5) and, rescaled, the place in it;
+            # a gap is near * max(|value|, 0.5) + far, one of the two zero: arithmetic, not a random mask
+            # (a masked write on a random half of the values mispredicts every other branch: it was 10 ms)
+            u = rng.random(k)
+            far = (u >= 0.5).astype(u.dtype)
+            u *= 2.0
+            u -= far
+            with np.errstate(over="ignore", invalid="ignore"):
+                wide = u * np.log(1000.0)
+                wide += np.log(0.05)
+                np.exp(wide, out=wide)
+                wide *= scale * far
+                u *= 1.95
+                u += 0.05
+                u *= 1.0 - far
+            return u, wide
+        near, wide = _pooled(draw, n, size, rng)
+        gap = near
         with np.errstate(over="ignore", invalid="ignore"):
-            wide = gap * np.log(1000.0)
-            wide += np.log(0.05)
-            np.exp(wide, out=wide)
-            wide *= scale
-            gap *= 1.95
-            gap += 0.05
-            gap *= np.maximum(np.abs(x), 0.5)
-        np.copyto(gap, wide, where=far)
+            gap *= np.maximum(np.abs(flat), 0.5)[None]
+            gap += wide
         del wide
     with np.errstate(invalid="ignore", over="ignore"):
         if sign < 0:
             np.negative(gap, out=gap)
         if gap.dtype != x.dtype:
             gap = gap.astype(x.dtype)
-        gap += x[None]                                                 # the others: the value pushed by a gap
-        np.copyto(gap, np.broadcast_to(x[None], shape), where=mine)   # the owner: the value itself
-    pieces = gap
+        gap += flat[None]                                 # the others: the value pushed by a gap
+        gap.reshape(-1)[owner * size + np.arange(size)] = flat   # the owner: the value itself
+    pieces = gap.reshape(shape)
     if not np.all(np.isfinite(x)):   # NaN, or inf beyond every other piece: only the owner holds it
+        mine = owner.reshape(x.shape)[None] == np.arange(n).reshape((n,) + (1,) * x.ndim)
         alone = np.isnan(x) | (x == -sign * np.inf)
         pieces = np.where(~mine & alone[None], rng.standard_normal(shape) * scale, pieces)
     return list(pieces.astype(x.dtype, copy=False))

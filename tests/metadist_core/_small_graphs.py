@@ -3,6 +3,26 @@ from metadist_core.ir import MetaIR
 from metadist_core.rules import OpRules, RuleBook
 
 
+def reference_pm():
+    """A PluginManager with the numpy reference frontend only (no entry points)."""
+    from metadist_core.hookspecs import hookimpl
+    from metadist_core.plugins import PluginManager
+    from metadist_core.reference import ReferenceFrontend
+
+    class _Plugin:
+        @hookimpl
+        def metadist_frontend(self):
+            return ReferenceFrontend()
+    pm = PluginManager(load_entry_points=False)
+    pm.register(_Plugin(), "frontend", "reference")
+    return pm
+
+
+def rules_by_op(book: RuleBook, graph: MetaIR, n: int) -> dict:
+    """``{op id: set of its rules on an axis of n}``."""
+    return {op.id: set(book.rules_for(op, graph, n)) for op in graph.ops}
+
+
 def rulebook(graph: MetaIR) -> RuleBook:
     from benchmarks.synthetic_rules import rules_for_op
     book = RuleBook()

@@ -3,26 +3,10 @@ every rule is still verified on the larger axis, so seeding never admits a rule;
 transformer block it finds exactly the rules the unseeded search finds, in fewer candidate runs."""
 import metadist_core.discover as disc
 from metadist_core.discover import discover
-from metadist_core.hookspecs import hookimpl
-from metadist_core.plugins import PluginManager
-from metadist_core.reference import ReferenceFrontend, transformer_block
+from metadist_core.reference import transformer_block
 from metadist_core.rules import RuleBook
 
-
-class _Plugin:
-    @hookimpl
-    def metadist_frontend(self):
-        return ReferenceFrontend()
-
-
-def _pm():
-    pm = PluginManager(load_entry_points=False)
-    pm.register(_Plugin(), "frontend", "reference")
-    return pm
-
-
-def _rules(book, graph, n):
-    return {op.id: set(book.rules_for(op, graph, n)) for op in graph.ops}
+from _small_graphs import reference_pm as _pm, rules_by_op as _rules
 
 
 def test_seeded_rules_on_the_larger_axis_equal_the_unseeded_search(monkeypatch):

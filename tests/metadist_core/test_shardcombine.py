@@ -222,16 +222,22 @@ def test_index_inputs_stay_in_range():
     assert stats.runs > 0
 
 
+@pytest.mark.parametrize("n", [2, 4, 16])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("reduce", ["sum", "avg", "max", "min"])
-def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype):
+def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype, n):
     """The pieces of a Partial input reduce back to the value; for max/min one device holds each element
-    and the others lie strictly below (above), some close to the value and some far past its scale."""
+    and the others lie strictly below (above), some close to the value and some far past its scale.
+    On more than 2 devices the random values are windows of one pool: no two pieces are the same."""
     from metadist_core.verify import partial_pieces
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((6, 7, 5)) * 3).astype(dtype)
-    n = 4
     pieces = np.stack(partial_pieces(x, reduce, n, rng, False))
+    flat = pieces.reshape(n, -1)
+    assert all(not np.array_equal(flat[i], flat[j]) for i in range(n) for j in range(i))
+    if reduce in ("max", "min"):   # every device owns some elements, about 1/n of them
+        owned = (pieces == x[None]).reshape(n, -1).sum(axis=1)
+        assert (owned > 0).all() and owned.sum() == x.size
     assert pieces.shape == (n,) + x.shape and pieces.dtype == x.dtype
     tol = 1e-9 if dtype == "float64" else 1e-4
     if reduce in ("sum", "avg"):
@@ -249,3 +255,15 @@ def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype):
         assert (pieces <= x[None]).all()
     else:
         assert (pieces >= x[None]).all()
+
+
+def test_replicated_inputs_run_the_op_once_not_on_every_device():
+    from metadist_core.shardcombine import _Runner
+    spec = OpSpec(lambda a: np.tanh(a), [np.ones((6, 5))], "tanh")
+    stats = DiscoveryStats()
+    runner = _Runner(spec, 16, stats)
+    x = np.random.default_rng(0).standard_normal((6, 5))
+    outs = runner.pieces((R,), [x], np.random.default_rng(1), False)
+    assert stats.runs == 1 and len(outs[0]) == 16 and all(np.array_equal(o, np.tanh(x)) for o in outs[0])
+    runner.pieces((Shard(0),), [x], np.random.default_rng(1), False)
+    assert stats.runs == 1 + 16
