@@ -23,6 +23,7 @@ import numpy as np
 import jax
 from jax.extend import core as jcore
 
+from metadist_core.patterns import PROXY_SIZES, NoProxy
 from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
 
 from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload, is_float_dtype
@@ -133,6 +134,9 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
     if payload.prim is not None and (payload.prim.name.startswith("random_") or payload.name in
                                      ("rng_bit_generator", "rng_uniform", "threefry2x32")):
         raise Unrunnable(f"{op.key} draws random numbers")
+    hint = (op.attrs or {}).get(PROXY_SIZES)
+    if hint:   # the op at proxy sizes (metadist_core.patterns.proxy_op): its params follow
+        payload = proxied_payload(payload, hint["map"], hint["small"])
     avals = getattr(ctx, "avals", {}) or {}
     examples_known = getattr(ctx, "examples", {}) or {}
     for v in op.inputs + op.outputs:
@@ -154,6 +158,46 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
         return OpSpec(run, examples, op.key, reshape_fn=run.reshape,
                       out_shape=tuple(graph.vars[op.outputs[0]].shape))
     return OpSpec(run, examples, op.key)
+
+
+def _map_sizes(value: Any, sizes: dict, small: int) -> Any:
+    """``value`` (a primitive's param) with every integer above ``small`` replaced by its proxy size."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, (int, np.integer)):
+        v = int(value)
+        if v <= small or v >= 2 ** 31:
+            return value
+        if v not in sizes:
+            raise NoProxy(f"its param value {v} is no size of its tensors")
+        return type(value)(sizes[v]) if isinstance(value, np.integer) else sizes[v]
+    if hasattr(value, "_fields") and hasattr(value, "_replace"):   # a NamedTuple (dimension numbers)
+        return value._replace(**{f: _map_sizes(getattr(value, f), sizes, small) for f in value._fields})
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_sizes(v, sizes, small) for v in value)
+    if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.integer):
+        if value.size and int(np.max(np.abs(value))) > small:
+            raise NoProxy("an integer array param holds sizes")
+        return value
+    return value
+
+
+def proxied_payload(payload: OpPayload, sizes: dict, small: int) -> OpPayload:
+    """The payload of an op whose sizes are proxies: size-bearing params (a broadcast's shape, a reshape's
+    new sizes, slice bounds, slice sizes) rewritten by value, as proxy_op rewrote its attrs. NoProxy for
+    an op carrying a jaxpr (its body is typed at the real sizes) or a literal with a large dim."""
+    if payload.prim is None:
+        return payload
+    if payload.has_jaxpr():
+        raise NoProxy("it carries a jaxpr typed at its real sizes")
+    for lit in payload.layout:
+        if not isinstance(lit, int) and any(int(d) > small for d in np.shape(lit[1])):
+            raise NoProxy(f"a literal operand of shape {np.shape(lit[1])}")
+    sizes = {int(k): int(v) for k, v in sizes.items()}
+    params = {k: _map_sizes(v, sizes, small) for k, v in payload.params.items()}
+    outs = tuple(jax.ShapeDtypeStruct(tuple(sizes.get(int(d), int(d)) for d in a.shape), a.dtype)
+                 if hasattr(a, "shape") else a for a in payload.out_avals)
+    return OpPayload(payload.prim, params, payload.layout, outs)
 
 
 def _runner_key(op: Any, full_shapes: list[tuple]) -> str:

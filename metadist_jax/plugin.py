@@ -28,6 +28,7 @@ class JaxFrontend(Frontend):
     op_prefixes = ("jax.lax.",)
     description = "JAX: jaxpr primitives bound on CPU arrays for ShardCombine, lowered to shard_map"
     runner_module = "metadist_jax.oprunner"
+    proxy_shapes = True   # op specs come from the graph's shapes, op.attrs and the payload (params rewritten)
 
     def __init__(self) -> None:
         # (shape, axis names) -> the jax.sharding.Mesh resolve_mesh chose for it (say, the user's own)
