@@ -134,6 +134,9 @@ class MetaIR:
         self.aliases: dict[str, str] = {}
         self._op_index: dict[str, int] = {}
         self.payload: Any = None  # frontend-private data from tracing, handed to lowering; never serialised
+        # a proxy graph's size map (metadist_core.patterns.proxy_op): {"small": int, "map": {real: proxy}},
+        # for frontends whose op runs from a payload the attrs only describe (a jaxpr primitive's params)
+        self.proxy_sizes: dict | None = None
         # var id -> the placements a user annotated it with inside the step (one, or one per mesh axis)
         self.annotations: dict[str, tuple] = {}
 

@@ -35,9 +35,6 @@ SENTINEL = 2 ** 31   # integers this large in attributes mean "to the end" (slic
 PROXY_BUDGET = 2 ** 21   # elements over all of a proxy op's tensors; a larger proxy stands for nothing useful
 
 
-PROXY_SIZES = "_proxy_sizes"   # attrs key of a proxy op: {"small": int, "map": {real size: proxy size}}
-
-
 class NoProxy(Exception):
     """An op whose pattern cannot be kept at proxy sizes; it is discovered at its real shapes."""
 
@@ -334,10 +331,10 @@ def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multi
         return v
 
     attrs = {k: (v if k.startswith("_") else _map_attrs(v, fix)) for k, v in (op.attrs or {}).items()}
+    g = MetaIR(f"proxy:{op.key}")
     # for frontends whose op runs from a payload the attrs only describe (a jaxpr primitive's params): the
     # same rewrite, by value (sizes above ``small`` not in ``map`` cannot be kept: NoProxy there)
-    attrs[PROXY_SIZES] = {"small": small, "map": {int(k): int(v) for k, v in sizes.items()}}
-    g = MetaIR(f"proxy:{op.key}")
+    g.proxy_sizes = {"small": small, "map": {int(k): int(v) for k, v in sizes.items()}}
     names = []
     for v in op.inputs:
         mv = graph.vars[v]
@@ -378,4 +375,4 @@ def proxy_numel(op: MetaOp, graph: MetaIR, axis_size: int) -> int:
     return sum(math.prod(g.vars[v].shape or ()) for v in p.inputs + p.outputs)
 
 
-__all__ = ["Pattern", "NoProxy", "PROXY_SIZES", "op_pattern", "proxy_op", "proxy_sizes", "size_basis", "exact_below", "SMALL"]
+__all__ = ["Pattern", "NoProxy", "op_pattern", "proxy_op", "proxy_sizes", "size_basis", "exact_below", "SMALL"]

@@ -23,7 +23,7 @@ import numpy as np
 import jax
 from jax.extend import core as jcore
 
-from metadist_core.patterns import PROXY_SIZES, NoProxy
+from metadist_core.patterns import NoProxy
 from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
 
 from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload, is_float_dtype
@@ -134,7 +134,7 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
     if payload.prim is not None and (payload.prim.name.startswith("random_") or payload.name in
                                      ("rng_bit_generator", "rng_uniform", "threefry2x32")):
         raise Unrunnable(f"{op.key} draws random numbers")
-    hint = (op.attrs or {}).get(PROXY_SIZES)
+    hint = getattr(graph, "proxy_sizes", None)
     if hint:   # the op at proxy sizes (metadist_core.patterns.proxy_op): its params follow
         payload = proxied_payload(payload, hint["map"], hint["small"])
     avals = getattr(ctx, "avals", {}) or {}
