@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .ir import MetaIR, MetaOp
-from .patterns import NoProxy, Pattern, op_pattern, proxy_op
+from .patterns import NoProxy, Pattern, op_numel, op_pattern, proxy_op
 from .progress import Progress
 from .rules import OpRules, RuleBook, ShardingRule
 from .shardcombine import DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
@@ -184,7 +184,7 @@ def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warn
                 log.debug("op %s (%s) at proxy sizes (%s): %s: %s", op.key, op.id, pat.key, type(e).__name__, e)
         log.info("op %s (%s) is discovered at its real shapes", op.key, op.id)
         pattern = op_pattern(op, graph, n, proxies=False)
-    numel = _numel(op, graph)
+    numel = op_numel(op, graph)
     if numel > max_real:   # discovery's memory must not grow with the model: such an op runs replicated
         reason = (f"its pattern could not be kept at proxy sizes and its tensors hold {numel:,} elements, more "
                   f"than the {max_real:,} discovery runs at real size (the max_real_discovery setting)")
@@ -207,7 +207,7 @@ def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: 
         spec = ops.op_spec(p_op, p_graph)
         if spec is None:
             raise NoProxy(f"no loaded frontend runs ops with key {op.key!r}")
-        small = _unsharded_proxy(op, graph, ops, n, instance, pattern.multiples, _numel(p_op, p_graph))
+        small = _unsharded_proxy(op, graph, ops, n, instance, pattern.multiples, op_numel(p_op, p_graph))
         # the second proxy re-verifies only what held at the first (a search there would find nothing more)
         only = (list(seed) if seed else None) if not found else [r.inputs for r in found[0]]
 
@@ -229,10 +229,6 @@ def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: 
 UNSHARDED_AT = 4   # on larger axes, combinations that shard no input are verified on the proxy of an axis of 2
 
 
-def _numel(op: MetaOp, graph: MetaIR) -> int:
-    return sum(graph.vars[v].numel for v in op.inputs + op.outputs if graph.vars[v].is_tensor)
-
-
 def _unsharded_proxy(op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int, multiples: bool,
                      than: int) -> tuple[OpSpec, MetaOp, MetaIR] | None:
     """The op at the (smaller) proxy sizes of an axis of 2, for the input combinations that shard nothing.
@@ -247,7 +243,7 @@ def _unsharded_proxy(op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int,
         return None
     try:
         p_op, p_graph = proxy_op(op, graph, 2, instance, multiples)
-        if 2 * _numel(p_op, p_graph) > than:   # not worth running the op's draws twice
+        if 2 * op_numel(p_op, p_graph) > than:   # not worth running the op's draws twice
             return None
         spec = ops.op_spec(p_op, p_graph)
         if spec is None:

@@ -13,11 +13,10 @@ takes the next pattern: the compile goes on where an in-process run would die.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Sequence
 
 from .ir import MetaIR, MetaOp
-from .patterns import Pattern, proxy_numel
+from .patterns import Pattern, op_numel, proxy_numel
 
 log = logging.getLogger("metadist.discover")
 
@@ -55,7 +54,7 @@ def _cost(op: MetaOp, graph: MetaIR, pat: Pattern) -> int:
     """Elements discovery will handle for this pattern: the largest first balances the workers."""
     if pat.proxied:
         return proxy_numel(op, graph, pat.axis_size)
-    return sum(math.prod(graph.vars[v].shape or ()) for v in op.inputs + op.outputs)
+    return op_numel(op, graph)
 
 
 def _keep_freed_pages() -> None:

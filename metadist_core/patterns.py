@@ -313,6 +313,21 @@ def _rotated(basis: Mapping[int, tuple], n: int, first: dict[int, int]) -> dict[
     return out
 
 
+def proxy_int(v: int, sizes: Mapping[int, int], small: int) -> int:
+    """An integer static argument at proxy sizes: a large size (above ``small``) becomes its proxy; a small
+    one or a sentinel ("to the end") stays; a large one that is no size of the op cannot be kept (NoProxy)."""
+    if small < v < SENTINEL:
+        if v not in sizes:
+            raise NoProxy(f"its static argument {v} is no size of its tensors")
+        return sizes[v]
+    return v
+
+
+def op_numel(op: MetaOp, graph: MetaIR) -> int:
+    """Elements of the op's tensors (inputs and outputs) in ``graph``."""
+    return sum(graph.vars[v].numel for v in op.inputs + op.outputs if graph.vars[v].is_tensor)
+
+
 def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multiples: bool = False
              ) -> tuple[MetaOp, MetaIR]:
     """``op`` alone in a new graph whose large sizes are proxies (size-bearing attributes rewritten)."""
@@ -323,14 +338,8 @@ def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multi
         raise NoProxy("it has no size larger than the proxy threshold")
     sizes = proxy_sizes(basis, axis_size, instance)
 
-    def fix(v: int) -> int:
-        if small < v < SENTINEL:
-            if v not in sizes:
-                raise NoProxy(f"its static argument {v} is no size of its tensors")
-            return sizes[v]
-        return v
-
-    attrs = {k: (v if k.startswith("_") else _map_attrs(v, fix)) for k, v in (op.attrs or {}).items()}
+    attrs = {k: (v if k.startswith("_") else _map_attrs(v, lambda v: proxy_int(v, sizes, small)))
+             for k, v in (op.attrs or {}).items()}
     g = MetaIR(f"proxy:{op.key}")
     # for frontends whose op runs from a payload the attrs only describe (a jaxpr primitive's params): the
     # same rewrite, by value (sizes above ``small`` not in ``map`` cannot be kept: NoProxy there)
@@ -371,8 +380,8 @@ def proxy_numel(op: MetaOp, graph: MetaIR, axis_size: int) -> int:
     try:
         p, g = proxy_op(op, graph, axis_size, 1)
     except NoProxy:
-        return sum(math.prod(graph.vars[v].shape or ()) for v in op.inputs + op.outputs)
-    return sum(math.prod(g.vars[v].shape or ()) for v in p.inputs + p.outputs)
+        return op_numel(op, graph)
+    return op_numel(p, g)
 
 
-__all__ = ["Pattern", "NoProxy", "op_pattern", "proxy_op", "proxy_sizes", "size_basis", "exact_below", "SMALL"]
+__all__ = ["Pattern", "NoProxy", "op_pattern", "proxy_op", "proxy_int", "op_numel", "proxy_sizes", "size_basis", "exact_below", "SMALL"]

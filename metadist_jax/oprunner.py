@@ -23,7 +23,7 @@ import numpy as np
 import jax
 from jax.extend import core as jcore
 
-from metadist_core.patterns import NoProxy
+from metadist_core.patterns import NoProxy, proxy_int
 from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
 
 from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload, is_float_dtype
@@ -161,16 +161,12 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
 
 
 def _map_sizes(value: Any, sizes: dict, small: int) -> Any:
-    """``value`` (a primitive's param) with every integer above ``small`` replaced by its proxy size."""
+    """``value`` (a primitive's param) with every integer rewritten by :func:`proxy_int`, inside tuples,
+    lists and NamedTuples (dimension numbers); an integer array holding a large value cannot be kept."""
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, (int, np.integer)):
-        v = int(value)
-        if v <= small or v >= 2 ** 31:
-            return value
-        if v not in sizes:
-            raise NoProxy(f"its param value {v} is no size of its tensors")
-        return type(value)(sizes[v]) if isinstance(value, np.integer) else sizes[v]
+        return type(value)(proxy_int(int(value), sizes, small))
     if hasattr(value, "_fields") and hasattr(value, "_replace"):   # a NamedTuple (dimension numbers)
         return value._replace(**{f: _map_sizes(getattr(value, f), sizes, small) for f in value._fields})
     if isinstance(value, (tuple, list)):

@@ -302,15 +302,16 @@ class _Model:
             ub = np.concatenate([ub, [np.inf]])
         lb = np.concatenate([self.lb, np.zeros(len(ub) - len(self.lb))])
         t0 = time.perf_counter()
-        res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
-                   options={"time_limit": max(0.1, time_limit), "mip_rel_gap": gap, "disp": False,
-                            "presolve": self.presolve})
+
+        def run(presolve: bool):
+            return milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
+                        options={"time_limit": max(0.1, time_limit - (time.perf_counter() - t0)),
+                                 "mip_rel_gap": gap, "disp": False, "presolve": presolve})
+        res = run(self.presolve)
         if res.status == 4 and not self.presolve:
             # HiGHS "Solve error" (seen in transformNewIntegerFeasibleSolution with presolve off, on a
             # small problem with toggles): the same model with presolve on
-            res = milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
-                       options={"time_limit": max(0.1, time_limit - (time.perf_counter() - t0)),
-                                "mip_rel_gap": gap, "disp": False, "presolve": True})
+            res = run(True)
         return res
 
     def choice(self, x: np.ndarray) -> np.ndarray:
