@@ -12,8 +12,13 @@ same step on the same 8 devices:
   (parameters and optimizer state replicated, the batch split on every axis);
 * ``gspmd``: ``jax.jit`` given MetaDist's in/out shardings
   (``step.shardings()``), leaving everything in between to GSPMD;
-* ``metadist-calibrated``: MetaDist planning with link costs measured on
-  this machine first (:mod:`metadist_jax.calibrate`) instead of the defaults.
+* ``metadist-builtin``: MetaDist with the built-in link and device costs
+  instead of those its first compile measures on this machine (the default);
+* ``metadist-ddp``: MetaDist pinned to data parallelism, to tell a wrong
+  choice from a slow lowering; its price is hand-dp's prediction.
+
+Beside each time: the cost model's prediction for that plan and the bytes per
+device its collectives move, priced and counted in the HLO XLA compiled.
 
 Step times are medians over several runs after a warm-up; ratios are taken in
 the same run. The devices are virtual CPU devices on one host, so these figures
@@ -77,31 +82,59 @@ def _block(out):
     return out
 
 
-def run(quick: bool, solver: str | None) -> list[dict]:
+def _compile(step_fn, params, opt_state, batch, **kw):
+    """A MetaDist step compiled and run once; (step, its placed arguments, seconds)."""
+    from metadist_jax import metadist_compile
+    t0 = time.perf_counter()
+    st = metadist_compile(step_fn, **kw)
+    a = st.place(params, opt_state, batch)
+    _block(st(*a))
+    return st, a, time.perf_counter() - t0
+
+
+def _builtin_costs():
+    """A context in which compiles price with the built-in costs (no measured profile)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        old = os.environ.get("METADIST_MEASURE_LINKS")
+        os.environ["METADIST_MEASURE_LINKS"] = "0"
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop("METADIST_MEASURE_LINKS", None)
+            else:
+                os.environ["METADIST_MEASURE_LINKS"] = old
+    return ctx()
+
+
+def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from metadist_jax import metadist_compile
+    from metadist_core.overlap import predict
+    from metadist_jax.hlo import counted_bytes
 
     if jax.device_count() != 8:
         raise SystemExit(f"this benchmark needs 8 JAX devices, got {jax.device_count()}")
-    from metadist_jax.calibrate import measure_profile
-
     repeats = 5 if quick else 20
-    profile = measure_profile(iters=3 if quick else 7)
-    print(f"measured links: alpha {profile.levels['intra']['alpha'] * 1e6:.1f} us, "
-          f"{1e-9 / profile.levels['intra']['beta']:.2f} GB/s", flush=True)
     records = []
     for name, step_fn, params, opt_state, batch in models(quick):
         for mesh in MESHES:
-            t0 = time.perf_counter()
-            md = metadist_compile(step_fn, mesh=mesh, solver=solver)
-            args = md.place(params, opt_state, batch)
-            _block(md(*args))
-            compile_s = time.perf_counter() - t0
+            common = dict(mesh=mesh, solver=solver, cache_dir=cache)
+            # the first compile on this machine measures the links and the device (cached in ``cache``)
+            md, args, compile_s = _compile(step_fn, params, opt_state, batch, **common)
+            with _builtin_costs():
+                bi, bi_args, _ = _compile(step_fn, params, opt_state, batch, **common)
+            dd, dd_args, _ = _compile(step_fn, params, opt_state, batch, strategy="ddp", **common)
+            links = md.problem.mesh
+            print(f"{name} mesh {mesh}: measured alpha {[f'{a * 1e6:.1f} us' for a in links.alpha]}, "
+                  f"{[f'{1e-9 / b:.2f} GB/s' for b in links.beta]}, device "
+                  f"{md.problem.device.peak_flops / 1e9:.1f} GFLOP/s", flush=True)
             jmesh = md.jax_mesh
             every_axis = tuple(jmesh.axis_names)
-
             rep = NamedSharding(jmesh, P())
             split = NamedSharding(jmesh, P(every_axis))
             dp_in = (jax.tree.map(lambda _: rep, params), jax.tree.map(lambda _: rep, opt_state),
@@ -109,38 +142,47 @@ def run(quick: bool, solver: str | None) -> list[dict]:
             dp_out = (rep, dp_in[0], dp_in[1])
             hand = jax.jit(step_fn, in_shardings=dp_in, out_shardings=dp_out)
             hand_args = [jax.device_put(a, s) for a, s in zip((params, opt_state, batch), dp_in)]
-
             ins, outs = md.shardings()
             gspmd = jax.jit(step_fn, in_shardings=ins[0], out_shardings=outs)
 
-            cal = metadist_compile(step_fn, mesh=profile.mesh(mesh), solver=solver)
-            cal_args = cal.place(params, opt_state, batch)
-            _block(cal(*cal_args))
-
-            systems = {"metadist": (md, args), "hand-dp": (hand, hand_args), "gspmd": (gspmd, args),
-                       "metadist-calibrated": (cal, cal_args)}
+            steps = {"metadist": md, "metadist-builtin": bi, "metadist-ddp": dd}
+            systems = {"metadist": (md, args), "metadist-builtin": (bi, bi_args), "metadist-ddp": (dd, dd_args),
+                       "hand-dp": (hand, hand_args), "gspmd": (gspmd, args)}
             times = {}
             for sys_name, (fn, a) in systems.items():
                 times[sys_name], _ = timed(lambda: _block(fn(*a)), repeats=repeats, warmup=2)
+            preds = {k: predict(st.plan, st.problem) for k, st in steps.items()}
+            preds["hand-dp"] = preds["metadist-ddp"]   # the hand layout, priced by MetaDist pinned to it
+            counted = {}
+            for k, st in steps.items():
+                run_ = st.lowered()
+                leaves = jax.tree_util.tree_leaves(systems[k][1])
+                placed = [jax.device_put(x, sh) for x, sh in zip(leaves, run_.program.in_shardings)]
+                counted[k] = counted_bytes(run_.program.fn, *placed, *run_.consts)
+            counted["hand-dp"] = counted_bytes(hand, *hand_args)
+            counted["gspmd"] = counted_bytes(gspmd, *args)
             n_params = sum(1 for v in md.graph.inputs if md.graph.vars[v].role == "parameter")
+            best = min(times["hand-dp"], times["gspmd"])
             for sys_name, t in times.items():
-                own = cal if sys_name == "metadist-calibrated" else md
+                own = steps.get(sys_name, md)
                 plan = own.plan
                 sharded = sum(1 for v in own.graph.inputs if own.graph.vars[v].role == "parameter"
                               and not plan.input_shardings[v].is_fully_replicated())
-                mine = sys_name.startswith("metadist")
+                pr = preds.get(sys_name)
                 records.append({
                     "model": name, "mesh": "x".join(map(str, mesh)), "system": sys_name,
-                    "step_ms": t * 1e3, "vs_metadist": t / times["metadist"],
+                    "step_ms": t * 1e3, "vs_metadist": t / times["metadist"], "vs_best_hand": t / best,
+                    "predicted_ms": pr.step * 1e3 if pr else None,
+                    "pred_error": (pr.step - t) / t if pr else None,
+                    "comm_bytes_predicted": pr.comm_bytes if pr else None,
+                    "comm_bytes_counted": counted[sys_name][0], "collectives_counted": counted[sys_name][1],
                     "params_sharded": f"{sharded}/{n_params}" if sys_name != "hand-dp" else f"0/{n_params}",
-                    "plan_ms_model": plan.objective * 1e3 if mine else None,
-                    "collectives": sum(1 for _, c in plan.collectives() if not c.is_free) if mine else None,
                     "compile_s": compile_s if sys_name == "metadist" else None,
                     "solver": plan.solver, "quick": quick,
                 })
             print(f"{name:>26} mesh {'x'.join(map(str, mesh)):>3}: " +
-                  ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in times.items()) +
-                  f" (compile {compile_s:.1f} s)", flush=True)
+                  ", ".join(f"{k} {v * 1e3:.2f} ms" + (f" (pred {preds[k].step * 1e3:.2f})" if k in preds else "")
+                            for k, v in times.items()) + f" (compile {compile_s:.1f} s)", flush=True)
     return records
 
 
@@ -151,15 +193,23 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("METADIST_PROGRESS", "0")
-    records = run(args.quick, args.solver)
-    notes = ("Step time of one training step (forward, backward, adam) on 8 virtual CPU devices of one host. "
-             "`metadist`: the plan lowered to shard_map with explicit collectives; `hand-dp`: jax.jit with "
-             "replicated parameters and the batch split over every device; `gspmd`: jax.jit given MetaDist's "
-             "in/out shardings, GSPMD choosing the rest; `metadist-calibrated`: MetaDist planning with link costs "
-             "measured on this machine. `vs_metadist` > 1 means slower than MetaDist. "
-             "Virtual devices share the host's cores, so these measure program structure, not links.")
-    path = write_results(NAME, records, ["model", "mesh", "system", "step_ms", "vs_metadist", "params_sharded",
-                                         "collectives", "plan_ms_model", "compile_s", "solver"],
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="metadist-jax-step-") as cache:
+        records = run(args.quick, args.solver, cache)
+    notes = ("Step time of one training step (forward, backward, adam) on 8 virtual CPU devices of one host, "
+             "medians, all systems in the same run. `metadist`: the plan lowered to shard_map with explicit "
+             "collectives, priced with the link and device costs its first compile measured on this machine "
+             "(the default); `metadist-builtin`: the same with the built-in costs; `metadist-ddp`: MetaDist "
+             "pinned to data parallelism (`strategy=\"ddp\"`), whose price stands as hand-dp's prediction; "
+             "`hand-dp`: jax.jit with replicated parameters and the batch split over every device; `gspmd`: "
+             "jax.jit given MetaDist's in/out shardings, GSPMD choosing the rest (no prediction). "
+             "`predicted_ms`: metadist_core.overlap.predict of the plan; `comm_bytes_predicted`: the bytes per "
+             "device its collectives move as priced; `comm_bytes_counted`: the same read from the optimized HLO "
+             "XLA compiled (metadist_jax.hlo). `vs_best_hand` < 1 means faster than the better of hand-dp and "
+             "gspmd. Virtual devices share the host's 2 cores, so these measure program structure, not links.")
+    path = write_results(NAME, records, ["model", "mesh", "system", "step_ms", "predicted_ms", "pred_error",
+                                         "vs_best_hand", "comm_bytes_predicted", "comm_bytes_counted",
+                                         "collectives_counted", "params_sharded", "compile_s"],
                          "JAX step time: MetaDist vs hand-written DP vs GSPMD (8 virtual CPU devices)", notes)
     print(f"wrote {path} and {path.with_suffix('.json')}")
 

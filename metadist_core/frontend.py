@@ -59,6 +59,9 @@ class Frontend(abc.ABC):
     proxy_shapes: bool = False  # op_spec reads only the graph's shapes and op.attrs: discovery may use proxy sizes
     bucket_copies: int = 0     # extra copies of a gradient bucket the lowering holds where it runs (memprofile)
     shard_buckets: bool = False   # the lowering gathers inputs and reduce-scatters gradients in buckets (gathers.py)
+    # the lowering moves a value again for its readers after the forward (torch frees the forward's copy,
+    # metadist_core.phases); False: one move serves every phase (XLA merges identical collectives)
+    phased_reshards: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A concrete adapter runs ops for discovery: it names a ``runner_module`` or overrides ``op_spec``."""

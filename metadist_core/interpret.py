@@ -128,8 +128,10 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
     env: dict[str, Any] = dict(inputs)
     shared: dict[tuple, Any] = {}
     result = Interpretation({}, {})
-    # the phases the plan was priced with (a micro-batch or stage part keeps its whole step's), else the graph's
-    phases = getattr(getattr(plan, "problem", None), "phases", None) or reader_phases(graph)
+    # the phases the plan was priced with (a micro-batch or stage part keeps its whole step's; none where the
+    # frontend's lowering moves a value once for every phase), else the graph's
+    priced = getattr(plan, "problem", None)
+    phases = priced.phases if getattr(priced, "phases", None) is not None else reader_phases(graph)
 
     def move(var: str, edge: Any) -> Any:
         x = env[var]

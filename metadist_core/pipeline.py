@@ -63,14 +63,15 @@ def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, fl
 def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
                settings: Settings | None = None, constraints: Iterable[Any] | None = None,
                solver_options: dict | None = None, device: Any = None, bucket_copies: int = 0,
-               shard_buckets: bool = False, **setting_values: Any) -> CompileResult:
+               shard_buckets: bool = False, phased: bool = True, **setting_values: Any) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
 
     ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
     cache_dir, progress...) says how. ``device`` is the cost model's DeviceSpec;
     by default the one of the mesh profile (``mesh_profile`` setting), else the
-    CPU preset. ``bucket_copies`` / ``shard_buckets``: what the frontend's lowering makes of buckets
-    (:class:`~metadist_core.frontend.Frontend`), priced by the memory model and the prediction.
+    CPU preset. ``bucket_copies`` / ``shard_buckets`` / ``phased``: what the frontend's lowering makes of
+    buckets and of a value moved again after the forward (:class:`~metadist_core.frontend.Frontend`), priced by
+    the memory model and the prediction.
     """
     from .problem import build_problem  # the solve half of the flow
 
@@ -105,7 +106,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
         problem = build_problem(g, book, mesh, op_costs=g_costs, constraints=plain,
                                 memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
                                 bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
-                                shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None)
+                                shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None,
+                                phased=phased)
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
             from .offload import apply_offload
@@ -224,7 +226,8 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         else:
             result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
                                 constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh),
-                                bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets)
+                                bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets,
+                          phased=frontend.phased_reshards)
         try:
             planonly.finish(result, plan_mesh, request)
         except planonly.PlanOnlyDone:   # the problem beside the plan (`metadist explain`), --compare's table
@@ -242,11 +245,15 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     graph = traced.graph
     run_mesh = frontend.resolve_mesh(mesh, load_profile(s.mesh_profile))
     profile = None
-    if run_mesh.size > 1:   # costs measured by default: cached per host, world size and device kind
+    # costs measured by default: cached per host, world size and device kind. A metadist Mesh given as
+    # ``mesh`` carries its own link costs, which stay (they had been replaced by the profile's: a mesh
+    # built from a calibrated profile was priced with the built-in costs when the frontend measures none)
+    if run_mesh.size > 1:
         from .profile import profile_for
         t = time.perf_counter()
         profile = profile_for(frontend, run_mesh, s)
-        run_mesh = profile.mesh(run_mesh.shape, run_mesh.axis_names)
+        if not isinstance(mesh, Mesh):
+            run_mesh = profile.mesh(run_mesh.shape, run_mesh.axis_names)
         timings["profile"] = time.perf_counter() - t
     k_stages = s.pipeline_stages
     if k_stages is not None and k_stages > 1:   # a count that does not match mesh axis 0: a clear error
@@ -262,7 +269,8 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
                           constraints=user_constraints + frontend.constraints(graph, m),
                           device=profile.device if profile is not None else None,
-                          bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets)
+                          bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets,
+                          phased=frontend.phased_reshards)
 
     book, problem, plan = RuleBook(), None, None
     if run_mesh.size == 1:

@@ -356,7 +356,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   prune: bool = True,
                   grad_compression: str | None = None,
                   bucket_bytes: int | None = None, bucket_copies: int = 0,
-                  shard_bucket_bytes: int | None = None) -> ShardingProblem:
+                  shard_bucket_bytes: int | None = None, phased: bool = True) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them
@@ -427,7 +427,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     cons = parse_constraints(constraints or [])
     prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),
                            memory_budget, cons, list(graph.outputs), dict(graph.aliases),
-                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph), int(bucket_copies),
+                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph) if phased else {},
+                           int(bucket_copies),
                            int(shard_bucket_bytes) if shard_bucket_bytes else None)
     apply_constraints(prob)
     prob.edges = _build_edges(prob)

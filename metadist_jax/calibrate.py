@@ -1,10 +1,11 @@
 """Time real JAX collectives on the local devices and fit a mesh profile (alpha, beta per link level).
 
-``measure_profile()`` runs ``psum`` (all_reduce) and ``all_gather`` under
-shard_map over every device as one axis, for a few message sizes, and fits
-alpha/beta with :func:`metadist_core.profile.fit_alpha_beta`. Save the profile
-and point ``METADIST_MESH_PROFILE`` at it: ``metadist_compile`` then prices
-collectives with what this machine really does.
+``measure_live`` (what a compile uses by default, through
+:func:`metadist_core.profile.profile_for`) times psums on each axis of the mesh
+the step runs on, inside one jitted shard_map as a step runs them, and the
+devices' compute rates; ``measure_profile()`` (``metadist calibrate``) runs
+``psum`` and ``all_gather`` over every device as one axis. Both fit alpha/beta
+with :func:`metadist_core.profile.fit_alpha_beta`.
 """
 from __future__ import annotations
 
@@ -57,3 +58,113 @@ def measure_profile(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 7) -> Mes
     """A measured profile of this process's devices as one node."""
     n = jax.device_count()
     return profile_from_samples(measure(sizes, iters), 1, n, f"jax-{jax.devices()[0].platform}")
+
+
+# -- measured by default: per mesh axis, on the mesh the step runs on ---------------------------------
+
+#: bytes per device of the psums timed on each mesh axis
+LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
+CHAIN = 4   # collectives timed one after another inside one jitted program (XLA runs a step so)
+
+
+def _chain_seconds(body, x, iters: int) -> float:
+    return _median_seconds(jax.jit(body), x, iters)
+
+
+def measure_axes(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> tuple[list[dict], list[dict]]:
+    """Alpha/beta of every axis of ``jax_mesh`` from psums timed inside one jitted shard_map, as a step
+    runs them (``CHAIN`` psums after each other, less one, so that the jit call's own dispatch drops out).
+    Returns (per-axis {"alpha", "beta"}, raw samples)."""
+    from metadist_core.profile import fit_alpha_beta
+    names = tuple(jax_mesh.axis_names)
+    spec = P(names)
+    n_all = int(np.prod(jax_mesh.devices.shape))
+    axes, samples = [], []
+    for axis, name in enumerate(names):
+        n = int(jax_mesh.shape[name])
+        rows = []
+        for nbytes in LIVE_SIZES:
+            per = max(1, nbytes // 4)
+            x = jax.device_put(np.ones((n_all * per,), np.float32), jax.sharding.NamedSharding(jax_mesh, spec))
+
+            def chain(k: int):
+                def body(v):
+                    for _ in range(k):   # scaled so that values stay put: nothing to fold away
+                        v = lax.psum(v, name) * (1.0 / n)
+                    return v
+                return jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False)
+            one = _chain_seconds(chain(1), x, iters)
+            many = _chain_seconds(chain(CHAIN), x, iters)
+            secs = max((many - one) / (CHAIN - 1), 1e-7)
+            rows.append(("all_reduce", n, per * 4, secs))
+            samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": per * 4, "seconds": secs})
+        a, b = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
+        axes.append({"alpha": a, "beta": b})
+    return axes, samples
+
+
+def measure_device_rates(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> dict:
+    """Per-device matmul FLOP/s, memory-bound bytes/s and per-op overhead with every device of
+    ``jax_mesh`` computing at once (virtual CPU devices share the host's cores, as in a step)."""
+    names = tuple(jax_mesh.axis_names)
+    n_all = int(np.prod(jax_mesh.devices.shape))
+    sh = jax.sharding.NamedSharding(jax_mesh, P(names))
+
+    def run(body, shape):
+        x = jax.device_put(np.random.default_rng(0).standard_normal((n_all * shape[0],) + shape[1:]).astype(np.float32)
+                           / np.sqrt(shape[-1]), sh)
+        f = jax.shard_map(body, mesh=jax_mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
+        return _median_seconds(jax.jit(f), x, iters)
+    n, k_mm, k_tiny = 256, 8, 256
+
+    def mm(k):
+        def body(a):
+            for _ in range(k):
+                a = a @ a
+            return a
+        return body
+
+    def tiny(k):
+        def body(a):
+            for _ in range(k):
+                a = a @ a   # 8x8 dots: no two fuse, each pays what an op costs
+            return a
+        return body
+    t_mm = (run(mm(1 + k_mm), (n, n)) - run(mm(1), (n, n))) / k_mm
+    t_tiny = (run(tiny(1 + k_tiny), (8, 8)) - run(tiny(1), (8, 8))) / k_tiny
+    big = 1 << 20
+    t_add1 = run(lambda a: a + 1.0, (big,))
+    t_add0 = run(lambda a: a + 1.0, (8,))
+    over = max(t_tiny, 0.0)
+    return {"peak_flops": 2 * n ** 3 / max(t_mm - over, 1e-9),
+            "mem_bandwidth": 2 * big * 4 / max(t_add1 - t_add0, 1e-9), "op_overhead": over}
+
+
+def measure_live(jax_mesh: "jax.sharding.Mesh", mesh_shape: Sequence[int], cached: MeshProfile | None = None,
+                 iters: int = 5) -> MeshProfile:
+    """A measured profile for ``jax_mesh`` (``cached`` grows by this mesh shape when given). With several
+    processes, process 0's figures are every process's, so that all of them plan alike."""
+    from metadist_core.cost import DeviceSpec
+    axes, samples = measure_axes(jax_mesh, iters)
+    rates = measure_device_rates(jax_mesh, iters)
+    vec = np.array([rates["peak_flops"], rates["mem_bandwidth"], rates["op_overhead"]]
+                   + [v for a in axes for v in (a["alpha"], a["beta"])], dtype=np.float64)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        vec = np.asarray(multihost_utils.broadcast_one_to_all(vec), dtype=np.float64)
+    axes = [{"alpha": float(vec[3 + 2 * i]), "beta": float(vec[4 + 2 * i])} for i in range(len(axes))]
+    platform = jax.devices()[0].platform
+    device = DeviceSpec(f"measured-jax-{platform}", float(vec[0]), float(vec[1]), op_overhead=float(vec[2]))
+    if cached is not None:
+        prof = MeshProfile.from_json(cached.to_json())
+    else:
+        inner = next((a for a in reversed(axes) if a["alpha"] > 0), {"alpha": 1e-5, "beta": 1e-10})
+        n = jax.device_count()
+        per_node = jax.local_device_count()
+        prof = MeshProfile(max(1, n // per_node), per_node, {"intra": dict(inner), "inter": dict(axes[0] if axes else inner)},
+                           f"jax-{platform}", True)
+    prof.device = device
+    prof.axis_costs["x".join(map(str, mesh_shape))] = axes
+    prof.samples = list(prof.samples) + samples
+    prof.measured = True
+    return prof

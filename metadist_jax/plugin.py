@@ -29,6 +29,9 @@ class JaxFrontend(Frontend):
     description = "JAX: jaxpr primitives bound on CPU arrays for ShardCombine, lowered to shard_map"
     runner_module = "metadist_jax.oprunner"
     proxy_shapes = True   # op specs come from the graph's shapes, op.attrs and the payload (params rewritten)
+    # XLA's CSE merges the interpreter's second, identical collective of a value for the backward's readers
+    # (measured in the optimized HLO: one all_gather where the phases priced two), so one is priced and held
+    phased_reshards = False
 
     def __init__(self) -> None:
         # (shape, axis names) -> the jax.sharding.Mesh resolve_mesh chose for it (say, the user's own)
@@ -95,6 +98,19 @@ class JaxFrontend(Frontend):
         from .microbatch import lower_micro_batches
         return lower_micro_batches(traced.graph, traced.context, cut, plans, plans[2], mesh, self.jax_mesh(mesh),
                                    settings.micro_batches)
+
+    def device_kind(self) -> str | None:
+        import jax
+        d = jax.devices()[0]
+        return f"jax-{d.platform}-{str(getattr(d, 'device_kind', d.platform)).replace(' ', '_')}"
+
+    def measure_profile(self, mesh: "Mesh", cached: Any) -> Any:
+        """Alpha/beta per axis of ``mesh`` from psums inside one jitted shard_map, and the devices' rates
+        (a few seconds), unless ``cached`` covers this mesh shape already."""
+        if cached is not None and "x".join(map(str, mesh.shape)) in cached.axis_costs:
+            return cached
+        from .calibrate import measure_live
+        return measure_live(self.jax_mesh(mesh), mesh.shape, cached)
 
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         """Time psum and all_gather over this process's JAX devices; write and return the MeshProfile."""
