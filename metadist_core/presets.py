@@ -6,7 +6,9 @@ a preset's price and its numbers come from the same machinery.
 
 - ``ddp``: parameters, optimizer state and buffers replicated; every batch
   input split on dim 0 over every mesh axis; each gradient made as a partial
-  sum on every device and read whole by the update (all-reduced).
+  sum on every device and read whole by the update (all-reduced); the update
+  itself (every value computed from the optimizer state) runs whole on every
+  device, as DDP runs it.
 - ``zero1``: as ddp, with optimizer state split on dim 0 over every axis
   (gradients partial sums, reduced as the solver finds cheapest).
 - ``zero2``: as zero1, with the gradients read split (reduce-scatter).
@@ -162,7 +164,11 @@ class GraphView:
         return out
 
     def _grad_of(self, p: str, starts: list[str], marked: set[str]) -> str | None:
+        """The gradient of ``p``: the last marked value the update reads; unmarked, the earliest candidate
+        that can be a partial sum (the gradient itself: Adam reads ``(1-b1)*g`` and ``g*g``, and only ``g``
+        is the one both come from; ``g*g`` cannot be summed across devices), else the last candidate."""
         shape, best, seen = self.shape(p), None, set(starts)
+        summable: list[str] = []
         todo = [self.producer[v] for v in starts if v in self.producer]
         visited: set[int] = set()
         while todo:
@@ -178,9 +184,22 @@ class GraphView:
                 if v in marked or (self.shape(v) == shape and d & 1 and not d & ~1):
                     if best is None or self.producer[v] > self.producer[best]:
                         best = v
+                    if v not in marked:
+                        if self._summable(v):
+                            summable.append(v)
+                        todo.append(self.producer[v])   # the value it is computed from may be the gradient
                 elif d & ~1:   # still inside the optimizer's update: keep walking
                     todo.append(self.producer[v])
-        return best
+        found = [v for v in seen if v in marked]
+        if found:
+            return max(found, key=self.producer.__getitem__)
+        return min(summable, key=self.producer.__getitem__) if summable else best
+
+    def _summable(self, v: str) -> bool:
+        """Can ``v`` be made as a partial sum on every mesh axis (some option of its definer gives it)?"""
+        i, s = self.prob.definer(v)
+        return any(all(p.is_partial() and p.reduce == "sum" for p in o.outputs[s])
+                   for o in self.prob.nodes[i].options)
 
 
 # -- shardings -------------------------------------------------------------------------------------
@@ -228,6 +247,32 @@ def _forbid_readers(g: GraphView, pins: _Pins, var: str, placements: list[Placem
     pins.out.pins.extend(Forbid(p, var=var) for p in placements)
 
 
+def _replicated_update(g: GraphView, pins: _Pins, grads: Iterable[str]) -> None:
+    """DDP updates every replica whole: no value computed from the optimizer state or from a (reduced)
+    gradient is split. (Left free, the solver split Adam's update of the replicated state and gathered the
+    results, which is ZeRO's program with replicated storage, not DDP's, and the ddp preset priced that.)"""
+    after: set[str] = set()
+    todo = list(grads)
+    while todo:
+        v = todo.pop()
+        for i, _ in g.readers.get(v, []):
+            for o in g.prob.nodes[i].outputs:
+                if o not in after:
+                    after.add(o)
+                    todo.append(o)
+    for n in g.prob.nodes:
+        if n.kind != "op":
+            continue
+        for s, v in enumerate(n.outputs):
+            shape = g.shape(v)
+            if not shape or not (g.dep.get(v, 0) & ~1 or v in after):
+                continue
+            if not any(not any(p.is_shard() for p in o.outputs[s]) for o in n.options):
+                pins.out.notes.append(f"{var_name(g.prob, v)}: no rule computes it unsplit; left to the solver")
+                continue
+            pins.out.pins.extend(Forbid(Shard(d), var=v) for d in range(len(shape)))
+
+
 def preset_constraints(prob: "ShardingProblem", name: str) -> PresetConstraints:
     """The constraints of preset ``name`` on ``prob``."""
     key = ALIASES.get(check_strategy(name), check_strategy(name))
@@ -259,6 +304,8 @@ def preset_constraints(prob: "ShardingProblem", name: str) -> PresetConstraints:
                     _forbid_readers(g, pins, v, [Shard(d) for d in range(len(g.shape(v) or ()))])
                 elif key == "zero2" and split_on(g.shape(v), 0, every, shape) is not None:
                     _forbid_readers(g, pins, v, [Replicate()])   # read split: reduce-scattered
+    if key == "ddp":
+        _replicated_update(g, pins, pins.out.gradients)
     for p in g.params:
         pins.pin(p, split_on(g.shape(p), 0, every, shape) if shard_params else None,
                  f"dim 0 does not divide by {prob.mesh.size}" if shard_params else "")

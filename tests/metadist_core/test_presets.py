@@ -27,7 +27,9 @@ def mlp_step():
     g1 = g.op("np.matmul", g.op("np.transpose", x, perm=[1, 0]), h)
     m1n = g.op("np.add", g.op("np.scale", m1, factor=0.9), g1)
     w1n = g.op("np.sub", w1, g.op("np.scale", m1n, factor=0.01))
-    g2s = g.op("np.scale", g2, factor=0.01)   # what SGD's update reads: the last gradient-shaped value
+    # what SGD's update reads is the scaled gradient; the gradient recognised is the one it is made from, the
+    # earliest value of w2's shape that can be a partial sum (Adam reads (1-b1)*g and g*g, both from g)
+    g2s = g.op("np.scale", g2, factor=0.01)
     w2n = g.op("np.sub", w2, g2s)
     g.output(loss, w1n, w2n, m1n)
     ir = g.ir
@@ -35,7 +37,7 @@ def mlp_step():
         ir.alias(s, n)
     for v, label in (("w1", "mlp.fc1.weight"), ("w2", "mlp.fc2.weight"), ("m1", "mlp.fc1.weight.momentum")):
         ir.vars[v].label = label
-    return ir, g1, g2s
+    return ir, g1, g2
 
 
 @pytest.fixture(scope="module")
