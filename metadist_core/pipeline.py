@@ -50,6 +50,13 @@ class CompileResult:
     mesh: Mesh | None = None
 
 
+def _own_link_costs(mesh: Any) -> bool:
+    """Is ``mesh`` a metadist Mesh whose link costs differ from the built-in ones (set by its maker)?"""
+    from .placement import DEFAULT_ALPHA, DEFAULT_BETA
+    return isinstance(mesh, Mesh) and (any(a != DEFAULT_ALPHA for a in mesh.alpha)
+                                       or any(b != DEFAULT_BETA for b in mesh.beta))
+
+
 def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, float]]:
     """``(flops, bytes)`` per op id, from the frontend that owns each op (missing: the core estimates)."""
     out = {}
@@ -246,13 +253,14 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     run_mesh = frontend.resolve_mesh(mesh, load_profile(s.mesh_profile))
     profile = None
     # costs measured by default: cached per host, world size and device kind. A metadist Mesh given as
-    # ``mesh`` carries its own link costs, which stay (they had been replaced by the profile's: a mesh
-    # built from a calibrated profile was priced with the built-in costs when the frontend measures none)
+    # ``mesh`` with link costs of its own keeps them (they had been replaced by the profile's: a mesh built
+    # from a calibrated profile was priced with the built-in costs when the frontend measured none); one
+    # with the built-in costs (``Mesh((2, 2))``: a shape and axis names) takes the measured ones
     if run_mesh.size > 1:
         from .profile import profile_for
         t = time.perf_counter()
         profile = profile_for(frontend, run_mesh, s)
-        if not isinstance(mesh, Mesh):
+        if not _own_link_costs(mesh):
             run_mesh = profile.mesh(run_mesh.shape, run_mesh.axis_names)
         timings["profile"] = time.perf_counter() - t
     k_stages = s.pipeline_stages

@@ -8,7 +8,8 @@
 * The first compile with ``measure_links`` on measures the links per mesh axis
   and the device, caches the profile, and the next compile reads it; a new mesh
   shape is measured and added.
-* A metadist ``Mesh`` given as ``mesh=`` keeps its own link costs.
+* A metadist ``Mesh`` given as ``mesh=`` keeps link costs of its own; one with
+  the built-in costs (a shape and axis names) takes the measured ones.
 """
 from __future__ import annotations
 
@@ -113,3 +114,17 @@ def test_given_mesh_keeps_its_link_costs(devices8, rule_cache):
     step = metadist_compile(step_fn, mesh=mine, cache_dir=rule_cache)
     step(*step.place(params, opt_state, batch))
     assert list(step.problem.mesh.alpha) == [3.5e-3] and list(step.problem.mesh.beta) == [2.5e-9]
+
+
+def test_a_mesh_of_shape_only_takes_the_measured_costs(devices8, rule_cache, monkeypatch):
+    """``Mesh((8,))`` says a shape and axis names, not costs: the measured profile prices it."""
+    import metadist_jax.calibrate as cal
+    real = cal.measure_live
+    monkeypatch.setattr(cal, "measure_live", lambda jm, shape, cached=None, iters=5: real(jm, shape, cached, iters=2))
+    monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")
+    step_fn, params, opt_state, batch = _mlp_step()
+    step = metadist_compile(step_fn, mesh=Mesh((8,)), cache_dir=rule_cache)
+    step(*step.place(params, opt_state, batch))
+    prof = cached_profile(rule_cache, profile_key(8, JaxFrontend().device_kind()))
+    assert prof is not None
+    assert list(step.problem.mesh.alpha) == [prof.axis_costs["8"][0]["alpha"]]
