@@ -37,6 +37,7 @@ import logging  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -92,24 +93,6 @@ def _compile(step_fn, params, opt_state, batch, **kw):
     return st, a, time.perf_counter() - t0
 
 
-def _builtin_costs():
-    """A context in which compiles price with the built-in costs (no measured profile)."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        old = os.environ.get("METADIST_MEASURE_LINKS")
-        os.environ["METADIST_MEASURE_LINKS"] = "0"
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("METADIST_MEASURE_LINKS", None)
-            else:
-                os.environ["METADIST_MEASURE_LINKS"] = old
-    return ctx()
-
-
 def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -126,7 +109,7 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
             common = dict(mesh=mesh, solver=solver, cache_dir=cache)
             # the first compile on this machine measures the links and the device (cached in ``cache``)
             md, args, compile_s = _compile(step_fn, params, opt_state, batch, **common)
-            with _builtin_costs():
+            with mock.patch.dict(os.environ, {"METADIST_MEASURE_LINKS": "0"}):   # the built-in costs
                 bi, bi_args, _ = _compile(step_fn, params, opt_state, batch, **common)
             dd, dd_args, _ = _compile(step_fn, params, opt_state, batch, strategy="ddp", **common)
             links = md.problem.mesh
@@ -153,14 +136,9 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
                 times[sys_name], _ = timed(lambda: _block(fn(*a)), repeats=repeats, warmup=2)
             preds = {k: predict(st.plan, st.problem) for k, st in steps.items()}
             preds["hand-dp"] = preds["metadist-ddp"]   # the hand layout, priced by MetaDist pinned to it
-            counted = {}
-            for k, st in steps.items():
-                run_ = st.lowered()
-                leaves = jax.tree_util.tree_leaves(systems[k][1])
-                placed = [jax.device_put(x, sh) for x, sh in zip(leaves, run_.program.in_shardings)]
-                counted[k] = counted_bytes(run_.program.fn, *placed, *run_.consts)
-            counted["hand-dp"] = counted_bytes(hand, *hand_args)
-            counted["gspmd"] = counted_bytes(gspmd, *args)
+            counted = {k: counted_bytes(st.lowered().compiled_text(*systems[k][1])) for k, st in steps.items()}
+            counted["hand-dp"] = counted_bytes(hand.lower(*hand_args).compile().as_text())
+            counted["gspmd"] = counted_bytes(gspmd.lower(*args).compile().as_text())
             n_params = sum(1 for v in md.graph.inputs if md.graph.vars[v].role == "parameter")
             best = min(times["hand-dp"], times["gspmd"])
             for sys_name, t in times.items():

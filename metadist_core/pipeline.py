@@ -234,7 +234,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
             result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
                                 constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh),
                                 bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets,
-                          phased=frontend.phased_reshards)
+                                phased=frontend.phased_reshards)
         try:
             planonly.finish(result, plan_mesh, request)
         except planonly.PlanOnlyDone:   # the problem beside the plan (`metadist explain`), --compare's table

@@ -67,10 +67,6 @@ LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 CHAIN = 4   # collectives timed one after another inside one jitted program (XLA runs a step so)
 
 
-def _chain_seconds(body, x, iters: int) -> float:
-    return _median_seconds(jax.jit(body), x, iters)
-
-
 def measure_axes(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> tuple[list[dict], list[dict]]:
     """Alpha/beta of every axis of ``jax_mesh`` from psums timed inside one jitted shard_map, as a step
     runs them (``CHAIN`` psums after each other, less one, so that the jit call's own dispatch drops out).
@@ -93,8 +89,8 @@ def measure_axes(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> tuple[list[di
                         v = lax.psum(v, name) * (1.0 / n)
                     return v
                 return jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False)
-            one = _chain_seconds(chain(1), x, iters)
-            many = _chain_seconds(chain(CHAIN), x, iters)
+            one = _median_seconds(jax.jit(chain(1)), x, iters)
+            many = _median_seconds(jax.jit(chain(CHAIN)), x, iters)
             secs = max((many - one) / (CHAIN - 1), 1e-7)
             rows.append(("all_reduce", n, per * 4, secs))
             samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": per * 4, "seconds": secs})
@@ -117,21 +113,15 @@ def measure_device_rates(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> dict:
         return _median_seconds(jax.jit(f), x, iters)
     n, k_mm, k_tiny = 256, 8, 256
 
-    def mm(k):
+    def dots(k):
         def body(a):
             for _ in range(k):
-                a = a @ a
+                a = a @ a   # each waits for the one before: no two fuse
             return a
         return body
-
-    def tiny(k):
-        def body(a):
-            for _ in range(k):
-                a = a @ a   # 8x8 dots: no two fuse, each pays what an op costs
-            return a
-        return body
-    t_mm = (run(mm(1 + k_mm), (n, n)) - run(mm(1), (n, n))) / k_mm
-    t_tiny = (run(tiny(1 + k_tiny), (8, 8)) - run(tiny(1), (8, 8))) / k_tiny
+    t_mm = (run(dots(1 + k_mm), (n, n)) - run(dots(1), (n, n))) / k_mm
+    # 8x8 dots: what an op costs besides its work
+    t_tiny = (run(dots(1 + k_tiny), (8, 8)) - run(dots(1), (8, 8))) / k_tiny
     big = 1 << 20
     t_add1 = run(lambda a: a + 1.0, (big,))
     t_add0 = run(lambda a: a + 1.0, (8,))

@@ -66,10 +66,10 @@ def collectives(hlo_text: str) -> list[tuple[str, int]]:
     return out
 
 
-def counted_bytes(jitted: Any, *args: Any) -> tuple[int, int]:
-    """(bytes per device, number of collectives) of ``jitted`` compiled for ``args``."""
-    text = jitted.lower(*args).compile().as_text()
-    found = collectives(text)
+def counted_bytes(hlo_text: str) -> tuple[int, int]:
+    """(bytes per device, number of collectives) in an optimized HLO module's text: a jitted function's
+    ``f.lower(*args).compile().as_text()``, a lowered step's ``compiled_text(*args)``."""
+    found = collectives(hlo_text)
     return sum(b for _, b in found), len(found)
 
 

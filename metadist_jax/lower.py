@@ -271,13 +271,21 @@ class LoweredStep:
         pos = {v: i for i, v in enumerate(program.input_ids)}
         self.consts = [put(context.const_values[v], program.in_shardings[pos[v]]) for v in context.const_ids]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _operands(self, args: tuple, kwargs: dict) -> list:
+        """The program's operands for the user's arguments: each leaf placed as the plan stores it, then
+        the step's constants."""
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         if tree != self.context.in_tree:
             raise TypeError(f"the step was compiled for arguments shaped {self.context.in_tree}, got {tree}")
-        placed = [put(x, s) for x, s in zip(leaves, self.program.in_shardings)]
-        outs = self.program.fn(*placed, *self.consts)
+        return [put(x, s) for x, s in zip(leaves, self.program.in_shardings)] + list(self.consts)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        outs = self.program.fn(*self._operands(args, kwargs))
         return jax.tree_util.tree_unflatten(self.context.out_tree, list(outs))
+
+    def compiled_text(self, *args: Any, **kwargs: Any) -> str:
+        """The optimized HLO XLA compiles for these arguments (what :mod:`metadist_jax.hlo` reads)."""
+        return self.program.fn.lower(*self._operands(args, kwargs)).compile().as_text()
 
 
 __all__ = ["JaxCollectives", "LoweredStep", "LoweringError", "Program", "apply_collective", "build_body",

@@ -21,6 +21,17 @@ def load_example(name: str):
     return mod
 
 
+def mlp_case():
+    """The MLP example at its test sizes with optax adam: (module, optimizer, params, state, batch)."""
+    import jax
+    import optax
+
+    mlp = load_example("mlp")
+    opt = optax.adam(1e-3)
+    params = mlp.init_params(jax.random.key(0), mlp.TEST_SIZES)
+    return mlp, opt, params, opt.init(params), mlp.make_batch(0, **mlp.TEST_BATCH)
+
+
 def side_by_side(step_fn, compiled, params, opt_state, batches):
     """Run the single-device jitted step and the compiled step on the same batches; both trajectories."""
     import jax

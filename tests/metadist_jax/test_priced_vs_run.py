@@ -28,21 +28,12 @@ from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.hlo import collectives  # noqa: E402
 from metadist_jax.plugin import JaxFrontend  # noqa: E402
 
-from _jax_models import load_example  # noqa: E402
+from _jax_models import mlp_case  # noqa: E402
 
 
 def _mlp_step():
-    mlp = load_example("mlp")
-    opt = optax.adam(1e-3)
-    params = mlp.init_params(jax.random.key(0), mlp.TEST_SIZES)
-    return mlp.make_step(opt), params, opt.init(params), mlp.make_batch(0, **mlp.TEST_BATCH)
-
-
-def _hlo(step, args) -> str:
-    run = step.lowered()
-    leaves = jax.tree_util.tree_leaves(args)
-    placed = [jax.device_put(x, s) for x, s in zip(leaves, run.program.in_shardings)]
-    return run.program.fn.lower(*placed, *run.consts).compile().as_text()
+    mlp, opt, params, state, batch = mlp_case()
+    return mlp.make_step(opt), params, state, batch
 
 
 @pytest.mark.parametrize("mesh", [(8,), (2, 4)], ids=lambda m: "x".join(map(str, m)))
@@ -53,7 +44,7 @@ def test_hlo_collectives_are_the_priced_ones(devices8, rule_cache, mesh):
     args = step.place(params, opt_state, batch)
     step(*args)
     priced = Counter((c.kind, int(c.nbytes)) for _, c in priced_collectives(step.plan))
-    ran = Counter(collectives(_hlo(step, args)))
+    ran = Counter(collectives(step.lowered().compiled_text(*args)))
     assert sum(priced.values()) > 0, str(step.plan)
     assert ran == priced, f"priced {sorted(priced.items())}\nXLA runs {sorted(ran.items())}\n{step.plan}"
     assert predict(step.plan, step.problem).comm_bytes == sum(b * k for (_, b), k in ran.items())

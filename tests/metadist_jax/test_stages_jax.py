@@ -13,25 +13,20 @@ from metadist_core import planonly  # noqa: E402
 from metadist_core.frontend import NotSupported  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 
-from _jax_models import load_example  # noqa: E402
+from _jax_models import mlp_case  # noqa: E402
 
 
-def _mlp():
-    mlp = load_example("mlp")
-    opt = optax.adam(1e-3)
-    params = mlp.init_params(jax.random.key(0), mlp.TEST_SIZES)
-    return mlp, opt, params, opt.init(params), mlp.make_batch(0, **mlp.TEST_BATCH)
 
 
 def test_running_a_pipelined_jax_step_is_a_clear_error(devices8, rule_cache):
-    mlp, opt, params, state, batch = _mlp()
+    mlp, opt, params, state, batch = mlp_case()
     step = metadist_compile(mlp.make_step(opt), mesh=(2, 4), cache_dir=rule_cache, pipeline_stages=2)
     with pytest.raises(NotSupported, match="pipeline_stages > 1 is not yet for the jax frontend"):
         step(params, state, batch)
 
 
 def test_metadist_plan_prices_jax_stages(devices8, rule_cache, tmp_path, monkeypatch, capsys):
-    mlp, opt, params, state, batch = _mlp()
+    mlp, opt, params, state, batch = mlp_case()
     out = tmp_path / "p.json"
     monkeypatch.setenv(planonly.ENV, json.dumps({"mesh": [2, 4], "out": str(out), "cache_dir": str(rule_cache)}))
     step = metadist_compile(mlp.make_step(opt), cache_dir=rule_cache, pipeline_stages=2, micro_batches=2)
