@@ -51,14 +51,14 @@ def collectives(hlo_text: str) -> list[tuple[str, int]]:
         m = _LINE.search(line)
         if not m:
             continue
-        kind = KINDS[m.group("op")]
-        shape = m.group("shape")
-        if m.group("op") in ("all-gather", "collective-permute", "all-reduce", "all-to-all") and shape.startswith("(") \
-                and line.split("=", 1)[1].lstrip().startswith("(") and "-start(" in line:
-            # an async start's tuple is (operands..., results...): count the results only
+        op, shape = m.group("op"), m.group("shape")
+        kind = KINDS[op]
+        if "-start(" in line and op in ("all-gather", "collective-permute"):
+            # their async start's tuple holds the operands, then the results (a permute's then two u32
+            # contexts): count the results only; an all-reduce-start's shape is its results already
             parts = _ARRAY.findall(shape)
-            half = len(parts) // 2
-            shape = " ".join(f"{dt}[{dims}]" for dt, dims in parts[half:])
+            parts = parts[len(parts) // 2:] if op == "all-gather" else parts[1:2]
+            shape = " ".join(f"{dt}[{dims}]" for dt, dims in parts)
         nbytes = _shape_bytes(shape)
         if kind == "reduce_scatter":
             nbytes *= _group_size(line)

@@ -68,6 +68,11 @@ def test_hlo_parser_reads_tuples_groups_and_async_starts():
     ])
     assert collectives(text) == [("all_reduce", 128), ("all_reduce", 64 + 8), ("reduce_scatter", 128 * 4),
                                  ("all_gather", 32)]
+    starts = "\n".join([   # a combined all-reduce-start's tuple is its results; a permute's holds contexts
+        "  %g = (f32[16]{0}, f32[4]{0}) all-reduce-start(%a, %b), replica_groups={{0,1}}, to_apply=%r",
+        "  %h = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%c), source_target_pairs={{0,1}}",
+    ])
+    assert collectives(starts) == [("all_reduce", 80), ("collective_permute", 32)]
 
 
 def test_profile_measured_cached_and_grown(devices8, tmp_path, monkeypatch):
