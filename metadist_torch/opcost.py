@@ -33,21 +33,44 @@ def _is_view(overload) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _counted_flops(key: str, shapes: tuple, dtypes: tuple, attrs_json: str) -> int | None:
-    """FLOPs of one call from torch's flop formulas, run on meta tensors; None when torch has no formula."""
-    from torch.utils.flop_counter import FlopCounterMode, flop_registry
+def _counted_flops(key: str, shapes: tuple, dtypes: tuple, attrs_json: str, out_shapes: tuple = (),
+                   out_dtypes: tuple = ()) -> int | None:
+    """FLOPs of one call from torch's flop formulas on meta tensors; None when torch has no formula.
+
+    The formula gets the call's arguments and its outputs (meta tensors of the traced output shapes) as
+    FlopCounterMode would give them, but the op is not run: running addmm's meta kernel (a Python
+    decomposition) imports torch._dynamo, 1.4 s on this machine, that planning a recorded graph needs
+    nowhere else."""
+    from torch.utils.flop_counter import flop_registry
     overload = resolve_overload(key)
     name = overload._schema.name.split("::")[-1]
     if name in _CUSTOM_FLOPS:
         return _CUSTOM_FLOPS[name](shapes)
-    if overload.overloadpacket not in flop_registry:
+    formula = flop_registry.get(overload.overloadpacket)
+    if formula is None:
         return None
     attrs = json.loads(attrs_json)
     tensors = [torch.empty(s, dtype=TORCH_DTYPES[d], device="meta") for s, d in zip(shapes, dtypes)]
-    with FlopCounterMode(display=False) as counter:
-        overload(*rebuild(attrs.get("args", []), tensors, device="meta"),
-                 **rebuild(attrs.get("kwargs", {}), tensors, device="meta"))
-    return int(counter.get_total_flops())
+    args = rebuild(attrs.get("args", []), tensors, device="meta")
+    kwargs = rebuild(attrs.get("kwargs", {}), tensors, device="meta")
+    n_ret = len(overload._schema.returns)
+    positions = attrs.get("select") or list(range(len(out_shapes)))   # which returns the graph kept
+    if not out_shapes or len(positions) != len(out_shapes) or max(positions) >= n_ret:
+        out = overload(*args, **kwargs)   # the traced outputs do not say: the op's meta kernel does
+    else:
+        full: list = [None] * n_ret   # a return the graph dropped (a masked-off gradient) stays None
+        for pos, sh, d in zip(positions, out_shapes, out_dtypes):
+            if sh is not None:
+                full[pos] = torch.empty(sh, dtype=TORCH_DTYPES[d], device="meta")
+        out = full[0] if n_ret == 1 else tuple(full)
+    return int(formula(*args, **kwargs, out_val=out))
+
+
+def _out_shapes(op: MetaOp, graph: MetaIR) -> tuple[tuple, tuple]:
+    """Per output position, its shape and dtype; None for one that is not a tensor (a masked-off gradient)."""
+    vs = [graph.vars[v] for v in op.outputs]
+    return (tuple(v.shape if v.is_tensor else None for v in vs),
+            tuple(v.dtype if v.is_tensor else None for v in vs))
 
 
 def op_cost(op: MetaOp, graph: MetaIR) -> tuple[int, int]:
@@ -73,7 +96,8 @@ def op_cost(op: MetaOp, graph: MetaIR) -> tuple[int, int]:
     if overload is not None:
         try:
             flops = _counted_flops(op.key, tuple(v.shape for v in tensors_in), tuple(v.dtype for v in tensors_in),
-                                   json.dumps(op.attrs, sort_keys=True, default=str))
+                                   json.dumps(op.attrs, sort_keys=True, default=str),
+                                   *_out_shapes(op, graph))
         except Exception:  # no meta kernel, odd attrs: fall back to the element count
             flops = None
     if flops is None:

@@ -358,3 +358,46 @@ def test_whole_tiny_graph_discovery(tiny):
         if bad:
             wrong[sig] = bad
     assert not wrong, f"rules that fail the brute-force check: {wrong}"
+
+
+def test_op_cost_matches_flop_counter_on_a_traced_step():
+    """FLOPs from torch's formulas called on the traced shapes equal FlopCounterMode running each op, for a
+    step with convolutions (forward and both backward weights), linears, bmm and a batch norm."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from metadist_torch.calls import TORCH_DTYPES, rebuild, resolve_overload
+    from metadist_torch.trace import trace_step
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.ConvTranspose2d(8, 4, 2, stride=2), torch.nn.Flatten(),
+                              torch.nn.Linear(4 * 16 * 16, 10))
+
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(net, opt, x, w):
+        y = net(x)
+        loss = (torch.bmm(y.unsqueeze(1), w).sum()) ** 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    graph = trace_step(step, (net, opt, torch.randn(2, 3, 8, 8), torch.randn(2, 10, 5))).graph
+    counted = 0
+    for op in graph.ops:
+        try:
+            overload = resolve_overload(op.key)
+        except Unrunnable:
+            continue
+        ins = [graph.vars[v] for v in op.inputs]
+        tensors = [torch.empty(v.shape, dtype=TORCH_DTYPES[v.dtype], device="meta") for v in ins]
+        with FlopCounterMode(display=False) as fc:
+            overload(*rebuild(op.attrs.get("args", []), tensors, device="meta"),
+                     **rebuild(op.attrs.get("kwargs", {}), tensors, device="meta"))
+        want = fc.get_total_flops()
+        if want:
+            counted += 1
+            assert op_cost(op, graph)[0] == want, op.key
+    keys = {op.key for op in graph.ops}
+    assert "aten.convolution_backward.default" in keys
+    assert counted >= 8   # convolutions, their backward, addmm, mm, bmm...
