@@ -11,7 +11,8 @@ Options: ``time_limit`` (s, default 60), ``mip_rel_gap`` (default 1e-4), ``preso
 infeasible budget's error gives the least peak any plan needs, one more solve), ``method`` ("auto":
 one ILP unless a multi-axis mesh makes it bigger than ``AXES_ABOVE`` variables, then block coordinate
 descent over mesh axes, solvers/_axes.py, except with recompute toggles; "whole"; "axes"), ``axis_block`` (the most mesh axes freed at a time, 2:
-one at a time until no slice improves, then two).
+one at a time until no slice improves, then two), ``cache_dir`` (where proven answers are kept, solvers/_cache.py: the
+same MILP is not solved twice; the planner passes its rule cache's directory; None: not kept).
 The plan carries the objective, the LP/MIP lower bound and the gap.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from metadist_core.hookspecs import hookimpl
 from metadist_core.problem import InfeasibleBudgetError
 from metadist_core.terms import Terms
 
+from . import _cache
 from ._common import MemIndex, enforce_budget, min_memory_choice, over_budget, solve_problem
 
 NAME = "ilp"
@@ -218,6 +220,8 @@ class _Model:
     # HiGHS presolve: off by default. On GPT-2 small's whole step on (2,4) (30,768 variables) it made the
     # solve 5.6-6.3 s against 3.4-4.0 s without (same optimum); on (8,) and (2,2,2) no difference
     presolve: bool = False
+    cache_dir: str | None = None   # where proven answers are kept (solvers/_cache.py); None: not kept
+    cache_hits: int = 0
 
     def _pair_indicators(self, g, node: int, m: np.ndarray, nv: int) -> dict:
         """``{(row, column): [(variable, coefficient)]}``: linear expressions that are 1 exactly when the
@@ -307,11 +311,21 @@ class _Model:
             return milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
                         options={"time_limit": max(0.1, time_limit - (time.perf_counter() - t0)),
                                  "mip_rel_gap": gap, "disp": False, "presolve": presolve})
+        key = None
+        if self.cache_dir is not None:   # the same model solved before: its proven answer (solvers/_cache.py)
+            key = _cache.milp_key([c, integrality, lb, ub, *[p for k in cons for p in (k.A, k.lb, k.ub)],
+                                   gap, self.presolve])
+            hit = _cache.load(self.cache_dir, key)
+            if hit is not None:
+                self.cache_hits += 1
+                return hit
         res = run(self.presolve)
         if res.status == 4 and not self.presolve:
             # HiGHS "Solve error" (seen in transformNewIntegerFeasibleSolution with presolve off, on a
             # small problem with toggles): the same model with presolve on
             res = run(True)
+        if key is not None:
+            _cache.store(self.cache_dir, key, res)
         return res
 
     def choice(self, x: np.ndarray) -> np.ndarray:
@@ -370,6 +384,7 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
         return _by_axes(t, options, codes(), deadline, size)
     model = _Model(t)
     model.presolve = bool(options.get("presolve", False))
+    model.cache_dir = options.get("cache_dir")
     stats = {"variables": model.nv, "binaries": model.nx, "constraints": model.A.shape[0],
              "build_seconds": time.perf_counter() - t0}
     budget = t.budget
@@ -378,7 +393,7 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
         mem = model.mem
         steps = [int(np.argmax(mem.profile(min_memory_choice(t, mem))))]
     res, ch, steps, rounds = _lazy(model, steps, budget if budget is not None else np.inf, deadline, gap)
-    stats.update({"status": res.message, "memory_rows": len(steps), "lazy_rounds": rounds,
+    stats.update({"status": res.message, "memory_rows": len(steps), "lazy_rounds": rounds, "cached": model.cache_hits,
                   "milp_seconds": time.perf_counter() - t0 - stats["build_seconds"]})
     if ch is None:
         if res.status == 2 and budget is not None:

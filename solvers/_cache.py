@@ -1,0 +1,100 @@
+"""Proven MILP answers kept on disk: the same model is never solved twice.
+
+The key is a digest of everything HiGHS sees (objective, integrality, bounds, every
+constraint's coefficients and limits, the gap and presolve options) and of the scipy
+version that solved it. Only proven answers are kept, optimal (status 0) or infeasible
+(status 2); a solve stopped by its time limit is not, since another run with more time
+may do better. A hit gives back the stored result, so a re-run of the same step on the
+same mesh (a restart, every rank under torchrun, the benchmark's warm run) skips the
+MILP, while any change to the problem (sizes, mesh, link costs, budget, constraints)
+makes a new key and a new solve.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+log = logging.getLogger("metadist.solve")
+
+KEPT = (0, 2)   # HiGHS statuses that are proofs: optimal within the gap, infeasible
+SUBDIR = "milp"
+
+
+def milp_key(parts: Sequence[Any]) -> str:
+    """A digest of the model: arrays by dtype, shape and bytes; sparse matrices by their CSR arrays."""
+    import scipy
+    h = hashlib.sha256(f"scipy {scipy.__version__}".encode())
+    for p in parts:
+        if hasattr(p, "tocsr"):   # a scipy sparse matrix
+            m = p.tocsr()
+            m.sort_indices()
+            h.update(f"csr{m.shape}".encode())
+            for a in (m.data, m.indices, m.indptr):
+                _update(h, a)
+        elif isinstance(p, np.ndarray):
+            _update(h, p)
+        else:
+            h.update(repr(p).encode())
+        h.update(b"|")
+    return h.hexdigest()
+
+
+def _update(h: Any, a: np.ndarray) -> None:
+    a = np.ascontiguousarray(a)
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+
+
+def _path(cache_dir: str | os.PathLike, key: str) -> Path:
+    return Path(cache_dir) / SUBDIR / f"{key}.npz"
+
+
+def load(cache_dir: str | os.PathLike | None, key: str) -> Any | None:
+    """The stored result for ``key`` (a scipy OptimizeResult), or None."""
+    if cache_dir is None:
+        return None
+    path = _path(cache_dir, key)
+    if not path.exists():
+        return None
+    from scipy.optimize import OptimizeResult
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            res = OptimizeResult(status=int(z["status"]), message=str(z["message"]), success=bool(z["success"]),
+                                 x=z["x"] if z["has_x"] else None, fun=float(z["fun"]) if z["has_x"] else None,
+                                 mip_dual_bound=float(z["mip_dual_bound"]), mip_gap=float(z["mip_gap"]),
+                                 mip_node_count=int(z["mip_node_count"]), cached=True)
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("ILP cache entry %s is unreadable (%s); solving again", path, e)
+        return None
+    return res
+
+
+def store(cache_dir: str | os.PathLike | None, key: str, res: Any) -> None:
+    """Keep ``res`` under ``key`` when it is a proof (optimal or infeasible); written atomically."""
+    if cache_dir is None or res.status not in KEPT:
+        return
+    path = _path(cache_dir, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        has_x = res.x is not None
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
+        with os.fdopen(fd, "wb") as f:
+            np.savez_compressed(f, status=res.status, message=str(res.message), success=bool(res.success),
+                                has_x=has_x, x=res.x if has_x else np.zeros(0),
+                                fun=float(res.fun) if has_x else 0.0,
+                                mip_dual_bound=_num(getattr(res, "mip_dual_bound", None)),
+                                mip_gap=_num(getattr(res, "mip_gap", None)),
+                                mip_node_count=int(getattr(res, "mip_node_count", 0) or 0))
+        os.replace(tmp, path)
+    except OSError as e:   # a read-only or full cache dir costs the next run a solve, nothing more
+        log.warning("could not keep the ILP answer in %s: %s", path.parent, e)
+
+
+def _num(v: Any) -> float:
+    return float("nan") if v is None else float(v)

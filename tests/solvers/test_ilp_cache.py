@@ -1,0 +1,97 @@
+"""Proven ILP answers are kept on disk (solvers/_cache.py): the same MILP is answered from the cache with the same
+plan; any change to the problem is a new MILP; unproven answers are not kept; a broken entry is solved again."""
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.optimize import OptimizeResult
+
+from metadist_core.placement import Mesh
+from metadist_core.plugins import PluginManager
+from metadist_core.problem import InfeasibleBudgetError, build_problem
+from metadist_solvers import _cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_core"))
+from _small_graphs import linear_step, mm_only, rulebook  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return PluginManager()
+
+
+def _problem(make=mm_only, mesh=(2, 2), alpha=1e-7, budget=None):
+    g = make()
+    return build_problem(g, rulebook(g), Mesh(mesh, alpha=alpha, beta=1e-9), memory_budget=budget)
+
+
+def _entries(d: Path) -> list[Path]:
+    return sorted((d / _cache.SUBDIR).glob("*.npz"))
+
+
+def test_the_same_problem_is_answered_from_the_cache(pm, tmp_path):
+    opts = {"cache_dir": str(tmp_path), "coarsen": False}
+    first = pm.solve("ilp", _problem(), opts)
+    assert first.stats.get("cached") == 0 and len(_entries(tmp_path)) == 1
+    again = pm.solve("ilp", _problem(), opts)   # built afresh: equal, not the same object
+    assert again.stats.get("cached") == 1
+    assert again.objective == pytest.approx(first.objective, rel=1e-12)
+    assert [again.choices[k] for k in sorted(first.choices)] == [first.choices[k] for k in sorted(first.choices)]
+    assert again.gap == pytest.approx(first.gap) and len(_entries(tmp_path)) == 1
+    fresh = pm.solve("ilp", _problem(), {"coarsen": False})   # no cache: the solver's own answer is the same
+    assert fresh.objective == pytest.approx(first.objective, rel=1e-12)
+
+
+def test_a_changed_problem_is_solved_again(pm, tmp_path):
+    opts = {"cache_dir": str(tmp_path), "coarsen": False}
+    a = pm.solve("ilp", _problem(alpha=1e-7), opts)
+    b = pm.solve("ilp", _problem(alpha=1e-3), opts)   # other link costs: another MILP
+    c = pm.solve("ilp", _problem(mesh=(2, 3), make=lambda: mm_only(6, 6, 6)), opts)
+    assert [p.stats.get("cached") for p in (a, b, c)] == [0, 0, 0]
+    assert len(_entries(tmp_path)) == 3
+    tighter = pm.solve("ilp", _problem(), {**opts, "mip_rel_gap": 1e-9})   # the gap is part of the key
+    assert tighter.stats.get("cached") == 0
+
+
+def test_an_infeasible_budget_is_a_kept_proof(pm, tmp_path):
+    g = linear_step()
+    p = build_problem(g, rulebook(g), Mesh((2,), alpha=1e-7, beta=1e-9), memory_budget=1)
+    opts = {"cache_dir": str(tmp_path), "least_peak": False}
+    with pytest.raises(InfeasibleBudgetError):
+        pm.solve("ilp", p, opts)
+    n = len(_entries(tmp_path))
+    assert n >= 1
+    with pytest.raises(InfeasibleBudgetError):
+        pm.solve("ilp", p, opts)
+    assert len(_entries(tmp_path)) == n
+
+
+def test_only_proofs_are_kept_and_a_broken_entry_is_solved_again(pm, tmp_path, caplog):
+    stopped = OptimizeResult(status=1, message="time limit reached", success=False, x=np.ones(3), fun=1.0)
+    _cache.store(tmp_path, "k1", stopped)
+    assert _cache.load(tmp_path, "k1") is None and not _entries(tmp_path)
+    proof = OptimizeResult(status=0, message="optimal", success=True, x=np.array([0.0, 1.0]), fun=2.5,
+                           mip_dual_bound=2.5, mip_gap=0.0, mip_node_count=3)
+    _cache.store(tmp_path, "k2", proof)
+    back = _cache.load(tmp_path, "k2")
+    assert back.status == 0 and back.fun == 2.5 and list(back.x) == [0.0, 1.0] and back.cached
+    opts = {"cache_dir": str(tmp_path), "coarsen": False}
+    first = pm.solve("ilp", _problem(), opts)
+    for f in _entries(tmp_path):
+        f.write_bytes(b"not an npz")
+    with caplog.at_level(logging.WARNING, logger="metadist.solve"):
+        again = pm.solve("ilp", _problem(), opts)
+    assert again.stats.get("cached") == 0 and again.objective == pytest.approx(first.objective, rel=1e-12)
+    assert "unreadable" in caplog.text
+
+
+def test_the_planner_keeps_answers_beside_its_rules(tmp_path):
+    from metadist_core.pipeline import plan_graph
+    from metadist_core.reference import transformer_block
+    g = transformer_block()
+    one = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)
+    two = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)
+    assert _entries(tmp_path) and two.plan.stats.get("cached", 0) >= 1
+    assert two.plan.choices == one.plan.choices and two.plan.objective == one.plan.objective
