@@ -1,7 +1,9 @@
-"""On axes of more than 4 devices, the input combinations that shard no input (Replicate and Partial) are
+"""On axes of more than 3 devices, the input combinations that shard no input (Replicate and Partial) are
 verified on the smaller proxy of an axis of 2 (metadist_core.discover._unsharded_proxy): their pieces
 are whole-size on every device, so only the sharded combinations need sizes that split over n. The
 rules are the same as verifying everything on the proxy of n, in fewer element-runs."""
+import pytest
+
 import metadist_core.discover as disc
 from metadist_core.discover import discover
 from metadist_core.placement import Shard
@@ -11,7 +13,8 @@ from metadist_core.rules import RuleBook
 from _small_graphs import reference_pm as _pm, rules_by_op as _rules
 
 
-def test_unsharded_combinations_on_the_small_proxy_find_the_same_rules(monkeypatch):
+@pytest.mark.parametrize("n", [4, 8])
+def test_unsharded_combinations_on_the_small_proxy_find_the_same_rules(monkeypatch, n):
     graph = transformer_block()
     calls = []
     real = disc._rules_at
@@ -21,11 +24,11 @@ def test_unsharded_combinations_on_the_small_proxy_find_the_same_rules(monkeypat
         calls.append((op.key, sharded, elems))
         return real(spec, g, op, n, draws, check, only, sharded)
     monkeypatch.setattr(disc, "_rules_at", spy)
-    split = discover(graph, _pm(), RuleBook(), axis_sizes=(8,), progress=False, workers=1)
+    split = discover(graph, _pm(), RuleBook(), axis_sizes=(n,), progress=False, workers=1)
     monkeypatch.setattr(disc, "UNSHARDED_AT", 10 ** 9)
-    whole = discover(graph, _pm(), RuleBook(), axis_sizes=(8,), progress=False, workers=1)
-    assert _rules(split, graph, 8) == _rules(whole, graph, 8)
-    assert any(any(isinstance(p, Shard) for r in rs for p in r.inputs) for rs in _rules(split, graph, 8).values())
+    whole = discover(graph, _pm(), RuleBook(), axis_sizes=(n,), progress=False, workers=1)
+    assert _rules(split, graph, n) == _rules(whole, graph, n)
+    assert any(any(isinstance(p, Shard) for r in rs for p in r.inputs) for rs in _rules(split, graph, n).values())
     small = [(k, e) for k, s, e in calls if s is False]
     big = {k: e for k, s, e in calls if s is True}
     assert small, "no op took the small proxy"
@@ -41,5 +44,5 @@ def test_no_small_proxy_on_small_axes(monkeypatch):
         seen.append(sharded)
         return real(spec, g, op, n, draws, check, only, sharded)
     monkeypatch.setattr(disc, "_rules_at", spy)
-    discover(graph, _pm(), RuleBook(), axis_sizes=(4,), progress=False, workers=1)
+    discover(graph, _pm(), RuleBook(), axis_sizes=(3,), progress=False, workers=1)
     assert seen and all(s is None for s in seen)

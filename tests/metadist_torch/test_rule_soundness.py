@@ -200,15 +200,16 @@ def test_every_rule_of_the_recorded_gpt2_step_is_right():
     assert not wrong, f"{len(wrong)} wrong rules:\n" + "\n".join(wrong[:20])
 
 
-def test_every_rule_of_the_recorded_gpt2_step_on_an_axis_of_8_is_right():
-    """On an axis of 8 the unsharded combinations are verified on the proxies of an axis of 2 and the
-    Partial pieces come from windows of one pool (metadist_core.discover, verify.partial_pieces): every
-    rule is re-checked here with 8 devices at a third proxy size of the axis of 8."""
+@pytest.mark.parametrize("n", [4, 8])
+def test_every_rule_of_the_recorded_gpt2_step_on_larger_axes_is_right(n):
+    """On axes of 4 and more the unsharded combinations are verified on the proxies of an axis of 2 and,
+    above 2, the Partial pieces come from windows of one pool (metadist_core.discover,
+    verify.partial_pieces): every rule is re-checked here with n devices at a third proxy size of the axis."""
     graph = load_recorded_graph(GRAPHS / "gpt2-tiny-2l-adamw.json")
     pm = PluginManager()
-    book = discover(graph, pm, RuleBook(), axis_sizes=(8,), progress=False)
+    book = discover(graph, pm, RuleBook(), axis_sizes=(n,), progress=False)
     assert sum(len(e.rules) for e in book.entries.values()) > 300
-    wrong = check_book(graph, book, pm, 8)
+    wrong = check_book(graph, book, pm, n)
     assert not wrong, f"{len(wrong)} wrong rules:\n" + "\n".join(wrong[:20])
 
 
