@@ -6,8 +6,10 @@ Models are whole training steps (forward, backward, AdamW) of transformers'
 GPT-2 recorded in ../shared/graphs (small: 12 layers, width 768, vocabulary
 50,257; XL: 48 layers, width 1,600), planned with the rules ShardCombine
 discovers through the PyTorch op runner at proxy sizes. Each case runs in a
-fresh process (so its peak RSS is its own), first with an empty rule cache
-(cold), then again with the cache the first run left (warm). The plan's cost is
+fresh process (so its peak RSS is its own), first with an empty cache (cold),
+then with the rules the first run left but not its kept ILP answer (warm, the
+MILP solved again), then with both (warm, the same MILP answered from the
+cache, solvers/_cache.py). The plan's cost is
 set against the best hand plan of each family on the same cost model (data
 parallel, ZeRO-3, Megatron TP, TP x DP: the layouts pinned, the rest filled in
 by the ILP). PyTorch AutoParallel's figures, measured on this machine (see
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -150,25 +153,27 @@ def plot(records: list[dict], path: Path) -> Path | None:
     cases = list(dict.fromkeys((r["model"], r["mesh"]) for r in ours))
     fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(cases)), 4.5))
     phases = ["trace_s", "discover_s", "build_problem_s", "solve_s"]
-    for k, cold in enumerate((True, False)):
+    runs = ("nothing", "rules", "rules+ILP")
+    for k, cached in enumerate(runs):
         bottom = [0.0] * len(cases)
         for ph, color in zip(phases, ("#888", "#d62", "#48c", "#3a3")):
-            ys = [next((r.get(ph, 0.0) for r in ours if (r["model"], r["mesh"]) == c and r["cold"] == cold), 0.0)
-                  for c in cases]
-            ax.bar([i + 0.4 * k for i in range(len(cases))], ys, 0.38, bottom=bottom, color=color,
-                   label=ph[:-2] if k == 0 else None, alpha=1.0 if cold else 0.5)
+            ys = [next((r.get(ph) or 0.0 for r in ours if (r["model"], r["mesh"]) == c
+                        and r.get("cached", "nothing" if r["cold"] else "rules") == cached), 0.0) for c in cases]
+            ax.bar([i + 0.27 * k for i in range(len(cases))], ys, 0.25, bottom=bottom, color=color,
+                   label=ph[:-2] if k == 0 else None, alpha=(1.0, 0.65, 0.35)[k])
             bottom = [b + y for b, y in zip(bottom, ys)]
     for r in records:
         if r["system"] == "PyTorch AutoParallel" and (r["model"], r["mesh"]) in cases:
             i = cases.index((r["model"], r["mesh"]))
-            ax.plot([i - 0.2, i + 0.6], [r["total_s"]] * 2, "k--", lw=1)
-            ax.text(i + 0.2, r["total_s"], "AutoParallel", ha="center", va="bottom", fontsize=7)
-    ax.set_xticks([i + 0.2 for i in range(len(cases))])
-    ax.set_xticklabels([f"{m}\n{mesh}\n(cold | warm)" for m, mesh in cases], fontsize=7)
+            ax.plot([i - 0.15, i + 0.7], [r["total_s"]] * 2, "k--", lw=1)
+            ax.text(i + 0.27, r["total_s"], "AutoParallel", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([i + 0.27 for i in range(len(cases))])
+    ax.set_xticklabels([f"{m}\n{mesh}\ncold|rules|+ILP" for m, mesh in cases], fontsize=7)
     ax.set_ylabel("seconds from graph to plan")
     ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylim(0, 300)
     ax.legend(fontsize=7)
-    ax.set_title("MetaDist planning time at real model sizes (2-core CPU)")
+    ax.set_title("MetaDist planning time at real model sizes (2-core CPU); cached: nothing | rules | rules+ILP answer")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
@@ -195,29 +200,36 @@ def main(argv=None) -> None:
     cases = QUICK if args.quick else CASES
     if args.cases:
         cases = [(c.split(":")[0], tuple(int(x) for x in c.split(":")[1].split("x"))) for c in args.cases]
+    runs = [("nothing", True), ("rules", False), ("rules+ILP", False)]   # what the cache holds before the run
     for model, mesh_shape in cases:
         with tempfile.TemporaryDirectory(prefix="metadist-plan-scale-") as cache:
-            for cold in (True, False):
-                rec = _child(model, mesh_shape, cache, hand=not cold, time_limit=args.time_limit,
+            for cached, cold in runs:
+                if cached == "rules":   # the rules the cold run found, but no kept ILP answer: the MILP is solved
+                    shutil.rmtree(Path(cache) / "milp", ignore_errors=True)
+                rec = _child(model, mesh_shape, cache, hand=cached == "rules+ILP", time_limit=args.time_limit,
                              timeout=args.case_timeout)
-                rec["cold"] = cold
+                rec["cold"], rec["cached"] = cold, cached
                 records.append(rec)
+                label = "cold" if cold else f"warm, {cached} cached"
                 if rec["total_s"] is None:
-                    print(f"{model} on {rec['mesh']} ({'cold' if cold else 'warm'}): {rec['note']}", flush=True)
+                    print(f"{model} on {rec['mesh']} ({label}): {rec['note']}", flush=True)
                     break
-                print(f"{model} on {rec['mesh']} ({'cold' if cold else 'warm'}): total {rec['total_s']:.1f} s "
+                print(f"{model} on {rec['mesh']} ({label}): total {rec['total_s']:.1f} s "
                       f"(load {rec['trace_s']:.1f}, discover {rec.get('discover_s', 0):.1f}, build "
                       f"{rec.get('build_problem_s', 0):.1f}, solve {rec.get('solve_s', 0):.1f}), "
                       f"{rec['patterns']} patterns, peak {rec['peak_rss_mb']:.0f} MB, gap {rec['gap']}"
                       + (f", vs best hand {rec['vs_best_hand']:.3f}" if rec.get("vs_best_hand") else ""), flush=True)
     records += AUTOPARALLEL
-    cols = ["model", "mesh", "system", "cold", "total_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
+    cols = ["model", "mesh", "system", "cold", "cached", "total_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
             "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "solve_method", "gap", "vs_best_hand", "ilp_vars",
             "note"]
     notes = ("Graphs: the recorded GPT-2 whole steps in ../shared/graphs (batch 8 x 128 tokens; `trace_s` is loading "
              "the recorded graph) and transformers' LlamaForCausalLM at 8B built on the meta device with AdamW, batch "
              "8 x 512 (`trace_s` is the torch frontend's real trace). Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "
-             "sizes per mesh axis size. Cost model: A100-like fp32 roofline, default two-level mesh profile. "
+             "sizes per mesh axis size. `cached`: what the cache held before the run (nothing: cold; rules: the rules "
+             "the cold run found, the ILP solved again; rules+ILP: also the ILP's kept answer for the same problem, "
+             "solvers/_cache.py). `build_problem_s` includes the ops' costs. "
+             "Cost model: A100-like fp32 roofline, default two-level mesh profile. "
              "`vs_best_hand`: the plan's cost over the best hand plan (DP, ZeRO-3, Megatron TP, TPxDP) on the same "
              "cost model (below 1: cheaper). AutoParallel rows: PyTorch AutoParallel measured on this machine.")
     write_results(NAME, records, cols, "Planning at real model sizes", notes)
