@@ -172,7 +172,20 @@ def _normalise(sharding: Sharding, ndim: int, mesh: Mesh, what: str) -> tuple[Pl
     return tuple(out)
 
 
-def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces):
+def link_costs(links: tuple, axis: int, kind: str, alpha: float, beta: float, numel: int | None = None,
+               n: int = 0) -> tuple[float, float]:
+    """``(alpha, beta)`` of a ``kind`` collective on ``axis`` from a mesh's ``links`` (see
+    :meth:`~metadist_core.placement.Mesh.link`), else the axis's own ``alpha``/``beta``."""
+    if links and links[axis]:
+        own = {k: (a, b) for k, a, b in links[axis]}
+        if kind == "all_reduce" and numel is not None and numel < n and "all_reduce_tiny" in own:
+            return own["all_reduce_tiny"]
+        if kind in own:
+            return own[kind]
+    return alpha, beta
+
+
+def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=()):
     """Every legal one-axis step out of ``state``: (next_state, kind, axis, dims, reduce, nbytes, cost)."""
     local = largest_local_shape(shape, state, mesh_shape)
     local_bytes = math.prod(local) * isz
@@ -182,6 +195,12 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces):
         if n == 1:
             continue
         a, b = alphas[axis], betas[axis]
+        if links and links[axis]:
+            def ab(kind, numel=None):
+                return link_costs(links, axis, kind, a, b, numel, n)
+        else:
+            def ab(kind, numel=None):
+                return a, b
 
         def nxt(q):
             return state[:axis] + (q,) + state[axis + 1:]
@@ -190,11 +209,12 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces):
             return not _inner_splits(state, axis, d) and local[d] >= n
 
         if isinstance(p, Partial):
-            yield nxt(Replicate()), "all_reduce", axis, (), p.reduce, local_bytes, all_reduce_cost(local_bytes, n, a, b)
+            yield (nxt(Replicate()), "all_reduce", axis, (), p.reduce, local_bytes,
+                   all_reduce_cost(local_bytes, n, *ab("all_reduce", local_bytes // isz)))
             for d in range(ndim):
                 if can_split(d):
                     yield (nxt(Shard(d)), "reduce_scatter", axis, (d,), p.reduce, local_bytes,
-                           reduce_scatter_cost(local_bytes, n, a, b))
+                           reduce_scatter_cost(local_bytes, n, *ab("reduce_scatter")))
         elif isinstance(p, Replicate):
             for d in range(ndim):
                 if can_split(d):
@@ -207,16 +227,17 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces):
                 continue
             gathered = nxt(Replicate())
             g_bytes = math.prod(largest_local_shape(shape, gathered, mesh_shape)) * isz
-            yield gathered, "all_gather", axis, (d,), None, g_bytes, all_gather_cost(g_bytes, n, a, b)
+            yield gathered, "all_gather", axis, (d,), None, g_bytes, all_gather_cost(g_bytes, n, *ab("all_gather"))
             for e in range(ndim):
                 if e != d and not _inner_splits(state, axis, e):
                     cand = nxt(Shard(e))
                     if largest_local_shape(shape, cand, mesh_shape) is not None:
-                        yield cand, "all_to_all", axis, (d, e), None, local_bytes, all_to_all_cost(local_bytes, n, a, b)
+                        yield (cand, "all_to_all", axis, (d, e), None, local_bytes,
+                               all_to_all_cost(local_bytes, n, *ab("all_to_all")))
 
 
 @lru_cache(maxsize=8192)
-def _dijkstra(shape, isz, src, mesh_shape, alphas, betas, reduces):
+def _dijkstra(shape, isz, src, mesh_shape, alphas, betas, reduces, links=()):
     """Single-source cheapest step sequences from ``src`` to every reachable state."""
     best = {src: (0.0, 0)}
     parent: dict = {}
@@ -228,7 +249,8 @@ def _dijkstra(shape, isz, src, mesh_shape, alphas, betas, reduces):
         if s in done:
             continue
         done.add(s)
-        for t, kind, axis, dims, red, nb, cost in _neighbours(s, shape, isz, mesh_shape, alphas, betas, reduces):
+        for t, kind, axis, dims, red, nb, cost in _neighbours(s, shape, isz, mesh_shape, alphas, betas, reduces,
+                                                              links):
             nc = (c + cost, k + 1)
             if t not in best or nc < best[t]:
                 best[t] = nc
@@ -268,7 +290,7 @@ def _reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype: str, m
         raise ValueError(f"destination sharding {dst} leaves a device an empty piece of shape {shape} "
                          f"on mesh {mesh}; choose a split that every axis size fits")
     reduces = tuple(sorted({p.reduce for p in s + d if isinstance(p, Partial)}))
-    best, parent = _dijkstra(shape, itemsize(dtype), s, mesh.shape, mesh.alpha, mesh.beta, reduces)
+    best, parent = _dijkstra(shape, itemsize(dtype), s, mesh.shape, mesh.alpha, mesh.beta, reduces, mesh.links)
     if d not in best:
         raise ValueError(f"no collective sequence turns {src} into {dst} for shape {shape} on mesh {mesh}")
     steps = []
@@ -336,8 +358,8 @@ _FREE = 1e-300   # the weight a free step takes in the compiled search (far belo
 
 
 @lru_cache(maxsize=4096)
-def _state_graph(shape, isz, mesh_shape, alphas, betas, reduces) -> _StateGraph:
-    return _StateGraph((shape, isz, mesh_shape, alphas, betas, reduces))
+def _state_graph(shape, isz, mesh_shape, alphas, betas, reduces, links=()) -> _StateGraph:
+    return _StateGraph((shape, isz, mesh_shape, alphas, betas, reduces, links))
 
 
 def reshard_costs(src: Sharding, dsts: Sequence[Sharding], shape: Sequence[int], dtype: str, mesh: Mesh
@@ -357,7 +379,7 @@ def reshard_costs(src: Sharding, dsts: Sequence[Sharding], shape: Sequence[int],
         if src_ok and largest_local_shape(shape, d, mesh.shape) is not None:
             reduces = tuple(sorted({p.reduce for p in s + d if isinstance(p, Partial)}))
             index, dist = _state_graph(shape, itemsize(dtype), mesh.shape, mesh.alpha, mesh.beta,
-                                       reduces).costs_from(s)
+                                       reduces, mesh.links).costs_from(s)
             j = index.get(d)
             if j is not None and j < len(dist) and np.isfinite(dist[j]):
                 best = float(dist[j])

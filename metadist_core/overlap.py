@@ -106,7 +106,9 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
 
     def run_bucket(fn: Any, axis: int, nbytes: int, start: float, members: list, counter: str) -> None:
         """One collective for a whole bucket on ``axis``: its members are there when it ends."""
-        cost = fn(nbytes, mesh.shape[axis], mesh.alpha[axis], mesh.beta[axis])
+        kind = "all_reduce" if fn is all_reduce_cost else "reduce_scatter" if fn is reduce_scatter_cost \
+            else "all_gather"
+        cost = fn(nbytes, mesh.shape[axis], *mesh.link(axis, kind))
         s = max(start, axis_free[axis])
         axis_free[axis] = s + cost
         stats["comm"] += cost

@@ -141,7 +141,7 @@ def sub_mesh(mesh: Mesh) -> Mesh:
     """The mesh one stage runs on: axes 1.. of ``mesh`` (one device when ``mesh`` has one axis)."""
     if len(mesh.shape) == 1:
         return Mesh((1,), ("stage",))
-    return Mesh(mesh.shape[1:], mesh.axis_names[1:], mesh.alpha[1:], mesh.beta[1:])
+    return Mesh(mesh.shape[1:], mesh.axis_names[1:], mesh.alpha[1:], mesh.beta[1:], mesh.links[1:] or None)
 
 
 def has_gradients(graph: MetaIR) -> bool:

@@ -192,13 +192,19 @@ class Mesh:
     """The logical device mesh: shape, axis names and per-axis link cost.
 
     ``alpha`` is the latency of one collective step on an axis (seconds) and
-    ``beta`` the seconds per byte on its links; both are per axis.
+    ``beta`` the seconds per byte on its links; both are per axis. ``links``
+    (optional, per axis): ``{kind: (alpha, beta)}`` for the collective kinds
+    measured apart (``all_gather``, ``reduce_scatter``, ``all_to_all``, and
+    ``all_reduce_tiny``: an all_reduce of fewer elements than the axis has
+    devices, which gloo runs in far fewer steps than a ring); a kind not given
+    takes the axis's ``alpha``/``beta``. See :meth:`link`.
     """
 
     shape: tuple[int, ...]
     axis_names: tuple[str, ...] = ()
     alpha: tuple[float, ...] = ()
     beta: tuple[float, ...] = ()
+    links: tuple = ()   # per axis: a sorted tuple of (kind, alpha, beta); () when no kind is measured apart
 
     def __init__(
         self,
@@ -206,6 +212,7 @@ class Mesh:
         axis_names: Sequence[str] | None = None,
         alpha: Union[float, Sequence[float], None] = None,
         beta: Union[float, Sequence[float], None] = None,
+        links: Sequence[Any] | None = None,
     ) -> None:
         shp = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if not shp or any(s < 1 for s in shp):
@@ -223,7 +230,18 @@ class Mesh:
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "alpha", _per_axis(alpha, DEFAULT_ALPHA, len(shp), "alpha"))
         object.__setattr__(self, "beta", _per_axis(beta, DEFAULT_BETA, len(shp), "beta"))
+        object.__setattr__(self, "links", _links(links, len(shp)))
 
+    def link(self, axis: int, kind: str, numel: int | None = None) -> tuple[float, float]:
+        """``(alpha, beta)`` that price a ``kind`` collective on ``axis``; ``numel``: the elements of an
+        all_reduce's buffer (fewer than the axis's devices: the ``all_reduce_tiny`` figures, when measured)."""
+        if self.links:
+            own = dict((k, (a, b)) for k, a, b in self.links[axis])
+            if kind == "all_reduce" and numel is not None and numel < self.shape[axis] and "all_reduce_tiny" in own:
+                return own["all_reduce_tiny"]
+            if kind in own:
+                return own[kind]
+        return self.alpha[axis], self.beta[axis]
     @property
     def ndim(self) -> int:
         return len(self.shape)
@@ -258,11 +276,12 @@ class Mesh:
             "axis_names": list(self.axis_names),
             "alpha": list(self.alpha),
             "beta": list(self.beta),
+            **({"links": [{k: [a, b] for k, a, b in ax} for ax in self.links]} if self.links else {}),
         }
 
     @classmethod
     def from_json(cls, data: dict) -> "Mesh":
-        return cls(data["shape"], data.get("axis_names"), data.get("alpha"), data.get("beta"))
+        return cls(data["shape"], data.get("axis_names"), data.get("alpha"), data.get("beta"), data.get("links"))
 
     @classmethod
     def parse(cls, text: str) -> "Mesh":
@@ -272,6 +291,29 @@ class Mesh:
             return cls(tuple(int(p) for p in parts if p.strip()))
         except ValueError:
             raise ValueError(f"cannot read a mesh shape from {text!r}; write it like 8 or 2x4") from None
+
+
+LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "all_reduce_tiny")
+
+
+def _links(value: Sequence[Any] | None, n: int) -> tuple:
+    """Per axis a sorted tuple of ``(kind, alpha, beta)`` from dicts ``{kind: (alpha, beta)}`` (or such tuples)."""
+    if not value:
+        return ()
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"mesh has {n} axes but links gives {len(value)} entries")
+    out = []
+    for ax in value:
+        items = ax.items() if isinstance(ax, dict) else [(k, (a, b)) for k, a, b in ax]
+        row = []
+        for k, ab in items:
+            if k not in LINK_KINDS:
+                raise ValueError(f"unknown collective kind {k!r} in mesh links; kinds: {', '.join(LINK_KINDS)}")
+            a, b = ab
+            row.append((str(k), float(a), float(b)))
+        out.append(tuple(sorted(row)))
+    return tuple(out) if any(out) else ()
 
 
 def _per_axis(value, default: float, n: int, name: str) -> tuple[float, ...]:

@@ -164,7 +164,7 @@ class ShardingProblem:
         the reduce_scatters of gradient values.
         """
         def shared(c: Any, steps: int, cap: int) -> float:   # c's cost less the latency its bucket-mates pay
-            latency = steps * (self.mesh.shape[c.axis] - 1) * self.mesh.alpha[c.axis]
+            latency = steps * (self.mesh.shape[c.axis] - 1) * self.mesh.link(c.axis, c.kind)[0]
             return c.cost - latency * (1.0 - min(1.0, c.nbytes / cap))
 
         if self.shard_bucket_bytes and self.vars[var].get("gather_bucketed") and len(collectives) == 1 \

@@ -38,7 +38,9 @@ class MeshProfile:
     measured: bool = False
     device: DeviceSpec = field(default_factory=lambda: DEVICE_PRESETS["cpu"])
     samples: list = field(default_factory=list)   # raw timings: level, collective, n, bytes, seconds
-    axis_costs: dict = field(default_factory=dict)  # "2x2" -> [{"alpha", "beta"} per axis], measured on that mesh
+    # "2x2" -> [{"alpha", "beta", "kinds": {kind: {"alpha", "beta"}}} per axis], measured on that mesh; "kinds"
+    # (optional): collective kinds timed apart from the all_reduces (Mesh.links)
+    axis_costs: dict = field(default_factory=dict)
     key: dict = field(default_factory=dict)          # host, world_size, device_kind it was measured for
 
     @property
@@ -55,8 +57,10 @@ class MeshProfile:
         shape = tuple(int(s) for s in shape)
         measured = self.axis_costs.get("x".join(map(str, shape)))
         if measured and len(measured) == len(shape):   # measured on this very mesh, axis by axis
+            links = [{k: (float(v["alpha"]), float(v["beta"])) for k, v in a.get("kinds", {}).items()}
+                     for a in measured]   # collective kinds timed apart (metadist_torch.calibrate)
             return Mesh(shape, axis_names, [float(a["alpha"]) for a in measured],
-                        [float(a["beta"]) for a in measured])
+                        [float(a["beta"]) for a in measured], links if any(links) else None)
         levels = [self.axis_level(shape, a) for a in range(len(shape))]
         return Mesh(shape, axis_names, [self.levels[lv]["alpha"] for lv in levels],
                     [self.levels[lv]["beta"] for lv in levels])

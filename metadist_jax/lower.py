@@ -244,7 +244,7 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh
     names = list(jax_mesh.axis_names)
     if tuple(jax_mesh.devices.shape) != tuple(mesh.shape):
         raise LoweringError(f"the JAX mesh has shape {tuple(jax_mesh.devices.shape)} but the plan is for {mesh}")
-    mesh = Mesh(mesh.shape, names, mesh.alpha, mesh.beta)
+    mesh = Mesh(mesh.shape, names, mesh.alpha, mesh.beta, mesh.links or None)
     check_even(plan, graph, mesh)
     check_plan_ends(graph, plan, mesh)
     for op in graph.ops:

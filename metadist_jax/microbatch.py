@@ -79,7 +79,7 @@ def lower_micro_batches(graph: Any, context: Any, cut: GradientCut, plans: tuple
                         jax_mesh: Any, m: int) -> MicroBatchedStep:
     """One jitted shard_map running ``m`` micro-batches of ``cut`` under the whole step's ``plan``."""
     names = list(jax_mesh.axis_names)
-    mesh = Mesh(mesh.shape, names, mesh.alpha, mesh.beta)
+    mesh = Mesh(mesh.shape, names, mesh.alpha, mesh.beta, mesh.links or None)
     check_even(plan, graph, mesh)
     rep = Sharding.replicated(mesh.ndim)
     batch_ids = {v for v in graph.inputs if graph.vars[v].role == "input" and graph.vars[v].shape}

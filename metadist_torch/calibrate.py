@@ -165,6 +165,60 @@ def refresh_cached_profile() -> MeshProfile:
     return profile_for(fe, mesh, load_settings(mesh_profile=None), force=True)
 
 
+# bytes per collective for the kinds timed apart from the all_reduces (all_gather: per rank, the output is n x)
+KIND_SIZES = (1 << 12, 1 << 18, 1 << 22)
+
+
+def _measure_kinds(group, n: int, dev, work, base: float, iters: int, sync, beta: float) -> tuple[dict, list]:
+    """Alpha/beta of the all_gather, reduce_scatter and all_to_all the lowering runs, each timed between
+    compute as the all_reduces are and fitted on its own ring factors, and the time of a one-element
+    all_reduce (``all_reduce_tiny``: gloo runs an all_reduce of fewer elements than ranks in far fewer steps
+    than a ring: 4 ranks of 2 cores, between matmuls, 3.1 ms for 4 bytes, 6.3 ms for 16 bytes). The same
+    figures on every rank (the slowest rank's)."""
+    import torch
+    import torch.distributed as dist
+    from metadist_core.profile import collective_factors, fit_alpha_beta
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # the newer names first
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    rows: dict[str, list] = {"all_gather": [], "reduce_scatter": [], "all_to_all": []}
+    for nbytes in KIND_SIZES:
+        numel = max(n, nbytes // 4 // n * n)
+        x = torch.ones(numel, dtype=torch.float32, device=dev)
+        gathered = torch.empty(numel * n, dtype=torch.float32, device=dev)
+        piece = torch.empty(numel // n, dtype=torch.float32, device=dev)
+        out = torch.empty_like(x)
+        calls = {"all_gather": (lambda: gather(gathered, x, group=group), numel * 4 * n),
+                 "reduce_scatter": (lambda: scatter(piece, x, group=group), numel * 4),
+                 "all_to_all": (lambda: dist.all_to_all_single(out, x, group=group), numel * 4)}
+        for kind, (fn, size) in calls.items():
+            try:
+                fn()
+            except (RuntimeError, NotImplementedError, ValueError) as e:   # a backend without it: not priced apart
+                log.debug("calibrate: %s on this backend: %s", kind, e)
+                rows[kind] = None
+                continue
+            if rows[kind] is None:
+                continue
+            both = _time(lambda: (work(), fn()), iters, sync)
+            rows[kind].append((kind, n, size, max(both - base, 1e-7)))
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    tiny = max(_time(lambda: (work(), dist.all_reduce(one, group=group)), iters, sync) - base, 1e-7)
+    flat = [r for rs in rows.values() if rs for r in rs] + [("all_reduce_tiny", n, 4, tiny)]
+    t = torch.tensor([r[3] for r in flat], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)   # every rank prices alike: the slowest rank's timings
+    flat = [(k, nn, b, float(v)) for (k, nn, b, _), v in zip(flat, t.tolist())]
+    kinds = {}
+    for kind in rows:
+        mine = [r for r in flat if r[0] == kind]
+        if mine:
+            a, b = fit_alpha_beta(mine)
+            kinds[kind] = {"alpha": a, "beta": b}
+    steps = collective_factors("all_reduce", n)[0]
+    kinds["all_reduce_tiny"] = {"alpha": flat[-1][3] / steps, "beta": beta}
+    return kinds, [{"kind": k, "n": nn, "nbytes": b, "seconds": v} for k, nn, b, v in flat]
+
+
 def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7) -> MeshProfile:
     """Alpha/beta of every axis of ``mesh`` on the engine's live process groups, and the device's
     rates, as a profile (``cached`` grows by this mesh when given). Every rank calls it; every rank gets
@@ -196,8 +250,13 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
             rows.append(("all_reduce", n, x.numel() * 4, float(t.item())))
             samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": x.numel() * 4,
                             "seconds": float(t.item())})
-        a, b = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
-        axes.append({"alpha": a, "beta": b})
+        fa, fb = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
+        entry = {"alpha": fa, "beta": fb}
+        if n > 1:   # (``work`` multiplies ``a``: not to be rebound above)
+            kinds, more = _measure_kinds(group, n, dev, work, base, iters, sync, beta=fb)
+            entry["kinds"] = kinds
+            samples += [{"level": f"axis{axis}", **m} for m in more]
+        axes.append(entry)
     rates = measure_device_rates(before=dist.barrier)
     low = sorted(rates["flops_by_dtype"])
     vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]]

@@ -188,3 +188,39 @@ def test_compile_prices_with_the_measured_profile(tmp_path, monkeypatch):
         res = compile_step(fe, transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}, s,
                            mesh=(2,))
     assert fe.measured == 1 and res.mesh.alpha == (7e-6,) and res.problem.mesh.beta == (3e-10,)
+
+
+# -- collective kinds priced apart (Mesh.links, measured by metadist_torch.calibrate) ------------------
+
+def test_links_price_each_kind_and_tiny_all_reduces_apart():
+    from metadist_core.cost import all_gather_cost, all_reduce_cost, reshard, reshard_cost
+    from metadist_core.placement import Partial, Replicate, Shard, Sharding
+    plain = Mesh((4,), alpha=1e-3, beta=1e-9)
+    mesh = Mesh((4,), alpha=1e-3, beta=1e-9,
+                links=[{"all_gather": (2e-3, 3e-9), "all_reduce_tiny": (1e-4, 1e-9)}])
+    S0, R, P = Sharding([Shard(0)]), Sharding([Replicate()]), Sharding([Partial("sum")])
+    nb = 64 * 32 * 4
+    assert reshard_cost(S0, R, (64, 32), "float32", mesh) == pytest.approx(all_gather_cost(nb, 4, 2e-3, 3e-9))
+    assert reshard_cost(S0, R, (64, 32), "float32", plain) == pytest.approx(all_gather_cost(nb, 4, 1e-3, 1e-9))
+    # an all_reduce of one element (fewer than the 4 devices) takes the tiny figures; 4 elements do not
+    assert reshard_cost(P, R, (), "float32", mesh) == pytest.approx(all_reduce_cost(4, 4, 1e-4, 1e-9))
+    assert reshard_cost(P, R, (4,), "float32", mesh) == pytest.approx(all_reduce_cost(16, 4, 1e-3, 1e-9))
+    assert mesh.link(0, "all_reduce", 1) == (1e-4, 1e-9) and mesh.link(0, "all_to_all") == (1e-3, 1e-9)
+    # the path follows the prices: all_reduce dear, reduce_scatter + all_gather cheap
+    dear = Mesh((4,), alpha=1e-3, beta=1e-9, links=[{"all_reduce": (1.0, 1e-9), "all_gather": (1e-6, 1e-9),
+                                                      "reduce_scatter": (1e-6, 1e-9)}])
+    assert [c.kind for c in reshard(P, R, (64, 32), "float32", dear)] == ["reduce_scatter", "all_gather"]
+    assert [c.kind for c in reshard(P, R, (64, 32), "float32", plain)] == ["all_reduce"]
+    again = Mesh.from_json(mesh.to_json())
+    assert again == mesh and again.links == mesh.links
+    with pytest.raises(ValueError, match="unknown collective kind"):
+        Mesh((2,), links=[{"broadcast": (1.0, 1.0)}])
+
+
+def test_a_profile_measured_by_kind_gives_its_mesh_the_links():
+    prof = MeshProfile(measured=True)
+    prof.axis_costs["2x2"] = [{"alpha": 1e-3, "beta": 1e-9, "kinds": {"all_gather": {"alpha": 2e-3, "beta": 2e-9}}},
+                              {"alpha": 5e-4, "beta": 1e-9}]
+    mesh = MeshProfile.from_json(prof.to_json()).mesh((2, 2))
+    assert mesh.link(0, "all_gather") == (2e-3, 2e-9) and mesh.link(1, "all_gather") == (5e-4, 1e-9)
+    assert mesh.alpha == (1e-3, 5e-4)

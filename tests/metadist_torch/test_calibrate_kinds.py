@@ -1,0 +1,45 @@
+"""The live measurement prices collective kinds apart: on 2 gloo processes, the all_gather, reduce_scatter and
+all_to_all the lowering runs are timed and fitted on their own, with a one-element all_reduce, and every rank
+gets the same figures; the profile's mesh then prices each kind with its own figures."""
+import json
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _worker(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    from metadist_torch.calibrate import _measure_kinds, _time
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        a = torch.randn(64, 64)
+
+        def work():
+            return [a @ a for _ in range(2)]
+        base = _time(work, 3, lambda: None)
+        kinds, samples = _measure_kinds(dist.group.WORLD, 2, torch.device("cpu"), work, base, 3, lambda: None,
+                                        beta=1e-9)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"kinds": kinds, "samples": samples}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_kinds_are_timed_apart_and_alike_on_every_rank(tmp_path):
+    import torch.multiprocessing as mp
+    from metadist_core.placement import Mesh
+    out = str(tmp_path / "kinds")
+    mp.spawn(_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+    got = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    assert got[0] == got[1]   # the slowest rank's timings, everywhere
+    kinds = got[0]["kinds"]
+    assert {"all_gather", "all_reduce_tiny"} <= set(kinds)
+    assert all(v["alpha"] > 0 and v["beta"] > 0 for v in kinds.values())
+    timed = {s["kind"] for s in got[0]["samples"]}
+    assert "all_gather" in timed and "all_reduce_tiny" in timed
+    assert len([s for s in got[0]["samples"] if s["kind"] == "all_gather"]) == 3   # three sizes
+    mesh = Mesh((2,), alpha=1e-3, beta=1e-9, links=[{k: (v["alpha"], v["beta"]) for k, v in kinds.items()}])
+    assert mesh.link(0, "all_gather") == (kinds["all_gather"]["alpha"], kinds["all_gather"]["beta"])
+    assert mesh.link(0, "all_reduce", numel=1) == (kinds["all_reduce_tiny"]["alpha"], 1e-9)
