@@ -269,7 +269,15 @@ def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned:
         if spec is None:
             raise Unrunnable(f"no loaded frontend runs ops with key {op.key!r}")
         stats = DiscoveryStats()
-        rules = discover_rules(spec, axis_size, stats=stats, draws=draws, scalars=scalars_of(op.attrs))
+        scalars = scalars_of(op.attrs)
+        small = _real_size_unsharded(op, graph, ops, axis_size)
+        if small:   # the combinations that shard nothing on the two axis-2 proxies (both must hold), the rest here
+            held = [discover_rules(sp, axis_size, stats=stats, draws=draws, scalars=scalars, sharded=False)
+                    for sp in small]
+            rules = [r for r in held[0] if r in set(held[1])] + discover_rules(
+                spec, axis_size, stats=stats, draws=draws, scalars=scalars, sharded=True)
+        else:
+            rules = discover_rules(spec, axis_size, stats=stats, draws=draws, scalars=scalars)
         if not rules:
             raise Unrunnable("no candidate placement reproduced the full result, not even replication")
         _check_arity(op, rules, n_in, n_out)
@@ -283,6 +291,23 @@ def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned:
         log.warning("op %s (%s) runs replicated: %s", op.key, op.id, reason)
     return OpRules(op.key, [ShardingRule.replicated(n_in, n_out)], axis_size, "replicated", reason,
                    time.perf_counter() - t0)
+
+
+def _real_size_unsharded(op: MetaOp, graph: MetaIR, ops: Any, n: int) -> list[OpSpec] | None:
+    """For an op discovered at its real shapes on an axis of ``n`` (no proxy of ``n`` keeps its pattern), the
+    op at the two proxy instances of an axis of 2, where its combinations that shard no input are verified
+    (:func:`_unsharded_proxy`: their pieces are whole-size, so no size needs to split over ``n``). GPT-2's
+    eager attention on an axis of 8: the scores' view (8,16,128,128) -> (128,128,128) keeps batch x heads =
+    sequence only at its real sizes, and its Partial inputs' 8 whole-size pieces took 10-12 s per op. None
+    when the frontend builds no proxies or either proxy cannot stand for the op."""
+    if n <= UNSHARDED_AT or not _proxies_ok(ops, op):
+        return None
+    than = op_numel(op, graph)
+    for multiples in (False, True):
+        got = [_unsharded_proxy(op, graph, ops, n, instance, multiples, than) for instance in (0, 1)]
+        if all(g is not None for g in got):
+            return [g[0] for g in got]
+    return None
 
 
 def _check_arity(op: MetaOp, rules: list[ShardingRule], n_in: int, n_out: int) -> None:
