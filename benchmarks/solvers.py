@@ -108,6 +108,8 @@ RULE_SOURCES = {"synthetic": synthetic_source, "discovered": discovered_source}
 # -- hand plans ------------------------------------------------------------------
 
 def _fits(shape, placements, mesh_shape) -> bool:
+    if any(isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape) for p in placements):
+        return False   # a 0-d optimizer step count (traced graphs) has no dim to split
     return largest_local_shape(tuple(shape), tuple(placements), tuple(mesh_shape)) is not None
 
 

@@ -235,13 +235,8 @@ class Mesh:
     def link(self, axis: int, kind: str, numel: int | None = None) -> tuple[float, float]:
         """``(alpha, beta)`` that price a ``kind`` collective on ``axis``; ``numel``: the elements of an
         all_reduce's buffer (fewer than the axis's devices: the ``all_reduce_tiny`` figures, when measured)."""
-        if self.links:
-            own = dict((k, (a, b)) for k, a, b in self.links[axis])
-            if kind == "all_reduce" and numel is not None and numel < self.shape[axis] and "all_reduce_tiny" in own:
-                return own["all_reduce_tiny"]
-            if kind in own:
-                return own[kind]
-        return self.alpha[axis], self.beta[axis]
+        from .cost import link_costs   # one rule, the one the reshard search prices with
+        return link_costs(self.links, axis, kind, self.alpha[axis], self.beta[axis], numel, self.shape[axis])
     @property
     def ndim(self) -> int:
         return len(self.shape)
