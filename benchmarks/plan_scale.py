@@ -37,6 +37,9 @@ GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
 CASES = [("gpt2-small-12l", (8,)), ("gpt2-small-12l", (2, 4)), ("gpt2-small-12l", (2, 2, 2)),
          ("gpt2-medium-24l", (8,)), ("gpt2-medium-24l", (2, 4)),
          ("gpt2-xl-48l", (8,)), ("gpt2-xl-48l", (2, 4)), ("gpt2-xl-48l", (8, 8, 16)), ("llama-8b", (8, 8))]
+# the rest of issue 11's models x meshes: `--cases` with `--add` merges them into the results (long: ~30 min)
+MORE = [("gpt2-medium-24l", (2, 2, 2)), ("gpt2-medium-24l", (8, 8, 16)), ("gpt2-xl-48l", (2, 2, 2)),
+        ("llama-8b", (8,)), ("llama-8b", (2, 4)), ("llama-8b", (2, 2, 2)), ("llama-8b", (8, 8, 16))]
 TRACED = {"llama-8b": lambda: trace_llama_8b(), "gpt2-medium-24l": lambda: trace_gpt2_medium()}
 QUICK = [("gpt2-small-12l", (2, 4))]
 HAND_ROLES = {
@@ -217,6 +220,9 @@ def main(argv=None) -> None:
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--cases", nargs="+", metavar="MODEL:MESH",
                     help="only these cases (say gpt2-small-12l:2x4 llama-8b:8x8)")
+    ap.add_argument("--add", action="store_true",
+                    help="merge these cases into the existing results (replacing their rows) instead of starting anew")
+    ap.add_argument("--more", action="store_true", help="also the models x meshes outside the default set (MORE)")
     ap.add_argument("--case-timeout", type=float, default=None,
                     help="seconds a case (cold or warm) may take before it is stopped and reported as such")
     args = ap.parse_args(argv)
@@ -226,7 +232,7 @@ def main(argv=None) -> None:
         print(json.dumps(rec, default=float))
         return
     records = []
-    cases = QUICK if args.quick else CASES
+    cases = QUICK if args.quick else CASES + (MORE if args.more else [])
     if args.cases:
         cases = [(c.split(":")[0], tuple(int(x) for x in c.split(":")[1].split("x"))) for c in args.cases]
     runs = [("nothing", True), ("rules", False), ("rules+ILP", False)]   # what the cache holds before the run
@@ -248,6 +254,11 @@ def main(argv=None) -> None:
                       f"{rec.get('build_problem_s', 0):.1f}, solve {rec.get('solve_s', 0):.1f}), "
                       f"{rec['patterns']} patterns, peak {rec['peak_rss_mb']:.0f} MB, gap {rec['gap']}"
                       + (f", vs best hand {rec['vs_best_hand']:.3f}" if rec.get("vs_best_hand") else ""), flush=True)
+    if args.add and (RESULTS / f"{NAME}.json").exists():   # keep the other cases' rows, in their order
+        new = {(r["model"], r["mesh"]) for r in records}
+        old = [r for r in json.loads((RESULTS / f"{NAME}.json").read_text())
+               if r["system"].startswith("MetaDist") and (r["model"], r["mesh"]) not in new]
+        records = old + records
     records += AUTOPARALLEL
     cols = ["model", "mesh", "system", "cold", "cached", "total_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
             "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "solve_method", "gap", "vs_best_hand", "ilp_vars",
