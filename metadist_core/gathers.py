@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Hashable, Sequence
 
-from .cost import local_bytes, reshard
+from .cost import local_bytes
+from .reshard import reshard
 from .phases import reshard_key
 from .placement import Sharding
 

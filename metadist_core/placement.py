@@ -235,7 +235,7 @@ class Mesh:
     def link(self, axis: int, kind: str, numel: int | None = None) -> tuple[float, float]:
         """``(alpha, beta)`` that price a ``kind`` collective on ``axis``; ``numel``: the elements of an
         all_reduce's buffer (fewer than the axis's devices: the ``all_reduce_tiny`` figures, when measured)."""
-        from .cost import link_costs   # one rule, the one the reshard search prices with
+        from .reshard import link_costs   # one rule, the one the reshard search prices with
         return link_costs(self.links, axis, kind, self.alpha[axis], self.beta[axis], numel, self.shape[axis])
     @property
     def ndim(self) -> int:

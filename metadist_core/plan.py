@@ -12,7 +12,8 @@ from typing import Mapping, Sequence, Union
 
 import numpy as np
 
-from .cost import Collective, reshard
+from .cost import Collective
+from .reshard import reshard
 from .placement import Sharding
 from .phases import reshard_key
 from .problem import OUTPUT, ShardingProblem

@@ -26,12 +26,12 @@ import numpy as np
 
 from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_constraints
 from .aliasing import alias_liveness, inplace_state_liveness
-from .cost import (DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, reshard,
-                   reshard_costs, strategy_split)
+from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, strategy_split
 from .ir import MetaIR
 from .phases import FORWARD, phase_of, reader_phases, share_phase
 from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
 from .prune import useful_rules
+from .reshard import reshard, reshard_costs
 from .rules import RuleBook, Strategy, expand_rules
 from .terms import EdgeTerm, MemTerm, SharedTerm, Terms
 

@@ -193,7 +193,8 @@ def test_compile_prices_with_the_measured_profile(tmp_path, monkeypatch):
 # -- collective kinds priced apart (Mesh.links, measured by metadist_torch.calibrate) ------------------
 
 def test_links_price_each_kind_and_tiny_all_reduces_apart():
-    from metadist_core.cost import all_gather_cost, all_reduce_cost, reshard, reshard_cost
+    from metadist_core.cost import all_gather_cost, all_reduce_cost
+    from metadist_core.reshard import reshard, reshard_cost
     from metadist_core.placement import Partial, Replicate, Shard, Sharding
     plain = Mesh((4,), alpha=1e-3, beta=1e-9)
     mesh = Mesh((4,), alpha=1e-3, beta=1e-9,

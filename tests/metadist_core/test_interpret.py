@@ -37,7 +37,7 @@ def test_a_reshard_read_by_three_ops_runs_once():
     plan = ShardingPlan.replicated(problem)
     x_sh = Sharding([Shard(0)])
     plan.input_shardings["x"] = x_sh                   # x stored split: each reader needs it gathered
-    from metadist_core.cost import reshard
+    from metadist_core.reshard import reshard
     for e in plan.edges:
         if e.var == "x":
             e.src_sharding = x_sh

@@ -70,7 +70,8 @@ def test_distribute_and_assemble_are_inverse():
 
 
 def test_a_step_no_reshard_emits_is_a_clear_error():
-    from metadist_core.cost import RESHARD_KINDS, Collective, UnknownCollectiveError, reshard
+    from metadist_core.cost import RESHARD_KINDS, Collective, UnknownCollectiveError
+    from metadist_core.reshard import reshard
     from metadist_core.placement import Replicate, Sharding
     from metadist_core.simulate import apply_collective
 
