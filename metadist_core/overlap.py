@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .cost import Collective, all_gather_cost, all_reduce_cost, reduce_scatter_cost
+from .cost import Collective, collective_cost
 from .gathers import gather_buckets
 from .phases import reshard_key
 
@@ -104,11 +104,9 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
 
     caps = {"all_reduce": bucket, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
 
-    def run_bucket(fn: Any, axis: int, nbytes: int, start: float, members: list, counter: str) -> None:
-        """One collective for a whole bucket on ``axis``: its members are there when it ends."""
-        kind = "all_reduce" if fn is all_reduce_cost else "reduce_scatter" if fn is reduce_scatter_cost \
-            else "all_gather"
-        cost = fn(nbytes, mesh.shape[axis], *mesh.link(axis, kind))
+    def run_bucket(kind: str, axis: int, nbytes: int, start: float, members: list, counter: str) -> None:
+        """One ``kind`` collective for a whole bucket on ``axis``: its members are there when it ends."""
+        cost = collective_cost(kind, nbytes, mesh.shape[axis], *mesh.link(axis, kind))
         s = max(start, axis_free[axis])
         axis_free[axis] = s + cost
         stats["comm"] += cost
@@ -118,8 +116,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
 
     def flush(key: tuple) -> None:
         b = pending.pop(key)
-        run_bucket(all_reduce_cost if key[0] == "all_reduce" else reduce_scatter_cost, key[1], b["bytes"],
-                   b["ready"], b["members"], "buckets")
+        run_bucket(key[0], key[1], b["bytes"], b["ready"], b["members"], "buckets")
 
     def bucketed(var: str, e: Any) -> bool:
         return bool(problem.vars[var].get("bucketed") and len(e.collectives) == 1
@@ -166,7 +163,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
                 flush(bk)
         if done.get(key) is None and key in gather_of:       # a bucket of input gathers: one collective
             members = gather_of[key]
-            run_bucket(all_gather_cost, members[0].axis, sum(g.nbytes for g in members), t,
+            run_bucket("all_gather", members[0].axis, sum(g.nbytes for g in members), t,
                        [g.key for g in members], "gather_buckets")
         if done.get(key) is None:                            # synchronous: the compute runs it
             at = t
