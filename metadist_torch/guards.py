@@ -23,6 +23,9 @@ def attention_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]
     pos = {n: in_index(schema_arg(overload, args_t, kwargs_t, n)) for n in
            ("query", "key", "value", "out", "grad_out", "logsumexp", "attn_mask")}
     gqa = schema_arg(overload, args_t, kwargs_t, "enable_gqa", False) is True
+    # the CPU flash kernels (forward and backward) take grouped-query shapes without a flag: torch's sdpa hands
+    # them key/value with fewer heads (a divisor of the query's) when it was called with enable_gqa=True
+    gqa = gqa or ("enable_gqa" not in names and "flash_attention_for_cpu" in overload._schema.name)
 
     def check(arrays: Sequence[np.ndarray]) -> None:
         q, k, v = (arrays[pos[n]].shape for n in ("query", "key", "value"))

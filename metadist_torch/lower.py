@@ -48,7 +48,7 @@ from .stats import CommStats
 
 # ops whose second argument is the full output shape: lowered with the local output shape
 SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "_reshape_copy", "expand",
-                           "expand_copy", "_reshape_alias"})
+                           "expand_copy", "_reshape_alias", "slice_backward", "select_backward"})
 DTYPE_META = "metadist_dtype"   # fx node meta: the canonical dtype of the value a node holds
 VAR_META = "metadist_var"       # fx node meta: the MetaIR value a node holds (a collective's: the value it moves)
 ASYNC_KINDS = frozenset({"all_reduce", "reduce_scatter", "all_reduce_bucket", "reduce_scatter_bucket"})

@@ -34,6 +34,9 @@ from .sampling import InputMeta, int_ranges, make_sampler, positive_inputs
 RESHAPE_OPS = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "_reshape_copy"})
 # ops that hand back uninitialised memory: run as zeros for discovery
 EMPTY_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided", "empty_permuted"})
+# backward ops whose second argument is the forward input's full size (the output shape): a piece of the
+# gradient gives a piece of that size (every dim but the sliced or selected one follows the gradient)
+GRAD_SIZE_OPS = frozenset({"slice_backward", "select_backward"})
 # random ops that are deterministic when their dropout probability is 0 (or train is False)
 DROPOUT_ARGS = ("dropout_p", "p")
 
@@ -113,13 +116,16 @@ def build_spec(call: Callable[..., Any], args_t: Sequence[Any], kwargs_t: Mappin
 
     guard = shape_guard(overload, args_t, kwargs_t) if overload is not None else None
     call = checked_call(overload, call)
+    sizes_of = _grad_sizes(op_name, args_t)
 
     def fn(*arrays: np.ndarray) -> Any:
         if guard is not None:
             guard(arrays)
         tensors = [_to_torch(a) for a in arrays]
-        out = call(*rebuild(args_t, tensors, upcast=True, device="cpu"),
-                   **rebuild(kwargs_t, tensors, upcast=True, device="cpu"))
+        args = rebuild(args_t, tensors, upcast=True, device="cpu")
+        if sizes_of is not None:
+            args[1] = sizes_of(tuple(tensors[0].shape))
+        out = call(*args, **rebuild(kwargs_t, tensors, upcast=True, device="cpu"))
         if zero_after and isinstance(out, torch.Tensor):
             out = out.zero_()
         if select is not None:
@@ -151,6 +157,18 @@ def build_spec(call: Callable[..., Any], args_t: Sequence[Any], kwargs_t: Mappin
             return _to_numpy(call(t, list(target), *rebuild(args_t[2:], [t]), **rebuild(kwargs_t, [t])))
     return OpSpec(fn=fn, example_inputs=list(examples), name=name, reshape_fn=reshape_fn,
                   out_shape=None if reshape_fn is None else tuple(out_shape), sampler=sampler)
+
+
+def _grad_sizes(op_name: str, args_t: Sequence[Any]) -> Callable[[tuple[int, ...]], list[int]] | None:
+    """For slice_backward/select_backward: the forward input's size given the gradient piece's shape."""
+    if op_name not in GRAD_SIZE_OPS or len(args_t) < 3 or in_index(args_t[0]) != 0 \
+            or not isinstance(args_t[1], (list, tuple)) or not isinstance(args_t[2], int):
+        return None
+    full = [int(x) for x in args_t[1]]
+    dim = args_t[2] % len(full)
+    if op_name == "slice_backward":
+        return lambda g: [full[d] if d == dim else g[d] for d in range(len(full))]
+    return lambda g: list(g[:dim]) + [full[dim]] + list(g[dim:])
 
 
 def op_spec(op: MetaOp, graph: MetaIR) -> OpSpec:
@@ -228,4 +246,4 @@ def rules_for_spec(op: Any, *example_inputs: Any) -> OpSpec:
 
 
 __all__ = ["op_spec", "op_cost", "rules_for", "resolve_overload", "rebuild", "build_spec", "make_sampler",
-           "check_runnable", "rules_for_spec", "RESHAPE_OPS", "EMPTY_OPS"]
+           "check_runnable", "rules_for_spec", "RESHAPE_OPS", "EMPTY_OPS", "GRAD_SIZE_OPS"]

@@ -52,3 +52,17 @@ def mm_only(m=8, k=4, n=8) -> MetaIR:
     g.add_op("aten.mm.default", ["x", "w"], [("y", (m, n), "float32")], id="mm")
     g.set_outputs(["y"])
     return g
+
+
+def scaled_by_param(m=4096, k=1024, n=64) -> MetaIR:
+    """RMSNorm's ``gain * x`` (the parameter first) feeding a matmul: a replicated gain must not tie x's product
+    to being replicated (coarsening once rode on the gain and lost the batch-split optimum)."""
+    g = MetaIR("scaled_by_param")
+    g.add_input("x", (m, k), "float32", "input")
+    g.add_input("gain", (k,), "float32", "parameter")
+    g.add_input("w", (k, n), "float32", "parameter")
+    g.add_op("aten.mul.Tensor", ["gain", "x"], [("y", (m, k), "float32")], id="norm")
+    g.add_op("aten.mm.default", ["y", "w"], [("z", (m, n), "float32")], id="mm")
+    g.add_op("aten.sum.dim_IntList", ["z"], [("s", (n,), "float32")], {"dims": [0]}, id="sum")
+    g.set_outputs(["s"])
+    return g

@@ -275,6 +275,36 @@ def test_rules_for_index_inputs_stay_in_range():
     assert _has(rules, [S(0), S(0)], [S(0)])
 
 
+def test_backward_ops_of_slices_split_with_their_gradient():
+    """slice_backward/select_backward name the forward input's full size: on a piece of the gradient they run at
+    the piece's size (rotary embeddings' backward; replicated-only rules replicated LLaMA's forward). Each rule is
+    checked here on fresh data against the whole op, pieces given the local size as the lowering gives it."""
+    g = torch.randn(6, 4, 8, dtype=torch.float64)
+    for op, args, out_dim_of in ((aten.slice_backward.default, ([6, 4, 16], 2, 0, 8, 1), {0: 0, 1: 1}),
+                                 (aten.select_backward.default, ([6, 5, 4, 8], 1, 3), {0: 0, 1: 2, 2: 3})):
+        rules = rules_for(op, torch.randn(*g.shape), *args)
+        for d, od in out_dim_of.items():
+            assert _has(rules, [S(d)], [S(od)]), (op, d, [str(r) for r in rules])
+            whole = op(g, *args)
+            pieces = []
+            for piece in g.chunk(2, dim=d):
+                size = list(args[0])
+                size[od] = piece.shape[d]
+                pieces.append(op(piece, size, *args[1:]))
+            assert torch.equal(torch.cat(pieces, dim=od), whole)
+        sliced = args[1]
+        assert not _has(rules, [S(sliced)], [S(sliced)]) or op is aten.select_backward.default
+
+
+def test_grouped_query_attention_splits_by_batch():
+    """The CPU flash kernel takes key/value with fewer heads than the query (LLaMA's grouped-query attention):
+    the shape guard lets it run, so it gets its batch rule instead of running replicated. (Not its head rule:
+    discovery splits dims together only where their sizes are equal, and 4 query heads share 2 key heads.)"""
+    q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
+    rules = rules_for(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, 0.0, True)
+    assert _has(rules, [S(0), S(0), S(0)], [S(0), S(0)])
+
+
 def test_unrunnable_ops():
     x = torch.randn(4, 4)
     for op, args in ((aten.native_dropout.default, (x, 0.5, True)), (aten.nonzero.default, (x,)),

@@ -11,7 +11,7 @@ from metadist_core.plugins import PluginManager, UnknownSolverError
 from metadist_core.problem import InfeasibleBudgetError, build_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_core"))
-from _small_graphs import linear_step, mm_only, rulebook  # noqa: E402
+from _small_graphs import linear_step, mm_only, rulebook, scaled_by_param  # noqa: E402
 
 SOLVERS = ("greedy", "beam", "ilp")
 
@@ -37,7 +37,8 @@ def brute_force(problem, budget=None):
 
 
 CASES = [("linear", linear_step, (2,)), ("linear-uneven", lambda: linear_step(6, 3, 5), (3,)),
-         ("mm", mm_only, (2, 2)), ("mm-2x3", lambda: mm_only(6, 6, 6), (2, 3))]
+         ("mm", mm_only, (2, 2)), ("mm-2x3", lambda: mm_only(6, 6, 6), (2, 3)),
+         ("param-first", scaled_by_param, (2,))]
 
 
 @pytest.mark.parametrize("name,make,mesh", CASES, ids=[c[0] for c in CASES])
