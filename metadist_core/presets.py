@@ -16,10 +16,13 @@ a preset's price and its numbers come from the same machinery.
   and its state (role ``gradient`` where the frontend marks them).
 - ``zero3`` (alias ``fsdp``): parameters and optimizer state split on dim 0.
 - ``tp``: Megatron tensor parallelism on every axis: a weight whose matmul
-  output feeds, through elementwise ops, the matmul of another weight is split
-  by columns, that other one by rows (the MLP hidden dim); attention inputs
-  and output are split by heads and the output projection by rows; other
-  parameters replicated, the batch whole.
+  output feeds, through elementwise ops but not across a residual add, the
+  matmul of another weight is split by columns, that other one by rows (the
+  MLP hidden dim); attention inputs and output are split by heads, the q/k/v
+  projections that feed them alone by columns and the output projection by
+  rows; other parameters replicated, the batch whole. A split weight is read
+  only in its split (never gathered); the solver places the activations
+  (sequence-parallel norms where that is cheaper).
 - ``tp+dp``: tp on the last mesh axis, ddp on the others.
 
 Optimizer state follows the parameter it belongs to where a preset does not
@@ -384,7 +387,7 @@ def _follow(g: GraphView, var: str, width: int, depth: int = 12) -> list[int]:
                 if mw[0] == slot:
                     hits.append(i)
                 continue
-            if d >= depth or g.name(i) in NOT_ELEMENTWISE:
+            if d >= depth or g.name(i) in NOT_ELEMENTWISE or _residual(g, i, v):
                 continue
             for o in g.prob.nodes[i].outputs:
                 s = g.shape(o)
@@ -393,13 +396,44 @@ def _follow(g: GraphView, var: str, width: int, depth: int = 12) -> list[int]:
     return hits
 
 
+def _back_to_matmuls(g: GraphView, var: str, depth: int = 10) -> list[int]:
+    """The forward matmuls whose outputs reach ``var`` through other ops (views, rotary embeddings)."""
+    hits, seen, todo = [], set(), [(var, 0)]
+    while todo:
+        v, d = todo.pop()
+        i = g.producer.get(v)
+        if i is None or i in seen or i not in g.forward:
+            continue
+        seen.add(i)
+        if _matmul_weight(g, i) is not None:
+            hits.append(i)
+        elif d < depth and (g.name(i) not in NOT_ELEMENTWISE or g.name(i) == "cat"):   # cat: a KV cache
+            todo += [(u, d + 1) for u in g.prob.nodes[i].inputs if g.role.get(u) is None]
+    return hits
+
+
+def _residual(g: GraphView, i: int, v: str) -> bool:
+    """Is node ``i`` an add of ``v`` and another activation of its shape (a residual connection)? A column
+    split does not cross one: LLaMA's o_proj output reaches the next q_proj through the residual stream and
+    the RMSNorm's elementwise ops, and is no column/row pair with it."""
+    if g.name(i) not in ("add", "sub"):
+        return False
+    return any(u != v and g.shape(u) == g.shape(v) and g.role.get(u) != "parameter"
+               for u in g.prob.nodes[i].inputs)
+
+
 def _tensor_parallel(g: GraphView, pins: _Pins, axes: list[int]) -> None:
     shape = g.prob.mesh.shape
     n_tp = math.prod(shape[a] for a in axes)
     how = f"does not divide by {n_tp}"
 
     def split(var: str, dim: int, role: str) -> None:
-        pins.pin(var, split_on(g.shape(var), dim, axes, shape), f"{role} dim {dim} {how}")
+        if var in pins.done:   # pinned by an earlier role (the first one holds)
+            return
+        sh = split_on(g.shape(var), dim, axes, shape)
+        pins.pin(var, sh, f"{role} dim {dim} {how}")
+        if sh is not None and role.endswith("weight") and pins.out.pins and pins.out.pins[-1].var == var:
+            _read_split(g, pins, var, dim, axes)
 
     # attention: inputs and output split by heads (dim 1 of [batch, heads, seq, head dim])
     for i in sorted(g.forward):
@@ -409,6 +443,14 @@ def _tensor_parallel(g: GraphView, pins: _Pins, axes: list[int]) -> None:
         for v in list(n.inputs[:3]) + list(n.outputs[:1]):
             if len(g.shape(v) or ()) == 4:
                 split(v, 1, "attention heads")
+        for v in n.inputs[:3]:   # q/k/v projections: column-parallel (a fused qkv weight is left whole)
+            shp = g.shape(v) or ()
+            for j in _back_to_matmuls(g, v) if len(shp) == 4 else []:
+                _, w, out_dim, _, bias = _matmul_weight(g, j)
+                if g.shape(w)[out_dim] == shp[1] * shp[3]:
+                    split(w, out_dim, "column-parallel weight")
+                    if bias is not None:
+                        split(bias, 0, "column-parallel bias")
         for j in _follow_any(g, n.outputs[0]):
             _, w, out_dim, in_dim, _ = _matmul_weight(g, j)
             pins.out.pairs.append(("<attention>", w))
@@ -431,6 +473,35 @@ def _tensor_parallel(g: GraphView, pins: _Pins, axes: list[int]) -> None:
             split(w2, in2, "row-parallel weight")
     if not pins.out.pairs:
         pins.out.notes.append("no column/row matmul pairs or attention found: every parameter stays replicated")
+
+
+def _read_split(g: GraphView, pins: _Pins, weight: str, dim: int, axes: list[int]) -> None:
+    """Megatron never moves a weight: on the tp ``axes``, ``weight`` (split on ``dim``) and the transposes,
+    views and casts made of it are read only in that split wherever they are read. (Pinning the stored
+    weight alone let the solver gather it and split the batch instead: ZeRO-3's program priced as "tp".)"""
+    chain, todo, seen = [], [(weight, dim)], {weight}
+    while todo:
+        v, d = todo.pop()
+        chain.append((v, d))
+        for i, _ in g.readers.get(v, []):
+            if g.name(i) not in PASS_WEIGHT:
+                continue
+            for o in g.prob.nodes[i].outputs:
+                if o in seen or len(g.shape(o) or ()) != 2:
+                    continue
+                seen.add(o)
+                if g.name(i) in ("t", "transpose", "permute"):
+                    todo.append((o, 1 - d))
+                elif g.shape(o) == g.shape(v):
+                    todo.append((o, d))
+    for v, d in chain:
+        if not all(any(all(o.inputs[slot][a] == Shard(d) for a in axes) for o in g.prob.nodes[i].options)
+                   for i, slot in g.readers.get(v, [])):
+            pins.out.notes.append(f"{var_name(g.prob, v)}: a reader cannot take it split on dim {d}; "
+                                  f"it may be moved")
+            continue
+        others = [Replicate()] + [Shard(k) for k in range(len(g.shape(v) or ())) if k != d]
+        pins.out.pins.extend(Forbid(p, var=v, axis=a) for p in others for a in axes)
 
 
 def _follow_any(g: GraphView, var: str, depth: int = 8) -> list[int]:

@@ -8,14 +8,17 @@ and the op would then do all of its work on every device, exactly like its
 replicated rule, and leave a value that still needs a reduction: dominated.
 So a rule is kept when it has no Partial input, or when at least one of its
 Partial inputs is *genuinely* reachable: produced as that Partial by a kept
-rule of its producer. One pass in topological order decides it.
+rule of its producer, or when it splits another input (addmm's bias taken as
+Partial beside a contraction split of its matmul: the work is split, the free
+local step on the bias is what makes the row-parallel Linear). One pass in
+topological order decides it.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from .ir import MetaIR
-from .placement import Partial
+from .placement import Partial, Shard
 from .rules import RuleBook, ShardingRule
 
 
@@ -39,7 +42,8 @@ def _useful_at(graph: MetaIR, rulebook: RuleBook, n: int) -> dict[str, list[Shar
         for r in rules:
             partial_slots = [i for i, p in enumerate(r.inputs) if isinstance(p, Partial)]
             if partial_slots and not any(i < len(t_in) and r.inputs[i].reduce in genuine.get(t_in[i], ())
-                                         for i in partial_slots):
+                                         for i in partial_slots) \
+                    and not any(isinstance(p, Shard) for p in r.inputs):
                 continue
             kept.append(r)
             for v, p in zip(op.outputs, r.outputs):

@@ -317,7 +317,8 @@ def default_sampler(examples: Sequence[np.ndarray]) -> Callable[[np.random.Gener
 def _combos(cands: list[list[Placement]], examples: Sequence[Any] = ()) -> list[tuple[Placement, ...]]:
     """The input combinations worth trying: all replicated; Replicate or one same Partial on every
     input; Replicate or a Shard on every input, the dims split together all of one size (one logical
-    dim: at proxy sizes distinct dims have distinct sizes)."""
+    dim: at proxy sizes distinct dims have distinct sizes); for ops of three inputs, each of those
+    splitting two inputs again with the third Partial(sum) when it has fewer dims (addmm's bias)."""
     rep = Replicate()
     out: list[tuple[Placement, ...]] = [tuple(rep for _ in cands)]
     reduces = sorted({p.reduce for c in cands for p in c if isinstance(p, Partial)})
@@ -334,9 +335,20 @@ def _combos(cands: list[list[Placement]], examples: Sequence[Any] = ()) -> list[
             if isinstance(p, Shard):
                 size = examples[i].shape[p.dim] if examples else None
                 shard_sizes.setdefault(size, [[] for _ in cands])[i].append(p)
+    psum = Partial("sum")
     for size, shards in shard_sizes.items():
         per = [[rep] + sh for sh in shards]
-        out += [c for c in itertools.product(*per) if any(isinstance(p, Shard) for p in c)]
+        split = [c for c in itertools.product(*per) if any(isinstance(p, Shard) for p in c)]
+        out += split
+        if len(cands) == 3 and examples:
+            # a fused op with an added, broadcast operand (addmm's bias) split on its contraction dim needs
+            # that operand as a partial sum: where two inputs are split together, the third Partial(sum)
+            # when it has fewer dims than they have
+            nd = [np.ndim(x) for x in examples]
+            can = [psum in c and nd[i] < max(nd) for i, c in enumerate(cands)]
+            for c in split:
+                if sum(isinstance(p, Shard) for p in c) >= 2 and any(p == rep and can[i] for i, p in enumerate(c)):
+                    out.append(tuple(psum if p == rep and can[i] else p for i, p in enumerate(c)))
     return list(dict.fromkeys(out))
 
 

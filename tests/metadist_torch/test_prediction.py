@@ -102,3 +102,23 @@ def test_lowered_gather_buckets_are_the_planned_ones(traced, mesh_shape):
     assert pr.details["gather_buckets"] == len(planned)
     saved = sum((len(b) - 1) * (mesh.shape[b[0].axis] - 1) * mesh.alpha[b[0].axis] for b in planned)
     assert pr.comm == pytest.approx(unbucketed.comm - saved, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("strategy,shape", [("tp", (2,)), ("tp+dp", (2, 2))])
+def test_tensor_parallel_presets_never_move_a_weight(traced, strategy, shape):
+    """Megatron keeps each weight where the preset put it: no collective moves a parameter or a transpose or
+    view of one (the row-parallel Linears take their bias as a partial sum). Pinning the stored weights
+    alone let the solver gather them and split the batch instead: ZeRO-3's program priced as "tp"."""
+    fe, tr = traced
+    g = tr.graph
+    mesh = Mesh(shape, alpha=[2e-4] * len(shape), beta=[1e-9] * len(shape))
+    res = plan_graph(g, mesh, settings=load_settings(progress=False, strategy=strategy),
+                     constraints=fe.constraints(g, mesh))
+    weights = {v for v in g.inputs if g.vars[v].role == "parameter" and g.vars[v].ndim == 2}
+    for op in g.ops:   # what the matmuls read: transposes and views of a weight
+        if op.key.split(".")[1] in ("t", "transpose", "view", "_unsafe_view") and op.inputs[0] in weights:
+            weights.update(op.outputs)
+    moved = sorted({g.vars[e.var].label or e.var for e, c in res.plan.collectives()
+                    if not c.is_free and e.var in weights})
+    assert not moved, f"{strategy} moves weights: {moved}"
+    assert any(c.kind == "all_reduce" and not c.is_free for _, c in res.plan.collectives())

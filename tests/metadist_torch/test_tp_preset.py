@@ -1,0 +1,59 @@
+"""The ``tp`` preset finds Megatron's layout on transformers' LLaMA: q/k/v projections by columns (behind the
+rotary embedding and the KV cache's cat), o_proj and down_proj by rows, gate/up by columns, and no column/row
+pair across a residual add (o_proj's output reaches the next q_proj through the residual stream and the
+RMSNorm's elementwise ops). Planned in one process on a (4,) mesh; no weight is moved."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from metadist_core.config import load_settings  # noqa: E402
+from metadist_core.pipeline import plan_graph  # noqa: E402
+from metadist_core.placement import Mesh, Replicate, Shard, Sharding  # noqa: E402
+from metadist_core.presets import preset_constraints  # noqa: E402
+from metadist_torch.plugin import TorchFrontend  # noqa: E402
+
+
+def _llama_step(model, opt, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return out.loss
+
+
+def test_tp_preset_is_megatron_on_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    fe = TorchFrontend()
+    tr = fe.trace(_llama_step, (model, opt, torch.randint(0, 64, (4, 16))), {})
+    g = tr.graph
+    mesh = Mesh((4,), alpha=[2e-4], beta=[1e-9])
+    res = plan_graph(g, mesh, settings=load_settings(progress=False, strategy="tp"),
+                     constraints=fe.constraints(g, mesh))
+    label = {v: g.vars[v].label for v in g.inputs}
+    pc = preset_constraints(res.problem.unsteered, "tp")
+    pairs = {(label.get(a, a), label[b]) for a, b in pc.pairs}
+    assert pairs == {(f"model.layers.{i}.mlp.{p}_proj.weight", f"model.layers.{i}.mlp.down_proj.weight")
+                     for i in range(2) for p in ("gate", "up")} | \
+        {("<attention>", f"model.layers.{i}.self_attn.o_proj.weight") for i in range(2)}, pairs
+    by = {label[v]: res.plan.input_shardings[v] for v in g.inputs if g.vars[v].role == "parameter"}
+    col, row, rep = Sharding((Shard(0),)), Sharding((Shard(1),)), Sharding((Replicate(),))
+    for i in range(2):
+        for p in ("q", "k", "v"):
+            assert by[f"model.layers.{i}.self_attn.{p}_proj.weight"] == col, p
+        for p in ("gate", "up"):
+            assert by[f"model.layers.{i}.mlp.{p}_proj.weight"] == col, p
+        assert by[f"model.layers.{i}.self_attn.o_proj.weight"] == row
+        assert by[f"model.layers.{i}.mlp.down_proj.weight"] == row
+        assert by[f"model.layers.{i}.input_layernorm.weight"] == rep
+    assert by["lm_head.weight"] == rep and by["model.embed_tokens.weight"] == rep
+    params = {v for v in g.inputs if g.vars[v].role == "parameter"}
+    assert not [label[e.var] for e, c in res.plan.collectives() if not c.is_free and e.var in params]
