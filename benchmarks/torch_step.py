@@ -13,7 +13,8 @@ inner axis, ``fully_shard`` on the outer). For every system: the median step
 time after warm-up, the cost model's prediction for that same plan (MetaDist
 pinned to the hand plan's layout by its strategy preset, priced by
 ``metadist_core.overlap.predict``), the communication bytes per step that plan
-prices and those counted (MetaDist: at its collectives; DDP: in a comm hook),
+prices and those counted (MetaDist: at its collectives; DDP: in a comm hook;
+FSDP2 and the TP plans: at the dispatcher in one more, untimed step),
 and the peak RSS. Results: results/torch_step.json (one record per model and
 system, rank medians), .md, and torch_step.png (predicted against measured).
 """
@@ -200,6 +201,14 @@ def _predicted(m: Model, cache, strategy: str, mesh=None) -> dict:
             "predicted_plan": step.plan.summary()}
 
 
+def _counted(run_step) -> dict:
+    """Bytes by kind of one more (untimed) step, counted at the dispatcher (benchmarks._comm_count)."""
+    from benchmarks._comm_count import CountCollectives
+    with CountCollectives() as c:
+        run_step()
+    return {"comm_bytes_counted": c.total, "comm_bytes_by_kind": dict(c.bytes), "comm_calls_by_kind": dict(c.calls)}
+
+
 def run_model(m: Model, args, rank: int, world: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -249,7 +258,7 @@ def run_model(m: Model, args, rank: int, world: int) -> dict:
         fully_shard(model)
         opt = type(opt)(model.parameters(), **{k: v for k, v in opt.defaults.items() if k in ("lr", "betas")})
         t, _ = _timed_steps(lambda b: m.step(model, opt, *b), local, warmup)
-        return {"step_s": t}
+        return {"step_s": t, **_counted(lambda: m.step(model, opt, *local[0]))}
 
     def tp(mesh_shape):
         from torch.distributed.device_mesh import init_device_mesh
@@ -270,7 +279,7 @@ def run_model(m: Model, args, rank: int, world: int) -> dict:
             batches = [_shard_batch(b, dp_rank, dp) for b in m.batches]
         opt = type(opt)(model.parameters(), **{k: v for k, v in opt.defaults.items() if k in ("lr", "betas")})
         t, _ = _timed_steps(lambda b: m.step(model, opt, *b), batches, warmup)
-        return {"step_s": t}
+        return {"step_s": t, **_counted(lambda: m.step(model, opt, *batches[0]))}
 
     systems = [("metadist", lambda: metadist(), None), ("metadist_ddp", lambda: metadist("ddp"), None),
                ("ddp", ddp, ("ddp", None)), ("fsdp2", fsdp2, ("fsdp", None))]
