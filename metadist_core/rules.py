@@ -24,7 +24,7 @@ log = logging.getLogger("metadist.rules")
 CACHE_VERSION = 6   # 2: entries keyed by op pattern and axis size (metadist_core.patterns); 3: nonfinite draws;
 # 4: sizes below the axis size exact, and the empty-piece class in the pattern; 5: slice_backward and
 # select_backward run on gradient pieces at the pieces' own size (they had replicated rules only);
-# 6: ops of 3+ inputs also tried with their unsplit inputs Partial(sum) beside shards (addmm row split)
+# 6: ops of 3 inputs also tried with the third Partial(sum) beside two shards, where it has fewer dims (addmm)
 CACHE_FILE = "rules-v%d.json" % CACHE_VERSION
 
 
