@@ -10,6 +10,7 @@
 | time_limit     | METADIST_TIME_LIMIT        | time_limit      | 60 (solver, s)     |
 | coalesce       | METADIST_COALESCE          | coalesce        | true (bucket all-reduces) |
 | bucket_mb      | METADIST_BUCKET_MB         | bucket_mb       | 25 (MiB per bucket)|
+| first_bucket_mb | METADIST_FIRST_BUCKET_MB  | first_bucket_mb | 1 (MiB: the first gradient bucket, as DDP's; 0: bucket_mb) |
 | shard_bucket_mb | METADIST_SHARD_BUCKET_MB | shard_bucket_mb | 4 (MiB per bucket of parameter all_gathers and gradient reduce_scatters; 0: off) |
 | beam_width     | METADIST_BEAM_WIDTH        | beam_width      | 8 (beam solver)    |
 | verify_draws   | METADIST_VERIFY_DRAWS      | verify_draws    | 2 (random draws per rule) |
@@ -52,6 +53,7 @@ class Settings:
     time_limit: float = 60.0
     coalesce: bool = True
     bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0   # the first gradient all_reduce bucket (DDP's first bucket is 1 MiB); 0: bucket_mb
     shard_bucket_mb: float = 4.0   # parameter all_gathers (metadist_core.gathers) and gradient reduce_scatters per bucket; 0: off
     beam_width: int = 8
     verify_draws: int = 2
@@ -71,6 +73,12 @@ class Settings:
     @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
+
+    @property
+    def first_bucket_bytes(self) -> int:
+        """Bytes of the first gradient all_reduce bucket: it closes early so its all_reduce overlaps the
+        rest of the backward, as DDP's first bucket does."""
+        return int((self.first_bucket_mb or self.bucket_mb) * 2**20)
 
     @property
     def shard_bucket_bytes(self) -> int:
@@ -117,7 +125,7 @@ def load_settings(**explicit: Any) -> Settings:
                 value = int(float(value))
             except ValueError:
                 raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
-        elif f.name in ("time_limit", "bucket_mb", "shard_bucket_mb"):
+        elif f.name in ("time_limit", "bucket_mb", "first_bucket_mb", "shard_bucket_mb"):
             value = float(value)
         else:
             value = str(value)
@@ -135,6 +143,8 @@ def load_settings(**explicit: Any) -> Settings:
     if s.strategy != "auto":
         from .presets import check_strategy
         s.strategy = check_strategy(s.strategy)   # an unknown name: ValueError listing the presets
+    if s.first_bucket_mb < 0:
+        raise ValueError(f"first_bucket_mb must be 0 (the same as bucket_mb) or more, got {s.first_bucket_mb}")
     if s.shard_bucket_mb < 0:
         raise ValueError(f"shard_bucket_mb must be 0 (off) or more, got {s.shard_bucket_mb}")
     if s.axis_size < 2:

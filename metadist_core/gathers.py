@@ -27,20 +27,28 @@ from .phases import reshard_key
 from .placement import Sharding
 
 
-def bucket_in_order(items: Sequence[tuple[Hashable, Hashable, int]], cap: int) -> list[list[Hashable]]:
+def bucket_cap(cap: int, first_cap: int | None, opened: int) -> int:
+    """The byte cap of a group's bucket when ``opened`` buckets of the group exist, counting it: the first
+    bucket is held to ``first_cap`` (DDP closes a small first gradient bucket, so that its all_reduce starts
+    early in the backward and overlaps the rest), every later one to ``cap``."""
+    return first_cap if first_cap and opened <= 1 else cap
+
+
+def bucket_in_order(items: Sequence[tuple[Hashable, Hashable, int]], cap: int,
+                    first_cap: int | None = None) -> list[list[Hashable]]:
     """Greedy buckets of ``(id, group, nbytes)`` in issue order: an item joins the open bucket of its group
-    while the bucket stays within ``cap`` bytes, else opens a new one (the group's previous one closes).
-    Buckets come in the order of their first member; a bucket of one is a plain collective."""
+    while the bucket stays within its cap (:func:`bucket_cap`), else opens a new one (the group's previous
+    one closes). Buckets come in the order of their first member; a bucket of one is a plain collective."""
     out: list[list[Hashable]] = []
-    open_: dict[Hashable, tuple[int, int]] = {}   # group -> (index in out, bytes)
+    open_: dict[Hashable, tuple[int, int, int]] = {}   # group -> (index in out, bytes, buckets opened)
     for ident, group, nbytes in items:
         cur = open_.get(group)
-        if cur is not None and cur[1] + nbytes <= cap:
+        if cur is not None and cur[1] + nbytes <= bucket_cap(cap, first_cap, cur[2]):
             out[cur[0]].append(ident)
-            open_[group] = (cur[0], cur[1] + nbytes)
+            open_[group] = (cur[0], cur[1] + nbytes, cur[2])
         else:
             out.append([ident])
-            open_[group] = (len(out) - 1, nbytes)
+            open_[group] = (len(out) - 1, nbytes, (cur[2] if cur else 0) + 1)
     return out
 
 
@@ -105,4 +113,4 @@ def gather_buckets(problem: Any, choice: Sequence[int]) -> list[list[Gather]]:
     return [[by_key[k] for k in b] for b in groups if len(b) > 1]
 
 
-__all__ = ["Gather", "bucket_in_order", "gathers", "gather_buckets"]
+__all__ = ["Gather", "bucket_cap", "bucket_in_order", "gathers", "gather_buckets"]

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .cost import local_bytes
-from .gathers import gather_buckets
+from .gathers import bucket_cap, gather_buckets
 from .placement import Sharding
 
 # the part of a memory budget plans leave free for what the model does not count (a kernel's workspace,
@@ -103,10 +103,10 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
             else:
                 out.append((at, span[1], b))
     caps = {"all_reduce": problem.bucket_bytes, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
-    return out + _buckets(reduced, caps)
+    return out + _buckets(reduced, caps, getattr(problem, "first_bucket_bytes", None))
 
 
-def _buckets(reduced: list[tuple], caps: dict) -> list[tuple[int, int, float]]:
+def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> list[tuple[int, int, float]]:
     """All_reduces and reduce_scatters of gradients made in buckets of up to ``caps[kind]`` bytes
     (:func:`metadist_torch.lower.coalesce_all_reduces`): one flat buffer per bucket whose results are
     views, so every result lives until the bucket's last reader. A bucket runs once its last member
@@ -118,6 +118,7 @@ def _buckets(reduced: list[tuple], caps: dict) -> list[tuple[int, int, float]]:
     bucket runs: its base holds its partial sum (counting both had made a bucketed plan 22 % too heavy)."""
     out = []
     open_: dict[tuple, list] = {}
+    opened: dict[tuple, int] = {}   # buckets per key: the first all_reduce bucket is held to first_cap
 
     def close(kind: str, cur: list) -> None:
         end, total, members, copies, src_total = cur
@@ -129,10 +130,12 @@ def _buckets(reduced: list[tuple], caps: dict) -> list[tuple[int, int, float]]:
     for start, end, b, dtype, copies, kind, sb, held in sorted(reduced):
         key = (kind, dtype, copies)   # the lowering buckets per kind, reduce op and dtype
         cur = open_.get(key)
-        if cur is None or ((cur[1] + b) if kind == "all_reduce" else (cur[4] + sb)) > (caps.get(kind) or 0):
+        cap = bucket_cap(caps.get(kind) or 0, first_cap if kind == "all_reduce" else None, opened.get(key, 0))
+        if cur is None or ((cur[1] + b) if kind == "all_reduce" else (cur[4] + sb)) > cap:
             if cur is not None:
                 close(kind, cur)
             cur = open_[key] = [end, 0.0, [], copies, 0.0]
+            opened[key] = opened.get(key, 0) + 1
         cur[0], cur[1], cur[4] = max(cur[0], end), cur[1] + b, cur[4] + sb
         cur[2].append((start, b, held))
     for key, c in open_.items():

@@ -8,7 +8,9 @@ the measured one:
 - a reshard runs once per (value, target sharding, reader phase) however many
   ops read it (:func:`metadist_core.interpret.interpret`, :mod:`metadist_core.phases`);
 - the all_reduces of gradient values (``vars[v]["bucketed"]``) run in buckets of
-  ``problem.bucket_bytes`` per (axis, reduce, dtype), their reduce_scatters in buckets
+  ``problem.bucket_bytes`` per (axis, reduce, dtype), filled in the order the gradients are made,
+  the first of each up to ``problem.first_bucket_bytes`` (:func:`metadist_core.gathers.bucket_cap`:
+  it closes early, so its all_reduce overlaps the rest of the backward, as DDP's first bucket), their reduce_scatters in buckets
   of ``problem.shard_bucket_bytes``, one latency per bucket, a bucket issued when its
   last member is computed;
 - all_reduces and reduce_scatters are issued as soon as their input exists and waited for just before
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import Collective, collective_cost
-from .gathers import gather_buckets
+from .gathers import bucket_cap, gather_buckets
 from .phases import reshard_key
 
 OUTPUT = "<output>"
@@ -94,6 +96,8 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     axis_free = [0.0] * mesh.ndim             # one collective at a time per mesh axis
     done: dict[tuple, float] = {}             # (var, src, dst, phase) -> when the moved value is there
     pending: dict[tuple, dict] = {}           # open gradient bucket per (axis, reduce, dtype)
+    opened: dict[tuple, int] = {}             # buckets opened per (kind, axis, reduce, dtype)
+    buckets: list[list[str]] = []             # the values of each bucket, as they run
     stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "exposed": 0.0, "gather_buckets": 0}
 
     def run_comm(c: Collective, start: float) -> float:
@@ -117,6 +121,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     def flush(key: tuple) -> None:
         b = pending.pop(key)
         run_bucket(key[0], key[1], b["bytes"], b["ready"], b["members"], "buckets")
+        buckets.append(b["vars"])
 
     def bucketed(var: str, e: Any) -> bool:
         return bool(problem.vars[var].get("bucketed") and len(e.collectives) == 1
@@ -133,9 +138,13 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         if bucketed(var, e):
             c = colls[0]
             bk = (c.kind, c.axis, c.reduce, problem.vars[var].get("comm_dtype", problem.vars[var]["dtype"]))
-            if bk in pending and pending[bk]["bytes"] + c.nbytes > caps[c.kind]:
+            first = getattr(problem, "first_bucket_bytes", None) if c.kind == "all_reduce" else None
+            if bk in pending and pending[bk]["bytes"] + c.nbytes > bucket_cap(caps[c.kind], first, opened[bk]):
                 flush(bk)
-            b = pending.setdefault(bk, {"bytes": 0, "ready": 0.0, "members": []})
+            if bk not in pending:
+                opened[bk] = opened.get(bk, 0) + 1
+            b = pending.setdefault(bk, {"bytes": 0, "ready": 0.0, "members": [], "vars": []})
+            b["vars"].append(var)
             b["bytes"] += c.nbytes
             b["ready"] = max(b["ready"], ready.get(var, 0.0))
             b["members"].append(key)
@@ -202,7 +211,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     end = max([t] + axis_free)
     stats["exposed"] += end - t
     return Prediction(end, stats["compute"], stats["comm"], stats["exposed"], int(stats["bytes"]), stats["n"],
-                      stats["buckets"], {"gather_buckets": stats["gather_buckets"]})
+                      stats["buckets"], {"gather_buckets": stats["gather_buckets"], "buckets": buckets})
 
 
 def buckets_latency(nbytes: list[int], bucket_bytes: int) -> int:

@@ -118,6 +118,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                 memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
                                 bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
                                 shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None,
+                                first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
                                 phased=phased)
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)

@@ -126,6 +126,7 @@ class ShardingProblem:
     shard_bucket_bytes: int | None = None   # the lowering gathers inputs in buckets up to this size (gathers.py)
     toggles: list = field(default_factory=list)   # terms.Toggle: yes/no decisions priced beside (recompute.py)
     step_map: list[int] | None = None    # op position -> position in the toggles' graph (its last: the step count)
+    first_bucket_bytes: int | None = None   # the first gradient all_reduce bucket per group (None: bucket_bytes)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
@@ -298,6 +299,7 @@ class ShardingProblem:
             **({"phases": self.phases} if self.phases else {}),
             **({"bucket_copies": self.bucket_copies} if self.bucket_copies else {}),
             **({"shard_bucket_bytes": self.shard_bucket_bytes} if self.shard_bucket_bytes else {}),
+            **({"first_bucket_bytes": self.first_bucket_bytes} if self.first_bucket_bytes else {}),
         }
 
     @classmethod
@@ -311,7 +313,8 @@ class ShardingProblem:
                    [Edge.from_json(e) for e in d["edges"]], [np.asarray(a, dtype=bool) for a in d["allowed"]],
                    int(d["n_steps"]), d.get("memory_budget"), parse_constraints(d.get("constraints") or []),
                    list(d.get("outputs", [])), dict(d.get("aliases", {})), d.get("bucket_bytes"),
-                   dict(d.get("phases", {})), int(d.get("bucket_copies", 0)), d.get("shard_bucket_bytes"))
+                   dict(d.get("phases", {})), int(d.get("bucket_copies", 0)), d.get("shard_bucket_bytes"),
+                   first_bucket_bytes=d.get("first_bucket_bytes"))
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -356,7 +359,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   prune: bool = True,
                   grad_compression: str | None = None,
                   bucket_bytes: int | None = None, bucket_copies: int = 0,
-                  shard_bucket_bytes: int | None = None, phased: bool = True) -> ShardingProblem:
+                  shard_bucket_bytes: int | None = None, phased: bool = True,
+                  first_bucket_bytes: int | None = None) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them
@@ -365,7 +369,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     ``prune`` drops dominated rules first (:mod:`metadist_core.prune`); the
     optimum does not change, the problem gets smaller. ``grad_compression`` ("bf16" | "fp16") prices the
     collectives of gradient values at that dtype (``vars[v]["comm_dtype"]``, :mod:`metadist_core.compression`).
-    ``bucket_bytes``: the lowering buckets gradient all_reduces up to this size (:meth:`ShardingProblem.price`).
+    ``bucket_bytes``: the lowering buckets gradient all_reduces up to this size (:meth:`ShardingProblem.price`),
+    the first bucket of each (axis, reduce op, dtype) up to ``first_bucket_bytes`` (:func:`metadist_core.gathers.bucket_cap`).
     ``shard_bucket_bytes``: it gathers graph inputs in buckets up to this size (:mod:`metadist_core.gathers`).
     """
     from .compression import wire_dtypes
@@ -429,7 +434,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                            memory_budget, cons, list(graph.outputs), dict(graph.aliases),
                            int(bucket_bytes) if bucket_bytes else None, reader_phases(graph) if phased else {},
                            int(bucket_copies),
-                           int(shard_bucket_bytes) if shard_bucket_bytes else None)
+                           int(shard_bucket_bytes) if shard_bucket_bytes else None,
+                           first_bucket_bytes=int(first_bucket_bytes) if bucket_bytes and first_bucket_bytes else None)
     apply_constraints(prob)
     prob.edges = _build_edges(prob)
     return prob

@@ -36,8 +36,9 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
+from metadist_core.compression import gradient_chain
 from metadist_core.cost import Collective
-from metadist_core.gathers import bucket_in_order
+from metadist_core.gathers import bucket_cap, bucket_in_order
 from metadist_core.interpret import Collectives, interpret
 from metadist_core.ir import DTYPE_BYTES, MetaIR, MetaOp
 from metadist_core.placement import Mesh, Sharding, group_extents, shard_shape
@@ -183,43 +184,58 @@ class RankGraph:
 
 
 def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, int], Callable],
-                         caps: Mapping[str, int]) -> None:
+                         caps: Mapping[str, int], first_cap: int | None = None,
+                         only: Callable[[fx.Node], bool] | None = None) -> list[list[Any]]:
     """Merge all_reduces (and reduce_scatters) that are independent of each other into buckets, as DDP
     (and FSDP) do with gradients.
 
-    Walking the program in order, a collective joins an open bucket of the same
-    kind, axis, reduce op and dtype when its input is computed before the bucket's
-    first member and the bucket stays within ``caps[kind]`` bytes (a kind without
-    a cap is not bucketed); the bucket then runs at that first member's place, as
-    one collective of the concatenated inputs. Values and bytes are unchanged.
+    The collectives are taken in the order their inputs are computed (a gradient's all_reduce in the
+    order the backward makes the gradients) and each joins the open bucket of its kind, axis, reduce op
+    and dtype while the bucket stays within its cap (``caps[kind]``; the first all_reduce bucket of a group
+    ``first_cap``, :func:`metadist_core.gathers.bucket_cap`) and no member's input is computed after
+    another member's place in the program; else it opens the next bucket. A kind without a cap, and a
+    collective ``only`` rejects, is not bucketed. A bucket runs at its earliest member's place, as one
+    collective of the concatenated inputs (:func:`metadist_torch.schedule.issue_early` then moves it to
+    right after its last input): the buckets :func:`metadist_core.overlap.predict` and
+    :mod:`metadist_core.memprofile` price. Values and bytes are unchanged. Returns the values (``VAR_META``)
+    of each bucket of two or more members, in the order the buckets were opened.
     """
     order = {n: i for i, n in enumerate(g.nodes)}
+    todo = sorted((n for n in g.nodes if n in reduces and caps.get(reduces[n][0]) and (only is None or only(n))),
+                  key=lambda n: (order[n.args[0]], order[n]))
     buckets: list[dict] = []
-    for n in [n for n in g.nodes if n in reduces]:
+    open_: dict[tuple, dict] = {}
+    opened: dict[tuple, int] = {}
+    for n in todo:
         kind, axis, reduce, dtype, nbytes = reduces[n]
-        if not caps.get(kind):
-            continue
-        src = n.args[0]
-        for b in buckets:
-            if b["key"] == (kind, axis, reduce, dtype) and b["bytes"] + nbytes <= caps[kind] \
-                    and order[src] < order[b["anchor"]]:
-                b["members"].append(n)
-                b["bytes"] += nbytes
-                break
+        key = (kind, axis, reduce, dtype)
+        b = open_.get(key)
+        cap = bucket_cap(caps[kind], first_cap if kind == "all_reduce" else None, opened.get(key, 0))
+        src, at = order[n.args[0]], order[n]
+        if b is not None and b["bytes"] + nbytes <= cap and max(b["src"], src) < min(b["at"], at):
+            b["members"].append(n)
+            b["bytes"] += nbytes
+            b["src"], b["at"] = max(b["src"], src), min(b["at"], at)
         else:
-            buckets.append({"key": (kind, axis, reduce, dtype), "anchor": n, "members": [n], "bytes": nbytes})
+            b = open_[key] = {"key": key, "members": [n], "bytes": nbytes, "src": src, "at": at}
+            buckets.append(b)
+            opened[key] = opened.get(key, 0) + 1
+    made = []
     for b in buckets:
         if len(b["members"]) < 2:
             continue
         kind, axis, reduce, _ = b["key"]
-        extra = [[m.args[2] for m in b["members"]]] if kind == "reduce_scatter" else b["anchor"].args[2:]
-        with g.inserting_before(b["anchor"]):
+        anchor = min(b["members"], key=lambda m: order[m])
+        extra = [[m.args[2] for m in b["members"]]] if kind == "reduce_scatter" else anchor.args[2:]
+        with g.inserting_before(anchor):
             call = g.call_function(bucket_fn(kind, axis), ([m.args[0] for m in b["members"]], reduce,
                                                            *extra))   # the dims; an all_reduce's wire dtype
             outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(b["members"]))]
+        made.append([m.meta.get(VAR_META) for m in b["members"]])
         for m, o in zip(b["members"], outs):
             m.replace_all_uses_with(o)
             g.erase_node(m)
+    return made
 
 
 def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], Callable], cap: int
@@ -253,13 +269,16 @@ def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], 
 
 def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], groups: Sequence[Any] | None,
                stats: CommStats | None = None, coalesce: bool = True, bucket_bytes: int = 25 * 2**20,
-               shard_bucket_bytes: int = 0,
+               shard_bucket_bytes: int = 0, first_bucket_bytes: int = 0,
                wire: Mapping[str, torch.dtype] | None = None, inplace_state: bool = False) -> RankGraph:
     """Build this rank's fx program for ``plan`` (``groups[axis]``: the process group of each mesh axis).
 
-    ``coalesce`` merges independent all_reduces of one axis into buckets of up to ``bucket_bytes``, and
+    ``coalesce`` merges independent all_reduces of one axis into buckets of up to ``bucket_bytes`` (the
+    first of each group up to ``first_bucket_bytes``; 0: ``bucket_bytes``), and
     the all_gathers of inputs and the reduce_scatters into buckets of up to ``shard_bucket_bytes`` (0: each
-    on its own).
+    on its own). Only gradients and what they are views, casts or copies of
+    (:func:`metadist_core.compression.gradient_chain`, the values ``build_problem`` marks ``bucketed``) are
+    bucketed, so the program runs the buckets the prediction prices.
     ``wire`` (value id -> torch dtype, :func:`metadist_torch.compression.wire_map`): the values whose
     collectives travel compressed. ``inplace_state``: each new state value is copied into its input's
     storage as soon as the old value's last reader has run, so the new one dies there (what the memory
@@ -284,9 +303,14 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     g.output(tuple([res.outputs[v] for v in output_vars] + [res.state[s] for s in state_inputs]))
     g.eliminate_dead_code()
     gather_buckets: list[list[fx.Node]] = []
+    reduce_buckets: list[list[Any]] = []
     if coalesce:
-        coalesce_all_reduces(g, colls.reduces, lambda kind, axis: colls.fn(axis, f"{kind}_bucket"),
-                             {"all_reduce": bucket_bytes, "reduce_scatter": shard_bucket_bytes})
+        # the values every rank's prediction buckets (ShardingProblem.vars[v]["bucketed"]): from the graph, the
+        # same on every rank (a plan shared from rank 0 carries no problem)
+        grads = gradient_chain(graph)
+        reduce_buckets = coalesce_all_reduces(g, colls.reduces, lambda kind, axis: colls.fn(axis, f"{kind}_bucket"),
+                                              {"all_reduce": bucket_bytes, "reduce_scatter": shard_bucket_bytes},
+                                              first_bucket_bytes, lambda n: n.meta.get(VAR_META) in grads)
         if shard_bucket_bytes:
             gather_buckets = coalesce_all_gathers(g, colls.gathers, lambda axis: colls.fn(axis, "all_gather_bucket"),
                                                   shard_bucket_bytes)
@@ -299,6 +323,7 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
                    n_coll)
     rg.collectives = [(v, c) for v, c in res.collectives if not c.is_free]   # as run, before bucketing
     rg.gather_buckets = [[o.meta.get(VAR_META) for o in outs] for outs in gather_buckets]   # values per bucket
+    rg.reduce_buckets = reduce_buckets   # values per all_reduce / reduce_scatter bucket
     return rg
 
 

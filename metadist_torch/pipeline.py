@@ -52,11 +52,12 @@ class MicroBatchProgram:
 
     def __init__(self, traced: TracedStep, cut: GradientCut, plans: tuple, mesh: Mesh, engine: Engine,
                  m: int, *, coalesce: bool = True, bucket_bytes: int = 25 * 2**20,
-                 shard_bucket_bytes: int = 0) -> None:
+                 shard_bucket_bytes: int = 0, first_bucket_bytes: int = 0) -> None:
         self.traced, self.cut, self.plans, self.engine, self.m = traced, cut, plans, engine, m
         self.stats = CommStats()
         kw = dict(coords=engine.coords, groups=engine.groups(), stats=self.stats, coalesce=coalesce,
-                  bucket_bytes=bucket_bytes, shard_bucket_bytes=shard_bucket_bytes)
+                  bucket_bytes=bucket_bytes, shard_bucket_bytes=shard_bucket_bytes,
+                  first_bucket_bytes=first_bucket_bytes)
         self.grad = lower_plan(cut.grad_graph, plans[0], mesh, **kw)
         self.update = lower_plan(cut.update_graph, plans[1], mesh, **kw)
         n_s = len(traced.state.slots)
@@ -134,7 +135,8 @@ def lower_micro_batches(traced: TracedStep, cut: GradientCut, plans: tuple, mesh
     if traced.random_ops:
         engine.sync_rng()
     return MicroBatchProgram(traced, cut, plans, mesh, engine, settings.micro_batches, coalesce=settings.coalesce,
-                             bucket_bytes=settings.bucket_bytes, shard_bucket_bytes=settings.shard_bucket_bytes)
+                             bucket_bytes=settings.bucket_bytes, shard_bucket_bytes=settings.shard_bucket_bytes,
+                             first_bucket_bytes=settings.first_bucket_bytes)
 
 
 __all__ = ["MicroBatchProgram", "split_batch", "lower_micro_batches"]

@@ -123,6 +123,7 @@ class TorchFrontend(Frontend):
         graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
                            coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
                            shard_bucket_bytes=settings.shard_bucket_bytes,
+                           first_bucket_bytes=settings.first_bucket_bytes,
                            wire=wire_map(traced.graph, settings.grad_compression),
                            inplace_state=not settings.offload)   # offload moves the update to the host
         info = None

@@ -104,6 +104,41 @@ def test_lowered_gather_buckets_are_the_planned_ones(traced, mesh_shape):
     assert pr.comm == pytest.approx(unbucketed.comm - saved, rel=1e-9, abs=1e-12)
 
 
+@pytest.mark.parametrize("first_mb", [0.004, 0.0])
+def test_lowered_gradient_buckets_are_the_priced_ones(traced, first_mb):
+    """Under the ddp preset with small buckets the lowering fills its all_reduce buckets in the order the
+    backward makes the gradients, the first up to ``first_bucket_mb`` (as DDP's first bucket), and they
+    are the buckets the prediction prices: same values, same grouping. The first bucket holds the
+    earliest gradients, so its all_reduce can run while the rest of the backward computes."""
+    fe, tr = traced
+    mesh = Mesh((2,), alpha=[2e-4], beta=[1e-9])
+    s = load_settings(progress=False, strategy="ddp", bucket_mb=0.016, first_bucket_mb=first_mb)
+    res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh))
+    plan, problem = res.plan, res.problem
+    assert problem.first_bucket_bytes == (s.first_bucket_bytes if first_mb else s.bucket_bytes)
+    priced = predict(plan).details["buckets"]
+    grads = [v for b in priced for v in b]
+    assert len(priced) >= 3, f"16 KiB buckets should split the example's gradients, got {priced}"
+    rg = lower_plan(tr.graph, plan, mesh, coords=(0,), groups=None, bucket_bytes=s.bucket_bytes,
+                    first_bucket_bytes=problem.first_bucket_bytes)
+    assert rg.reduce_buckets == [b for b in priced if len(b) > 1]
+    # another rank holds the plan as shared from rank 0, without its problem: the same buckets
+    shared = type(plan).from_json(plan.to_json())
+    assert shared.problem is None
+    other = lower_plan(tr.graph, shared, mesh, coords=(1,), groups=None, bucket_bytes=s.bucket_bytes,
+                       first_bucket_bytes=problem.first_bucket_bytes)
+    assert other.reduce_buckets == rg.reduce_buckets
+    nbytes = {v: c.nbytes for v, c in priced_collectives(plan) if c.kind == "all_reduce"}
+    first_cap = s.first_bucket_bytes if first_mb else s.bucket_bytes
+    for i, b in enumerate(priced):   # each bucket within its cap (a gradient larger than the cap: alone)
+        assert sum(nbytes[v] for v in b) <= (first_cap if i == 0 else s.bucket_bytes) or len(b) == 1
+    # the first bucket closed because the next gradient would overflow its cap: 4 KiB, or 16 KiB without one
+    assert sum(nbytes[v] for v in priced[0]) + nbytes[priced[1][0]] > first_cap
+    assert len(priced[0]) == (1 if first_mb else 4), priced[0]
+    made = {v: i for i, op in enumerate(tr.graph.ops) for v in op.outputs}
+    assert [made[v] for v in grads] == sorted(made[v] for v in grads), "buckets out of the backward's order"
+
+
 @pytest.mark.parametrize("strategy,shape", [("tp", (2,)), ("tp+dp", (2, 2))])
 def test_tensor_parallel_presets_never_move_a_weight(traced, strategy, shape):
     """Megatron keeps each weight where the preset put it: no collective moves a parameter or a transpose or
