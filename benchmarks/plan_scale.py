@@ -14,7 +14,9 @@ MILP solved again), then with both (warm, the same MILP answered from the
 cache, solvers/_cache.py). The plan's cost is
 set against the best hand plan of each family on the same cost model (data
 parallel, ZeRO-3, Megatron TP, TP x DP: the layouts pinned, the rest filled in
-by the ILP). PyTorch AutoParallel's figures, measured on this machine (see
+by the ILP; pinned from the GPT-2 layout where it reads the graph, else, or where
+those pins do not fit, by MetaDist's presets ddp, zero3, tp and tp+dp; each
+record says which in ``hand_<family>_from``). PyTorch AutoParallel's figures, measured on this machine (see
 ../shared/NOTES.md), stand in the same table.
 """
 from __future__ import annotations
@@ -47,6 +49,8 @@ HAND_ROLES = {
     2: {"DP": ("dp", "dp"), "ZeRO-3": ("fsdp", "fsdp"), "Megatron-TP": ("tp", "tp"), "TPxDP": ("dp", "tp")},
     3: {"DP": ("dp",) * 3, "ZeRO-3": ("fsdp",) * 3, "Megatron-TP": ("tp",) * 3, "TPxDP": ("dp", "dp", "tp")},
 }
+# the strategy preset that pins each family where benchmarks.solvers' hand pins cannot read the graph
+PRESET_OF = {"DP": "ddp", "ZeRO-3": "zero3", "Megatron-TP": "tp", "TPxDP": "tp+dp"}
 # PyTorch AutoParallel on GPT-2 small (3,468 graph nodes), fake world of 8, measured on this machine (NOTES.md)
 AUTOPARALLEL = [
     {"model": "gpt2-small-12l", "mesh": "8", "system": "PyTorch AutoParallel", "cold": True, "total_s": 24.0,
@@ -89,24 +93,29 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
            "decisions_coarse": (sizes.get("tied") or sizes.get("fixed") or sizes.get("fine") or {}).get("nodes"),
            "ilp_vars": plan.stats.get("variables"), "peak_rss_mb": _peak_rss_mb(),
            "solve_method": "axis descent" if "descent" in str(plan.stats.get("status", "")) else "one ILP"}
-    if hand and model.startswith("gpt2"):
+    if hand:
+        from metadist_core.presets import steer
         from .solvers import constrained, discovered_info, hand_pins
-        try:
-            info = discovered_info(graph, {})
-        except ValueError as e:   # a traced graph whose parameters do not read as the recorded GPT-2 layout
-            rec["note"] = f"no hand plans: {e}"
-            return rec
+        try:   # the recorded GPT-2 graphs: pins written from its layout (benchmarks/solvers.py)
+            info = discovered_info(graph, {}) if model.startswith("gpt2") else None
+        except ValueError:   # a traced graph whose parameters do not read as the recorded GPT-2 layout
+            info = None
         best = None
         for name, roles in HAND_ROLES[len(mesh_shape)].items():
-            try:
-                q = constrained(res.problem, hand_pins(info, mesh_shape, roles))
-                hp = pm.solve("ilp", q, {"time_limit": time_limit})
-            except ValueError as e:   # a family that cannot hold this model on this mesh (memory), or whose
-                # pins this graph's rules do not allow (the traced medium step's optimizer state)
-                rec.setdefault("note", f"no {name} plan: {str(e)[:120]}")
-                continue
-            rec[f"hand_{name}_ms"] = hp.objective * 1e3
-            best = hp.objective if best is None else min(best, hp.objective)
+            ways = [("pins", lambda: constrained(res.problem, hand_pins(info, mesh_shape, roles)))] if info else []
+            # else, or where those pins do not fit this graph: the family as MetaDist's strategy preset pins it
+            ways.append(("preset", lambda: steer(res.problem, PRESET_OF[name])))
+            for how, make in ways:
+                try:
+                    hp = pm.solve("ilp", make(), {"time_limit": time_limit})
+                except ValueError as e:   # a family that cannot hold this model on this mesh (memory), or whose
+                    # pins this graph's rules do not allow (the traced medium step's optimizer state)
+                    rec["note"] = (rec.get("note", "") + f" no {name} plan by {how}: {str(e)[:100]};").strip()
+                    continue
+                rec[f"hand_{name}_ms"] = hp.objective * 1e3
+                rec[f"hand_{name}_from"] = how
+                best = hp.objective if best is None else min(best, hp.objective)
+                break
         rec["vs_best_hand"] = None if best is None else plan.objective / best
     return rec
 
