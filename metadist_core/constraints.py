@@ -64,6 +64,7 @@ def parse_constraints(items: Iterable[Constraint | Mapping]) -> list[Constraint]
 
 def apply_constraints(prob: "ShardingProblem") -> None:
     """Narrow ``prob.allowed`` by ``prob.constraints``; raise when a node is left without any option."""
+    users: dict[str, list[int]] | None = None
     for c in prob.constraints:
         if isinstance(c, Pin):
             if c.var not in prob.vars:
@@ -75,16 +76,26 @@ def apply_constraints(prob: "ShardingProblem") -> None:
             mask = np.array([o.outputs[s] == c.sharding for o in prob.nodes[i].options])
             _narrow(prob, i, mask, c)
         else:
-            for i, n in enumerate(prob.nodes):
-                mask = np.ones(len(n.options), dtype=bool)
-                for k, o in enumerate(n.options):
-                    for var, sh in zip(list(n.inputs) + list(n.outputs), list(o.inputs) + list(o.outputs)):
-                        if (c.var is None or c.var == var) and c.hits(sh):
-                            mask[k] = False
-                            break
-                if c.var is not None and c.var not in n.outputs and c.var not in n.inputs:
-                    continue
+            if c.var is None:
+                where = range(len(prob.nodes))
+            else:   # only the nodes that read or write the value: a preset forbids per value, thousands of them
+                users = _users(prob) if users is None else users
+                where = users.get(c.var, ())
+            for i in where:
+                n = prob.nodes[i]
+                at = [j for j, var in enumerate((*n.inputs, *n.outputs)) if c.var is None or c.var == var]
+                mask = np.array([not any(c.hits(sh) for j, sh in enumerate((*o.inputs, *o.outputs)) if j in at)
+                                 for o in n.options], dtype=bool)
                 _narrow(prob, i, mask, c)
+
+
+def _users(prob: "ShardingProblem") -> dict[str, list[int]]:
+    """Each value's nodes (that define or read it), in node order."""
+    out: dict[str, list[int]] = {}
+    for i, n in enumerate(prob.nodes):
+        for var in dict.fromkeys(list(n.inputs) + list(n.outputs)):
+            out.setdefault(var, []).append(i)
+    return out
 
 
 def _narrow(prob: "ShardingProblem", i: int, mask: np.ndarray, c: Constraint) -> None:

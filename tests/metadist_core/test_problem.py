@@ -62,6 +62,24 @@ def test_constraints_pin_and_forbid():
         build_problem(g, rulebook(g), Mesh((2,)), constraints=[Pin("w", pinned), Pin("w", Sharding([R]))])
 
 
+def test_forbid_on_a_value_narrows_exactly_its_writer_and_readers():
+    """A Forbid naming a value removes the options that place that value so, on the node that makes it and on
+    every node that reads it, and nothing else (checked against every node's options one by one)."""
+    g = linear_step()
+    free = build_problem(g, rulebook(g), Mesh((2,)))
+    for var, placement in [("y", Shard(0)), ("w", Shard(1)), ("y", Partial("sum"))]:
+        p = build_problem(g, rulebook(g), Mesh((2,)), constraints=[Forbid(placement, var=var)])
+        touched = 0
+        for i, n in enumerate(p.nodes):
+            names = list(n.inputs) + list(n.outputs)
+            want = np.array([free.allowed[i][k] and not any(
+                v == var and sh[0] == placement for v, sh in zip(names, list(o.inputs) + list(o.outputs)))
+                for k, o in enumerate(n.options)], dtype=bool)
+            assert (p.allowed[i] == want).all(), (var, placement, n.id)
+            touched += bool((want != free.allowed[i]).any())
+        assert touched >= 2, (var, placement)   # the writer and at least one reader lost options
+
+
 def test_json_round_trip_keeps_costs_and_plans():
     g = linear_step()
     p = build_problem(g, rulebook(g), Mesh((2, 2)), constraints=[{"forbid": "P(sum)", "var": "y"}],
