@@ -43,7 +43,8 @@ CASES = [("gpt2-small-12l", (8,)), ("gpt2-small-12l", (2, 4)), ("gpt2-small-12l"
 # the rest of issue 11's models x meshes: `--cases` with `--add` merges them into the results (long: ~30 min)
 MORE = [("gpt2-medium-24l", (2, 2, 2)), ("gpt2-medium-24l", (8, 8, 16)), ("gpt2-xl-48l", (2, 2, 2)),
         ("llama-8b", (8,)), ("llama-8b", (2, 4)), ("llama-8b", (2, 2, 2)), ("llama-8b", (8, 8, 16))]
-TRACED = {"llama-8b": lambda: trace_llama_8b(), "gpt2-medium-24l": lambda: trace_gpt2_medium()}
+# traced models: what builds the user's model and batch (timed apart, as `build_model_s`: not MetaDist's work)
+TRACED = {"llama-8b": lambda: build_llama_8b(), "gpt2-medium-24l": lambda: build_gpt2_medium()}
 QUICK = [("gpt2-small-12l", (2, 4))]
 HAND_ROLES = {
     1: {"DP": ("dp",), "ZeRO-3": ("fsdp",), "Megatron-TP": ("tp",)},
@@ -78,7 +79,10 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
     from metadist_core.recorded import load_recorded_graph
 
     t0 = time.perf_counter()
-    graph = TRACED[model]() if model in TRACED else load_recorded_graph(GRAPHS / f"{model}-adamw.json")
+    built = TRACED[model]() if model in TRACED else None   # the transformers import and the model on meta
+    t_build = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    graph = trace_lm(*built) if built else load_recorded_graph(GRAPHS / f"{model}-adamw.json")
     t_load = time.perf_counter() - t0
     pm = PluginManager()
     mesh = load_profile().mesh(mesh_shape)
@@ -89,7 +93,8 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
     rec = {"model": model, "mesh": "x".join(map(str, mesh_shape)), "system": "MetaDist (ilp)",
            "graph_ops": len(graph.ops), "patterns": len(res.rulebook.entries),
            "patterns_discovered": res.rulebook.discovered,
-           "trace_s": t_load, **{f"{k}_s": v for k, v in res.timings.items()},
+           "build_model_s": t_build if built else None, "trace_s": t_load,
+           **{f"{k}_s": v for k, v in res.timings.items()},
            "total_s": t_load + sum(res.timings.values()), "objective_ms": plan.objective * 1e3,
            "gap": plan.gap, "decisions": len(res.problem.nodes),
            "decisions_coarse": (sizes.get("tied") or sizes.get("fixed") or sizes.get("fine") or {}).get("nodes"),
@@ -123,10 +128,9 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
     return rec
 
 
-def trace_gpt2_medium():
+def build_gpt2_medium():
     """transformers' GPT2LMHeadModel at medium size (24 layers, width 1,024, 16 heads, vocabulary 50,257; ../shared
-    holds no recorded medium step), built on the meta device with AdamW, batch 8 x 128 as the recorded steps, traced
-    whole by the torch frontend."""
+    holds no recorded medium step), built on the meta device, and a batch of 8 x 128 as the recorded steps."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
@@ -135,10 +139,11 @@ def trace_gpt2_medium():
     cfg = GPT2Config(n_layer=24, n_embd=1024, n_head=16, vocab_size=50257, n_positions=1024, use_cache=False)
     with torch.device("meta"):
         model = GPT2LMHeadModel(cfg)
-    return _trace_lm(model, torch.randint(0, cfg.vocab_size, (8, 128), device="meta"))
+    return model, torch.randint(0, cfg.vocab_size, (8, 128), device="meta")
 
 
-def _trace_lm(model, ids):
+def trace_lm(model, ids):
+    """The whole training step of a causal LM with AdamW, traced by the torch frontend."""
     import torch
 
     from metadist_core.plugins import PluginManager
@@ -154,9 +159,9 @@ def _trace_lm(model, ids):
     return PluginManager().frontend("torch").trace(step, (model, opt, ids), {}).graph
 
 
-def trace_llama_8b():
+def build_llama_8b():
     """transformers' LlamaForCausalLM at 8B (32 layers, hidden 4096, 32 heads, 8 key-value heads, vocabulary
-    128,256), built on the meta device (nothing allocated), with AdamW, traced whole by the torch frontend."""
+    128,256), built on the meta device (nothing allocated), and a batch of 8 x 512."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -167,7 +172,7 @@ def trace_llama_8b():
                       bos_token_id=0, eos_token_id=0, use_cache=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    return _trace_lm(model, torch.randint(0, cfg.vocab_size, (8, 512), device="meta"))
+    return model, torch.randint(0, cfg.vocab_size, (8, 512), device="meta")
 
 
 def _child(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, time_limit: float,
@@ -277,12 +282,13 @@ def main(argv=None) -> None:
                if r["system"].startswith("MetaDist") and (r["model"], r["mesh"]) not in new]
         records = old + records
     records += AUTOPARALLEL
-    cols = ["model", "mesh", "system", "cold", "cached", "total_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
+    cols = ["model", "mesh", "system", "cold", "cached", "total_s", "build_model_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
             "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "solve_method", "gap", "vs_best_hand", "ilp_vars",
             "note"]
     notes = ("Graphs: the recorded GPT-2 whole steps in ../shared/graphs (batch 8 x 128 tokens; `trace_s` is loading "
              "the recorded graph) and transformers' LlamaForCausalLM at 8B built on the meta device with AdamW, batch "
-             "8 x 512 (`trace_s` is the torch frontend's real trace). Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "
+             "8 x 512 (`trace_s` is the torch frontend's real trace; importing transformers and building the model on the "
+             "meta device, `build_model_s`, is the user's own work and not in `total_s`). Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "
              "sizes per mesh axis size. `cached`: what the cache held before the run (nothing: cold; rules: the rules "
              "the cold run found, the ILP solved again; rules+ILP: also the ILP's kept answer for the same problem, "
              "solvers/_cache.py). `build_problem_s` includes the ops' costs. "

@@ -7,7 +7,8 @@ version that solved it. Only proven answers are kept, optimal (status 0) or infe
 may do better. A hit gives back the stored result, so a re-run of the same step on the
 same mesh (a restart, every rank under torchrun, the benchmark's warm run) skips the
 MILP, while any change to the problem (sizes, mesh, link costs, budget, constraints)
-makes a new key and a new solve.
+makes a new key and a new solve. The answers take at most ``METADIST_ILP_CACHE_MB``
+(512 MiB by default) on disk: past that, the ones least recently used go first.
 """
 from __future__ import annotations
 
@@ -24,6 +25,17 @@ log = logging.getLogger("metadist.solve")
 
 KEPT = (0, 2)   # HiGHS statuses that are proofs: optimal within the gap, infeasible
 SUBDIR = "milp"
+DEFAULT_MB = 512.0   # an answer of GPT-2 XL on (8,8,16) takes ~0.2 MB
+
+
+def limit_bytes() -> int:
+    """How many bytes of answers the cache keeps (``METADIST_ILP_CACHE_MB``, default :data:`DEFAULT_MB`)."""
+    raw = os.environ.get("METADIST_ILP_CACHE_MB", "")
+    try:
+        mb = float(raw) if raw else DEFAULT_MB
+    except ValueError:
+        raise ValueError(f"METADIST_ILP_CACHE_MB={raw!r} is not a number of MiB; say 512, or unset it") from None
+    return int(mb * 2**20)
 
 
 def milp_key(parts: Sequence[Any]) -> str:
@@ -72,6 +84,10 @@ def load(cache_dir: str | os.PathLike | None, key: str) -> Any | None:
     except (OSError, ValueError, KeyError) as e:
         log.warning("ILP cache entry %s is unreadable (%s); solving again", path, e)
         return None
+    try:
+        os.utime(path)   # used now: the last to be evicted
+    except OSError:
+        pass
     return res
 
 
@@ -92,8 +108,38 @@ def store(cache_dir: str | os.PathLike | None, key: str, res: Any) -> None:
                                 mip_gap=_num(getattr(res, "mip_gap", None)),
                                 mip_node_count=int(getattr(res, "mip_node_count", 0) or 0))
         os.replace(tmp, path)
+        evict(path.parent, limit_bytes(), keep=path)
     except OSError as e:   # a read-only or full cache dir costs the next run a solve, nothing more
         log.warning("could not keep the ILP answer in %s: %s", path.parent, e)
+
+
+def evict(folder: Path, limit: int, keep: Path | None = None) -> list[Path]:
+    """Remove the least recently used answers in ``folder`` until they take at most ``limit`` bytes (never
+    ``keep``, the one just written); the removed paths."""
+    entries = []
+    for p in folder.glob("*.npz"):
+        try:
+            st = p.stat()
+        except OSError:   # removed by another rank meanwhile
+            continue
+        entries.append((st.st_mtime, p, st.st_size))
+    total = sum(size for _, _, size in entries)
+    gone = []
+    for _, p, size in sorted(entries, key=lambda e: (e[0], e[1].name)):
+        if total <= limit:
+            break
+        if keep is not None and p == keep:
+            continue
+        try:
+            p.unlink()
+        except OSError:
+            continue
+        total -= size
+        gone.append(p)
+    if gone:
+        log.info("ILP cache: removed %d least recently used answers to stay within %.0f MiB", len(gone),
+                 limit / 2**20)
+    return gone
 
 
 def _num(v: Any) -> float:

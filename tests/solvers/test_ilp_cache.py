@@ -95,3 +95,23 @@ def test_the_planner_keeps_answers_beside_its_rules(tmp_path):
     two = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)
     assert _entries(tmp_path) and two.plan.stats.get("cached", 0) >= 1
     assert two.plan.choices == one.plan.choices and two.plan.objective == one.plan.objective
+
+
+def test_the_least_recently_used_answers_go_past_the_size_limit(tmp_path, monkeypatch):
+    import os
+    proof = OptimizeResult(status=0, message="optimal", success=True, x=np.random.default_rng(0).random(4000),
+                           fun=1.0, mip_dual_bound=1.0, mip_gap=0.0, mip_node_count=1)
+    for i, key in enumerate(["a", "b"]):
+        _cache.store(tmp_path, key, proof)
+        os.utime(_cache._path(tmp_path, key), (1000 + i, 1000 + i))   # a written first, b after
+    size = _cache._path(tmp_path, "a").stat().st_size
+    assert _cache.load(tmp_path, "a") is not None   # a read now: b is the least recently used
+    monkeypatch.setenv("METADIST_ILP_CACHE_MB", str(2.5 * size / 2**20))   # room for two answers
+    _cache.store(tmp_path, "c", proof)
+    assert sorted(p.stem for p in _entries(tmp_path)) == ["a", "c"]
+    monkeypatch.setenv("METADIST_ILP_CACHE_MB", "0")   # nothing but the answer just written
+    _cache.store(tmp_path, "d", proof)
+    assert [p.stem for p in _entries(tmp_path)] == ["d"]
+    monkeypatch.setenv("METADIST_ILP_CACHE_MB", "lots")
+    with pytest.raises(ValueError, match="METADIST_ILP_CACHE_MB"):
+        _cache.limit_bytes()
