@@ -197,8 +197,8 @@ class _Model:
     # time as scipy's HiGHS (4.7 s against 4.6 s) and a MIP start did not speed up the axis descent; two threads
     # took 3.6 s, but its process-wide thread pool does not survive a fork (forked gloo ranks that solved again
     # hung), so scipy stays
-    # HiGHS presolve: off by default. On GPT-2 small's whole step on (2,4) (30,768 variables) it made the
-    # solve 5.6-6.3 s against 3.4-4.0 s without (same optimum); on (8,) and (2,2,2) no difference
+    # HiGHS presolve: the ILP solver sets it (solvers/ilp.py: wants_presolve). On GPT-2 small's whole step on
+    # (2,4) at 30,768 variables it made the solve 5.6-6.3 s against 3.4-4.0 s without (same optimum)
     presolve: bool = False
     cache_dir: str | None = None   # where proven answers are kept (solvers/_cache.py); None: not kept
     cache_hits: int = 0

@@ -161,3 +161,24 @@ def test_gpt2_tiny_heuristics_not_better_than_ilp(pm):
     assert ilp.gap <= 1e-3
     for s in ("greedy", "beam"):
         assert pm.solve(s, p, {}).objective >= ilp.objective * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("make,mesh", [(linear_step, (2,)), (mm_only, (2, 2))])
+def test_presolve_on_constrained_problems_keeps_the_brute_force_optimum(pm, make, mesh):
+    """Presolve turns on by itself where constraints leave options out, and the ILP still finds brute force's
+    optimum there, as it does with presolve off and, unconstrained, with presolve left off."""
+    from metadist_core.constraints import Forbid
+    from metadist_core.placement import Partial, Replicate
+    g = make()
+    free = build_problem(g, rulebook(g), Mesh(mesh, alpha=1e-7, beta=1e-9))
+    plan = pm.solve("ilp", free, {"coarsen": False})
+    assert plan.stats["presolve"] is False
+    assert plan.objective == pytest.approx(brute_force(free)[0], rel=1e-6)
+    for forbid in (Forbid(Replicate(), var="w", axis=0), Forbid(Partial("sum"))):
+        p = build_problem(g, rulebook(g), Mesh(mesh, alpha=1e-7, beta=1e-9), constraints=[forbid])
+        assert not all(a.all() for a in p.allowed)
+        auto = pm.solve("ilp", p, {"coarsen": False})
+        off = pm.solve("ilp", p, {"coarsen": False, "presolve": False})
+        assert auto.stats["presolve"] is True and off.stats["presolve"] is False
+        best = brute_force(p)[0]
+        assert auto.objective == pytest.approx(best, rel=1e-6) and off.objective == pytest.approx(best, rel=1e-6)
