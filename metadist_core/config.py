@@ -26,6 +26,7 @@
 | measure_memory | METADIST_MEASURE_MEMORY    | measure_memory  | true (the first call after each compile: step.memory) |
 | recompute      | METADIST_RECOMPUTE         | recompute       | true (only when a memory budget needs it) |
 | offload        | METADIST_OFFLOAD           | offload         | none ("optimizer": state and update on the host) |
+| ilp_cache_mb   | METADIST_ILP_CACHE_MB      | ilp_cache_mb    | 512 (MiB of kept ILP answers; the least recently used go first) |
 """
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ class Settings:
     measure_memory: bool = True   # measure the peak tensor bytes of the first call after each compile
     recompute: bool = True   # recompute forward segments when no plan meets memory_budget without it
     offload: str | None = None   # None | "optimizer": optimizer state and its update on the host (metadist_core.offload)
+    ilp_cache_mb: float = 512.0   # disk the ILP's kept answers may take under cache_dir/milp (solvers/_cache.py)
 
     @property
     def bucket_bytes(self) -> int:
@@ -86,7 +88,7 @@ class Settings:
 
     def solver_options(self) -> dict[str, Any]:
         """The options every solver receives (unknown keys are ignored by a solver)."""
-        return {"time_limit": self.time_limit, "beam_width": self.beam_width}
+        return {"time_limit": self.time_limit, "beam_width": self.beam_width, "cache_mb": self.ilp_cache_mb}
 
 
 def _pyproject_settings(start: Path | None = None) -> dict[str, Any]:
@@ -125,8 +127,11 @@ def load_settings(**explicit: Any) -> Settings:
                 value = int(float(value))
             except ValueError:
                 raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
-        elif f.name in ("time_limit", "bucket_mb", "first_bucket_mb", "shard_bucket_mb"):
-            value = float(value)
+        elif f.name in ("time_limit", "bucket_mb", "first_bucket_mb", "shard_bucket_mb", "ilp_cache_mb"):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"setting {f.name} must be a number, got {value!r}") from None
         else:
             value = str(value)
         setattr(s, f.name, value)

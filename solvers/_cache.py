@@ -7,7 +7,7 @@ version that solved it. Only proven answers are kept, optimal (status 0) or infe
 may do better. A hit gives back the stored result, so a re-run of the same step on the
 same mesh (a restart, every rank under torchrun, the benchmark's warm run) skips the
 MILP, while any change to the problem (sizes, mesh, link costs, budget, constraints)
-makes a new key and a new solve. The answers take at most ``METADIST_ILP_CACHE_MB``
+makes a new key and a new solve. The answers take at most the ``ilp_cache_mb`` setting
 (512 MiB by default) on disk: past that, the ones least recently used go first.
 """
 from __future__ import annotations
@@ -25,17 +25,7 @@ log = logging.getLogger("metadist.solve")
 
 KEPT = (0, 2)   # HiGHS statuses that are proofs: optimal within the gap, infeasible
 SUBDIR = "milp"
-DEFAULT_MB = 512.0   # an answer of GPT-2 XL on (8,8,16) takes ~0.2 MB
-
-
-def limit_bytes() -> int:
-    """How many bytes of answers the cache keeps (``METADIST_ILP_CACHE_MB``, default :data:`DEFAULT_MB`)."""
-    raw = os.environ.get("METADIST_ILP_CACHE_MB", "")
-    try:
-        mb = float(raw) if raw else DEFAULT_MB
-    except ValueError:
-        raise ValueError(f"METADIST_ILP_CACHE_MB={raw!r} is not a number of MiB; say 512, or unset it") from None
-    return int(mb * 2**20)
+DEFAULT_MB = 512.0   # the ilp_cache_mb setting's default; an answer of GPT-2 XL on (8,8,16) takes ~0.2 MB
 
 
 def milp_key(parts: Sequence[Any]) -> str:
@@ -91,8 +81,9 @@ def load(cache_dir: str | os.PathLike | None, key: str) -> Any | None:
     return res
 
 
-def store(cache_dir: str | os.PathLike | None, key: str, res: Any) -> None:
-    """Keep ``res`` under ``key`` when it is a proof (optimal or infeasible); written atomically."""
+def store(cache_dir: str | os.PathLike | None, key: str, res: Any, limit_mb: float = DEFAULT_MB) -> None:
+    """Keep ``res`` under ``key`` when it is a proof (optimal or infeasible); written atomically. The least
+    recently used answers then go until all take at most ``limit_mb`` MiB."""
     if cache_dir is None or res.status not in KEPT:
         return
     path = _path(cache_dir, key)
@@ -108,7 +99,7 @@ def store(cache_dir: str | os.PathLike | None, key: str, res: Any) -> None:
                                 mip_gap=_num(getattr(res, "mip_gap", None)),
                                 mip_node_count=int(getattr(res, "mip_node_count", 0) or 0))
         os.replace(tmp, path)
-        evict(path.parent, limit_bytes(), keep=path)
+        evict(path.parent, int(limit_mb * 2**20), keep=path)
     except OSError as e:   # a read-only or full cache dir costs the next run a solve, nothing more
         log.warning("could not keep the ILP answer in %s: %s", path.parent, e)
 

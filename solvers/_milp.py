@@ -201,6 +201,7 @@ class _Model:
     # (2,4) at 30,768 variables it made the solve 5.6-6.3 s against 3.4-4.0 s without (same optimum)
     presolve: bool = False
     cache_dir: str | None = None   # where proven answers are kept (solvers/_cache.py); None: not kept
+    cache_mb: float = _cache.DEFAULT_MB   # the most disk they take (the ilp_cache_mb setting)
     cache_hits: int = 0
 
     def _pair_indicators(self, g, node: int, m: np.ndarray, nv: int) -> dict:
@@ -305,7 +306,7 @@ class _Model:
             # small problem with toggles): the same model with presolve on
             res = run(True)
         if key is not None:
-            _cache.store(self.cache_dir, key, res)
+            _cache.store(self.cache_dir, key, res, self.cache_mb)
         return res
 
     def choice(self, x: np.ndarray) -> np.ndarray:

@@ -12,7 +12,8 @@ infeasible budget's error gives the least peak any plan needs, one more solve), 
 one ILP unless a multi-axis mesh makes it bigger than ``AXES_ABOVE`` variables, then block coordinate
 descent over mesh axes, solvers/_axes.py, except with recompute toggles; "whole"; "axes"), ``axis_block`` (the most mesh axes freed at a time, 2:
 one at a time until no slice improves, then two), ``cache_dir`` (where proven answers are kept, solvers/_cache.py: the
-same MILP is not solved twice; the planner passes its rule cache's directory; None: not kept).
+same MILP is not solved twice; the planner passes its rule cache's directory; None: not kept), ``cache_mb`` (the
+most MiB those answers take, the least recently used going first; the ilp_cache_mb setting, 512).
 The plan carries the objective, the LP/MIP lower bound and the gap.
 """
 from __future__ import annotations
@@ -85,6 +86,7 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
     pre = options.get("presolve", "auto")
     model.presolve = wants_presolve(t) if pre == "auto" else bool(pre)
     model.cache_dir = options.get("cache_dir")
+    model.cache_mb = float(options.get("cache_mb", model.cache_mb))
     stats = {"variables": model.nv, "binaries": model.nx, "constraints": model.A.shape[0], "presolve": model.presolve,
              "build_seconds": time.perf_counter() - t0}
     budget = t.budget

@@ -99,6 +99,7 @@ def test_the_planner_keeps_answers_beside_its_rules(tmp_path):
 
 def test_the_least_recently_used_answers_go_past_the_size_limit(tmp_path, monkeypatch):
     import os
+    from metadist_core.config import load_settings
     proof = OptimizeResult(status=0, message="optimal", success=True, x=np.random.default_rng(0).random(4000),
                            fun=1.0, mip_dual_bound=1.0, mip_gap=0.0, mip_node_count=1)
     for i, key in enumerate(["a", "b"]):
@@ -106,12 +107,22 @@ def test_the_least_recently_used_answers_go_past_the_size_limit(tmp_path, monkey
         os.utime(_cache._path(tmp_path, key), (1000 + i, 1000 + i))   # a written first, b after
     size = _cache._path(tmp_path, "a").stat().st_size
     assert _cache.load(tmp_path, "a") is not None   # a read now: b is the least recently used
-    monkeypatch.setenv("METADIST_ILP_CACHE_MB", str(2.5 * size / 2**20))   # room for two answers
-    _cache.store(tmp_path, "c", proof)
+    _cache.store(tmp_path, "c", proof, limit_mb=2.5 * size / 2**20)   # room for two answers
     assert sorted(p.stem for p in _entries(tmp_path)) == ["a", "c"]
-    monkeypatch.setenv("METADIST_ILP_CACHE_MB", "0")   # nothing but the answer just written
-    _cache.store(tmp_path, "d", proof)
+    _cache.store(tmp_path, "d", proof, limit_mb=0)   # nothing but the answer just written
     assert [p.stem for p in _entries(tmp_path)] == ["d"]
+    # the limit is a setting the planner hands the ILP solver
+    monkeypatch.setenv("METADIST_ILP_CACHE_MB", "0.5")
+    assert load_settings().solver_options()["cache_mb"] == 0.5
     monkeypatch.setenv("METADIST_ILP_CACHE_MB", "lots")
-    with pytest.raises(ValueError, match="METADIST_ILP_CACHE_MB"):
-        _cache.limit_bytes()
+    with pytest.raises(ValueError, match="ilp_cache_mb must be a number"):
+        load_settings()
+
+
+def test_the_ilp_solver_keeps_its_answers_within_cache_mb(pm, tmp_path):
+    import os
+    for k, make in enumerate([mm_only, linear_step, lambda: mm_only(6, 6, 6)]):
+        pm.solve("ilp", _problem(make), {"cache_dir": str(tmp_path), "coarsen": False, "cache_mb": 0})
+        for p in _entries(tmp_path):   # distinct times: the one just written is the newest
+            os.utime(p, (1000 + k, 1000 + k))
+        assert len(_entries(tmp_path)) == 1   # the limit of 0 keeps only the newest answer
