@@ -237,8 +237,8 @@ def main(argv=None) -> None:
     ap.add_argument("--hand", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--hand-time-limit", type=float, default=300.0,
-                    help="seconds each hand plan's ILP may take (reference prices, not timed; LLaMA-8B's TPxDP on "
-                         "(8,8) needs ~150 s)")
+                    help="seconds each hand plan's ILP may take (reference prices, not timed; LLaMA-8B's on (8,8) "
+                         "take 8-13 s each)")
     ap.add_argument("--cases", nargs="+", metavar="MODEL:MESH",
                     help="only these cases (say gpt2-small-12l:2x4 llama-8b:8x8)")
     ap.add_argument("--add", action="store_true",
