@@ -10,21 +10,22 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, parse_placement, splits_nonempty
+from .placement import Mesh, Placement, Replicate, Shard, Sharding, parse_placement, splits_nonempty
 
 log = logging.getLogger("metadist.rules")
 
-CACHE_VERSION = 6   # 2: entries keyed by op pattern and axis size (metadist_core.patterns); 3: nonfinite draws;
+CACHE_VERSION = 7   # 2: entries keyed by op pattern and axis size (metadist_core.patterns); 3: nonfinite draws;
 # 4: sizes below the axis size exact, and the empty-piece class in the pattern; 5: slice_backward and
 # select_backward run on gradient pieces at the pieces' own size (they had replicated rules only);
-# 6: ops of 3 inputs also tried with the third Partial(sum) beside two shards, where it has fewer dims (addmm)
+# 6: ops of 3 inputs also tried with the third Partial(sum) beside two shards, where it has fewer dims (addmm);
+# 7: inputs split on one dim of sizes in whole ratios (grouped-query attention's heads), and ops whose traced
+# call leaves a defaulted dropout_p out (CPU flash attention) no longer taken for random ops
 CACHE_FILE = "rules-v%d.json" % CACHE_VERSION
 
 

@@ -51,11 +51,15 @@ def resolve_target(key: str) -> torch._ops.OpOverload:
 
 
 def schema_arg(overload, args: Sequence[Any], kwargs: Mapping[str, Any], name: str, default: Any = None) -> Any:
+    """The value of argument ``name`` in this call: given positionally or by keyword, else the schema's
+    default (a traced call leaves defaulted arguments out: flash attention's ``dropout_p``), else ``default``."""
     for i, a in enumerate(overload._schema.arguments):
         if a.name == name:
             if i < len(args) and not a.kwarg_only:
                 return args[i]
-            return kwargs.get(name, default)
+            if name in kwargs:
+                return kwargs[name]
+            return a.default_value if a.has_default_value() and a.default_value is not None else default
     return default
 
 def rebuild(template: Any, tensors: Sequence[Any], *, upcast: bool = False, device: Any = None) -> Any:

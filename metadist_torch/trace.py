@@ -88,6 +88,25 @@ def _flat_user_inputs(args: Sequence[Any], kwargs: dict) -> tuple[list[torch.Ten
     return tensors, spec, leaves
 
 
+
+def _as_cpu_if_meta(examples: list[Any]) -> list[Any]:
+    """A step whose tensors are on the meta device (a model planned, never run) is traced as if on the CPU.
+
+    Tracing on meta itself makes device-dependent choices for a device nothing runs on: scaled dot-product
+    attention falls back to its math decomposition (a softmax between two bmm over batch x heads merged
+    into one dim, which no head split can pass), where a CPU step calls the fused attention kernel with
+    heads as their own dim. Fake CPU tensors over the meta storage allocate nothing.
+    """
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in examples):
+        return examples
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+    cpu = torch.device("cpu")
+    return [mode.fake_tensor_converter.from_meta_and_device(mode, t, cpu)
+            if isinstance(t, torch.Tensor) and t.device.type == "meta" else t for t in examples]
+
 def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, name: str | None = None,
                state: StepState | None = None, example_state: Sequence[torch.Tensor] | None = None) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` (forward, backward, optimizer step) into a functional TracedStep.
@@ -155,7 +174,7 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     if example_state is None:
         example_state = [s.get() for s in slots]
     example_state = [_plain(t) for t in example_state]
-    examples = list(example_state) + [t.detach() for t in user_tensors]
+    examples = _as_cpu_if_meta(list(example_state) + [t.detach() for t in user_tensors])
     with capturable_optimizers(state.optimizers), _quiet():
         try:
             gm = make_fx(flat, tracing_mode="fake", decomposition_table=_decompositions())(*examples)
