@@ -18,9 +18,8 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -349,7 +348,29 @@ def _combos(cands: list[list[Placement]], examples: Sequence[Any] = ()) -> list[
             for c in split:
                 if sum(isinstance(p, Shard) for p in c) >= 2 and any(p == rep and can[i] for i, p in enumerate(c)):
                     out.append(tuple(psum if p == rep and can[i] else p for i, p in enumerate(c)))
+    out += _grouped_combos(cands, examples)
     return list(dict.fromkeys(out))
+
+
+def _grouped_combos(cands: list[list[Placement]], examples: Sequence[Any]) -> list[tuple[Placement, ...]]:
+    """Inputs split on the same dim where their sizes differ by whole factors: grouped-query attention's
+    query heads (32) over its key/value heads (8), every device holding a query group with its key/value
+    head. Only dims whose sizes are not all equal (those are tried above), at least two inputs split."""
+    if not examples or len(cands) < 2:
+        return []
+    out: list[tuple[Placement, ...]] = []
+    rep = Replicate()
+    for d in sorted({p.dim for c in cands for p in c if isinstance(p, Shard)}):
+        sizes = [examples[i].shape[d] if Shard(d) in c else None for i, c in enumerate(cands)]
+        have = [s for s in sizes if s is not None]
+        if len(set(have)) < 2 or any(s % min(have) for s in have):
+            continue
+        per = [[rep, Shard(d)] if s is not None else [rep] for s in sizes]
+        for c in itertools.product(*per):
+            split = {sizes[i] for i, p in enumerate(c) if isinstance(p, Shard)}
+            if len(split) >= 2:
+                out.append(c)
+    return out
 
 
 class _Runner:

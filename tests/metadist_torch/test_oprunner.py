@@ -6,10 +6,8 @@ placements onto simulated devices, the op runs per device, the outputs are
 put together per the rule's output placements and compared with the full op
 in float64.
 """
-import json
 import os
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -296,27 +294,23 @@ def test_backward_ops_of_slices_split_with_their_gradient():
         assert not _has(rules, [S(sliced)], [S(sliced)]) or op is aten.select_backward.default
 
 
-def test_grouped_query_attention_splits_by_batch():
+def test_grouped_query_attention_splits_by_batch_and_by_head_group():
     """The CPU flash kernel takes key/value with fewer heads than the query (LLaMA's grouped-query attention):
-    the shape guard lets it run, so it gets its batch rule instead of running replicated. (Not its head rule:
-    discovery splits dims together only where their sizes are equal, and 4 query heads share 2 key heads.)"""
+    the shape guard lets it run, and discovery splits the query's 4 heads with the key/value's 2 (dims of
+    sizes in whole ratios split together), so attention shards by heads as Megatron's plan does. The head
+    rule is checked here on fresh data against the whole op: each device's query heads with its key/value
+    head, the outputs concatenated."""
     q, k, v = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16)
-    rules = rules_for(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, 0.0, True)
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    rules = rules_for(op, q, k, v, 0.0, True)
     assert _has(rules, [S(0), S(0), S(0)], [S(0), S(0)])
-
-
-def test_addmm_splits_its_contraction_with_the_bias_as_a_partial_sum():
-    """A Linear with a bias (addmm) split on its contraction needs the bias as a partial sum: the row-parallel
-    Linear of Megatron. Discovery tries the unsplit inputs of a 3-input op Partial(sum) beside the shards,
-    and the rule is checked here on fresh data against the whole op (the bias cut into pieces that sum)."""
-    rules = rules_for(aten.addmm.default, torch.randn(24), torch.randn(8, 16), torch.randn(16, 24))
-    assert _has(rules, [P("sum"), S(1), S(0)], [P("sum")]), [str(r) for r in rules]
-    gen = torch.Generator().manual_seed(7)
-    b, x, w = (torch.randn(*s, generator=gen, dtype=torch.float64) * 10 for s in ((24,), (8, 16), (16, 24)))
-    cut = torch.rand(2, 24, generator=gen, dtype=torch.float64)
-    bias_pieces = [b * cut[0] / cut.sum(0), b * cut[1] / cut.sum(0)]
-    got = sum(torch.addmm(bp, xp, wp) for bp, xp, wp in zip(bias_pieces, x.chunk(2, 1), w.chunk(2, 0)))
-    torch.testing.assert_close(got, torch.addmm(b, x, w))
+    assert _has(rules, [S(1), S(1), S(1)], [S(1), S(1)]), [str(r) for r in rules]
+    assert not _has(rules, [S(1), S(1), R()], [S(1), S(1)])   # a key head split from its value head
+    q, k, v = torch.randn(3, 8, 5, 16), torch.randn(3, 2, 5, 16), torch.randn(3, 2, 5, 16)
+    whole = op(q, k, v, 0.0, True)
+    pieces = [op(qp, kp, vp, 0.0, True) for qp, kp, vp in zip(q.chunk(2, 1), k.chunk(2, 1), v.chunk(2, 1))]
+    for i in range(2):
+        torch.testing.assert_close(torch.cat([p[i] for p in pieces], dim=1), whole[i])
 
 
 def test_unrunnable_ops():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -82,9 +81,11 @@ def run(memory_budget=None, steps=3, model_name: str = "gpt2", strategy: str = "
     for op in graph.ops:
         if any(not plan.var_shardings[v].is_fully_replicated() for v in op.outputs if v in plan.var_shardings):
             split_ops[op.key.split(".")[1]] += 1
+    attention = [str(plan.var_shardings[op.outputs[0]]) for op in graph.ops
+                 if op.key.startswith("aten._scaled_dot_product") and "backward" not in op.key]
     return {"losses": losses, "param_excess": err, "state_excess": state_err, "sharded_inputs": sharded,
             "compared": compared, "noise_only": noise_only, "split_ops": split_ops,
-            "param_over": over}
+            "param_over": over, "attention": attention}
 
 
 def _check(res: dict, sign_flips: float = 0.0) -> None:
@@ -128,11 +129,16 @@ def test_transformers_gpt2_and_llama_on_2_gloo_ranks(tmp_path):
     # DDP's layout: the batch is split through the whole step, rotary embeddings' slice_backward included
     # (once discovered as replicated only, which replicated LLaMA's forward on every rank)
     assert llama["split_ops"]["slice_backward"] > 0 and llama["split_ops"]["mm"] > 0, llama["split_ops"]
+    # Megatron's layout: grouped-query attention (4 query heads over 2 key/value heads) split by heads, each
+    # rank a query group with its key/value head, where a head split was once not discovered at all
+    _check(res["llama_tp"], sign_flips=1e-4)
+    assert res["llama_tp"]["attention"] and all(s == "[S(1)]" for s in res["llama_tp"]["attention"]), res["llama_tp"]
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
     # GPT-2 at ~1.3x the least-memory plan: parameters and moments must split
-    result = {"gpt2": run(memory_budget=2_000_000), "llama": run(model_name="llama", strategy="ddp")}
+    result = {"gpt2": run(memory_budget=2_000_000), "llama": run(model_name="llama", strategy="ddp"),
+              "llama_tp": run(model_name="llama", strategy="tp")}
     if int(os.environ.get("RANK", "0")) == 0:
         Path(os.environ["MD_TEST_OUT"]).write_text(json.dumps(result))
     from metadist_torch.engine import finish_worker
