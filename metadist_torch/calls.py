@@ -36,6 +36,15 @@ def resolve_overload(key: str) -> torch._ops.OpOverload:
         raise Unrunnable(f"{key}: torch {torch.__version__} has no op torch.ops.aten.{name}.{overload}") from None
 
 
+# views whose input may reach this rank in other strides than it had in the trace: a collective's result is
+# contiguous, and an op's output can follow its input's layout (CPU flash attention's output follows the
+# query's), so a view that was legal in the trace (the transposed attention output merged into one dim) may
+# not be. They run as reshape: a view where the strides allow one, else a copy; the same values either way
+# in the functional per-rank program.
+STRIDE_FREE = {"aten.view.default": torch.ops.aten.reshape.default,
+               "aten._unsafe_view.default": torch.ops.aten.reshape.default}
+
+
 def resolve_target(key: str) -> torch._ops.OpOverload:
     """The overload a traced op key names, in any ``torch.ops`` namespace (``mylib.op.default`` for a
     ``torch.library.custom_op``): what the lowering calls, where discovery runs only aten ops."""

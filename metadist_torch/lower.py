@@ -43,7 +43,7 @@ from metadist_core.interpret import Collectives, interpret
 from metadist_core.ir import DTYPE_BYTES, MetaIR, MetaOp
 from metadist_core.placement import Mesh, Sharding, group_extents, shard_shape
 
-from .calls import rebuild, resolve_target
+from .calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
 from .stats import CommStats
 
@@ -154,7 +154,8 @@ def op_node(g: fx.Graph, graph: MetaIR, op: MetaOp, ins: Sequence[fx.Node], out_
     if op.key.split(".")[1] in SHAPE_ARG_OPS and len(args) >= 2 and isinstance(args[1], (list, tuple)) \
             and len(op.outputs) == 1:
         args[1] = list(shard_shape(graph.vars[op.outputs[0]].shape, out_sh[0], mesh, coords))
-    node = g.create_node("call_function", resolve_target(op.key), tuple(args), kwargs, name=name)
+    target = STRIDE_FREE.get(op.key) or resolve_target(op.key)
+    node = g.create_node("call_function", target, tuple(args), kwargs, name=name)
     select = op.attrs.get("select")
     if select is None:
         outs = [node]

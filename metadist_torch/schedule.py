@@ -17,7 +17,6 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_scatter_axis",

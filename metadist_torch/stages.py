@@ -30,7 +30,7 @@ from metadist_core.ir import MetaIR
 from metadist_core.microbatch import GradientCut, combine, descendants
 from metadist_core.stages import Stage, stage_devices
 
-from .calls import rebuild, resolve_target
+from .calls import STRIDE_FREE, rebuild, resolve_target
 from .engine import Engine
 from .pipeline import split_batch
 from .program import user_tensors
@@ -46,16 +46,13 @@ def _select(out: Any, idx: Sequence[int]) -> list:
     return [items[i] for i in idx]
 
 
-VIEWS = ("aten.view.default", "aten._unsafe_view.default")
-
-
 def run_op(op: Any, ins: list, reshape_views: bool = False) -> list:
     """One aten op of the graph on real (or DTensor) values, eagerly (autograd records it).
     ``reshape_views``: run ``view`` as ``reshape`` (the same values; its backward copes with the
     non-contiguous gradients that split layouts produce)."""
     args = rebuild(op.attrs.get("args", []), ins)
     kwargs = rebuild(op.attrs.get("kwargs", {}), ins)
-    fn = torch.ops.aten.reshape.default if reshape_views and op.key in VIEWS else resolve_target(op.key)
+    fn = STRIDE_FREE[op.key] if reshape_views and op.key in STRIDE_FREE else resolve_target(op.key)
     out = fn(*args, **kwargs)
     select = op.attrs.get("select")
     if select is None:
