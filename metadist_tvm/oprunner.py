@@ -12,6 +12,7 @@ that ShardCombine's tolerance stays tight; integer inputs keep their dtype.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -22,12 +23,13 @@ import tvm
 from tvm import te
 
 from metadist_core.ir import MetaIR, MetaOp
+from metadist_core.patterns import NoProxy, proxy_int
 from metadist_core.rules import ShardingRule
 from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
 
 from .plain import plain_call
 from .rebuild import ComputeRebuilder
-from .record import Call, template
+from .record import Call, Slot, template
 
 log = logging.getLogger("metadist.tvm")
 
@@ -203,10 +205,44 @@ def op_spec(op: MetaOp, graph: MetaIR, seed: int = 0) -> OpSpec:
         raise Unrunnable(f"{op.key} ({op.id}) carries no TE call to rebuild; trace the graph in this process")
     if call.opaque:
         raise Unrunnable(f"{op.key} cannot be rebuilt at shard shapes: {call.opaque}")
+    hint = getattr(graph, "proxy_sizes", None)
+    if hint:   # the op at proxy sizes (metadist_core.patterns.proxy_op): its static arguments follow
+        call = proxied_call(call, hint["map"], hint["small"])
     rng = np.random.default_rng(seed)
     examples = [_example(graph.vars[v].shape, graph.vars[v].dtype, rng) for v in op.inputs]
     out_shape = graph.vars[op.outputs[0]].shape if call.reshape_arg is not None else None
     return spec_for_call(call, examples, out_shape)
+
+
+def _proxied(value: Any, sizes: dict, small: int) -> Any:
+    """A static argument with every integer rewritten by :func:`proxy_int` (lists, tuples, dicts and TVM
+    integer immediates walked); NoProxy for a value of another kind that may hold a size."""
+    if isinstance(value, Slot) or value is None or isinstance(value, (bool, float, str)):
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(proxy_int(int(value), sizes, small))
+    if isinstance(value, tvm.tirx.IntImm):
+        return tvm.tirx.IntImm(value.dtype, proxy_int(int(value.value), sizes, small))
+    if isinstance(value, tvm.tirx.FloatImm):
+        return value
+    if isinstance(value, (list, tuple, tvm.ir.Array)):
+        items = [_proxied(v, sizes, small) for v in value]
+        return tuple(items) if isinstance(value, tuple) else items
+    if isinstance(value, (dict, tvm.ir.Map)):
+        return {k: _proxied(v, sizes, small) for k, v in value.items()}
+    raise NoProxy(f"a static argument of type {type(value).__name__} may hold sizes")
+
+
+def proxied_call(call: Call, sizes: dict, small: int) -> Call:
+    """``call`` for its op at proxy sizes: size-bearing static arguments (a reshape's new shape, a split's
+    sections, strided slice bounds) rewritten by value, as proxy_op rewrote the op's attrs. A rebuilt
+    compute follows its new input shapes by itself (an axis it cannot move refuses, and the op is then
+    discovered at its real shapes); a call fixed to its own placeholders cannot be moved at all."""
+    if call.fixed:
+        raise NoProxy("it computes on its own placeholders, at their shapes")
+    sizes = {int(k): int(v) for k, v in sizes.items()}
+    return dataclasses.replace(call, args=_proxied(call.args, sizes, small),
+                               kwargs=_proxied(dict(call.kwargs), sizes, small))
 
 
 def op_cost(op: MetaOp, graph: MetaIR) -> tuple[float, float]:

@@ -56,6 +56,7 @@ class TvmFrontend(Frontend):
     op_prefixes = ("te.",)
     description = "TVM Tensor Expression: topi operators and TE computes rebuilt at shard shapes, llvm"
     runner_module = "metadist_tvm.oprunner"
+    proxy_shapes = True   # op specs come from the graph's shapes and the call, its static arguments rewritten
 
     def __init__(self, engine: str = "auto") -> None:
         if engine not in ENGINES:

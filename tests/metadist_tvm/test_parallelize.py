@@ -77,8 +77,7 @@ def test_kernels_are_compiled_once_per_shape(tmp_path):
     # discovery again (an empty rule cache, so every op is run again) builds nothing new
     again = metadist_tvm.parallelize(inputs, y, mesh, constraints=[pin("x", Shard(0))], cache_dir=str(tmp_path / "b"))
     assert again.result.rulebook.discovered == len(f.graph.ops)
-    metadist_tvm.rules_for(metadist_tvm.topi.nn.dense, np.ones((12, 8)), np.ones((12, 8)), axis_size=4)  # as discovered on (4,)
-    assert cache.builds == after_discovery
+    assert cache.builds == after_discovery   # (discovery runs at proxy sizes: its kernels are not these shapes')
     # the first run builds one kernel per distinct (op, local input shapes), in the graph's dtype
     expected = set()
     g = f.graph
