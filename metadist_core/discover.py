@@ -167,6 +167,7 @@ def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warn
     when the op had to be discovered at its real shapes). ``seed``: input placements to try first
     (:func:`seed_combos`)."""
     n = pattern.axis_size
+    why = pattern.reason   # why its pattern keeps no proxy (empty: the frontend takes none, or one was tried)
     if pattern.proxied:
         variants = [pattern] if pattern.multiples else [pattern, op_pattern(op, graph, n, multiples=True)]
         for pat in variants:   # independent sizes first; then sizes that are small multiples of others kept
@@ -182,9 +183,11 @@ def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warn
                                 "replicated", str(e)), pat.key)
             except Exception as e:  # noqa: BLE001 - a proxy that cannot stand for the op: try the next
                 log.debug("op %s (%s) at proxy sizes (%s): %s: %s", op.key, op.id, pat.key, type(e).__name__, e)
-        log.info("op %s (%s) is discovered at its real shapes", op.key, op.id)
+                why = f"{type(e).__name__}: {e}"
         pattern = op_pattern(op, graph, n, proxies=False)
     numel = op_numel(op, graph)
+    if why:   # the op, and why no proxy stands for it: a user can tell a size-bearing argument from a kernel
+        log.info("op %s (%s) is discovered at its real shapes: %s", op.key, op.id, why[:200])
     if numel > max_real:   # discovery's memory must not grow with the model: such an op runs replicated
         reason = (f"its pattern could not be kept at proxy sizes and its tensors hold {numel:,} elements, more "
                   f"than the {max_real:,} discovery runs at real size (the max_real_discovery setting)")

@@ -439,3 +439,24 @@ def test_op_cost_matches_flop_counter_on_a_traced_step():
     keys = {op.key for op in graph.ops}
     assert "aten.convolution_backward.default" in keys
     assert counted >= 8   # convolutions, their backward, addmm, mm, bmm...
+
+
+def test_an_op_no_proxy_stands_for_is_named_with_the_reason(caplog):
+    """A static argument larger than the proxy threshold that is no size of the op's tensors (a clamp bound)
+    keeps its op at real shapes; discovery says which op and why."""
+    import logging
+
+    from metadist_core.discover import discover
+    from metadist_core.rules import RuleBook
+    from metadist_torch.plugin import TorchFrontend
+
+    def step(x):
+        return x.clamp(max=1000).sum()
+
+    graph = TorchFrontend().trace(step, (torch.randn(48, 80),), {}).graph
+    with caplog.at_level(logging.INFO, logger="metadist"):
+        book = discover(graph, PluginManager(), RuleBook(), axis_sizes=(2,), progress=False, workers=1)
+    said = [r.getMessage() for r in caplog.records if "discovered at its real shapes" in r.getMessage()]
+    assert any("aten.clamp" in m and "static argument 1000" in m for m in said), said
+    clamp = next(op for op in graph.ops if op.key.startswith("aten.clamp"))
+    assert book.lookup(clamp, graph, 2).status == "ok"
