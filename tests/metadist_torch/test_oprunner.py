@@ -313,6 +313,21 @@ def test_grouped_query_attention_splits_by_batch_and_by_head_group():
         torch.testing.assert_close(torch.cat([p[i] for p in pieces], dim=1), whole[i])
 
 
+def test_addmm_splits_its_contraction_with_the_bias_as_a_partial_sum():
+    """A Linear with a bias (addmm) split on its contraction needs the bias as a partial sum: the row-parallel
+    Linear of Megatron. Discovery tries the unsplit inputs of a 3-input op Partial(sum) beside the shards,
+    and the rule is checked here on fresh data against the whole op (the bias cut into pieces that sum)."""
+    rules = rules_for(aten.addmm.default, torch.randn(24), torch.randn(8, 16), torch.randn(16, 24))
+    assert _has(rules, [P("sum"), S(1), S(0)], [P("sum")]), [str(r) for r in rules]
+    gen = torch.Generator().manual_seed(7)
+    b, x, w = (torch.randn(*s, generator=gen, dtype=torch.float64) * 10 for s in ((24,), (8, 16), (16, 24)))
+    cut = torch.rand(2, 24, generator=gen, dtype=torch.float64)
+    bias_pieces = [b * cut[0] / cut.sum(0), b * cut[1] / cut.sum(0)]
+    got = sum(torch.addmm(bp, xp, wp) for bp, xp, wp in zip(bias_pieces, x.chunk(2, 1), w.chunk(2, 0)))
+    torch.testing.assert_close(got, torch.addmm(b, x, w))
+
+
+
 def test_unrunnable_ops():
     x = torch.randn(4, 4)
     for op, args in ((aten.native_dropout.default, (x, 0.5, True)), (aten.nonzero.default, (x,)),
