@@ -11,11 +11,12 @@ the full op's result on every verification draw of every family in
 straddling each scalar argument, sparse, constant, wide integers, an integer
 argument on one shard only): data chosen against the ways a rule holds by luck.
 
-The op itself comes from a frontend as an :class:`OpSpec` working on numpy arrays.
+The op itself comes from a frontend as an :class:`OpSpec` working on numpy arrays. This module
+chooses the input combinations, makes the pieces and runs the op; :mod:`metadist_core.combine` puts
+the outputs together and judges them.
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
@@ -24,7 +25,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .placement import REDUCE_OPS, Partial, Placement, Replicate, Shard, chunk_bounds, chunk_sizes, splits_nonempty
+from .combine import is_array, is_float, output_combines, same_result, valid_combines
+from .placement import REDUCE_OPS, Partial, Placement, Replicate, Shard, chunk_bounds, splits_nonempty
 from .reshape import reshape_local_shape
 from .rules import ShardingRule
 from .verify import families, partial_pieces
@@ -76,77 +78,21 @@ def _as_list(out: Any) -> list[Any]:
     return [np.asarray(x) if isinstance(x, np.generic) else x for x in items]
 
 
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, np.ndarray)
-
-
-def _is_float(a: np.ndarray) -> bool:
-    return np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.complexfloating)
-
-
-def _tolerance(a: np.ndarray) -> float:
-    if a.dtype == np.float64 or a.dtype == np.complex128:
-        return 1e-9
-    if a.dtype == np.float32 or a.dtype == np.complex64:
-        return 2e-5
-    return 1e-2
-
-
-def _same(full: Any, got: Any, exact: bool) -> bool:
-    """Does ``got`` reproduce ``full``? Exact for integer data, else a dtype-scaled tolerance."""
-    if _is_tensor(full) != _is_tensor(got):
-        if _is_tensor(got) and got.ndim == 0 and not _is_tensor(full):
-            got = got.item()
-        elif _is_tensor(full) and full.ndim == 0 and not _is_tensor(got):
-            full = full.item()
-        else:
-            return False
-    if not _is_tensor(full):
-        if isinstance(full, (int, float, complex, np.number)) and isinstance(got, (int, float, complex, np.number)):
-            full, got = np.asarray(full), np.asarray(got)
-        else:
-            try:
-                return bool(full == got)
-            except Exception:
-                return False
-    if full.shape != got.shape:
-        return False
-    if not _is_float(full) or exact:
-        if _is_float(full):
-            return bool(np.array_equal(full, got, equal_nan=True))
-        return bool(np.array_equal(full, got))
-    tol = _tolerance(full)
-    with np.errstate(invalid="ignore", over="ignore"):
-        if np.isfinite(full).all() and np.isfinite(got).all():
-            scale = float(np.max(np.abs(full))) if full.size else 0.0
-            return bool(np.all(np.abs(full - got) <= tol * (np.abs(full) + 1e-3 * max(scale, 1e-30))))
-    if not np.array_equal(np.isnan(full), np.isnan(got)):
-        return False
-    fin = np.isfinite(full)
-    if not np.array_equal(full[~fin & ~np.isnan(full)], got[~fin & ~np.isnan(full)]):
-        return False
-    f, g = full[fin], got[fin]
-    if f.size == 0:
-        return True
-    scale = max(float(np.max(np.abs(f))), 1e-30)
-    return bool(np.all(np.abs(f - g) <= tol * (np.abs(f) + 1e-3 * scale)))
-
-
 # -- candidate input placements and the pieces they give ------------------------
 
 
 def input_candidates(x: np.ndarray, n: int, allow_partial: bool) -> list[Placement]:
     cands: list[Placement] = [Replicate()]
-    if _is_tensor(x):
+    if is_array(x):
         cands += [Shard(d) for d in range(x.ndim) if splits_nonempty(x.shape[d], n)]
-        if allow_partial and _is_float(x) and x.size > 0:
+        if allow_partial and is_float(x) and x.size > 0:
             cands += [Partial(r) for r in REDUCE_OPS]
     return cands
 
 
 def split_input(x: np.ndarray, p: Placement, n: int, rng: np.random.Generator, integer: bool) -> list[np.ndarray]:
     """The ``n`` per-device pieces of a full input ``x`` under placement ``p``."""
-    if isinstance(p, Replicate) or not _is_tensor(x):
+    if isinstance(p, Replicate) or not is_array(x):
         return [x] * n
     if isinstance(p, Shard):
         return [x[(slice(None),) * p.dim + (slice(*chunk_bounds(x.shape[p.dim], n, r)),)] for r in range(n)]
@@ -154,130 +100,12 @@ def split_input(x: np.ndarray, p: Placement, n: int, rng: np.random.Generator, i
     return partial_pieces(x, p.reduce, n, rng, integer)
 
 
-# -- combining per-device outputs --------------------------------------------
-
-
-def output_combines(ndim: int | None) -> list[Placement]:
-    """Every way to combine per-device outputs, in order of preference."""
-    if ndim is None:
-        return [Replicate()]
-    return [Replicate()] + [Shard(d) for d in range(ndim)] + [Partial(r) for r in REDUCE_OPS]
-
-
-def combine(pieces: list[Any], p: Placement, full: Any) -> Any | None:
-    """Put per-device outputs together as placement ``p`` says; None when they cannot be."""
-    n = len(pieces)
-    if isinstance(p, Replicate):
-        return pieces  # every piece must equal the full value: checked by the caller
-    if not all(_is_tensor(x) for x in pieces) or not _is_tensor(full):
-        return None
-    if isinstance(p, Shard):
-        if full.ndim == 0 or any(x.ndim != full.ndim for x in pieces):
-            return None
-        sizes = chunk_sizes(full.shape[p.dim], n)
-        if [x.shape[p.dim] for x in pieces] != sizes:
-            return None
-        try:
-            return np.concatenate(pieces, axis=p.dim)
-        except ValueError:
-            return None
-    if any(x.shape != full.shape for x in pieces):
-        return None
-    if full.dtype == np.bool_:
-        if p.reduce not in ("max", "min"):   # or / and
-            return None
-        stack = np.stack(pieces)
-        return stack.any(axis=0) if p.reduce == "max" else stack.all(axis=0)
-    stack = np.stack(pieces)
-    with np.errstate(invalid="ignore", over="ignore"):
-        if p.reduce == "sum":
-            return stack.sum(axis=0).astype(full.dtype)
-        if p.reduce == "avg":
-            if not _is_float(full):
-                return None
-            return stack.mean(axis=0).astype(full.dtype)
-        if p.reduce == "max":
-            return stack.max(axis=0)
-        return stack.min(axis=0)
-
-
-def valid_combines(pieces: list[Any], full: Any, exact: bool, among: set[Placement] | None = None) -> set[Placement]:
-    """The ways to combine ``pieces`` that give ``full`` (only those in ``among``, when given)."""
-    ndim = full.ndim if _is_tensor(full) else None
-    probe = _Probe.of(full)
-    ok = set()
-    for p in output_combines(ndim):
-        if among is not None and p not in among:
-            continue
-        if probe is not None and probe.rules_out(pieces, p):   # 16 elements first: most combines fail there
-            continue
-        got = combine(pieces, p, full)
-        if got is None:
-            continue
-        if isinstance(p, Replicate):
-            if all(_same(full, x, exact) for x in got):
-                ok.add(p)
-        elif (probe is None or not probe.differs(got)) and _same(full, got, exact):
-            ok.add(p)
-    return ok
-
-
-class _Probe:
-    """16 fixed elements of a float output and its scale, read once: a cheap look that shows most wrong
-    combines wrong before a whole one is built and compared (the look never accepts anything)."""
-
-    def __init__(self, full: np.ndarray) -> None:
-        self.full = full
-        self.index = _probe_multi(full.shape)
-        self.values = full[self.index]
-        self.tol = 10 * _tolerance(full)
-        with np.errstate(invalid="ignore", over="ignore"):
-            self.scale = float(np.max(np.abs(full))) if np.isfinite(full).all() else 0.0
-
-    @classmethod
-    def of(cls, full: Any) -> "_Probe | None":
-        if not _is_tensor(full) or full.size <= 64 or not _is_float(full):
-            return None
-        return cls(full)
-
-    def _differs(self, b: np.ndarray) -> bool:
-        a = self.values
-        with np.errstate(invalid="ignore", over="ignore"):
-            if not (np.isfinite(a).all() and np.isfinite(b).all()):
-                return False
-            return bool(np.any(np.abs(a - b) > self.tol * (np.abs(a) + 1e-3 * max(self.scale, 1e-30))))
-
-    def differs(self, got: Any) -> bool:
-        """True when ``got`` (a whole output) already differs at the probed elements."""
-        if not _is_tensor(got) or got.shape != self.full.shape:
-            return False
-        return self._differs(got[self.index])
-
-    def rules_out(self, pieces: list[Any], p: Placement) -> bool:
-        """True when combining ``pieces`` as ``p`` surely does not give the output (Replicate, Partial)."""
-        if not all(_is_tensor(x) and x.shape == self.full.shape for x in pieces):
-            return False
-        if isinstance(p, Replicate):
-            return any(self._differs(x[self.index]) for x in pieces)
-        if not isinstance(p, Partial) or not all(_is_float(x) for x in pieces):
-            return False
-        got = combine([x[self.index] for x in pieces], p, self.values)   # the same reduction, on 16 elements
-        return got is not None and self._differs(got)
-
-
-@functools.lru_cache(maxsize=1024)
-def _probe_multi(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-    """The multi-index of 16 fixed elements of an array of ``shape`` (read without flattening a view)."""
-    size = int(np.prod(shape))
-    return np.unravel_index(np.linspace(0, size - 1, 16).astype(np.int64), shape)
-
-
 # -- draws ------------------------------------------------------------------
 
 
 def _integral(x: Any) -> bool:
-    if _is_tensor(x):
-        if not _is_float(x):
+    if is_array(x):
+        if not is_float(x):
             return True
         fin = x[np.isfinite(x)]
         return bool(np.all(fin == np.round(fin)))
@@ -291,9 +119,9 @@ def default_sampler(examples: Sequence[np.ndarray]) -> Callable[[np.random.Gener
     def sample(rng: np.random.Generator, integer: bool) -> list[np.ndarray]:
         out = []
         for x in examples:
-            if not _is_tensor(x):
+            if not is_array(x):
                 out.append(x)
-            elif _is_float(x):
+            elif is_float(x):
                 if integer:
                     out.append(rng.integers(-4, 5, size=x.shape).astype(x.dtype))
                 else:
@@ -450,12 +278,12 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
 
     # A tiny float input (a scalar loss gradient, a total weight) carries little evidence per draw:
     # a rule that depends on its sign could pass a few draws by luck, so take more.
-    if any(_is_tensor(x) and _is_float(x) and 0 < x.size < 16 for x in examples):
+    if any(is_array(x) and is_float(x) and 0 < x.size < 16 for x in examples):
         draws = max(draws, 12)
     draw_inputs: list[tuple[list[np.ndarray], bool]] = []
     fulls = []
     try:   # a predicate on floats (isnan, isfinite...) is also verified on inf and NaN (verify.py)
-        predicate = any(_is_tensor(o) and o.dtype == np.bool_ for o in runner.full(examples))
+        predicate = any(is_array(o) and o.dtype == np.bool_ for o in runner.full(examples))
     except Exception:   # raised again, with the reason, on the examples below
         predicate = False
     for family, inputs, integer in families(examples, sampler, rng, scalars, draws, predicate):
@@ -466,7 +294,7 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
             if family == "examples":
                 raise Unrunnable(f"{spec.name} raised on its example inputs: {type(e).__name__}: {e}") from e
             continue   # a family this op does not accept (say, an index out of range): not evidence
-        if len(out) != len(again) or not all(_same(a, b, True) for a, b in zip(out, again)):
+        if len(out) != len(again) or not all(same_result(a, b, True) for a, b in zip(out, again)):
             raise RandomOp(f"{spec.name} gives different results on the same inputs (random or stateful)")
         # an integer-valued draw is checked exactly only where the full result stays integral
         draw_inputs.append((inputs, integer))
@@ -503,7 +331,7 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
             continue
         outputs = []
         for a, f in zip(allowed, fulls[0][0]):
-            order = output_combines(f.ndim if _is_tensor(f) else None)
+            order = output_combines(f.ndim if is_array(f) else None)
             outputs.append(next(p for p in order if p in a))
         rules.append(ShardingRule(combo, tuple(outputs)))
     stats.seconds += time.perf_counter() - t0

@@ -31,17 +31,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from .combine import is_array, is_float
+
 Sampler = Callable[[np.random.Generator, bool], list]
 FAMILIES = ("random", "uniform", "integer", "wide", "straddle", "sparse", "constant", "int_wide", "on_one_shard",
             "nonfinite")
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, np.ndarray)
-
-
-def _is_float(x: np.ndarray) -> bool:
-    return np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.complexfloating)
 
 
 def _is_int(x: np.ndarray) -> bool:
@@ -54,9 +48,9 @@ def _fill(examples: Sequence[Any], floats: Callable[[tuple], np.ndarray] | None,
     """A draw: each float/int/bool tensor from its maker (or from ``base`` when that maker is None)."""
     out = []
     for x, b in zip(examples, base):
-        if not _is_tensor(x) or x.size == 0:
+        if not is_array(x) or x.size == 0:
             out.append(b)
-        elif _is_float(x):
+        elif is_float(x):
             out.append(b if floats is None else floats(x.shape).astype(x.dtype))
         elif x.dtype == np.bool_:
             out.append(b if bools is None else bools(x.shape))
@@ -73,16 +67,16 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
 
     ``predicate``: the op turns floats into booleans (adds the ``nonfinite`` family)."""
     yield "examples", list(examples), False
-    has_float = any(_is_tensor(x) and _is_float(x) for x in examples)
-    has_int = any(_is_tensor(x) and _is_int(x) for x in examples)
-    has_bool = any(_is_tensor(x) and x.dtype == np.bool_ for x in examples)
+    has_float = any(is_array(x) and is_float(x) for x in examples)
+    has_int = any(is_array(x) and _is_int(x) for x in examples)
+    has_bool = any(is_array(x) and x.dtype == np.bool_ for x in examples)
     for _ in range(max(draws, 2) - 1):
         yield "random", sampler(rng, False), False
     if has_float:
         yield "integer", sampler(rng, True), True
     # uniform over the range where most activations turn (silu, mish, gelu, hardswish...): a Partial(max/min)
     # rule of a non-monotone function fails there; a tiny input gives little evidence per draw, so many
-    tiny = any(_is_tensor(x) and _is_float(x) and 0 < x.size < 16 for x in examples)
+    tiny = any(is_array(x) and is_float(x) and 0 < x.size < 16 for x in examples)
     if has_float:
         for _ in range(30 if tiny else 1):
             yield "uniform", _fill(examples, lambda sh: rng.uniform(-4.0, 4.0, sh), None, None,
