@@ -4,7 +4,8 @@ Three passes, each a :func:`terms.contract`:
 
 1. **followers**: an elementwise op, view or cast rides on the producer of its
    first tensor input: for every option of that producer it takes the strategy
-   whose input sharding matches exactly (no reshard). It merges only when such
+   whose input sharding matches exactly (no reshard); not on a graph input that
+   the lowering gathers in buckets (its gather is cheaper than the op's). It merges only when such
    a match exists for every producer option, so nothing forces a reshard, and,
    for an op of several inputs, only when that match is the only allowed option
    (else which is best depends on the other inputs' producers: ``gain * x``
@@ -110,7 +111,11 @@ def _followers(problem: ShardingProblem) -> tuple[list[int], list[np.ndarray], l
     n_opts: list[int] = []
     for j, node in enumerate(problem.nodes):
         merged = False
-        if node.kind == "op" and node.inputs and op_name(node.key) in FOLLOWER_OPS:
+        # an op on a graph input the lowering gathers in buckets (metadist_core.gathers) stays free: gathering
+        # the input is cheaper than gathering the op's output (a parameter's transpose), which riding on the
+        # input would leave as the only way
+        if node.kind == "op" and node.inputs and op_name(node.key) in FOLLOWER_OPS \
+                and not (problem.shard_bucket_bytes and problem.vars[node.inputs[0]].get("gather_bucketed")):
             var0 = node.inputs[0]
             i, s = problem.definer(var0)
             g, mi = assign[i], maps[i]

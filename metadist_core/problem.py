@@ -462,12 +462,17 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
     def table(var: str, srcs: list[Sharding], dsts: list[Sharding]) -> np.ndarray:
         info = prob.vars[var]
         dtype = info.get("comm_dtype", info["dtype"])   # what the collectives move (grad_compression)
-        bucketed = bool(prob.bucket_bytes and info.get("bucketed"))
+        # priced as the lowering runs them (ShardingProblem.price): gradients' all_reduces in buckets, and inputs
+        # gathered in buckets (metadist_core.gathers); the plain cost table charged these gathers a whole latency
+        # each, which made gathering a parameter cost what gathering its transpose does, and the lowering can
+        # bucket only the former (the zero3 plan of the GPT example gathered 27 transposes one by one)
+        bucketed = (bool(prob.bucket_bytes and info.get("bucketed")),
+                    bool(prob.shard_bucket_bytes and info.get("gather_bucketed")))
         key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed)
         if key not in table_cache:
             t = np.zeros((len(srcs), len(dsts)))
             for r, a in enumerate(srcs):
-                if bucketed:
+                if any(bucketed):
                     for c, b in enumerate(dsts):
                         t[r, c] = prob.price(var, reshard(a, b, info["shape"], dtype, mesh)) if a != b else 0.0
                 else:

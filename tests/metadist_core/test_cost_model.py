@@ -96,6 +96,41 @@ def test_ilp_matches_brute_force_with_shared_reshards(pm, mesh_shape):
         assert plan.objective == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
+def transposed_params(n=4, width=32, batch=16) -> MetaIR:
+    """Layers y_i = y_{i-1} @ t(w_i): each parameter read through its transpose, as nn.Linear traces."""
+    g = MetaIR("transposed")
+    g.add_input("x", (batch, width), "float32", "input")
+    prev = "x"
+    for i in range(n):
+        g.add_input(f"w{i}", (width, width), "float32", "parameter")
+        g.add_op("aten.t.default", [f"w{i}"], [(f"wt{i}", (width, width), "float32")], id=f"t{i}")
+        g.add_op("aten.mm.default", [prev, f"wt{i}"], [(f"y{i}", (batch, width), "float32")], id=f"mm{i}")
+        prev = f"y{i}"
+    g.set_outputs([prev])
+    return g
+
+
+@pytest.mark.parametrize("coarsen", [False, True])
+def test_parameters_are_gathered_in_buckets_not_their_transposes(pm, coarsen):
+    """The solver prices a parameter's gather as the lowering runs it, one latency per bucket
+    (metadist_core.gathers), so a layout with parameters split on dim 0 gathers the parameters and
+    transposes them whole; gathering each transpose costs a latency apiece (no lowering buckets those)."""
+    g = transposed_params()
+    mesh = Mesh((4,))
+    pins = [Pin(f"w{i}", Sharding([Shard(0)])) for i in range(4)] + [Pin("x", Sharding([R])),
+                                                                      Pin("y3", Sharding([R]))]
+    p = build_problem(g, rulebook(g), mesh, constraints=pins, shard_bucket_bytes=1 << 22)
+    plan = pm.solve("ilp", p, {"coarsen": coarsen, "mip_rel_gap": 1e-9})
+    moved = [(v, c.kind) for v, c in priced_collectives(plan) if not c.is_free]
+    assert sorted(moved) == [(f"w{i}", "all_gather") for i in range(4)], moved
+    from metadist_core.gathers import gather_buckets
+    assert [len(b) for b in gather_buckets(p, plan.choices)] == [4]
+    # the price of one bucketed gather is its share of one latency, and the plan pays that
+    one = p.price("w0", [c for v, c in priced_collectives(plan) if v == "w0"])
+    whole = next(c.cost for v, c in priced_collectives(plan) if v == "w0")
+    assert one < whole and plan.comm_seconds == pytest.approx(4 * one, rel=1e-9)
+
+
 def gradients(n_grads=5, size=(64, 32)) -> MetaIR:
     """n gradient values, each made Partial by an mm with a split contraction, then an update of each."""
     g = MetaIR("grads")
