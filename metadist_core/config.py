@@ -58,7 +58,7 @@ class Settings:
     shard_bucket_mb: float = 4.0   # parameter all_gathers (metadist_core.gathers) and gradient reduce_scatters per bucket; 0: off
     beam_width: int = 8
     verify_draws: int = 2
-    measure_links: bool = True   # measure link and device costs on the first compile (else the defaults)
+    measure_links: bool = True   # measure links and device, time the ops, on the first compile (else defaults)
     max_real_discovery: int = 2 ** 24   # elements: an op no proxy can stand for is discovered at real size below this
     discovery_workers: int = 0   # processes discovering patterns side by side (0: one per core; 1: this one only)
     progress: bool | None = None

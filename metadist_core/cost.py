@@ -181,10 +181,29 @@ class DeviceSpec:
     # bytes/s between host memory and this device (PCIe/NVLink-C2C); None: the host is this device (a CPU):
     # offload's transfers are free (metadist_core.offload)
     host_link: float | None = None
+    # memory bytes/s by the bytes an op moves, measured ((bytes, bytes/s) pairs, ascending): an op whose data
+    # stays in cache runs far faster than one that streams from memory and faults its fresh output's pages in
+    # (an add on this 2-core host: 66 GB/s at 2 MiB, 14 at 32 MiB, 4.3 at 128 MiB); () : ``mem_bandwidth`` alone
+    mem_curve: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         pairs = self.flops_by_dtype.items() if isinstance(self.flops_by_dtype, dict) else self.flops_by_dtype
         object.__setattr__(self, "flops_by_dtype", tuple(sorted((str(k), float(v)) for k, v in pairs)))
+        object.__setattr__(self, "mem_curve", tuple(sorted((float(b), float(r)) for b, r in self.mem_curve)))
+
+    def bandwidth_for(self, nbytes: float) -> float:
+        """Memory bytes/s of an op that moves ``nbytes``: ``mem_curve`` interpolated in log-bytes (its
+        ends beyond its range), or ``mem_bandwidth`` without one."""
+        c = self.mem_curve
+        if not c:
+            return self.mem_bandwidth
+        if nbytes <= c[0][0]:
+            return c[0][1]
+        for (b0, r0), (b1, r1) in zip(c, c[1:]):
+            if nbytes <= b1:
+                w = (math.log(nbytes) - math.log(b0)) / max(math.log(b1) - math.log(b0), 1e-12)
+                return r0 + w * (r1 - r0)
+        return c[-1][1]
 
     def flops_for(self, dtype: str | None) -> float:
         """Peak FLOP/s of compute in ``dtype`` (canonical string); ``peak_flops`` where none is given."""
@@ -193,14 +212,16 @@ class DeviceSpec:
     def to_json(self) -> dict:
         return {"name": self.name, "peak_flops": self.peak_flops, "mem_bandwidth": self.mem_bandwidth,
                 "memory_bytes": self.memory_bytes, "op_overhead": self.op_overhead,
-                "flops_by_dtype": dict(self.flops_by_dtype), "host_link": self.host_link}
+                "flops_by_dtype": dict(self.flops_by_dtype), "host_link": self.host_link,
+                "mem_curve": [list(p) for p in self.mem_curve]}
 
     @classmethod
     def from_json(cls, d: dict) -> "DeviceSpec":
         return cls(d.get("name", "device"), float(d["peak_flops"]), float(d["mem_bandwidth"]),
                    int(d.get("memory_bytes", 16 * 2**30)), float(d.get("op_overhead", 0.0)),
                    dict(d.get("flops_by_dtype") or {}),
-                   None if d.get("host_link") is None else float(d["host_link"]))
+                   None if d.get("host_link") is None else float(d["host_link"]),
+                   tuple(tuple(p) for p in d.get("mem_curve") or ()))
 
 
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
@@ -229,14 +250,18 @@ FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "complex6
 
 
 def compute_cost(flops: float, nbytes: float, split: int = 1, device: DeviceSpec | None = None,
-                 dtype: str | None = None) -> float:
-    """Roofline seconds of an op that does ``flops`` in ``dtype`` and moves ``nbytes``, split ``split`` ways.
+                 dtype: str | None = None, slowdown: float = 1.0) -> float:
+    """Seconds of an op that does ``flops`` in ``dtype`` and moves ``nbytes``, split ``split`` ways: its
+    roofline times ``slowdown`` (how much slower than its roofline the op was measured to run on this
+    device, :mod:`metadist_torch.optime`; 1 where unmeasured), plus the per-op overhead.
 
-    The FLOP rate is ``device.flops_for(dtype)`` (tensor-core rates for bf16/fp16 where the device has them);
-    bytes are already counted at each tensor's own dtype."""
+    The FLOP rate is ``device.flops_for(dtype)`` (tensor-core rates for bf16/fp16 where the device has them),
+    the memory rate ``device.bandwidth_for`` the local bytes; bytes are counted at each tensor's own dtype."""
     dev = device or DEVICE_PRESETS["cpu"]
     split = max(1, int(split))
-    return max(flops / split / dev.flops_for(dtype), nbytes / split / dev.mem_bandwidth) + dev.op_overhead
+    local = nbytes / split
+    roof = max(flops / split / dev.flops_for(dtype), local / dev.bandwidth_for(local) if local > 0 else 0.0)
+    return roof * slowdown + dev.op_overhead
 
 
 def strategy_split(inputs: Sequence[Sharding], outputs: Sequence[Sharding], mesh: Mesh) -> int:

@@ -162,6 +162,13 @@ class Frontend(abc.ABC):
         fn = getattr(importlib.import_module(self.runner_module), "op_cost", None)
         return None if fn is None else fn(op, graph)
 
+    def op_slowdowns(self, graph: "MetaIR", costs: "dict[str, tuple]", cache_file: str | None) -> dict[str, float]:
+        """Per op id, how much slower than its roofline (``costs``: its ``(flops, bytes)``) the op runs on
+        this process's device, measured; the cost model multiplies its roofline by it. Called on the
+        planner only, when the driver prices with a measured profile; ``cache_file``: where the figures of
+        this machine are kept. The default measures nothing (every op at its roofline)."""
+        return {}
+
     def discovering(self) -> ContextManager[None]:
         """A context entered around a discovery run over this frontend's ops (say, one compute thread:
         ShardCombine runs many tiny ops, where a thread pool costs more than it gives)."""

@@ -181,7 +181,8 @@ def apply_offload(problem: Any, graph: MetaIR, op_costs: Mapping[str, tuple[floa
     mesh = problem.mesh
     for op_id in region.ops:
         i = problem.op_node(op_id)
-        flops, nbytes = (op_costs or {}).get(op_id) or estimate_op_cost(graph.op(op_id), graph)
+        # the update on the host: its roofline (a slowdown measured on the device does not apply there)
+        flops, nbytes, *_ = (op_costs or {}).get(op_id) or estimate_op_cost(graph.op(op_id), graph)
         op = graph.op(op_id)
         dt = compute_dtype([graph.vars[v].dtype for v in op.inputs if graph.vars[v].is_tensor],
                            [graph.vars[v].dtype for v in op.outputs])

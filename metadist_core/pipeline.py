@@ -17,7 +17,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable, Mapping
 
 from .config import Settings, load_settings
 from .constraints import as_constraint_list, split_constraints
@@ -70,7 +70,9 @@ def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, fl
 def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
                settings: Settings | None = None, constraints: Iterable[Any] | None = None,
                solver_options: dict | None = None, device: Any = None, bucket_copies: int = 0,
-               shard_buckets: bool = False, phased: bool = True, **setting_values: Any) -> CompileResult:
+               shard_buckets: bool = False, phased: bool = True,
+               op_slowdowns: Callable[[MetaIR, dict], Mapping[str, float]] | None = None,
+               **setting_values: Any) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
 
     ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
@@ -78,7 +80,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     by default the one of the mesh profile (``mesh_profile`` setting), else the
     CPU preset. ``bucket_copies`` / ``shard_buckets`` / ``phased``: what the frontend's lowering makes of
     buckets and of a value moved again after the forward (:class:`~metadist_core.frontend.Frontend`), priced by
-    the memory model and the prediction.
+    the memory model and the prediction. ``op_slowdowns(graph, costs)``: each op's measured time over its
+    roofline (:meth:`~metadist_core.frontend.Frontend.op_slowdowns`), priced into its compute.
     """
     from .problem import build_problem  # the solve half of the flow
 
@@ -105,6 +108,11 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     t = time.perf_counter()
     costs = op_costs(graph, pm)   # once: a recomputed copy costs what its original does
     timings["build_problem"] += time.perf_counter() - t   # the ops' costs are part of the problem
+    if op_slowdowns is not None:   # each op timed on this device (cached per machine)
+        t = time.perf_counter()
+        slow = op_slowdowns(graph, costs)
+        costs = {k: (*c[:2], slow[k]) if k in slow else c for k, c in costs.items()}
+        timings["op_times"] = time.perf_counter() - t
 
     plain_built: list = []   # the plain graph's problem: built once, for its solve and the recompute proposals
 
@@ -275,6 +283,17 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
             frontend.lower_stages(traced, None, run_mesh, s)
         check_stages(k_stages, run_mesh, s.schedule, s.micro_batches)
 
+    measured_ops: dict[str, dict[str, float]] = {}
+
+    def slowdowns(g: MetaIR, costs: dict) -> Mapping[str, float]:
+        """The ops' measured slowdowns, timed once per compile (every mesh a pipeline search tries)."""
+        if "ops" not in measured_ops:
+            from .profile import profile_cache_path
+            where = profile_cache_path(s.cache_dir, profile.key) if getattr(profile, "key", None) else None
+            measured_ops["ops"] = dict(frontend.op_slowdowns(
+                g, costs, None if where is None else str(where.with_name(where.stem + "-ops.json"))) or {})
+        return measured_ops["ops"]
+
     def solve_on(m: Mesh) -> CompileResult:
         if m.size == 1:
             p1, pr1 = replicated_plan(graph, m)
@@ -283,7 +302,9 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
                           constraints=user_constraints + frontend.constraints(graph, m),
                           device=profile.device if profile is not None else None,
                           bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets,
-                          phased=frontend.phased_reshards)
+                          phased=frontend.phased_reshards,
+                          # measured costs price the ops as measured too; the built-in ones at their roofline
+                          op_slowdowns=slowdowns if getattr(profile, "measured", False) else None)
 
     book, problem, plan = RuleBook(), None, None
     if run_mesh.size == 1:

@@ -18,13 +18,12 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .constraints import Constraint, Forbid, Pin, apply_constraints, parse_constraints
+from .constraints import Constraint, apply_constraints, parse_constraints
 from .aliasing import alias_liveness, inplace_state_liveness
 from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, strategy_split
 from .ir import MetaIR
@@ -363,8 +362,9 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   first_bucket_bytes: int | None = None) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
-    ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them
-    (missing ops are estimated from tensor sizes). ``constraints`` pin a
+    ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them, or (flops, bytes, slowdown)
+    with the op's measured slowdown over its roofline (:func:`metadist_core.cost.compute_cost`; missing
+    ops are estimated from tensor sizes). ``constraints`` pin a
     value's sharding or forbid a placement. ``memory_budget`` is bytes per device.
     ``prune`` drops dominated rules first (:mod:`metadist_core.prune`); the
     optimum does not change, the problem gets smaller. ``grad_compression`` ("bf16" | "fp16") prices the
@@ -424,9 +424,9 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
             splits = [strategy_split(o.inputs, o.outputs, mesh) for o in opts]
             strat_cache[sig] = (opts, splits)
         opts, splits = strat_cache[sig]
-        flops, nbytes = (op_costs or {}).get(op.id) or estimate_op_cost(op, graph)
+        flops, nbytes, *slow = (op_costs or {}).get(op.id) or estimate_op_cost(op, graph)
         dt = compute_dtype([graph.vars[v].dtype for v in t_in], [graph.vars[v].dtype for v in op.outputs])
-        compute.append(np.array([compute_cost(flops, nbytes, s, device, dt) for s in splits]))
+        compute.append(np.array([compute_cost(flops, nbytes, s, device, dt, *slow) for s in splits]))
         nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
     cons = parse_constraints(constraints or [])

@@ -23,11 +23,15 @@ DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)   # bytes
 KINDS = ("all_reduce", "all_gather")
 
 
-def _time(fn, iters: int, sync, before=None, reps: int = 1) -> float:
+def _time(fn, iters: int, sync, before=None, reps: int = 1, window: float = 0.0) -> float:
     """Median seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()`` runs
-    untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time)."""
+    untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time).
+    ``window``: more calls per timing, until one timing lasts about that many seconds."""
+    t0 = time.perf_counter()
     fn()
     sync()
+    if window > 0:
+        reps = max(reps, min(10000, int(window / max(time.perf_counter() - t0, 1e-7))))
     ts = []
     for _ in range(iters):
         if before is not None:
@@ -129,12 +133,20 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
 # latency and the ranks' uneven arrival (with 1 MiB at most, gloo on 4 ranks of 2 cores fitted beta to 0
 # while 16 MiB all_reduces took 27-33 ms, i.e. 1.1-1.3 ns/byte)
 LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
+LIVE_WINDOW = 0.08   # seconds per timing of the device rates on the live ranks (measure_device_rates)
 
 
-def measure_device_rates(iters: int = 7, before=None) -> dict:
-    """This process's matmul FLOP/s, memory-bound bytes/s and per-op overhead (medians). ``before``: a
-    barrier, so that the ranks of one machine measure at once and the figures include what they take from
-    each other (4 gloo ranks on 2 cores: 55-61 GFLOP/s each so, 167 measured one at a time)."""
+# float32 elements of the adds that time the memory rate by size (DeviceSpec.mem_curve); 64x on a GPU
+CURVE_ELEMENTS = (1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
+
+
+def measure_device_rates(iters: int = 7, before=None, window: float = 0.0) -> dict:
+    """This process's matmul FLOP/s, memory-bound bytes/s (also by bytes moved: ``mem_curve``) and per-op
+    overhead (medians). ``before``: a barrier, so that the ranks of one machine measure at once and the
+    figures include what they take from each other (4 gloo ranks on 2 cores: 55-61 GFLOP/s each so, 167
+    measured one at a time). ``window``: seconds each timing lasts at least; ranks that share cores need
+    one far longer than a time slice, or the figures depend on which ranks the scheduler ran in it (7 ms
+    timings gave 48 and 78 GFLOP/s in two measurements of the same 4 ranks)."""
     import torch
     from metadist_torch.engine import device
     dev = device()
@@ -143,15 +155,21 @@ def measure_device_rates(iters: int = 7, before=None) -> dict:
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
     x = torch.randn(1 << 20 if dev.type == "cpu" else 1 << 26, device=dev)
     tiny = torch.randn(8, device=dev)
-    mm = _time(lambda: a @ b, iters, sync, before, reps=20)
-    add = _time(lambda: x.add(1.0), iters, sync, before, reps=5)
-    over = _time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync, before) / 50
+    mm = _time(lambda: a @ b, iters, sync, before, reps=20, window=window)
+    add = _time(lambda: x.add(1.0), iters, sync, before, reps=5, window=window)
+    over = _time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync, before, window=window) / 50
     low = {}   # bf16/fp16 matmul rates: tensor cores (or AMX on a CPU) make them far faster, or far slower
     for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         a16, b16 = a.to(dt), b.to(dt)
-        low[name] = 2 * n ** 3 / max(_time(lambda: a16 @ b16, iters, sync, before, reps=5) - over, 1e-9)
+        low[name] = 2 * n ** 3 / max(_time(lambda: a16 @ b16, iters, sync, before, reps=5, window=window) - over,
+                                     1e-9)
+    curve = []   # bytes/s by bytes moved: in cache, streamed, and with a fresh output's pages faulted in
+    for k in (CURVE_ELEMENTS if dev.type == "cpu" else tuple(e << 6 for e in CURVE_ELEMENTS)):
+        y = torch.randn(k, device=dev)
+        t = _time(lambda: y.add(1.0), iters, sync, before, reps=max(1, (1 << 18) // k), window=window)
+        curve.append((2 * k * 4, 2 * k * 4 / max(t - over, 1e-9)))
     return {"peak_flops": 2 * n ** 3 / max(mm - over, 1e-9), "mem_bandwidth": 2 * x.numel() * 4 / max(add - over, 1e-9),
-            "op_overhead": over, "flops_by_dtype": low}
+            "op_overhead": over, "flops_by_dtype": low, "mem_curve": curve}
 
 
 def refresh_cached_profile() -> MeshProfile:
@@ -257,13 +275,15 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
             entry["kinds"] = kinds
             samples += [{"level": f"axis{axis}", **m} for m in more]
         axes.append(entry)
-    rates = measure_device_rates(before=dist.barrier)
+    rates = measure_device_rates(iters=3, before=dist.barrier, window=LIVE_WINDOW)
     low = sorted(rates["flops_by_dtype"])
+    curve = rates["mem_curve"]
     vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]]
-                       + [rates["flops_by_dtype"][k] for k in low], dtype=torch.float64)
+                       + [rates["flops_by_dtype"][k] for k in low] + [r for _, r in curve], dtype=torch.float64)
     dist.all_reduce(vec, op=dist.ReduceOp.MIN)   # the slowest rank sets the pace
     device_spec = DeviceSpec(f"measured-{dev.type}", float(vec[0]), float(vec[1]), op_overhead=float(-vec[2]),
-                             flops_by_dtype={k: float(vec[3 + i]) for i, k in enumerate(low)})
+                             flops_by_dtype={k: float(vec[3 + i]) for i, k in enumerate(low)},
+                             mem_curve=[(b, float(vec[3 + len(low) + i])) for i, (b, _) in enumerate(curve)])
     shape_key = "x".join(map(str, mesh.shape))
     if cached is not None:
         prof = MeshProfile.from_json(cached.to_json())

@@ -176,6 +176,11 @@ class TorchFrontend(Frontend):
             del rest[i:i + 2]
         return run(nproc=nproc, args=rest)
 
+    def op_slowdowns(self, graph: Any, costs: dict, cache_file: str | None) -> dict[str, float]:
+        """Each op run at its real shapes on this rank's device, over its roofline (metadist_torch.optime)."""
+        from .optime import measure_slowdowns
+        return measure_slowdowns(graph, costs, cache_file, self._engine().device)
+
     def device_kind(self) -> str | None:
         import torch
         eng = self._engine()

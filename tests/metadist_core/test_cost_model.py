@@ -1,7 +1,6 @@
 """The cost model prices what the lowering runs: one reshard per value and target, whole buckets,
 and the measured profile cached per machine."""
 import itertools
-import math
 
 import numpy as np
 import pytest
@@ -223,6 +222,57 @@ def test_compile_prices_with_the_measured_profile(tmp_path, monkeypatch):
         res = compile_step(fe, transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}, s,
                            mesh=(2,))
     assert fe.measured == 1 and res.mesh.alpha == (7e-6,) and res.problem.mesh.beta == (3e-10,)
+
+
+class _Timing(_Measuring):
+    """A frontend whose ops were all measured ``factor`` times slower than their roofline."""
+    name = "timing"
+
+    def __init__(self, factor):
+        super().__init__()
+        self.factor, self.files = factor, []
+
+    def op_slowdowns(self, graph, costs, cache_file):
+        self.files.append(cache_file)
+        return {op.id: self.factor for op in graph.ops if op.id in costs}
+
+
+def test_measured_ops_price_their_slowdown_and_builtin_costs_do_not(tmp_path, monkeypatch):
+    from metadist_core.pipeline import compile_step
+    from metadist_core.reference import transformer_block
+    kw = {"batch": 4, "seq": 8, "width": 16, "hidden": 32}
+    monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")
+    s = load_settings(cache_dir=str(tmp_path), progress=False)
+    runs = {}
+    for f in (1.0, 3.0):
+        fe = _Timing(f)
+        runs[f] = compile_step(fe, transformer_block, (), kw, s, mesh=(2,)).problem
+        # asked once, with a file beside the measured profile
+        assert len(fe.files) == 1 and fe.files[0].endswith("-ops.json") and "profiles" in fe.files[0]
+    assert runs[1.0].device.op_overhead == 0.0
+    for a, b, n in zip(runs[1.0].compute, runs[3.0].compute, runs[1.0].nodes):
+        assert np.allclose(b, 3.0 * a), (n.id, a, b)   # every op, under every option, 3x its roofline
+    assert any(float(np.max(a)) > 0 for a in runs[1.0].compute)
+    monkeypatch.setenv("METADIST_MEASURE_LINKS", "0")   # the built-in costs: plans that do not depend on timings
+    fe = _Timing(3.0)
+    plain = compile_step(fe, transformer_block, (), kw, load_settings(cache_dir=str(tmp_path), progress=False),
+                         mesh=(2,)).problem
+    assert fe.files == [] and all(np.allclose(a, b) for a, b in zip(plain.compute, runs[1.0].compute))
+
+
+def test_memory_rate_follows_the_measured_curve():
+    from metadist_core.cost import DeviceSpec, compute_cost
+    dev = DeviceSpec("toy", 1e12, 5e9, op_overhead=1e-6, mem_curve=[(1e6, 1e9), (1e3, 1e10)])
+    assert dev.mem_curve == ((1e3, 1e10), (1e6, 1e9))                 # kept sorted by bytes
+    assert dev.bandwidth_for(10) == 1e10 and dev.bandwidth_for(1e9) == 1e9   # its ends beyond its range
+    assert dev.bandwidth_for(10 ** 4.5) == pytest.approx(5.5e9)      # halfway in log-bytes
+    # memory-bound: bytes over the rate at the local bytes, times the slowdown, plus the overhead
+    assert compute_cost(0, 2e6, 2, dev) == pytest.approx(1e6 / 1e9 + 1e-6)
+    assert compute_cost(0, 2e6, 2, dev, slowdown=3.0) == pytest.approx(3e6 / 1e9 + 1e-6)
+    assert compute_cost(4e9, 10, 1, dev, slowdown=2.0) == pytest.approx(8e-3 + 1e-6)   # FLOP-bound alike
+    assert DeviceSpec.from_json(dev.to_json()) == dev
+    flat = DeviceSpec("toy", 1e12, 5e9)
+    assert flat.bandwidth_for(1e9) == 5e9 and DeviceSpec.from_json(flat.to_json()) == flat
 
 
 # -- collective kinds priced apart (Mesh.links, measured by metadist_torch.calibrate) ------------------

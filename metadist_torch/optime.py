@@ -1,0 +1,147 @@
+"""How much slower than the roofline each op of a step runs on this device, measured (the ops' slowdowns).
+
+The cost model prices an op as ``max(flops / FLOP rate, bytes / memory rate)`` with the rates of a
+matmul and of an ``add`` (:func:`metadist_torch.calibrate.measure_device_rates`). Most other ops run
+far slower than that on a CPU: in the step of transformers' GPT-2 (4 layers, width 256) ``tanh`` took
+30x its roofline, ``_log_softmax`` 25x, ``native_layer_norm`` 6x, while ``mm`` took 1.1x; the step's
+roofline came to 118 ms against 166 ms measured. Here each distinct op of the step (its key, input
+shapes, dtypes and static arguments: ``MetaOp.signature``) is run at its real shapes on this process's
+device, once, and its time less the per-op overhead, divided by its roofline at the rates measured in
+the same process just before, is its slowdown: the cost model multiplies its roofline by it
+(:func:`metadist_core.cost.compute_cost`). Being a ratio it carries over to the rates of the live mesh
+profile (which include what ranks sharing a machine take from each other). An op whose inputs are too
+large to run in a few milliseconds takes the slowdown measured on the largest op of the same key and
+dtype, and none (1) when there is none. Slowdowns are cached in a JSON file beside the mesh profile.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from metadist_core.cost import DeviceSpec, compute_cost, compute_dtype
+from metadist_core.ir import MetaIR, MetaOp
+
+from .calls import TORCH_DTYPES, rebuild, resolve_overload
+
+log = logging.getLogger("metadist.optime")
+
+MAX_ELEMENTS = 1 << 20        # an op whose inputs and outputs hold more elements takes its key's slowdown
+LIMITS = (0.25, 100.0)        # slowdowns are clamped to this range (a tiny op's time is mostly noise)
+FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
+RANDOM = frozenset({"bernoulli", "native_dropout", "rand", "randn", "rand_like", "randn_like", "randint",
+                    "uniform", "normal", "randperm", "multinomial", "empty", "empty_like", "new_empty"})
+
+
+def _inputs(op: MetaOp, graph: MetaIR, dev: torch.device) -> list[torch.Tensor]:
+    """Tensors of the op's input shapes and dtypes: floats in [0.5, 1.5) (no NaN from sqrt or log),
+    integer inputs drawn in their valid ranges by the discovery's sampler."""
+    metas = [graph.vars[v] for v in op.inputs]
+    if any(not m.is_tensor for m in metas):
+        raise ValueError("a non-tensor input")
+    drawn = None
+    if any(m.dtype not in FLOATS for m in metas):
+        from .oprunner import op_spec
+        drawn = op_spec(op, graph).example_inputs
+    out = []
+    for i, m in enumerate(metas):
+        dt = TORCH_DTYPES[m.dtype]
+        if m.dtype in FLOATS:
+            out.append((torch.rand(tuple(m.shape), device=dev) + 0.5).to(dt))
+        else:
+            out.append(torch.as_tensor(drawn[i]).to(dtype=dt, device=dev).reshape(tuple(m.shape)))
+    return out
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None], iters: int = 5) -> float:
+    """Median seconds of one call, each timing long enough (>= 50 us) to be read on a clock."""
+    from .calibrate import _time
+    return _time(fn, iters, sync, window=5e-5)
+
+
+def _roofline(op: MetaOp, graph: MetaIR, cost: tuple, dev: DeviceSpec) -> float:
+    dt = compute_dtype([graph.vars[v].dtype for v in op.inputs], [graph.vars[v].dtype for v in op.outputs])
+    return compute_cost(cost[0], cost[1], 1, dev, dt) - dev.op_overhead
+
+
+def _elements(op: MetaOp, graph: MetaIR) -> int:
+    return sum(int(graph.vars[v].numel) for v in [*op.inputs, *op.outputs] if graph.vars[v].is_tensor)
+
+
+def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | os.PathLike | None = None,
+                      device: torch.device | None = None) -> dict[str, float]:
+    """Per op id of ``graph``, its measured time over its roofline (see the module doc); ``costs``: the
+    op's ``(flops, bytes)`` as the frontend reports them. Ops already in ``cache_file`` are not run again."""
+    from .calibrate import measure_device_rates
+    from .engine import device as engine_device
+    dev = device or engine_device()
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    cache: dict[str, float] = {}
+    path = Path(cache_file) if cache_file else None
+    if path is not None and path.exists():
+        try:
+            cache = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
+        except (OSError, ValueError):
+            cache = {}
+    t0 = time.perf_counter()
+    rates: DeviceSpec | None = None
+    sig_of = {op.id: op.signature(graph) for op in graph.ops}
+    by_key: dict[tuple, tuple[int, float]] = {}   # (key, dtypes) -> (elements, slowdown) of its largest measured op
+    new = tried = 0
+    for op in graph.ops:
+        cost = costs.get(op.id)
+        if cost is None or (cost[0] <= 0 and cost[1] <= 0):
+            continue   # a view: free
+        name = op.key.split(".")[1] if op.key.startswith("aten.") else ""
+        key = (op.key, tuple(graph.vars[v].dtype for v in op.inputs))
+        sig = sig_of[op.id]
+        n = _elements(op, graph)
+        if sig not in cache and name and name not in RANDOM and n <= MAX_ELEMENTS:
+            if rates is None:
+                r = measure_device_rates(iters=3)
+                rates = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], op_overhead=r["op_overhead"],
+                                   flops_by_dtype=r["flops_by_dtype"], mem_curve=r["mem_curve"])
+            try:
+                overload = resolve_overload(op.key)
+                tensors = _inputs(op, graph, dev)
+                args = rebuild(op.attrs.get("args", []), tensors, device=dev)
+                kwargs = rebuild(op.attrs.get("kwargs", {}), tensors, device=dev)
+                with torch.no_grad():
+                    t = _timed(lambda: overload(*args, **kwargs), sync)
+            except Exception as e:   # an op that cannot run alone: priced by the roofline (0: not timed)
+                log.debug("op %s (%s) not timed: %s", op.id, op.key, e)
+                cache[sig] = 0.0
+                tried += 1
+            else:
+                roof = _roofline(op, graph, cost, rates)
+                cache[sig] = min(max((t - rates.op_overhead) / max(roof, 1e-9), LIMITS[0]), LIMITS[1])
+                new += 1
+        if cache.get(sig) and n >= by_key.get(key, (-1, 0.0))[0]:
+            by_key[key] = (n, cache[sig])
+    out = {}
+    for op in graph.ops:
+        sig = sig_of[op.id]
+        key = (op.key, tuple(graph.vars[v].dtype for v in op.inputs))
+        s = cache.get(sig) or by_key.get(key, (0, None))[1]
+        if s and op.id in costs:
+            out[op.id] = s
+    if new or tried:
+        log.info("timed %d ops of %s on %s in %.1f s (%d could not run alone)", new, graph.name, dev,
+                 time.perf_counter() - t0, tried)
+        if path is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(cache, sort_keys=True))
+                os.replace(tmp, path)
+            except OSError as e:
+                log.warning("could not cache op timings in %s: %s", path, e)
+    return out
+
+
+__all__ = ["measure_slowdowns", "MAX_ELEMENTS"]
