@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .problem import ShardingProblem
+from .problem import ShardingProblem, gathers_bucketed
 from .terms import Terms, contract
 
 # Op names (the part after the framework prefix) that ride on their producer.
@@ -111,11 +111,11 @@ def _followers(problem: ShardingProblem) -> tuple[list[int], list[np.ndarray], l
     n_opts: list[int] = []
     for j, node in enumerate(problem.nodes):
         merged = False
-        # an op on a graph input the lowering gathers in buckets (metadist_core.gathers) stays free: gathering
-        # the input is cheaper than gathering the op's output (a parameter's transpose), which riding on the
-        # input would leave as the only way
+        # an op on a graph input the solver prices gathered in buckets (metadist_core.gathers) stays free:
+        # gathering the input is cheaper than gathering the op's output (a parameter's transpose), which
+        # riding on the input would leave as the only way
         if node.kind == "op" and node.inputs and op_name(node.key) in FOLLOWER_OPS \
-                and not (problem.shard_bucket_bytes and problem.vars[node.inputs[0]].get("gather_bucketed")):
+                and not gathers_bucketed(problem, node.inputs[0]):
             var0 = node.inputs[0]
             i, s = problem.definer(var0)
             g, mi = assign[i], maps[i]

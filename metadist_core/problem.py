@@ -390,6 +390,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
         for v in graph.inputs:
             if "comm_dtype" not in vars_[v]:
                 vars_[v]["gather_bucketed"] = True
+                if memory_budget is None:   # and the solver prices them so (gathers_bucketed)
+                    vars_[v]["gather_priced"] = True
     if bucket_bytes:
         from .compression import gradient_chain
         for v in gradient_chain(graph):
@@ -447,6 +449,12 @@ def _distinct(shardings: Sequence[Sharding]) -> tuple[list[Sharding], np.ndarray
     return list(uniq), np.asarray(idx, dtype=np.int32)
 
 
+def gathers_bucketed(prob: ShardingProblem, var: str) -> bool:
+    """Does the solver price ``var``'s all_gather as its share of a bucket (one latency per bucket)? Yes for
+    an input the lowering gathers in buckets, on a problem built without a memory budget (see _build_edges)."""
+    return bool(prob.shard_bucket_bytes and prob.vars[var].get("gather_priced"))
+
+
 def _build_edges(prob: ShardingProblem) -> list[Edge]:
     mesh = prob.mesh
     table_cache: dict[tuple, np.ndarray] = {}
@@ -465,9 +473,11 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
         # priced as the lowering runs them (ShardingProblem.price): gradients' all_reduces in buckets, and inputs
         # gathered in buckets (metadist_core.gathers); the plain cost table charged these gathers a whole latency
         # each, which made gathering a parameter cost what gathering its transpose does, and the lowering can
-        # bucket only the former (the zero3 plan of the GPT example gathered 27 transposes one by one)
-        bucketed = (bool(prob.bucket_bytes and info.get("bucketed")),
-                    bool(prob.shard_bucket_bytes and info.get("gather_bucketed")))
+        # bucket only the former (the zero3 plan of the GPT example gathered 27 transposes one by one). Not
+        # under a memory budget: the solver's memory terms do not hold a bucket's gathered parameters (issue
+        # 14), and plans that gather every parameter in one bucket then miss the budget (GPT-2 on 2 ranks
+        # under 2 MB: the leanest plan found needed 2.6 MB)
+        bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var))
         key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed)
         if key not in table_cache:
             t = np.zeros((len(srcs), len(dsts)))

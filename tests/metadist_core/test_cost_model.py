@@ -128,6 +128,11 @@ def test_parameters_are_gathered_in_buckets_not_their_transposes(pm, coarsen):
     one = p.price("w0", [c for v, c in priced_collectives(plan) if v == "w0"])
     whole = next(c.cost for v, c in priced_collectives(plan) if v == "w0")
     assert one < whole and plan.comm_seconds == pytest.approx(4 * one, rel=1e-9)
+    # under a memory budget the solver does not count on buckets (its memory terms do not hold a bucket's
+    # gathered parameters): each gather is priced whole, as before
+    from metadist_core.problem import gathers_bucketed
+    tight = build_problem(g, rulebook(g), mesh, constraints=pins, shard_bucket_bytes=1 << 22, memory_budget=1 << 30)
+    assert gathers_bucketed(p, "w0") and not gathers_bucketed(tight, "w0") and tight.vars["w0"]["gather_bucketed"]
 
 
 def gradients(n_grads=5, size=(64, 32)) -> MetaIR:
