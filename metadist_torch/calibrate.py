@@ -136,7 +136,7 @@ LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 LIVE_WINDOW = 0.08   # seconds per timing of the device rates on the live ranks (measure_device_rates)
 
 
-# float32 elements of the adds that time the memory rate by size (DeviceSpec.mem_curve); 64x on a GPU
+# float32 elements of the adds that time the memory rate by size (DeviceSpec.mem_curve); 16x on a GPU (1 GiB at most)
 CURVE_ELEMENTS = (1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
 
 
@@ -164,7 +164,7 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0) -> di
         low[name] = 2 * n ** 3 / max(_time(lambda: a16 @ b16, iters, sync, before, reps=5, window=window) - over,
                                      1e-9)
     curve = []   # bytes/s by bytes moved: in cache, streamed, and with a fresh output's pages faulted in
-    for k in (CURVE_ELEMENTS if dev.type == "cpu" else tuple(e << 6 for e in CURVE_ELEMENTS)):
+    for k in (CURVE_ELEMENTS if dev.type == "cpu" else tuple(e << 4 for e in CURVE_ELEMENTS)):
         y = torch.randn(k, device=dev)
         t = _time(lambda: y.add(1.0), iters, sync, before, reps=max(1, (1 << 18) // k), window=window)
         curve.append((2 * k * 4, 2 * k * 4 / max(t - over, 1e-9)))
