@@ -230,7 +230,9 @@ def run_model(m: Model, args, rank: int, world: int) -> dict:
         out = {"step_s": t, "first_call_s": first, "compile": step.timings, "plan": step.plan.summary(),
                "comm_bytes_counted": step.comm_stats.total / max(1, len(m.batches) - 1),
                "comm_bytes_by_kind": {k: v / max(1, len(m.batches) - 1) for k, v in step.comm_stats.bytes.items()},
-               "comm_calls_by_kind": {k: v / max(1, len(m.batches) - 1) for k, v in step.comm_stats.calls.items()}}
+               # the plan's collectives per step (a bucket counts its members), not the calls on the wire
+               "plan_collectives_by_kind": {k: v / max(1, len(m.batches) - 1)
+                                            for k, v in step.comm_stats.calls.items()}}
         if step.problem is None:   # only the planning rank holds the problem: it predicts
             return out
         pr = predict(step.plan, step.problem)
