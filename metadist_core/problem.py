@@ -458,8 +458,9 @@ GATHER_SHARE = 0.01
 
 
 def gathers_bucketed(prob: ShardingProblem, var: str) -> bool:
-    """Does the solver price ``var``'s all_gather as its share of a bucket (one latency per bucket)? Yes for
-    an input the lowering gathers in buckets, on a problem built without a memory budget (see _build_edges)."""
+    """Does the solver price ``var``'s all_gather as one the lowering may bucket (:data:`GATHER_SHARE` of the
+    latency its bucket-mates pay taken off, :meth:`ShardingProblem.price`)? Yes for an input the lowering
+    gathers in buckets, on a problem built without a memory budget (see _build_edges)."""
     return bool(prob.shard_bucket_bytes and prob.vars[var].get("gather_priced"))
 
 
@@ -478,13 +479,13 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
     def table(var: str, srcs: list[Sharding], dsts: list[Sharding]) -> np.ndarray:
         info = prob.vars[var]
         dtype = info.get("comm_dtype", info["dtype"])   # what the collectives move (grad_compression)
-        # priced as the lowering runs them (ShardingProblem.price): gradients' all_reduces in buckets, and inputs
-        # gathered in buckets (metadist_core.gathers); the plain cost table charged these gathers a whole latency
-        # each, which made gathering a parameter cost what gathering its transpose does, and the lowering can
-        # bucket only the former (the zero3 plan of the GPT example gathered 27 transposes one by one). Not
-        # under a memory budget: the solver's memory terms do not hold a bucket's gathered parameters (issue
-        # 14), and plans that gather every parameter in one bucket then miss the budget (GPT-2 on 2 ranks
-        # under 2 MB: the leanest plan found needed 2.6 MB)
+        # priced as ShardingProblem.price does: gradients' all_reduces in buckets, and inputs the lowering may
+        # gather in buckets (metadist_core.gathers) a little under a whole latency; the plain cost table made
+        # gathering a parameter cost what gathering its transpose does, and the lowering can bucket only the
+        # former (the zero3 plan of the GPT example gathered 27 transposes one by one). Not under a memory
+        # budget: the solver's memory terms do not hold a bucket's gathered parameters (issue 14), and plans
+        # that gathered every parameter in one bucket missed the budget (GPT-2 on 2 ranks under 2 MB: the
+        # leanest plan found needed 2.6 MB)
         bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var))
         key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed)
         if key not in table_cache:
