@@ -88,7 +88,6 @@ def _flat_user_inputs(args: Sequence[Any], kwargs: dict) -> tuple[list[torch.Ten
     return tensors, spec, leaves
 
 
-
 def _as_cpu_if_meta(examples: list[Any]) -> list[Any]:
     """A step whose tensors are on the meta device (a model planned, never run) is traced as if on the CPU.
 
@@ -106,6 +105,7 @@ def _as_cpu_if_meta(examples: list[Any]) -> list[Any]:
     cpu = torch.device("cpu")
     return [mode.fake_tensor_converter.from_meta_and_device(mode, t, cpu)
             if isinstance(t, torch.Tensor) and t.device.type == "meta" else t for t in examples]
+
 
 def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, name: str | None = None,
                state: StepState | None = None, example_state: Sequence[torch.Tensor] | None = None) -> TracedStep:
