@@ -159,20 +159,26 @@ def trace_lm(model, ids):
     return PluginManager().frontend("torch").trace(step, (model, opt, ids), {}).graph
 
 
-def build_llama_8b():
-    """transformers' LlamaForCausalLM at 8B (32 layers, hidden 4096, 32 heads, 8 key-value heads, vocabulary
-    128,256), built on the meta device (nothing allocated), and a batch of 8 x 512."""
+def llama_on_meta(batch: int, seq: int, **sizes):
+    """transformers' LlamaForCausalLM of the ``LlamaConfig`` ``sizes``, built on the meta device (nothing
+    allocated), and a batch of token ids ``batch`` x ``seq`` on meta."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=2048,
-                      bos_token_id=0, eos_token_id=0, use_cache=False)
+    cfg = LlamaConfig(bos_token_id=0, eos_token_id=0, use_cache=False, **sizes)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    return model, torch.randint(0, cfg.vocab_size, (8, 512), device="meta")
+    return model, torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
+
+
+def build_llama_8b():
+    """LLaMA at 8B (32 layers, hidden 4096, 32 heads, 8 key-value heads, vocabulary 128,256) on the meta
+    device, and a batch of 8 x 512."""
+    return llama_on_meta(8, 512, vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=2048)
 
 
 def _child(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, time_limit: float,

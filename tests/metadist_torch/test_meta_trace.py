@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from benchmarks.plan_scale import llama_on_meta  # noqa: E402
 from metadist_core.discover import discover_pattern  # noqa: E402
 from metadist_core.patterns import op_pattern  # noqa: E402
 from metadist_core.placement import Replicate, Shard  # noqa: E402
@@ -20,16 +21,9 @@ from test_third_party import step  # noqa: E402
 
 
 def _llama_on_meta():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                      bos_token_id=0, eos_token_id=0, use_cache=False)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    return model, torch.randint(0, 256, (4, 32), device="meta")
+    """A one-layer LLaMA with grouped-query attention (8 query heads over 2 key/value heads), on meta."""
+    return llama_on_meta(4, 32, vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
 
 
 def test_meta_model_traces_the_fused_attention_and_splits_it_by_heads():
