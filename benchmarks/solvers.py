@@ -33,7 +33,7 @@ from metadist_core.cost import DEVICE_PRESETS
 from metadist_core.placement import largest_local_shape
 from metadist_core.placement import Replicate, Shard, Sharding
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import build_problem
+from metadist_core.build import build_problem
 from metadist_core.pipeline import op_costs
 from metadist_core.profile import load_profile
 

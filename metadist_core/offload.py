@@ -170,7 +170,7 @@ def apply_offload(problem: Any, graph: MetaIR, op_costs: Mapping[str, tuple[floa
     option; host-only values are marked ``vars[v]["host"]`` (no memory term).
     Call before the problem's terms are first read. Returns the region priced.
     """
-    from .problem import estimate_op_cost
+    from .build import estimate_op_cost
     region = region if region is not None else host_region(graph)
     if "_terms_cache" in problem.__dict__:
         raise RuntimeError("apply_offload must run before the problem's terms are read (they are cached)")

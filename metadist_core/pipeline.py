@@ -83,7 +83,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     the memory model and the prediction. ``op_slowdowns(graph, costs)``: each op's measured time over its
     roofline (:meth:`~metadist_core.frontend.Frontend.op_slowdowns`), priced into its compute.
     """
-    from .problem import build_problem  # the solve half of the flow
+    from .build import build_problem  # the solve half of the flow
 
     s = settings or load_settings(**setting_values)
     pm = plugins or PluginManager()
@@ -207,7 +207,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
 def replicated_plan(graph: MetaIR, mesh: Mesh) -> tuple[Any, Any]:
     """The all-replicated plan and its problem (a mesh of one device: nothing to discover or solve)."""
     from .plan import ShardingPlan
-    from .problem import build_problem
+    from .build import build_problem
     problem = build_problem(graph, RuleBook(), mesh)
     return ShardingPlan.replicated(problem), problem
 

@@ -1,4 +1,4 @@
-"""ShardingProblem: what a solver reads, built from MetaIR + RuleBook + Mesh.
+"""ShardingProblem: what a solver reads (built from MetaIR + RuleBook + Mesh by :mod:`metadist_core.build`).
 
 A problem has one **node** per decision: one per graph input tensor (how it is
 stored: parameters and optimizer state may live sharded, the batch may be split
@@ -15,23 +15,18 @@ without the MetaIR.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from .constraints import Constraint, apply_constraints, parse_constraints
-from .aliasing import alias_liveness, inplace_state_liveness
-from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, local_bytes, strategy_split
-from .ir import MetaIR
-from .phases import FORWARD, phase_of, reader_phases, share_phase
-from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
-from .prune import useful_rules
-from .reshard import reshard, reshard_costs
-from .rules import RuleBook, Strategy, expand_rules
+from .constraints import Constraint, parse_constraints
+from .cost import DeviceSpec, local_bytes
+from .phases import FORWARD, phase_of, share_phase
+from .placement import Mesh, Sharding
+from .rules import Strategy
 from .terms import EdgeTerm, MemTerm, SharedTerm, Terms
 
 log = logging.getLogger("metadist.problem")
@@ -327,126 +322,6 @@ class ShardingProblem:
         return cls.from_json(json.loads(text))
 
 
-# -- building ------------------------------------------------------------------
-
-def estimate_op_cost(op, graph: MetaIR) -> tuple[float, float]:
-    """(flops, bytes) of an op from its tensor sizes when no frontend reports them."""
-    ins = [graph.vars[v] for v in op.inputs if graph.vars[v].is_tensor]
-    outs = [graph.vars[v] for v in op.outputs if graph.vars[v].is_tensor]
-    nbytes = float(sum(v.nbytes for v in ins + outs))
-    out_numel = float(sum(v.numel for v in outs))
-    name = op.key.split(".")[1] if op.key.count(".") >= 1 else op.key
-    if name in ("mm", "addmm", "bmm", "matmul", "dot_general", "linear") and ins and outs and ins[-1].shape:
-        k = ins[0].shape[-1] if name != "addmm" else ins[1].shape[-1]
-        return 2.0 * out_numel * k, nbytes
-    return out_numel, nbytes
-
-
-def input_options(shape: tuple[int, ...] | None, mesh: Mesh) -> list[Strategy]:
-    """Storage choices of a graph input: every Replicate/Shard combination that splits evenly enough."""
-    if shape is None:
-        return [Strategy((), (Sharding.replicated(mesh.ndim),))]
-    per_axis = [[Replicate()] + ([Shard(d) for d in range(len(shape))] if n > 1 else []) for n in mesh.shape]
-    out = []
-    for combo in itertools.product(*per_axis):
-        if largest_local_shape(tuple(shape), combo, mesh.shape) is not None:
-            out.append(Strategy((), (Sharding(combo),)))
-    return out
-
-
-def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
-                  op_costs: Mapping[str, tuple[float, float]] | None = None,
-                  constraints: Iterable[Constraint | Mapping] | None = None,
-                  memory_budget: int | None = None,
-                  device: DeviceSpec | None = None,
-                  prune: bool = True,
-                  grad_compression: str | None = None,
-                  bucket_bytes: int | None = None, bucket_copies: int = 0,
-                  shard_bucket_bytes: int | None = None, phased: bool = True,
-                  first_bucket_bytes: int | None = None) -> ShardingProblem:
-    """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
-
-    ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them, or (flops, bytes, slowdown)
-    with the op's measured slowdown over its roofline (:func:`metadist_core.cost.compute_cost`; missing
-    ops are estimated from tensor sizes). ``constraints`` pin a
-    value's sharding or forbid a placement. ``memory_budget`` is bytes per device.
-    ``prune`` drops dominated rules first (:mod:`metadist_core.prune`); the
-    optimum does not change, the problem gets smaller. ``grad_compression`` ("bf16" | "fp16") prices the
-    collectives of gradient values at that dtype (``vars[v]["comm_dtype"]``, :mod:`metadist_core.compression`).
-    ``bucket_bytes``: the lowering buckets gradient all_reduces up to this size (:meth:`ShardingProblem.price`),
-    the first bucket of each (axis, reduce op, dtype) up to ``first_bucket_bytes`` (:func:`metadist_core.gathers.bucket_cap`).
-    ``shard_bucket_bytes``: it gathers graph inputs in buckets up to this size (:mod:`metadist_core.gathers`).
-    """
-    from .compression import wire_dtypes
-    device = device or DEVICE_PRESETS["cpu"]
-    live, views = alias_liveness(graph, graph.liveness())   # a view takes no bytes and holds its base alive
-    live = inplace_state_liveness(graph, live, views)        # new state is written into the old in place
-    vars_ = {v.id: {"shape": v.shape, "dtype": v.dtype, "role": v.role, "live": list(live.get(v.id, (0, 0)))}
-             for v in graph.vars.values()}
-    for v in views:
-        vars_[v]["view"] = True   # no memory term of its own (metadist_core.aliasing)
-    for v in graph.vars.values():
-        if v.label:
-            vars_[v.id]["label"] = v.label   # the user's name (explain, constraints by name)
-    for v, wire in wire_dtypes(graph, grad_compression).items():
-        vars_[v]["comm_dtype"] = wire
-    if shard_bucket_bytes:   # inputs the lowering may gather in buckets (metadist_core.gathers)
-        for v in graph.inputs:
-            if "comm_dtype" not in vars_[v]:
-                vars_[v]["gather_bucketed"] = True
-                if memory_budget is None:   # and the solver prices them so (gathers_bucketed)
-                    vars_[v]["gather_priced"] = True
-    if bucket_bytes:
-        from .compression import gradient_chain
-        for v in gradient_chain(graph):
-            vars_[v]["bucketed"] = True
-    nodes: list[Node] = []
-    compute: list[np.ndarray] = []
-    strat_cache: dict[tuple, tuple[list[Strategy], list[int]]] = {}
-    warned: set[str] = set()
-    sizes = sorted({n for n in mesh.shape if n > 1})
-    useful = useful_rules(graph, rulebook, sizes) if prune else {
-        op.id: {n: rulebook.rules_for(op, graph, n) for n in sizes} for op in graph.ops}
-    for v in graph.inputs:
-        mv = graph.vars[v]
-        opts = input_options(mv.shape, mesh)
-        nodes.append(Node(v, "input", mv.role, [], [v], opts))
-        compute.append(np.zeros(len(opts)))
-    for op in graph.ops:
-        t_in = [v for v in op.inputs if graph.vars[v].is_tensor]
-        in_shapes = [graph.vars[v].shape for v in t_in]
-        out_shapes = [graph.vars[v].shape for v in op.outputs]
-        rules = {n: tuple(r for r in rs if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs))
-                 for n, rs in useful[op.id].items()}
-        sig = (op.signature(graph), tuple(sorted(rules.items())))
-        if sig not in strat_cache:
-            if not any(rules.values()) and op.key not in warned:
-                warned.add(op.key)
-                log.debug("op %s (%s) has no sharding rules here; it runs replicated", op.id, op.key)
-            strats = expand_rules(rules, mesh, in_shapes, out_shapes)
-            opts = [Strategy(s.inputs, s.outputs) for s in strats] or [
-                Strategy(tuple(Sharding.replicated(mesh.ndim) for _ in t_in),
-                       tuple(Sharding.replicated(mesh.ndim) for _ in op.outputs))]
-            splits = [strategy_split(o.inputs, o.outputs, mesh) for o in opts]
-            strat_cache[sig] = (opts, splits)
-        opts, splits = strat_cache[sig]
-        flops, nbytes, *slow = (op_costs or {}).get(op.id) or estimate_op_cost(op, graph)
-        dt = compute_dtype([graph.vars[v].dtype for v in t_in], [graph.vars[v].dtype for v in op.outputs])
-        compute.append(np.array([compute_cost(flops, nbytes, s, device, dt, *slow) for s in splits]))
-        nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
-    allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
-    cons = parse_constraints(constraints or [])
-    prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),
-                           memory_budget, cons, list(graph.outputs), dict(graph.aliases),
-                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph) if phased else {},
-                           int(bucket_copies),
-                           int(shard_bucket_bytes) if shard_bucket_bytes else None,
-                           first_bucket_bytes=int(first_bucket_bytes) if bucket_bytes and first_bucket_bytes else None)
-    apply_constraints(prob)
-    prob.edges = _build_edges(prob)
-    return prob
-
-
 def _distinct(shardings: Sequence[Sharding]) -> tuple[list[Sharding], np.ndarray]:
     uniq: dict[Sharding, int] = {}
     idx = [uniq.setdefault(s, len(uniq)) for s in shardings]
@@ -464,61 +339,5 @@ def gathers_bucketed(prob: ShardingProblem, var: str) -> bool:
     return bool(prob.shard_bucket_bytes and prob.vars[var].get("gather_priced"))
 
 
-def _build_edges(prob: ShardingProblem) -> list[Edge]:
-    mesh = prob.mesh
-    table_cache: dict[tuple, np.ndarray] = {}
-    src_info: dict[str, tuple[int, int, list[Sharding], np.ndarray]] = {}
-
-    def source(var: str):
-        if var not in src_info:
-            i, s = prob.definer(var)
-            uniq, m = _distinct([o.outputs[s] for o in prob.nodes[i].options])
-            src_info[var] = (i, s, uniq, m)
-        return src_info[var]
-
-    def table(var: str, srcs: list[Sharding], dsts: list[Sharding]) -> np.ndarray:
-        info = prob.vars[var]
-        dtype = info.get("comm_dtype", info["dtype"])   # what the collectives move (grad_compression)
-        # priced as ShardingProblem.price does: gradients' all_reduces in buckets, and inputs the lowering may
-        # gather in buckets (metadist_core.gathers) a little under a whole latency; the plain cost table made
-        # gathering a parameter cost what gathering its transpose does, and the lowering can bucket only the
-        # former (the zero3 plan of the GPT example gathered 27 transposes one by one). Not under a memory
-        # budget: the solver's memory terms do not hold a bucket's gathered parameters (issue 14), and plans
-        # that gathered every parameter in one bucket missed the budget (GPT-2 on 2 ranks under 2 MB: the
-        # leanest plan found needed 2.6 MB)
-        bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var))
-        key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed)
-        if key not in table_cache:
-            t = np.zeros((len(srcs), len(dsts)))
-            for r, a in enumerate(srcs):
-                if any(bucketed):
-                    for c, b in enumerate(dsts):
-                        t[r, c] = prob.price(var, reshard(a, b, info["shape"], dtype, mesh)) if a != b else 0.0
-                else:
-                    t[r, :] = reshard_costs(a, dsts, info["shape"], dtype, mesh)
-            table_cache[key] = t
-        return table_cache[key]
-
-    edges: list[Edge] = []
-    for j, n in enumerate(prob.nodes):
-        if n.kind != "op":
-            continue
-        for slot, var in enumerate(n.inputs):
-            i, s, srcs, smap = source(var)
-            dsts, dmap = _distinct([o.inputs[slot] for o in n.options])
-            edges.append(Edge(i, s, j, slot, var, smap, dmap, table(var, srcs, dsts)))
-    rep = Sharding.replicated(mesh.ndim)
-    aliased_outputs = set(prob.aliases.values())
-    for var in prob.outputs:
-        if var in aliased_outputs or prob.vars[var]["shape"] is None:
-            continue
-        i, s, srcs, smap = source(var)
-        edges.append(Edge(i, s, -1, -1, var, smap, np.zeros(1, dtype=np.int32), table(var, srcs, [rep])))
-    for state, updated in prob.aliases.items():
-        if prob.vars[state]["shape"] is None:
-            continue
-        i, s, srcs, smap = source(updated)
-        j = prob.definer(state)[0]
-        dsts, dmap = _distinct([o.outputs[0] for o in prob.nodes[j].options])
-        edges.append(Edge(i, s, j, -1, updated, smap, dmap, table(updated, srcs, dsts)))
-    return edges
+__all__ = ["OUTPUT", "InfeasibleBudgetError", "Node", "Edge", "ShardingProblem", "GATHER_SHARE",
+           "gathers_bucketed"]

@@ -9,7 +9,7 @@ import pytest
 from metadist_core.cost import DEVICE_PRESETS, DeviceSpec, compute_cost, compute_dtype
 from metadist_core.ir import MetaIR
 from metadist_core.placement import Mesh
-from metadist_core.problem import build_problem
+from metadist_core.build import build_problem
 from metadist_core.rules import RuleBook
 
 

@@ -13,7 +13,7 @@ from metadist_core.ir import MetaIR
 from metadist_core.overlap import buckets_latency, predict, priced_collectives
 from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
 from metadist_core.plan import ShardingPlan
-from metadist_core.problem import build_problem
+from metadist_core.build import build_problem
 from metadist_core.profile import MeshProfile, cached_profile, profile_cache_path, profile_for, profile_key
 from metadist_core.plugins import PluginManager
 from metadist_core.reference import ReferenceFrontend

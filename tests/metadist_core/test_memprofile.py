@@ -8,7 +8,7 @@ from metadist_core.ir import MetaIR
 from metadist_core.memprofile import peak_with_buffers
 from metadist_core.placement import Mesh
 from metadist_core.plan import ShardingPlan
-from metadist_core.problem import build_problem
+from metadist_core.build import build_problem
 from metadist_core.rules import RuleBook
 
 from _small_graphs import linear_step, rulebook

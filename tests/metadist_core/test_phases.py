@@ -16,7 +16,8 @@ from metadist_core.phases import FORWARD, LATER, reader_phases
 from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
 from metadist_core.plan import ShardingPlan
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import ShardingProblem, build_problem
+from metadist_core.problem import ShardingProblem
+from metadist_core.build import build_problem
 from metadist_core.simulate import simulate
 
 from _small_graphs import rulebook

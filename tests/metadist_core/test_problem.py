@@ -8,7 +8,8 @@ from metadist_core.coarsen import coarsen
 from metadist_core.constraints import Forbid, Pin
 from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
 from metadist_core.plan import ShardingPlan
-from metadist_core.problem import OUTPUT, ShardingProblem, build_problem
+from metadist_core.problem import OUTPUT, ShardingProblem
+from metadist_core.build import build_problem
 from metadist_core.rules import RuleBook
 
 from _small_graphs import linear_step, mm_only, rulebook

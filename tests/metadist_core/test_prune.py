@@ -5,7 +5,7 @@ from metadist_core.cost import strategy_split
 from metadist_core.discover import discover
 from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import build_problem
+from metadist_core.build import build_problem
 from metadist_core.prune import useful_rules
 from metadist_core.reference import transformer_block
 from metadist_core.rules import RuleBook

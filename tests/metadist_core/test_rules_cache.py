@@ -122,7 +122,7 @@ def test_expand_rules_to_2d_mesh():
 
 def test_a_rule_cached_at_one_axis_size_is_never_used_at_another(tmp_path):
     """Rules are verified per axis size: discovery on an axis of 2 serves meshes of 2 only."""
-    from metadist_core.problem import build_problem
+    from metadist_core.build import build_problem
 
     ir = transformer_block()
     pm, front = _pm()

@@ -7,7 +7,7 @@ from metadist_core.discover import discover
 from metadist_core.placement import Mesh, Partial, Shard
 from metadist_core.plan import ShardingPlan
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import build_problem
+from metadist_core.build import build_problem
 from metadist_core.reference import run_graph, run_local, transformer_block
 from metadist_core.rules import OpRules, RuleBook, ShardingRule
 from metadist_core.simulate import SimulationError, assemble, distribute, simulate

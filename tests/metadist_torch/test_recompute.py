@@ -108,7 +108,7 @@ def test_toggles_price_the_rewritten_graph_exactly():
     from metadist_core.pipeline import op_costs
     from metadist_core.plan import ShardingPlan
     from metadist_core.plugins import PluginManager
-    from metadist_core.problem import build_problem
+    from metadist_core.build import build_problem
     from metadist_core.recompute import price_segments
 
     tr, _ = _traced(layers=2)

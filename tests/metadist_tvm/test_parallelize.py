@@ -10,7 +10,7 @@ import metadist_tvm
 from metadist_core.constraints import Pin
 from metadist_core.placement import Mesh, Shard, Sharding, shard_shape
 from metadist_core.plan import ShardingPlan
-from metadist_core.problem import build_problem
+from metadist_core.build import build_problem
 from metadist_core.simulate import devices, simulate
 from metadist_tvm.execute import LocalRunner
 

@@ -11,7 +11,7 @@ import pytest
 from metadist_core.coarsen import coarsen
 from metadist_core.placement import Mesh
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import build_problem
+from metadist_core.build import build_problem
 from metadist_core.terms import contract
 from metadist_solvers._axes import _key, axis_codes, descend
 from metadist_solvers.ilp import ilp_terms

@@ -10,7 +10,8 @@ from scipy.optimize import OptimizeResult
 
 from metadist_core.placement import Mesh
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import InfeasibleBudgetError, build_problem
+from metadist_core.problem import InfeasibleBudgetError
+from metadist_core.build import build_problem
 from metadist_solvers import _cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_core"))

@@ -8,7 +8,8 @@ import pytest
 
 from metadist_core.placement import Mesh
 from metadist_core.plugins import PluginManager, UnknownSolverError
-from metadist_core.problem import InfeasibleBudgetError, build_problem
+from metadist_core.problem import InfeasibleBudgetError
+from metadist_core.build import build_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_core"))
 from _small_graphs import linear_step, mm_only, rulebook, scaled_by_param  # noqa: E402
