@@ -63,7 +63,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   grad_compression: str | None = None,
                   bucket_bytes: int | None = None, bucket_copies: int = 0,
                   shard_bucket_bytes: int | None = None, phased: bool = True,
-                  first_bucket_bytes: int | None = None) -> ShardingProblem:
+                  first_bucket_bytes: int | None = None, whole_inputs: bool = False) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them, or (flops, bytes, slowdown)
@@ -76,6 +76,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     ``bucket_bytes``: the lowering buckets gradient all_reduces up to this size (:meth:`ShardingProblem.price`),
     the first bucket of each (axis, reduce op, dtype) up to ``first_bucket_bytes`` (:func:`metadist_core.gathers.bucket_cap`).
     ``shard_bucket_bytes``: it gathers graph inputs in buckets up to this size (:mod:`metadist_core.gathers`).
+    ``whole_inputs``: every process receives each user input whole (the torch frontend), so reading one in a
+    layout other than the one it is stored in is a local slice: priced at nothing, run without a collective.
     """
     from .compression import wire_dtypes
     device = device or DEVICE_PRESETS["cpu"]
@@ -141,7 +143,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                            int(bucket_bytes) if bucket_bytes else None, reader_phases(graph) if phased else {},
                            int(bucket_copies),
                            int(shard_bucket_bytes) if shard_bucket_bytes else None,
-                           first_bucket_bytes=int(first_bucket_bytes) if bucket_bytes and first_bucket_bytes else None)
+                           first_bucket_bytes=int(first_bucket_bytes) if bucket_bytes and first_bucket_bytes else None,
+                           whole_inputs=whole_inputs)
     apply_constraints(prob)
     prob.edges = _build_edges(prob)
     return prob
@@ -170,10 +173,11 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
         # that gathered every parameter in one bucket missed the budget (GPT-2 on 2 ranks under 2 MB: the
         # leanest plan found needed 2.6 MB)
         bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var))
-        key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed)
+        local = prob.whole_inputs and info["role"] == "input"   # sliced from the whole input (ShardingPlan)
+        key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed, local)
         if key not in table_cache:
             t = np.zeros((len(srcs), len(dsts)))
-            for r, a in enumerate(srcs):
+            for r, a in enumerate(srcs if not local else ()):
                 if any(bucketed):
                     for c, b in enumerate(dsts):
                         t[r, c] = prob.price(var, reshard(a, b, info["shape"], dtype, mesh)) if a != b else 0.0

@@ -62,6 +62,10 @@ class Frontend(abc.ABC):
     # the lowering moves a value again for its readers after the forward (torch frees the forward's copy,
     # metadist_core.phases); False: one move serves every phase (XLA merges identical collectives)
     phased_reshards: bool = True
+    # every process receives the user's inputs whole (each rank calls the step with the whole batch): the
+    # lowering slices an input to any layout a reader wants, so the planner prices that at nothing and the
+    # plan has no collective there (interpret's ``whole``); False: inputs are placed once, moved by collectives
+    whole_inputs: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A concrete adapter runs ops for discovery: it names a ``runner_module`` or overrides ``op_spec``."""

@@ -8,7 +8,9 @@ plan means the same thing everywhere.
 
 What it fixes for every engine:
 
-- graph inputs arrive as this engine's local values under ``plan.input_shardings``;
+- graph inputs arrive as this engine's local values under ``plan.input_shardings``; a user input that
+  every process holds whole (``ShardingProblem.whole_inputs``) is read in another layout through the
+  engine's ``whole(var, sharding)``: its local slice, with no collective (the plan has none there);
 - before an op reads a value, that edge's collectives run in order; the same
   collectives on the same value run **once** per reader phase however many ops
   read it (the cost model charges them so too; :mod:`metadist_core.phases`);
@@ -121,8 +123,10 @@ def check_plan_ends(graph: MetaIR, plan: Any, mesh: Mesh) -> None:
 
 
 def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run_op: OpRunner,
-              collectives: Collectives, *, keep_values: bool = False) -> Interpretation:
-    """Walk ``plan`` over ``graph``: ``inputs`` are the local values of the graph inputs."""
+              collectives: Collectives, *, keep_values: bool = False,
+              whole: Callable[[str, Sharding], V] | None = None) -> Interpretation:
+    """Walk ``plan`` over ``graph``: ``inputs`` are the local values of the graph inputs; ``whole(var, sh)``
+    gives user input ``var``'s local value under ``sh`` where the plan reads it so without a collective."""
     check_plan_ends(graph, plan, mesh)
     incoming, finals = plan.edge_index()
     env: dict[str, Any] = dict(inputs)
@@ -135,6 +139,16 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
 
     def move(var: str, edge: Any) -> Any:
         x = env[var]
+        if edge is not None and not edge.collectives and edge.src_sharding != edge.dst_sharding \
+                and graph.vars[var].role == "input":
+            if whole is None:
+                raise PlanError(f"the plan reads input {var!r} as {edge.dst_sharding} (stored {edge.src_sharding}) "
+                                f"by slicing it whole, and this engine has no whole inputs: plan with "
+                                f"whole_inputs=False")
+            key = ("whole", var, edge.dst_sharding)
+            if key not in shared:
+                shared[key] = whole(var, edge.dst_sharding)
+            return shared[key]
         if edge is None or not edge.collectives:
             return x
         key = edge_key(var, edge.collectives, share_phase(phases, edge.dst, edge.src_sharding))

@@ -70,7 +70,7 @@ def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, fl
 def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
                settings: Settings | None = None, constraints: Iterable[Any] | None = None,
                solver_options: dict | None = None, device: Any = None, bucket_copies: int = 0,
-               shard_buckets: bool = False, phased: bool = True,
+               shard_buckets: bool = False, phased: bool = True, whole_inputs: bool = False,
                op_slowdowns: Callable[[MetaIR, dict], Mapping[str, float]] | None = None,
                **setting_values: Any) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
@@ -80,8 +80,10 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     by default the one of the mesh profile (``mesh_profile`` setting), else the
     CPU preset. ``bucket_copies`` / ``shard_buckets`` / ``phased``: what the frontend's lowering makes of
     buckets and of a value moved again after the forward (:class:`~metadist_core.frontend.Frontend`), priced by
-    the memory model and the prediction. ``op_slowdowns(graph, costs)``: each op's measured time over its
-    roofline (:meth:`~metadist_core.frontend.Frontend.op_slowdowns`), priced into its compute.
+    the memory model and the prediction; ``whole_inputs``: whether every process holds the user's inputs
+    whole (:attr:`~metadist_core.frontend.Frontend.whole_inputs`). ``op_slowdowns(graph, costs)``: each op's
+    measured time over its roofline (:meth:`~metadist_core.frontend.Frontend.op_slowdowns`), priced into its
+    compute.
     """
     from .build import build_problem  # the solve half of the flow
 
@@ -127,7 +129,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                 bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
                                 shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None,
                                 first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
-                                phased=phased)
+                                phased=phased, whole_inputs=whole_inputs)
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
             from .offload import apply_offload
@@ -247,7 +249,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
             result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
                                 constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh),
                                 bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets,
-                                phased=frontend.phased_reshards)
+                                phased=frontend.phased_reshards, whole_inputs=frontend.whole_inputs)
         try:
             planonly.finish(result, plan_mesh, request)
         except planonly.PlanOnlyDone:   # the problem beside the plan (`metadist explain`), --compare's table
@@ -302,7 +304,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
                           constraints=user_constraints + frontend.constraints(graph, m),
                           device=profile.device if profile is not None else None,
                           bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets,
-                          phased=frontend.phased_reshards,
+                          phased=frontend.phased_reshards, whole_inputs=frontend.whole_inputs,
                           # measured costs price the ops as measured too; the built-in ones at their roofline
                           op_slowdowns=slowdowns if getattr(profile, "measured", False) else None)
 

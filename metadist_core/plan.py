@@ -133,8 +133,9 @@ class ShardingPlan:
                 dn = problem.nodes[e.dst]
                 b, dst, slot = dn.options[ch[e.dst]].inputs[e.dst_slot], dn.id, e.dst_slot
             info = problem.vars[e.var]
-            colls = [] if a == b or info["shape"] is None else reshard(a, b, info["shape"],
-                                                                     info.get("comm_dtype", info["dtype"]), mesh)
+            # a user input every process holds whole is sliced to the reader's layout (interpret's ``whole``)
+            local = a == b or info["shape"] is None or (problem.whole_inputs and info["role"] == "input")
+            colls = [] if local else reshard(a, b, info["shape"], info.get("comm_dtype", info["dtype"]), mesh)
             pe = PlanEdge(e.var, src_node.id, dst, slot, a, b, colls)
             k = reshard_key(e.var, a, b, dst, problem.phases)
             if k not in priced:   # one reshard per (value, target, reader phase), as the lowering runs it

@@ -121,6 +121,8 @@ class ShardingProblem:
     toggles: list = field(default_factory=list)   # terms.Toggle: yes/no decisions priced beside (recompute.py)
     step_map: list[int] | None = None    # op position -> position in the toggles' graph (its last: the step count)
     first_bucket_bytes: int | None = None   # the first gradient all_reduce bucket per group (None: bucket_bytes)
+    # every process holds each user input ("input" role) whole: any layout of one is a local slice, no collective
+    whole_inputs: bool = False
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:

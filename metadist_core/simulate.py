@@ -164,7 +164,8 @@ def simulate(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarr
         return [{d: results[d][i] for d in devs} for i in range(len(op.outputs))]
 
     try:
-        res = interpret(graph, plan, mesh, local, run_op, SimCollectives(mesh))
+        res = interpret(graph, plan, mesh, local, run_op, SimCollectives(mesh),   # every device has every input
+                        whole=lambda v, sh: distribute(np.asarray(inputs[v]), sh, mesh))
     except PlanError as e:
         raise SimulationError(str(e)) from None
     outputs = {}

@@ -77,6 +77,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _divide(y: torch.Tensor, n: int) -> torch.Tensor:
+    """``y / n``; in place when ``y`` is a float (a collective's result, which nothing else holds)."""
+    return y.div_(n) if y.is_floating_point() else y / n
+
+
 def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     if x.shape[dim] == size:
         return x
@@ -113,10 +118,11 @@ class AxisComm:
         return self._gname
 
     def _finish(self, back: torch.dtype | None, divide: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Cast back from the wire dtype, divide an ``avg``: in the collective's own result buffer."""
         def post(y: torch.Tensor) -> torch.Tensor:
             if back is not None:
                 y = y.to(back)
-            return y / self.n if divide else y
+            return _divide(y, self.n) if divide else y
         return post
 
     def start_all_reduce(self, x: torch.Tensor, reduce: str, wire: torch.dtype | None = None) -> Pending:
@@ -138,7 +144,8 @@ class AxisComm:
         pre = wire is not None and reduce == "avg"
         t, back = _send(torch.cat([x.reshape(-1) for x in xs]), wire, self.n if pre else 1)
         self.stats.add("all_reduce", _nbytes(t), calls=len(xs))   # calls count the plan's collectives
-        raw = _ops().all_reduce(t, "sum" if reduce == "avg" else reduce, self.gname)
+        # the flat buffer is this call's own: reduced in place (the functional all_reduce would copy it first)
+        raw = _ops().all_reduce_(t, "sum" if reduce == "avg" else reduce, self.gname)
         finish = self._finish(back, reduce == "avg" and not pre)
         return Pending(raw, lambda y: tuple(p.view(sh) for p, sh in zip(finish(y).split(numels), shapes)))
 
@@ -218,7 +225,7 @@ class AxisComm:
 
         def post(y: torch.Tensor) -> tuple:
             if reduce == "avg":
-                y = y / n
+                y = _divide(y, n)
             outs = []
             for piece, shape, (d, size, c) in zip(y.split([math.prod(s) for s in shapes]), shapes, keep):
                 piece = piece.view(shape)

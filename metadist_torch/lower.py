@@ -27,6 +27,7 @@ each, by the rule of :mod:`metadist_core.gathers` (:func:`coalesce_all_gathers`)
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import time
@@ -45,6 +46,7 @@ from metadist_core.placement import Mesh, Sharding, group_extents, shard_shape
 
 from .calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
+from .reinplace import reinplace_updates
 from .stats import CommStats
 
 # ops whose second argument is the full output shape: lowered with the local output shape
@@ -170,8 +172,10 @@ def op_node(g: fx.Graph, graph: MetaIR, op: MetaOp, ins: Sequence[fx.Node], out_
 
 @dataclass
 class RankGraph:
-    """This rank's program: ``gm(*local inputs in graph.inputs order)`` returns the whole graph outputs
-    (``output_vars``), then the new local pieces of the updated state (``state_inputs``)."""
+    """This rank's program: ``gm(*local inputs in graph.inputs order, *input_pieces' slices)`` returns the whole
+    graph outputs (``output_vars``), then the new local pieces of the updated state (``state_inputs``).
+    ``input_pieces``: (user input, layout) of each user input the plan also reads in a layout other than the
+    one it is stored in: this rank's slice of the whole input (``metadist_torch.program.input_pieces``)."""
 
     gm: fx.GraphModule
     input_vars: list[str]
@@ -179,6 +183,7 @@ class RankGraph:
     state_inputs: list[str]
     stats: CommStats = field(default_factory=CommStats)
     n_collectives: int = 0
+    input_pieces: list[tuple[str, Sharding]] = field(default_factory=list)
 
     def __call__(self, *local_inputs: torch.Tensor) -> tuple:
         return self.gm(*local_inputs)
@@ -281,8 +286,9 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     (:func:`metadist_core.compression.gradient_chain`, the values ``build_problem`` marks ``bucketed``) are
     bucketed, so the program runs the buckets the prediction prices.
     ``wire`` (value id -> torch dtype, :func:`metadist_torch.compression.wire_map`): the values whose
-    collectives travel compressed. ``inplace_state``: each new state value is copied into its input's
-    storage as soon as the old value's last reader has run, so the new one dies there (what the memory
+    collectives travel compressed. ``inplace_state``: each state update runs in its input's storage where
+    it can (:func:`metadist_torch.reinplace.reinplace_updates`), and each other new state value is copied into
+    its input's storage as soon as the old value's last reader has run, so the new one dies there (what the memory
     model prices, :func:`metadist_core.aliasing.inplace_state_liveness`); the program then returns the
     updated inputs themselves.
     """
@@ -299,12 +305,26 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     def run_op(op: MetaOp, ins: list, out_sh: list[Sharding]) -> list[fx.Node]:
         return op_node(g, graph, op, ins, out_sh, mesh, coords, _safe(op.id))
 
-    res = interpret(graph, plan, mesh, inputs, run_op, colls)
+    pieces: list[tuple[str, Sharding]] = []
+    last_ph = [list(inputs.values())[-1] if inputs else None]
+
+    def whole(v: str, sh: Sharding) -> fx.Node:
+        """A user input read in another layout: one more placeholder, fed this rank's slice of it."""
+        with g.inserting_after(last_ph[0]) if last_ph[0] is not None else contextlib.nullcontext():
+            ph = g.placeholder(_safe(f"{v}_as_{len(pieces)}"))
+        ph.meta[DTYPE_META] = graph.vars[v].dtype
+        ph.meta[VAR_META] = v
+        last_ph[0] = ph
+        pieces.append((v, sh))
+        return ph
+
+    res = interpret(graph, plan, mesh, inputs, run_op, colls, whole=whole)
     output_vars, state_inputs = list(res.outputs), list(res.state)
     g.output(tuple([res.outputs[v] for v in output_vars] + [res.state[s] for s in state_inputs]))
     g.eliminate_dead_code()
     gather_buckets: list[list[fx.Node]] = []
     reduce_buckets: list[list[Any]] = []
+    inplace: list[int] = []
     if coalesce:
         # the values every rank's prediction buckets (ShardingProblem.vars[v]["bucketed"]): from the graph, the
         # same on every rank (a plan shared from rank 0 carries no problem)
@@ -316,15 +336,32 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
             gather_buckets = coalesce_all_gathers(g, colls.gathers, lambda axis: colls.fn(axis, "all_gather_bucket"),
                                                   shard_bucket_bytes)
     if inplace_state:
-        write_state_in_place(g, [inputs[v] for v in state_inputs], len(output_vars))
+        n_out = len(output_vars)
+
+        def layout(n: fx.Node) -> tuple | None:
+            v, dt = n.meta.get(VAR_META), n.meta.get(DTYPE_META)
+            return (tuple(graph.vars[v].shape), dt) if v in graph.vars and dt is not None else None
+        # updates that can run in the state's own storage do (metadist_torch.reinplace); the rest are copied
+        # into it as soon as the old value's last reader has run
+        inplace = reinplace_updates(g, [(inputs[v], n_out + i) for i, v in enumerate(state_inputs)], range(n_out),
+                                    layout)
+        write_state_in_place(g, [inputs[v] for v in state_inputs], n_out)
     from .schedule import issue_early
-    issue_early(g)   # all_reduces issued as soon as their input exists, waited for at their first reader
+
+    def numel(n: fx.Node) -> int | None:
+        v = n.meta.get(VAR_META)
+        return graph.vars[v].numel if v in graph.vars else None
+    # all_reduces issued as soon as their input exists (a loss's token count: at the start), waited for at their
+    # first reader (one only the outputs read: at the end)
+    issue_early(g, numel)
     n_coll = sum(1 for _, c in res.collectives if not c.is_free)
     rg = RankGraph(fx.GraphModule(torch.nn.Module(), g), list(graph.inputs), output_vars, state_inputs, stats,
                    n_coll)
     rg.collectives = [(v, c) for v, c in res.collectives if not c.is_free]   # as run, before bucketing
     rg.gather_buckets = [[o.meta.get(VAR_META) for o in outs] for outs in gather_buckets]   # values per bucket
     rg.reduce_buckets = reduce_buckets   # values per all_reduce / reduce_scatter bucket
+    rg.inplace_updates = [state_inputs[k - len(output_vars)] for k in inplace]   # states updated in their storage
+    rg.input_pieces = pieces
     return rg
 
 

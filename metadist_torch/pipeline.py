@@ -21,7 +21,7 @@ from metadist_core.placement import Mesh, Sharding, local_piece
 
 from .engine import Engine
 from .lower import lower_plan
-from .program import local_of, user_tensors
+from .program import input_pieces, local_of, user_tensors
 from .stats import CommStats
 from .trace import TracedStep
 
@@ -90,7 +90,7 @@ class MicroBatchProgram:
                                          zeros_like=torch.zeros_like))
             else:
                 local.append(local_piece(self.consts[v].to(dev), sh, mesh, coords, zeros_like=torch.zeros_like))
-        return local
+        return local + input_pieces(rank_graph, lambda v: user[self.user_in[v]], self.engine)
 
     def _write(self, rank_graph: Any, outs: tuple) -> dict[str, torch.Tensor]:
         """Write updated state slots in place; return the pseudo-state (gradient) values by gradient var."""

@@ -38,8 +38,9 @@ class TorchFrontend(Frontend):
     description = "PyTorch: aten ops run through torch.ops for ShardCombine"
     runner_module = "metadist_torch.oprunner"
     proxy_shapes = True   # op specs come from the graph's shapes and op.attrs alone
-    bucket_copies = 2     # collectives.AxisComm.all_reduce_bucket: the concatenation and the functional all_reduce's result
+    bucket_copies = 1     # collectives.AxisComm.all_reduce_bucket: the concatenation (reduced in place)
     shard_buckets = True   # lower.coalesce_all_gathers and coalesce_reduces
+    whole_inputs = True    # every rank calls the step with the whole batch (RankProgram slices it: lower_plan)
 
     def __init__(self) -> None:
         self.engine: Engine | None = None   # the engine of the last resolve_mesh
@@ -114,7 +115,7 @@ class TorchFrontend(Frontend):
                 from .offload import offload_traced, state_to_host
                 off_step, info = offload_traced(step)
                 state_to_host(step.state)
-                prog = LocalProgram(off_step)
+                prog = LocalProgram(off_step, reinplace=False)   # the update runs on the host copy
                 prog.offload = info
                 return prog
             return LocalProgram(step)

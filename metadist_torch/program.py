@@ -11,15 +11,17 @@ placements, so that ``torch.distributed.checkpoint`` can save them.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from metadist_core.placement import Sharding, local_piece
 
 from .engine import Engine
 from .lower import RankGraph
+from .reinplace import layout_from_meta, reinplace_updates
 from .state import ROLE_BUFFER, ROLE_PARAM
 from .stats import CommStats
 from .trace import TracedStep
@@ -31,6 +33,18 @@ def user_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
 
 
+def input_pieces(lowered: RankGraph, whole: Callable[[str], torch.Tensor], engine: Engine) -> list[torch.Tensor]:
+    """This rank's slice of each user input the program reads in another layout (``lowered.input_pieces``);
+    ``whole(var)``: the whole input, as the user passed it."""
+    full: dict[str, torch.Tensor] = {}
+    out = []
+    for v, sh in lowered.input_pieces:
+        if v not in full:
+            full[v] = whole(v).to(engine.device)
+        out.append(local_piece(full[v], sh, engine.mesh, engine.coords, zeros_like=torch.zeros_like))
+    return out
+
+
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor (a plain tensor is its own)."""
     lt = getattr(t, "_local_tensor", None)
@@ -38,17 +52,32 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 
 class LocalProgram:
-    """World size 1: the traced functional graph on plain tensors; new state swapped in with ``.data``."""
+    """World size 1: the traced functional graph on plain tensors. State updates run in the state's storage
+    where they can (:func:`metadist_torch.reinplace.reinplace_updates`, ``reinplace``); any other new state
+    is swapped in with ``.data``."""
 
-    def __init__(self, traced: TracedStep) -> None:
+    def __init__(self, traced: TracedStep, reinplace: bool = True) -> None:
         self.traced = traced
-        self.writes = [(k, o) for k, o in enumerate(traced.state_out) if o is not None]
+        self.gm = traced.gm
+        self.inplace_updates: list[str] = []   # the state values updated in their own storage
+        writes = [(k, o) for k, o in enumerate(traced.state_out) if o is not None]
+        if reinplace and writes:
+            g = fx.Graph()
+            g.output(g.graph_copy(traced.gm.graph, {}))   # node meta (the fake values) copied along
+            phs = [n for n in g.nodes if n.op == "placeholder"]
+            done = set(reinplace_updates(g, [(phs[k], o) for k, o in writes], range(traced.n_tensor_outputs),
+                                         layout_from_meta))
+            if done:
+                self.gm = fx.GraphModule(traced.gm, g)
+            self.inplace_updates = [traced.in_names[k] for k, o in writes if o in done]
+            writes = [(k, o) for k, o in writes if o not in done]
+        self.writes = writes
         self.stats = CommStats()   # nothing to count on one device
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         vals = [s.get() for s in self.traced.state.slots]
         with torch.no_grad():
-            outs = self.traced.gm(*vals, *user_tensors(args, kwargs))
+            outs = self.gm(*vals, *user_tensors(args, kwargs))
             for k, o in self.writes:
                 vals[k].data = outs[o]
         return self.traced.unflatten_outputs(list(outs[:self.traced.n_tensor_outputs]))
@@ -60,6 +89,7 @@ class RankProgram:
     def __init__(self, traced: TracedStep, lowered: RankGraph, plan: Any, engine: Engine) -> None:
         self.traced, self.lowered, self.plan, self.engine = traced, lowered, plan, engine
         self.stats = lowered.stats
+        self.inplace_updates: list[str] = list(getattr(lowered, "inplace_updates", []))
         n_s = len(traced.state.slots)
         self.slot_of = {traced.in_names[i]: i for i in range(n_s)}
         self.user_in = {traced.in_names[n_s + j]: j for j in range(traced.n_inputs)}
@@ -92,10 +122,13 @@ class RankProgram:
                 local.append(local_piece(user[self.user_in[v]].to(dev), sh, mesh, coords, zeros_like=torch.zeros_like))
             else:
                 local.append(self.const_local[v])
+        local += input_pieces(self.lowered, lambda v: user[self.user_in[v]], self.engine)
         with torch.no_grad():
             outs = self.lowered(*local)
             for k, i in self.state_write:
-                local_of(slots[i].get()).copy_(outs[k])
+                dst = local_of(slots[i].get())
+                if outs[k] is not dst:   # an update run in place returns the state itself
+                    dst.copy_(outs[k])
         return self.traced.unflatten_outputs([outs[k] for k in self.out_pos])
 
 
@@ -161,4 +194,4 @@ def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
     st.param_objs = [new_param.get(id(p), p) for p in st.param_objs]
 
 
-__all__ = ["LocalProgram", "RankProgram", "place_state", "user_tensors", "local_of"]
+__all__ = ["LocalProgram", "RankProgram", "place_state", "user_tensors", "local_of", "input_pieces"]

@@ -15,10 +15,13 @@ returns.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
+SMALL = 1 << 16   # elements: what hoist_input_chains may make and sink_to_outputs may keep alive longer
+HOIST_OPS = 8     # ops at most in a chain hoist_input_chains moves
 ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_scatter_axis",
                   "md_reduce_scatter_bucket_axis")
 
@@ -37,15 +40,98 @@ def is_async(node: fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "").startswith(ASYNC_PREFIXES)
 
 
-def issue_early(g: fx.Graph) -> int:
+def _pure(node: fx.Node) -> bool:
+    """An aten op that neither writes a tensor nor draws random numbers (moving it changes no value)."""
+    t = node.target
+    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable \
+        and torch.Tag.nondeterministic_seeded not in t.tags
+
+
+def hoist_input_chains(g: fx.Graph, numel: Callable[[fx.Node], int | None]) -> int:
+    """Move the few ops that compute an async collective's input from the step's inputs alone to the start of
+    the program (a mean loss's token count, from the targets), so the collective runs during the forward
+    instead of making every rank wait for the others where the backward needs it.
+
+    A chain moves when it has at most :data:`HOIST_OPS` ops, every one pure (:func:`_pure`) and no larger than
+    the largest of its inputs or :data:`SMALL` elements (``numel``: a node's element count, None: unknown).
+    Returns how many chains moved."""
+    nodes = list(g.nodes)
+    anchor = next((n for n in reversed(nodes) if n.op == "placeholder"), None)
+    if anchor is None:
+        return 0
+    order = {n: i for i, n in enumerate(nodes)}
+    moved = 0
+    for c in [n for n in nodes if is_async(n)]:
+        chain: set[fx.Node] = set()
+        todo, ok = list(c.all_input_nodes), True
+        while todo and ok:
+            a = todo.pop()
+            if a.op in ("placeholder", "get_attr") or a in chain:
+                continue
+            ins = a.all_input_nodes
+            size, biggest = numel(a), max([numel(x) or 0 for x in ins], default=0)
+            ok = _pure(a) and size is not None and size <= max(SMALL, biggest) and len(chain) < HOIST_OPS
+            chain.add(a)
+            todo.extend(ins)
+        if not ok or not chain or all(order[a] <= order[anchor] for a in chain):
+            continue
+        for a in sorted(chain, key=lambda n: order[n]):
+            if order[a] > order[anchor]:
+                anchor.append(a)
+                anchor = a
+        moved += 1
+        order = {n: i for i, n in enumerate(g.nodes)}
+    return moved
+
+
+def sink_to_outputs(g: fx.Graph, numel: Callable[[fx.Node], int | None]) -> int:
+    """Move each ``md_done`` whose value reaches only the step's outputs, and the pure ops between, to the end
+    of the program (a loss's all_reduce, returned but read by nothing else): the ranks then wait for it once,
+    with the gradients, not in the middle of the step. Only where the other values those ops read are small
+    (at most :data:`SMALL` elements), so that nothing large stays alive longer, and none is an input or may
+    share an input's storage (the state is updated in place at the end: a moved op would read the new value).
+    Returns how many moved."""
+    from .reinplace import input_aliases
+    out = next(n for n in g.nodes if n.op == "output")
+    held = input_aliases(g)
+    only_out: dict[fx.Node, bool] = {}
+    for n in reversed(list(g.nodes)):
+        if n is not out:
+            only_out[n] = bool(n.users) and all(u is out or only_out.get(u, False) for u in n.users)
+    order = {n: i for i, n in enumerate(g.nodes)}
+    sunk: set[fx.Node] = set()
+    for d in [n for n in g.nodes if is_done(n) and only_out[n]]:
+        part, todo = {d}, [u for u in d.users if u is not out]
+        while todo:
+            u = todo.pop()
+            if u not in part:
+                part.add(u)
+                todo.extend(x for x in u.users if x is not out)
+        pure = all(n is d or _pure(n) or (n.op == "call_function" and n.target is operator.getitem) for n in part)
+        small = all(x in part or x in sunk or (x not in held and (numel(x) or SMALL + 1) <= SMALL)
+                    for n in part for x in n.all_input_nodes if x is not d)
+        if not pure or not small:
+            continue
+        for n in sorted(part, key=lambda n: order[n]):
+            out.prepend(n)
+        sunk |= part
+    return len([n for n in sunk if is_done(n)])
+
+
+def issue_early(g: fx.Graph, numel: Callable[[fx.Node], int | None] | None = None) -> int:
     """Move every async all_reduce (and the getitems of a bucket) right after its latest input and every
-    ``md_done`` right before its first reader; wrap the outputs in one :func:`md_wait`. Returns how many
+    ``md_done`` right before its first reader; wrap the outputs in one :func:`md_wait`. With ``numel`` (a
+    node's element count), first :func:`hoist_input_chains` and then :func:`sink_to_outputs`. Returns how many
     collective nodes moved."""
+    if numel is not None:
+        hoist_input_chains(g, numel)
     order = {n: i for i, n in enumerate(g.nodes)}
     for node in [n for n in g.nodes if is_done(n)]:
         first = min(node.users, key=lambda u: order[u], default=None)
         if first is not None and order[first] > order[node] + 1:
             first.prepend(node)
+    if numel is not None:
+        sink_to_outputs(g, numel)
     moved = 0
     nodes = list(g.nodes)
     for node in nodes:
@@ -76,4 +162,4 @@ def issue_early(g: fx.Graph) -> int:
     return moved
 
 
-__all__ = ["issue_early", "md_wait", "is_async", "is_done"]
+__all__ = ["issue_early", "hoist_input_chains", "sink_to_outputs", "md_wait", "is_async", "is_done"]

@@ -265,6 +265,7 @@ def functionalize_graph(gm: fx.GraphModule, examples: Sequence[torch.Tensor], re
         _drop_profiler_nodes(fgm)
         _drop_input_copies(fgm)
     _drop_detach(fgm)
+    _seed_by_shape(fgm)
     fgm.graph.eliminate_dead_code()
     if recompile:
         fgm.recompile()
@@ -277,6 +278,24 @@ def _drop_detach(gm: fx.GraphModule) -> None:
         if n.op == "call_function" and n.target in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
+
+
+def _seed_by_shape(gm: fx.GraphModule) -> None:
+    """``ones_like(loss)``, the backward's seed, reads the loss only for its shape: a 0-d one becomes a constant
+    ``full([], 1)`` of its dtype and device, so that on many ranks the backward does not wait for the loss's
+    all_reduce (only its gradient scale, the token count, is needed, and that is known from the inputs)."""
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.ones_like.default:
+            continue
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.dim() != 0:
+            continue
+        with gm.graph.inserting_before(n):
+            f = gm.graph.call_function(torch.ops.aten.full.default, ([], 1),
+                                       {"dtype": v.dtype, "device": v.device, "pin_memory": False})
+        f.meta.update(n.meta)
+        n.replace_all_uses_with(f)
+        gm.graph.erase_node(n)
 
 
 def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:

@@ -81,3 +81,46 @@ def test_a_step_no_reshard_emits_is_a_clear_error():
     step = Collective("send_recv", 0, (), None, 32, 1e-5, s, r)
     with pytest.raises(UnknownCollectiveError, match="plans hold only the steps reshard"):
         apply_collective(distribute(np.ones((4, 2)), s, mesh), step, mesh)
+
+
+@pytest.mark.parametrize("shape", [(2,), (2, 2)])
+def test_inputs_every_device_holds_whole_are_sliced_not_moved(block, shape):
+    """whole_inputs: a user input read in another layout than it is stored in costs nothing and runs as a
+    local slice (no collective on the plan), with the unsplit numbers."""
+    ir, book, inputs, ref = block
+    mesh = Mesh(shape)
+    user = {v for v in ir.inputs if ir.vars[v].role == "input"}
+    assert user
+    problem = build_problem(ir, book, mesh, whole_inputs=True)
+    for e in problem.edges:
+        if e.var in user:
+            assert not e.table.any(), e.var
+    rng = np.random.default_rng(7 + len(shape))
+    sliced = 0
+    for _ in range(12):
+        choice = [int(rng.choice(np.flatnonzero(problem.allowed[i]))) for i in range(len(problem.nodes))]
+        plan = ShardingPlan.from_choices(problem, choice)
+        for e in plan.edges:
+            if e.var in user:
+                assert not e.collectives
+                sliced += e.src_sharding != e.dst_sharding
+        outs, _ = simulate(ir, plan, mesh, inputs, run_local)
+        for o in ir.outputs:
+            np.testing.assert_allclose(outs[o], ref[o], rtol=1e-9, atol=1e-12)
+    assert sliced > 0   # some reader took another layout than the stored one
+
+
+def test_a_sliced_input_on_an_engine_without_whole_inputs_is_a_clear_error(block):
+    from metadist_core.interpret import PlanError, interpret
+    ir, book, inputs, _ = block
+    mesh = Mesh((2,))
+    problem = build_problem(ir, book, mesh, whole_inputs=True)
+    rng = np.random.default_rng(3)
+    while True:
+        plan = ShardingPlan.from_choices(problem, [int(rng.choice(np.flatnonzero(problem.allowed[i])))
+                                                   for i in range(len(problem.nodes))])
+        if any(e.src_sharding != e.dst_sharding and ir.vars[e.var].role == "input" for e in plan.edges):
+            break
+    with pytest.raises(PlanError, match="whole_inputs=False"):
+        interpret(ir, plan, mesh, {v: None for v in ir.inputs}, lambda op, ins, sh: [None] * len(op.outputs),
+                  object())

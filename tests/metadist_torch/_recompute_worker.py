@@ -61,9 +61,11 @@ def _budget(build, batch, step_fn, mesh_shape, at: float = 0.5) -> tuple[int, in
     from metadist_core.recompute import RecomputeBudgetError
     from metadist_torch.plugin import TorchFrontend
     model, opt = build()
-    graph = TorchFrontend().trace(step_fn, (model, opt, *batch), {}).graph
-    try:
-        plan_graph(graph, Mesh(mesh_shape), settings=load_settings(memory_budget=1))
+    fe = TorchFrontend()
+    graph = fe.trace(step_fn, (model, opt, *batch), {}).graph
+    try:   # priced as the compile prices it: the lowering's bucket copies, the whole batch on every rank
+        plan_graph(graph, Mesh(mesh_shape), settings=load_settings(memory_budget=1), bucket_copies=fe.bucket_copies,
+                   shard_buckets=fe.shard_buckets, whole_inputs=fe.whole_inputs)
     except RecomputeBudgetError as e:
         return int(e.with_recompute + at * (e.without - e.with_recompute)), e.without, e.with_recompute
     raise AssertionError("a budget of one byte was met")

@@ -110,7 +110,7 @@ def _random_solver(seed):
 
 
 def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_budget=None, expect_sharded=False,
-           retrace=False, checkpoint=False):
+           retrace=False, checkpoint=False, all_in_place=False):
     import torch
     from metadist_torch import metadist_compile
     batches = [mod.batch(cfg, s) for s in range(STEPS)]
@@ -140,6 +140,12 @@ def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_bud
                      checkpoint_id=str(Path(os.environ["MD_TEST_OUT"]).parent / f"ckpt-{name}"))
         except Exception as e:  # pragma: no cover - reported by the test
             errors.append(f"{name}: torch.distributed.checkpoint.save failed: {type(e).__name__}: {e}")
+    written = step.runnable.lowered.state_inputs
+    inplace = step.runnable.inplace_updates
+    tensors = [v for v in written if step.graph.vars[v].numel > 1]   # not the (merged) 0-d step counters
+    if all_in_place and sorted(set(tensors) - set(inplace)):
+        errors.append(f"{name}: {len(inplace)} of {len(written)} state updates ran in place; not: "
+                      f"{sorted(set(tensors) - set(inplace))[:5]}")
     plan, graph = step.plan, step.graph
     sharded = sorted(v for v, s in plan.input_shardings.items()
                      if not s.is_fully_replicated() and graph.vars[v].role == "parameter")
@@ -149,7 +155,9 @@ def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_bud
         errors.append(f"{name}: no large weight is sharded in the plan: {plan.summary()}")
     report.append({"name": name, "mesh": list(plan.mesh_shape), "loss": losses[-1], "loss_ref": losses_ref[-1],
                    "sharded_params": len(sharded), "large_sharded": big[:5], "collectives": n_coll,
-                   "counted_bytes": step.comm_stats.total, "timings": step.timings})
+                   "counted_bytes": step.comm_stats.total, "timings": step.timings,
+                   "inplace_updates": f"{len(inplace)}/{len(written)}",
+                   "input_pieces": len(step.runnable.lowered.input_pieces)})
 
 
 class _CustomOpModel:
@@ -276,7 +284,7 @@ def worker() -> int:
     for mesh in meshes:
         tag = "x".join(map(str, mesh))
         _check(f"mlp-adamw@{tag}", mlp, mlp.MLPConfig(hidden=64, batch=16, optimizer="adamw"), mesh, errors, report,
-               retrace=True)
+               retrace=True, all_in_place=True)
         _check(f"mlp-sgd-random-plan@{tag}", mlp, mlp.MLPConfig(hidden=24, batch=12, layers=2, optimizer="sgd"),
                mesh, errors, report, random_seed=1)
         _check(f"mlp-adam-random-plan@{tag}", mlp, mlp.MLPConfig(hidden=20, batch=10, layers=2, optimizer="adam"),
@@ -360,6 +368,10 @@ def test_compiled_steps_match_single_device_on_2_and_4_gloo_ranks(tmp_path):
                 assert r["collectives"] > 0 and r["counted_bytes"] > 0, r
             if r["name"].startswith("gpt-vocab96"):
                 assert r["large_sharded"], r
+    # an input read in another layout than it is stored in is sliced from the whole batch every rank holds
+    # (the loss's token count from the whole targets: no all_reduce), with the single-device numbers above
+    assert any(r.get("input_pieces") for rep in results.values() for r in rep if r["name"].startswith("gpt")), \
+        results
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -157,3 +157,47 @@ def test_tensor_parallel_presets_never_move_a_weight(traced, strategy, shape):
                     if not c.is_free and e.var in weights})
     assert not moved, f"{strategy} moves weights: {moved}"
     assert any(c.kind == "all_reduce" and not c.is_free for _, c in res.plan.collectives())
+
+
+@pytest.fixture(scope="module")
+def traced_wide():
+    """The GPT example with logits large enough (vocabulary 512) that the loss is computed split."""
+    gpt = sys.modules["example_gpt"]
+    cfg = gpt.GPTConfig(vocab=512, width=32, layers=1, heads=2, seq=16, batch=8)
+    model, opt = gpt.build(cfg)
+    fe = TorchFrontend()
+    return fe, fe.trace(gpt.train_step, (model, opt, *gpt.batch(cfg, 0)), {})
+
+
+def test_the_loss_syncs_once_at_the_end(traced, traced_wide):
+    """The exact mean loss all_reduces the summed loss (and, where the targets are split, their count). With
+    the whole batch on every rank (torch: ``whole_inputs``) an input read in another layout is sliced from it:
+    no collective on any input, and never more collectives than without. A scalar whose input comes from the
+    step's inputs alone (the count) is issued before the forward's first matmul; the loss's all_reduce, read
+    only by the step's result, is waited for after every collective is issued, not between the forward and
+    the backward. Lowered = priced in both."""
+    from metadist_torch.lower import VAR_META
+    fe, tr = traced_wide
+    mesh = Mesh((2,))
+    s = load_settings(progress=False, strategy="ddp")
+    count = {}
+    for whole in (True, False):
+        plan = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh),
+                          whole_inputs=whole).plan
+        priced = [(v, c.kind, c.axis, c.nbytes) for v, c in priced_collectives(plan)]
+        count[whole] = len(priced)
+        if whole:
+            assert not [p for p in priced if tr.graph.vars[p[0]].role == "input"], priced
+        rg = lower_plan(tr.graph, plan, mesh, coords=(1,), groups=None, bucket_bytes=s.bucket_bytes)
+        assert sorted((v, c.kind, c.axis, c.nbytes) for v, c in rg.collectives) == sorted(priced)
+        nodes = list(rg.gm.graph.nodes)
+        scalar = [n for n in nodes if is_async(n) and n.meta.get(VAR_META) in tr.graph.vars   # (not a bucket)
+                  and tr.graph.vars[n.meta[VAR_META]].numel == 1]
+        assert scalar, "the mean loss is summed over the ranks"
+        first_mm = next(i for i, n in enumerate(nodes) if n.op == "call_function" and "mm" in str(n.target))
+        for n in scalar:
+            if nodes.index(n) < first_mm:
+                continue   # from the inputs alone: hoisted
+            done = next(u for u in n.users if is_done(u))
+            assert all(nodes.index(done) > nodes.index(m) for m in nodes if is_async(m)), f"{n.name} waits mid-step"
+    assert count[True] <= count[False]
