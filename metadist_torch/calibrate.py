@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from metadist_core.profile import MeshProfile, profile_from_samples
 
@@ -23,9 +23,10 @@ DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)   # bytes
 KINDS = ("all_reduce", "all_gather")
 
 
-def _time(fn, iters: int, sync, before=None, reps: int = 1, window: float = 0.0) -> float:
-    """Median seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()`` runs
-    untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time).
+def _time(fn, iters: int, sync, before=None, reps: int = 1, window: float = 0.0,
+          pick: Callable[[list[float]], float] = statistics.median) -> float:
+    """Median (``pick``) seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()``
+    runs untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time).
     ``window``: more calls per timing, until one timing lasts about that many seconds."""
     t0 = time.perf_counter()
     fn()
@@ -41,7 +42,7 @@ def _time(fn, iters: int, sync, before=None, reps: int = 1, window: float = 0.0)
             fn()
         sync()
         ts.append((time.perf_counter() - t0) / reps)
-    return statistics.median(ts)
+    return pick(ts)
 
 
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5) -> list[dict]:
@@ -140,13 +141,15 @@ LIVE_WINDOW = 0.08   # seconds per timing of the device rates on the live ranks 
 CURVE_ELEMENTS = (1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
 
 
-def measure_device_rates(iters: int = 7, before=None, window: float = 0.0) -> dict:
+def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone: bool = False) -> dict:
     """This process's matmul FLOP/s, memory-bound bytes/s (also by bytes moved: ``mem_curve``) and per-op
     overhead (medians). ``before``: a barrier, so that the ranks of one machine measure at once and the
     figures include what they take from each other (4 gloo ranks on 2 cores: 55-61 GFLOP/s each so, 167
     measured one at a time). ``window``: seconds each timing lasts at least; ranks that share cores need
     one far longer than a time slice, or the figures depend on which ranks the scheduler ran in it (7 ms
-    timings gave 48 and 78 GFLOP/s in two measurements of the same 4 ranks)."""
+    timings gave 48 and 78 GFLOP/s in two measurements of the same 4 ranks). ``alone``: the rates of
+    this process while it has the device to itself: the fastest of ``iters`` single calls (what
+    :mod:`metadist_torch.optime` divides an op's own fastest time by)."""
     import torch
     from metadist_torch.engine import device
     dev = device()
@@ -155,18 +158,21 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0) -> di
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
     x = torch.randn(1 << 20 if dev.type == "cpu" else 1 << 26, device=dev)
     tiny = torch.randn(8, device=dev)
-    mm = _time(lambda: a @ b, iters, sync, before, reps=20, window=window)
-    add = _time(lambda: x.add(1.0), iters, sync, before, reps=5, window=window)
-    over = _time(lambda: [tiny.add(1.0) for _ in range(50)], iters, sync, before, window=window) / 50
+    pick = min if alone else statistics.median
+
+    def timed(fn, reps: int = 1) -> float:
+        return _time(fn, iters, sync, before, reps=1 if alone else reps, window=window, pick=pick)
+    mm = timed(lambda: a @ b, 20)
+    add = timed(lambda: x.add(1.0), 5)
+    over = timed(lambda: [tiny.add(1.0) for _ in range(50)]) / 50
     low = {}   # bf16/fp16 matmul rates: tensor cores (or AMX on a CPU) make them far faster, or far slower
     for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         a16, b16 = a.to(dt), b.to(dt)
-        low[name] = 2 * n ** 3 / max(_time(lambda: a16 @ b16, iters, sync, before, reps=5, window=window) - over,
-                                     1e-9)
+        low[name] = 2 * n ** 3 / max(timed(lambda: a16 @ b16, 5) - over, 1e-9)
     curve = []   # bytes/s by bytes moved: in cache, streamed, and with a fresh output's pages faulted in
     for k in (CURVE_ELEMENTS if dev.type == "cpu" else tuple(e << 4 for e in CURVE_ELEMENTS)):
         y = torch.randn(k, device=dev)
-        t = _time(lambda: y.add(1.0), iters, sync, before, reps=max(1, (1 << 18) // k), window=window)
+        t = timed(lambda: y.add(1.0), max(1, (1 << 18) // k))
         curve.append((2 * k * 4, 2 * k * 4 / max(t - over, 1e-9)))
     return {"peak_flops": 2 * n ** 3 / max(mm - over, 1e-9), "mem_bandwidth": 2 * x.numel() * 4 / max(add - over, 1e-9),
             "op_overhead": over, "flops_by_dtype": low, "mem_curve": curve}

@@ -9,7 +9,12 @@ shapes, dtypes and static arguments: ``MetaOp.signature``) is run at its real sh
 device, once, and its time less the per-op overhead, divided by its roofline at the rates measured in
 the same process just before, is its slowdown: the cost model multiplies its roofline by it
 (:func:`metadist_core.cost.compute_cost`). Being a ratio it carries over to the rates of the live mesh
-profile (which include what ranks sharing a machine take from each other). An op whose inputs are too
+profile (which include what ranks sharing a machine take from each other). Both the op and the rates
+are the fastest of several timings: the speed of this process when it has the device to itself, however
+busy the other ranks are meanwhile (medians had read the op at whatever share of a core the rank got:
+GPT-2's predicted step moved from 100 to 184 ms between two runs of the same code on 4 ranks sharing
+2 cores, as the other ranks were compiling or waiting while rank 0 timed). The cache holds
+:data:`VERSION`; a cache of another version is measured again. An op whose inputs are too
 large to run in a few milliseconds takes the slowdown measured on the largest op of the same key and
 dtype, and none (1) when there is none. Slowdowns are cached in a JSON file beside the mesh profile.
 """
@@ -31,6 +36,8 @@ from .calls import TORCH_DTYPES, rebuild, resolve_overload
 
 log = logging.getLogger("metadist.optime")
 
+VERSION = 2                   # 2: fastest timings, alone (1: medians)
+VERSION_KEY = "__version__"
 MAX_ELEMENTS = 1 << 20        # an op whose inputs and outputs hold more elements takes its key's slowdown
 LIMITS = (0.25, 100.0)        # slowdowns are clamped to this range (a tiny op's time is mostly noise)
 FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
@@ -58,10 +65,10 @@ def _inputs(op: MetaOp, graph: MetaIR, dev: torch.device) -> list[torch.Tensor]:
     return out
 
 
-def _timed(fn: Callable[[], Any], sync: Callable[[], None], iters: int = 5) -> float:
-    """Median seconds of one call, each timing long enough (>= 50 us) to be read on a clock."""
+def _timed(fn: Callable[[], Any], sync: Callable[[], None], iters: int = 7) -> float:
+    """The fastest of ``iters`` timings of one call (each long enough, >= 50 us, to be read on a clock)."""
     from .calibrate import _time
-    return _time(fn, iters, sync, window=5e-5)
+    return _time(fn, iters, sync, window=5e-5, pick=min)
 
 
 def _roofline(op: MetaOp, graph: MetaIR, cost: tuple, dev: DeviceSpec) -> float:
@@ -85,8 +92,10 @@ def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | 
     path = Path(cache_file) if cache_file else None
     if path is not None and path.exists():
         try:
-            cache = {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
-        except (OSError, ValueError):
+            saved = json.loads(path.read_text())
+            if saved.get(VERSION_KEY) == VERSION:
+                cache = {str(k): float(v) for k, v in saved.items() if k != VERSION_KEY}
+        except (OSError, ValueError, AttributeError):
             cache = {}
     t0 = time.perf_counter()
     rates: DeviceSpec | None = None
@@ -103,7 +112,7 @@ def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | 
         n = _elements(op, graph)
         if sig not in cache and name and name not in RANDOM and n <= MAX_ELEMENTS:
             if rates is None:
-                r = measure_device_rates(iters=3)
+                r = measure_device_rates(iters=7, alone=True)
                 rates = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], op_overhead=r["op_overhead"],
                                    flops_by_dtype=r["flops_by_dtype"], mem_curve=r["mem_curve"])
             try:
@@ -137,7 +146,7 @@ def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | 
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps(cache, sort_keys=True))
+                tmp.write_text(json.dumps({VERSION_KEY: VERSION, **cache}, sort_keys=True))
                 os.replace(tmp, path)
             except OSError as e:
                 log.warning("could not cache op timings in %s: %s", path, e)

@@ -48,6 +48,20 @@ def test_every_costed_op_is_timed_once_and_the_cache_spares_the_next_compile(tmp
     assert optime.measure_slowdowns(graph, costs, cache, torch.device("cpu")) == slow
 
 
+def test_a_cache_of_another_way_of_timing_is_measured_again(tmp_path):
+    """Slowdowns cached by an older way of timing (medians: no version in the file) are not reused."""
+    import json
+    graph, costs = _graph()
+    cache = tmp_path / "ops.json"
+    optime.measure_slowdowns(graph, costs, cache, torch.device("cpu"))
+    saved = json.loads(cache.read_text())
+    assert saved.pop(optime.VERSION_KEY) == optime.VERSION
+    cache.write_text(json.dumps({k: 77.0 for k in saved}))   # an old file: no version, other figures
+    again = optime.measure_slowdowns(graph, costs, cache, torch.device("cpu"))
+    assert again and 77.0 not in again.values()
+    assert json.loads(cache.read_text())[optime.VERSION_KEY] == optime.VERSION
+
+
 def test_an_op_too_large_to_run_takes_its_keys_largest_timed_op(tmp_path, monkeypatch):
     graph, costs = _graph()
     tanh = sorted((op for op in graph.ops if op.key == "aten.tanh.default"), key=lambda op: optime._elements(op, graph))
