@@ -173,7 +173,7 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
         # that gathered every parameter in one bucket missed the budget (GPT-2 on 2 ranks under 2 MB: the
         # leanest plan found needed 2.6 MB)
         bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var))
-        local = prob.whole_inputs and info["role"] == "input"   # sliced from the whole input (ShardingPlan)
+        local = prob.sliced(var)
         key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed, local)
         if key not in table_cache:
             t = np.zeros((len(srcs), len(dsts)))

@@ -206,6 +206,13 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     return CompileResult(graph, book, problem, plan, None, timings)
 
 
+def lowering_traits(frontend: Frontend) -> dict[str, Any]:
+    """What ``frontend``'s lowering makes of buckets, of values moved again after the forward and of the
+    user's inputs: the keyword arguments of :func:`plan_graph` that price them so."""
+    return {"bucket_copies": frontend.bucket_copies, "shard_buckets": frontend.shard_buckets,
+            "phased": frontend.phased_reshards, "whole_inputs": frontend.whole_inputs}
+
+
 def replicated_plan(graph: MetaIR, mesh: Mesh) -> tuple[Any, Any]:
     """The all-replicated plan and its problem (a mesh of one device: nothing to discover or solve)."""
     from .plan import ShardingPlan
@@ -248,8 +255,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         else:
             result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
                                 constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh),
-                                bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets,
-                                phased=frontend.phased_reshards, whole_inputs=frontend.whole_inputs)
+                                **lowering_traits(frontend))
         try:
             planonly.finish(result, plan_mesh, request)
         except planonly.PlanOnlyDone:   # the problem beside the plan (`metadist explain`), --compare's table
@@ -303,8 +309,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
                           constraints=user_constraints + frontend.constraints(graph, m),
                           device=profile.device if profile is not None else None,
-                          bucket_copies=frontend.bucket_copies, shard_buckets=frontend.shard_buckets,
-                          phased=frontend.phased_reshards, whole_inputs=frontend.whole_inputs,
+                          **lowering_traits(frontend),
                           # measured costs price the ops as measured too; the built-in ones at their roofline
                           op_slowdowns=slowdowns if getattr(profile, "measured", False) else None)
 

@@ -133,8 +133,7 @@ class ShardingPlan:
                 dn = problem.nodes[e.dst]
                 b, dst, slot = dn.options[ch[e.dst]].inputs[e.dst_slot], dn.id, e.dst_slot
             info = problem.vars[e.var]
-            # a user input every process holds whole is sliced to the reader's layout (interpret's ``whole``)
-            local = a == b or info["shape"] is None or (problem.whole_inputs and info["role"] == "input")
+            local = a == b or info["shape"] is None or problem.sliced(e.var)
             colls = [] if local else reshard(a, b, info["shape"], info.get("comm_dtype", info["dtype"]), mesh)
             pe = PlanEdge(e.var, src_node.id, dst, slot, a, b, colls)
             k = reshard_key(e.var, a, b, dst, problem.phases)

@@ -138,6 +138,11 @@ class ShardingProblem:
         return np.array([local_bytes(info["shape"], info["dtype"], o.outputs[slot], self.mesh)
                          for o in self.nodes[node].options], dtype=float)
 
+    def sliced(self, var: str) -> bool:
+        """Whether ``var`` is read in any layout by a local slice, with no collective: a user input every
+        process holds whole (``whole_inputs``; interpret's ``whole``)."""
+        return self.whole_inputs and self.vars[var]["role"] == "input"
+
     def op_node(self, op_id: str) -> int:
         """Node index of op ``op_id``."""
         return self._index[op_id]

@@ -184,6 +184,7 @@ class RankGraph:
     stats: CommStats = field(default_factory=CommStats)
     n_collectives: int = 0
     input_pieces: list[tuple[str, Sharding]] = field(default_factory=list)
+    inplace_updates: list[str] = field(default_factory=list)   # states updated in their own storage (reinplace)
 
     def __call__(self, *local_inputs: torch.Tensor) -> tuple:
         return self.gm(*local_inputs)
@@ -360,7 +361,7 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     rg.collectives = [(v, c) for v, c in res.collectives if not c.is_free]   # as run, before bucketing
     rg.gather_buckets = [[o.meta.get(VAR_META) for o in outs] for outs in gather_buckets]   # values per bucket
     rg.reduce_buckets = reduce_buckets   # values per all_reduce / reduce_scatter bucket
-    rg.inplace_updates = [state_inputs[k - len(output_vars)] for k in inplace]   # states updated in their storage
+    rg.inplace_updates = [state_inputs[k - len(output_vars)] for k in inplace]
     rg.input_pieces = pieces
     return rg
 

@@ -21,7 +21,7 @@ from metadist_core.placement import Mesh, Sharding, local_piece
 
 from .engine import Engine
 from .lower import lower_plan
-from .program import input_pieces, local_of, user_tensors
+from .program import input_pieces, local_of, moved_once, user_tensors
 from .stats import CommStats
 from .trace import TracedStep
 
@@ -78,6 +78,7 @@ class MicroBatchProgram:
     def _inputs(self, rank_graph: Any, plan: Any, user: list[torch.Tensor], extra: dict[str, Any]) -> list:
         slots = self.traced.state.slots
         mesh, coords, dev = self.engine.mesh, self.engine.coords, self.engine.device
+        whole = moved_once(user, self.user_in, dev)
         local = []
         for v in rank_graph.input_vars:
             sh = plan.input_shardings.get(v, self.rep)
@@ -86,11 +87,10 @@ class MicroBatchProgram:
             elif v in self.slot_of:
                 local.append(local_of(slots[self.slot_of[v]].get()))
             elif v in self.user_in:
-                local.append(local_piece(user[self.user_in[v]].to(dev), sh, mesh, coords,
-                                         zeros_like=torch.zeros_like))
+                local.append(local_piece(whole(v), sh, mesh, coords, zeros_like=torch.zeros_like))
             else:
                 local.append(local_piece(self.consts[v].to(dev), sh, mesh, coords, zeros_like=torch.zeros_like))
-        return local + input_pieces(rank_graph, lambda v: user[self.user_in[v]], self.engine)
+        return local + input_pieces(rank_graph, whole, self.engine)
 
     def _write(self, rank_graph: Any, outs: tuple) -> dict[str, torch.Tensor]:
         """Write updated state slots in place; return the pseudo-state (gradient) values by gradient var."""

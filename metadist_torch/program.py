@@ -33,16 +33,22 @@ def user_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
 
 
+def moved_once(user: list[torch.Tensor], user_in: dict[str, int], device: Any) -> Callable[[str], torch.Tensor]:
+    """``whole(var)``: user input ``var`` on ``device``, moved once per call however many layouts read it."""
+    moved: dict[str, torch.Tensor] = {}
+
+    def whole(v: str) -> torch.Tensor:
+        if v not in moved:
+            moved[v] = user[user_in[v]].to(device)
+        return moved[v]
+    return whole
+
+
 def input_pieces(lowered: RankGraph, whole: Callable[[str], torch.Tensor], engine: Engine) -> list[torch.Tensor]:
     """This rank's slice of each user input the program reads in another layout (``lowered.input_pieces``);
-    ``whole(var)``: the whole input, as the user passed it."""
-    full: dict[str, torch.Tensor] = {}
-    out = []
-    for v, sh in lowered.input_pieces:
-        if v not in full:
-            full[v] = whole(v).to(engine.device)
-        out.append(local_piece(full[v], sh, engine.mesh, engine.coords, zeros_like=torch.zeros_like))
-    return out
+    ``whole(var)``: the whole input on this rank's device (:func:`moved_once`)."""
+    return [local_piece(whole(v), sh, engine.mesh, engine.coords, zeros_like=torch.zeros_like)
+            for v, sh in lowered.input_pieces]
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -89,7 +95,7 @@ class RankProgram:
     def __init__(self, traced: TracedStep, lowered: RankGraph, plan: Any, engine: Engine) -> None:
         self.traced, self.lowered, self.plan, self.engine = traced, lowered, plan, engine
         self.stats = lowered.stats
-        self.inplace_updates: list[str] = list(getattr(lowered, "inplace_updates", []))
+        self.inplace_updates: list[str] = list(lowered.inplace_updates)
         n_s = len(traced.state.slots)
         self.slot_of = {traced.in_names[i]: i for i in range(n_s)}
         self.user_in = {traced.in_names[n_s + j]: j for j in range(traced.n_inputs)}
@@ -112,17 +118,17 @@ class RankProgram:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         slots = self.traced.state.slots
         mesh, coords, dev = self.engine.mesh, self.engine.coords, self.engine.device
-        user = user_tensors(args, kwargs)
+        whole = moved_once(user_tensors(args, kwargs), self.user_in, dev)
         local = []
         for v, sh in zip(self.lowered.input_vars, self.in_shardings):
             i = self.slot_of.get(v)
             if i is not None:
                 local.append(local_of(slots[i].get()))
             elif v in self.user_in:
-                local.append(local_piece(user[self.user_in[v]].to(dev), sh, mesh, coords, zeros_like=torch.zeros_like))
+                local.append(local_piece(whole(v), sh, mesh, coords, zeros_like=torch.zeros_like))
             else:
                 local.append(self.const_local[v])
-        local += input_pieces(self.lowered, lambda v: user[self.user_in[v]], self.engine)
+        local += input_pieces(self.lowered, whole, self.engine)
         with torch.no_grad():
             outs = self.lowered(*local)
             for k, i in self.state_write:
@@ -194,4 +200,4 @@ def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
     st.param_objs = [new_param.get(id(p), p) for p in st.param_objs]
 
 
-__all__ = ["LocalProgram", "RankProgram", "place_state", "user_tensors", "local_of", "input_pieces"]
+__all__ = ["LocalProgram", "RankProgram", "place_state", "user_tensors", "local_of", "input_pieces", "moved_once"]

@@ -20,6 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from .reinplace import input_aliases
+
 SMALL = 1 << 16   # elements: what hoist_input_chains may make and sink_to_outputs may keep alive longer
 HOIST_OPS = 8     # ops at most in a chain hoist_input_chains moves
 ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_scatter_axis",
@@ -91,7 +93,6 @@ def sink_to_outputs(g: fx.Graph, numel: Callable[[fx.Node], int | None]) -> int:
     (at most :data:`SMALL` elements), so that nothing large stays alive longer, and none is an input or may
     share an input's storage (the state is updated in place at the end: a moved op would read the new value).
     Returns how many moved."""
-    from .reinplace import input_aliases
     out = next(n for n in g.nodes if n.op == "output")
     held = input_aliases(g)
     only_out: dict[fx.Node, bool] = {}
