@@ -9,9 +9,13 @@ the first compile measures this machine's link and device costs and caches
 them), DDP, FSDP2 (``fully_shard`` per block), a hand Megatron tensor-parallel
 plan (DTensor ``parallelize_module`` with ColwiseParallel/RowwiseParallel) where
 the model's layers allow it, and TP x DP on a (2, 2) mesh (the TP plan on the
-inner axis, ``fully_shard`` on the outer). For every system: the median step
-time after warm-up, the cost model's prediction for that same plan (MetaDist
-pinned to the hand plan's layout by its strategy preset, priced by
+inner axis, ``fully_shard`` on the outer), and MetaDist's own lowering of each
+hand plan's layout (``metadist_<layout>``: the strategy preset that pins it).
+Every system is built and warmed up first, then timed in rounds, one step of
+each per round in a rotating order (``--rounds``), so that the shared machine's
+slow spells fall on all of them alike. For every system: the median step time,
+its time over DDP's in each round, the cost model's prediction for that same plan
+(MetaDist's plan, or MetaDist's lowering of the hand plan's layout, priced by
 ``metadist_core.overlap.predict``), the communication bytes per step that plan
 prices and those counted (MetaDist: at its collectives; DDP: in a comm hook;
 FSDP2 and the TP plans: at the dispatcher in one more, untimed step),
@@ -68,29 +72,6 @@ def _reset_peak() -> None:
             f.write("5")
     except OSError:
         pass
-
-
-def _timed_steps(run_step, batches, warmup: int) -> tuple[float, list[float]]:
-    import torch.distributed as dist
-    times = []
-    for i, b in enumerate(batches):
-        if dist.is_initialized():
-            dist.barrier()
-        t = time.perf_counter()
-        run_step(b)
-        times.append(time.perf_counter() - t)
-    steady = times[warmup:] or times
-    return statistics.median(steady), times
-
-
-def _phase(name, fn):
-    gc.collect()
-    _reset_peak()
-    before, _ = _rss()
-    out = fn()
-    _, peak = _rss()
-    out.update({"peak_rss_mb": peak / 2**20, "rss_rise_mb": max(0, peak - before) / 2**20})
-    return out
 
 
 # -- models ----------------------------------------------------------------------------
@@ -186,19 +167,12 @@ def _shard_batch(b, rank, world):
 # -- the ranks ---------------------------------------------------------------------
 
 
-def _predicted(m: Model, cache, strategy: str, mesh=None) -> dict:
-    """The cost model's price of ``strategy``'s plan for this step (compiled, not run)."""
-    from metadist_core.overlap import predict
-    from metadist_torch import metadist_compile
-    model, opt = m.build()
-    step = metadist_compile(cache_dir=cache, strategy=strategy, mesh=mesh)(m.step)
-    step.compile(model, opt, *m.batches[0])
-    if step.problem is None:   # only the planning rank holds the problem: it predicts
-        return {}
-    pr = predict(step.plan, step.problem)
-    return {"predicted_ms": pr.step * 1e3, "comm_bytes_predicted": pr.comm_bytes,
-            "predicted_compute_ms": pr.compute * 1e3, "predicted_comm_ms": pr.comm * 1e3,
-            "predicted_plan": step.plan.summary()}
+class System:
+    """One system under test, built and warmed up: ``run(i)`` runs its step on round ``i``'s batch;
+    ``info`` holds what it says of itself (plan, prediction, bytes); ``after()`` more of it, once timing is done."""
+
+    def __init__(self, run, info: dict | None = None, after=None):
+        self.run, self.info, self.after = run, info or {}, after
 
 
 def _counted(run_step) -> dict:
@@ -209,95 +183,155 @@ def _counted(run_step) -> dict:
     return {"comm_bytes_counted": c.total, "comm_bytes_by_kind": dict(c.bytes), "comm_calls_by_kind": dict(c.calls)}
 
 
-def run_model(m: Model, args, rank: int, world: int) -> dict:
-    import torch
+# every hand plan beside MetaDist's own lowering of its layout (the strategy preset that pins it): the hand
+# plan's row takes that lowering's prediction, and the lowering's own row shows whether the cost model
+# predicts what MetaDist runs, apart from what torch's implementation of the same layout adds
+HAND = {"ddp": ("metadist_ddp", "ddp", None), "fsdp2": ("metadist_fsdp", "fsdp", None),
+        "tp": ("metadist_tp", "tp", None), "tp_x_dp": ("metadist_tp_x_dp", "tp+dp", (2, 2))}
+
+
+def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[str, System]:
+    """Every system of the run for model ``m``, compiled and warmed up by ``warmup`` steps (peak RSS of each
+    while it is built); a system this model does not take is ``{"error": ...}``."""
     import torch.distributed as dist
     cache = args.cache_dir
-    warmup = 2 if args.quick else 3
     local = [_shard_batch(b, rank, world) for b in m.batches]
-    res: dict = {}
 
-    def metadist(strategy="auto"):
+    def warm(run):
+        for i in range(warmup):
+            run(i)
+
+    def metadist(strategy="auto", mesh=None):
         from metadist_core.overlap import predict
         from metadist_torch import metadist_compile
         model, opt = m.build()
-        step = metadist_compile(cache_dir=cache, strategy=strategy)(m.step)
+        step = metadist_compile(cache_dir=cache, strategy=strategy, mesh=mesh)(m.step)
         t0 = time.perf_counter()
         step(model, opt, *m.batches[0])
         first = time.perf_counter() - t0
+
+        def run(i):
+            return step(model, opt, *m.batches[i % len(m.batches)])
+        warm(run)
         step.comm_stats.reset()
-        t, _ = _timed_steps(lambda b: step(model, opt, *b), m.batches[1:], warmup - 1)
-        out = {"step_s": t, "first_call_s": first, "compile": step.timings, "plan": step.plan.summary(),
-               "comm_bytes_counted": step.comm_stats.total / max(1, len(m.batches) - 1),
-               "comm_bytes_by_kind": {k: v / max(1, len(m.batches) - 1) for k, v in step.comm_stats.bytes.items()},
-               # the plan's collectives per step (a bucket counts its members), not the calls on the wire
-               "plan_collectives_by_kind": {k: v / max(1, len(m.batches) - 1)
-                                            for k, v in step.comm_stats.calls.items()}}
-        if step.problem is None:   # only the planning rank holds the problem: it predicts
-            return out
-        pr = predict(step.plan, step.problem)
-        return {**out, "predicted_ms": pr.step * 1e3, "predicted_compute_ms": pr.compute * 1e3,
-                "predicted_comm_ms": pr.comm * 1e3, "comm_bytes_predicted": pr.comm_bytes}
+        info = {"first_call_s": first, "compile": step.timings, "plan": step.plan.summary()}
+        if step.problem is not None:   # only the planning rank holds the problem: it predicts
+            pr = predict(step.plan, step.problem)
+            info.update({"predicted_ms": pr.step * 1e3, "predicted_compute_ms": pr.compute * 1e3,
+                         "predicted_comm_ms": pr.comm * 1e3, "comm_bytes_predicted": pr.comm_bytes})
+
+        def after(rounds):
+            n = max(1, rounds)
+            return {"comm_bytes_counted": step.comm_stats.total / n,
+                    "comm_bytes_by_kind": {k: v / n for k, v in step.comm_stats.bytes.items()},
+                    # the plan's collectives per step (a bucket counts its members), not the calls on the wire
+                    "plan_collectives_by_kind": {k: v / n for k, v in step.comm_stats.calls.items()}}
+        return System(run, info, after)
 
     def ddp():
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
         model, opt = m.build()
         d = DDP(model)
-        counted = [0]
+        counted = [0, 0]
 
         def hook(state, bucket):
             counted[0] += bucket.buffer().numel() * bucket.buffer().element_size()
             return default_hooks.allreduce_hook(state, bucket)
         d.register_comm_hook(None, hook)
-        t, _ = _timed_steps(lambda b: m.step(d, opt, *b), local, warmup)
-        return {"step_s": t, "comm_bytes_counted": counted[0] / len(local)}
 
-    def fsdp2():
+        def run(i):
+            counted[1] += 1
+            return m.step(d, opt, *local[i % len(local)])
+        warm(run)
+        return System(run, after=lambda rounds: {"comm_bytes_counted": counted[0] / max(1, counted[1])})
+
+    def hand_sharded(mesh_shape, tp_plan: bool):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         model, opt = m.build()
-        for blk in m.blocks(model):
-            fully_shard(blk)
-        fully_shard(model)
-        opt = type(opt)(model.parameters(), **{k: v for k, v in opt.defaults.items() if k in ("lr", "betas")})
-        t, _ = _timed_steps(lambda b: m.step(model, opt, *b), local, warmup)
-        return {"step_s": t, **_counted(lambda: m.step(model, opt, *local[0]))}
-
-    def tp(mesh_shape):
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
-        model, opt = m.build()
-        if len(mesh_shape) == 1:
-            dm = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("tp",))
-            parallelize_module(model, dm, m.tp_plan(model))
-            batches = m.batches      # every TP rank reads the whole batch
-        else:
-            from torch.distributed.fsdp import fully_shard
-            dm = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("dp", "tp"))
+        batches = local
+        if tp_plan:
+            from torch.distributed.tensor.parallel import parallelize_module
+            names = ("tp",) if len(mesh_shape) == 1 else ("dp", "tp")
+            dm = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
             parallelize_module(model, dm["tp"], m.tp_plan(model))
+            batches = m.batches          # every TP rank reads the whole batch
+        if len(mesh_shape) == 2 or not tp_plan:
+            dp_mesh = dm["dp"] if tp_plan else None
             for blk in m.blocks(model):
-                fully_shard(blk, mesh=dm["dp"])
-            fully_shard(model, mesh=dm["dp"])
-            dp_rank, dp = dm["dp"].get_local_rank(), mesh_shape[0]
-            batches = [_shard_batch(b, dp_rank, dp) for b in m.batches]
+                fully_shard(blk, mesh=dp_mesh)
+            fully_shard(model, mesh=dp_mesh)
+            if tp_plan:
+                dp_rank, dp = dm["dp"].get_local_rank(), mesh_shape[0]
+                batches = [_shard_batch(b, dp_rank, dp) for b in m.batches]
         opt = type(opt)(model.parameters(), **{k: v for k, v in opt.defaults.items() if k in ("lr", "betas")})
-        t, _ = _timed_steps(lambda b: m.step(model, opt, *b), batches, warmup)
-        return {"step_s": t, **_counted(lambda: m.step(model, opt, *batches[0]))}
 
-    systems = [("metadist", lambda: metadist(), None), ("metadist_ddp", lambda: metadist("ddp"), None),
-               ("ddp", ddp, ("ddp", None)), ("fsdp2", fsdp2, ("fsdp", None))]
-    if m.tp_plan is not None:
-        systems += [("tp", lambda: tp((world,)), ("tp", None))]
-        if world == 4:
-            systems += [("tp_x_dp", lambda: tp((2, 2)), ("tp+dp", (2, 2)))]
-    for name, fn, pinned in systems:
+        def run(i):
+            return m.step(model, opt, *batches[i % len(batches)])
+        warm(run)
+        return System(run, after=lambda rounds: _counted(lambda: run(0)))
+
+    makers = [("metadist", lambda: metadist())]
+    for hand, (mine, preset, mesh) in HAND.items():
+        if hand.startswith("tp") and m.tp_plan is None:
+            continue
+        if mesh is not None and world != 4:
+            continue
+        makers.append((mine, lambda preset=preset, mesh=mesh: metadist(preset, mesh)))
+        makers.append((hand, {"ddp": ddp, "fsdp2": lambda: hand_sharded((world,), False),
+                              "tp": lambda: hand_sharded((world,), True),
+                              "tp_x_dp": lambda: hand_sharded((2, 2), True)}[hand]))
+    out: dict = {}
+    for name, make in makers:
+        gc.collect()
+        _reset_peak()
+        before, _ = _rss()
         try:
-            res[name] = _phase(name, fn)
-            if pinned is not None:
-                res[name].update(_predicted(m, cache, *pinned))
+            sysm = make()
+            _, peak = _rss()
+            sysm.info.update({"peak_rss_mb": peak / 2**20, "rss_rise_mb": max(0, peak - before) / 2**20})
+            out[name] = sysm
         except Exception as e:   # a hand plan this model does not take: say so, go on
-            res[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         dist.barrier()
+    return out
+
+
+def run_model(m: Model, args, rank: int, world: int) -> dict:
+    """Build every system, then time them interleaved: each round runs one step of every system, in an
+    order that rotates by one each round, so that a slow spell of this shared machine falls on all of them
+    alike. Per system: the median step, and per round its time over DDP's in the same round."""
+    import torch.distributed as dist
+    warmup = 2 if args.quick else 3
+    systems = build_systems(m, args, rank, world, warmup)
+    live = [n for n, s in systems.items() if isinstance(s, System)]
+    times: dict[str, list[float]] = {n: [] for n in live}
+    rounds = args.rounds or (6 if args.quick else 15)
+    for r in range(rounds):
+        order = live[r % len(live):] + live[:r % len(live)]
+        for name in order:
+            dist.barrier()
+            t = time.perf_counter()
+            systems[name].run(warmup + r)
+            times[name].append(time.perf_counter() - t)
+    res: dict = {}
+    for name, s in systems.items():
+        if not isinstance(s, System):
+            res[name] = s
+            continue
+        rec = {**s.info, "step_s": statistics.median(times[name]), "times_s": times[name]}
+        if "ddp" in times:
+            rec["ratio_vs_ddp_by_round"] = [a / b for a, b in zip(times[name], times["ddp"])]
+        if s.after is not None:
+            rec.update(s.after(rounds))
+        res[name] = rec
+        dist.barrier()
+    for hand, (mine, _, _) in HAND.items():   # a hand plan's prediction: MetaDist's price of its layout
+        if hand in res and mine in res and "predicted_ms" in res[mine]:
+            res[hand].update({k: res[mine][k] for k in ("predicted_ms", "predicted_compute_ms",
+                                                         "predicted_comm_ms", "comm_bytes_predicted")},
+                             predicted_plan=res[mine].get("plan"))
     return res
 
 
@@ -307,7 +341,7 @@ def worker(args) -> int:
     from metadist_torch.engine import ensure_process_group
     torch.set_num_threads(1)
     rank, world = ensure_process_group()
-    steps = 6 if args.quick else 10
+    steps = (2 if args.quick else 3) + (args.rounds or (6 if args.quick else 15))
     res = {}
     for name in args.models.split(","):
         m = MODELS[name](args.quick, steps)
@@ -374,6 +408,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller models and fewer steps")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--models", default="gpt,gpt2,llama", help="comma-separated: " + ",".join(MODELS))
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="timed rounds, each one step of every system (default 15; 6 with --quick)")
     ap.add_argument("--single", action="store_true", help="also the world-size-1 comparison with eager")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -389,7 +425,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ranks.json"
         cache = os.environ.get("METADIST_CACHE_DIR") or str(Path(tmp) / "cache")
-        wargs = ["--worker", "--out", str(out), "--cache-dir", cache, "--models", args.models] + \
+        wargs = ["--worker", "--out", str(out), "--cache-dir", cache, "--models", args.models,
+                 "--rounds", str(args.rounds)] + \
             (["--quick"] if args.quick else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
         env.pop("METADIST_MESH_PROFILE", None)   # costs measured by default
@@ -410,7 +447,7 @@ def main(argv=None) -> int:
         for system in [s for s in per[0] if s != "desc"]:
             r0 = per[0][system]
             rec = {"benchmark": NAME, "model": model, "model_desc": per[0]["desc"], "system": system,
-                   "mesh": "2x2" if system == "tp_x_dp" else str(args.nproc)}
+                   "mesh": "2x2" if system.endswith("tp_x_dp") else str(args.nproc)}
             errs = [p[system]["error"] for p in per if "error" in p[system]]
             if errs:
                 rec["error"] = errs[0]
@@ -423,12 +460,17 @@ def main(argv=None) -> int:
                         "comm_bytes_counted": r0.get("comm_bytes_counted"),
                         "peak_rss_mb": max(p[system]["peak_rss_mb"] for p in per),
                         "ratio_vs_best_hand": step_ms / best / 1e3 if best else None,
+                        # the median over ranks of each rank's median, over rounds, of this step over DDP's
+                        "ratio_vs_ddp_by_round": statistics.median(statistics.median(p[system]["ratio_vs_ddp_by_round"])
+                                                                   for p in per)
+                        if "ratio_vs_ddp_by_round" in r0 else None,
                         "plan": r0.get("plan") or r0.get("predicted_plan")})
             if system == "metadist":
                 rec["compile_s"] = sum(v for k, v in r0["compile"].items())
                 rec["profile_s"] = r0["compile"].get("profile")
                 lines.append(f"{model}: MetaDist {step_ms:.1f} ms vs best hand plan {best * 1e3:.1f} ms "
-                             f"(ratio {step_ms / best / 1e3:.2f}), predicted {r0['predicted_ms']:.1f} ms; "
+                             f"(ratio {step_ms / best / 1e3:.2f}; over DDP by round {rec['ratio_vs_ddp_by_round']:.2f}), "
+                             f"predicted {r0['predicted_ms']:.1f} ms; "
                              f"plan {r0['plan']}")
             records.append(rec)
     if args.single:
@@ -436,10 +478,13 @@ def main(argv=None) -> int:
         records.append({"benchmark": NAME, "model": "gpt", "system": "metadist", "mesh": "1",
                         "step_ms": one["metadist_step_s"] * 1e3, "eager_step_ms": one["eager_step_s"] * 1e3})
     notes = (f"{args.nproc} gloo ranks on this machine ({os.cpu_count()} cores), one thread each, one launch. "
-             + " ".join(lines) + f" Whole run {time.perf_counter() - t_all:.0f} s. step_ms: median over ranks of "
-             "each rank's median step; predicted_ms: metadist_core.overlap.predict of MetaDist's plan, or of "
-             "MetaDist pinned to the hand plan's layout (its strategy preset); comm bytes per rank per step.")
+             + " ".join(lines) + f" Whole run {time.perf_counter() - t_all:.0f} s. Systems timed in interleaved "
+             f"rounds (one step of each per round, rotating order). step_ms: median over ranks of "
+             "each rank's median step; vs_ddp_by_round: median over ranks of each rank's median, over rounds, of "
+             "the step over DDP's step in the same round; predicted_ms: metadist_core.overlap.predict of MetaDist's plan, or of "
+             "MetaDist's lowering of the hand plan's layout (the metadist_<layout> row, its strategy preset); comm bytes per rank per step.")
     cols = ["model", "system", "mesh", "step_ms", "predicted_ms", "pred_error", "ratio_vs_best_hand",
+            "ratio_vs_ddp_by_round",
             "comm_bytes_predicted", "comm_bytes_counted", "peak_rss_mb", "error"]
     path = write_results(NAME, records, cols, "MetaDist vs DDP, FSDP2 and hand TP plans, measured and predicted",
                          notes)

@@ -124,8 +124,10 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         buckets.append(b["vars"])
 
     def bucketed(var: str, e: Any) -> bool:
-        return bool(problem.vars[var].get("bucketed") and len(e.collectives) == 1
-                    and caps.get(e.collectives[0].kind))
+        """A gradient moved by one all_reduce or reduce_scatter, and free steps (the local slice of a
+        Partial -> Shard made as all_reduce + split): the lowering buckets that collective."""
+        paid = [c for c in e.collectives if not c.is_free]
+        return bool(problem.vars[var].get("bucketed") and len(paid) == 1 and caps.get(paid[0].kind))
 
     def issue(var: str, e: Any) -> None:
         """Issue the edge's collectives: a gradient all_reduce or reduce_scatter joins a bucket; others run now."""
