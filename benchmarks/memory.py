@@ -13,8 +13,10 @@ tensor memory over one training step stays within the budget (and, for MetaDist,
 - ``fsdp2_ckpt``: the same with ``torch.utils.checkpoint`` on every block
   (``gradient_checkpointing_enable(use_reentrant=False)``).
 
-After the searches MetaDist also runs at FSDP2 + checkpointing's depth, so the step times compare at one
-depth too (``equal_depth`` in the metadist record).
+After the searches MetaDist and FSDP2 + checkpointing run again side by side at FSDP2 + checkpointing's
+depth (when it fits MetaDist's budget), both built first and timed interleaved, one step of each per round
+(``--rounds``), so the step times compare at one depth under the same machine load (``equal_depth`` in
+the metadist record: each median and the median of the per-round ratio).
 
 Memory is measured the same way for all (:func:`metadist_torch.memory.measure_peak`: live tensor
 storages on CPU, the CUDA allocator's peak on a GPU); MetaDist's prediction (``step.memory``'s
@@ -107,23 +109,66 @@ def _run_metadist(layers: int, sh: dict, budget: int, cache: str) -> dict:
                           if k in ("trace", "discover", "build_problem", "solve"))}
 
 
-def _run_fsdp2(layers: int, sh: dict, ckpt: bool, rank: int, world: int) -> dict:
+def _fsdp2_model(layers: int, sh: dict, ckpt: bool):
+    """transformers' GPT-2 with ``fully_shard`` on every block and the model (and checkpointing on every block)."""
     import torch
     from torch.distributed.fsdp import fully_shard
-    from metadist_torch.memory import measure_peak, state_tensors
     model, _ = _build(layers, sh)
     if ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for blk in model.transformer.h:
         fully_shard(blk)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def _run_fsdp2(layers: int, sh: dict, ckpt: bool, rank: int, world: int) -> dict:
+    from metadist_torch.memory import measure_peak, state_tensors
+    model, opt = _fsdp2_model(layers, sh, ckpt)
     per = sh["batch"] // world
     ids = [b[rank * per:(rank + 1) * per] for b in _batches(sh)]
     _step(model, opt, ids[0])   # the optimizer state exists from here on, as in MetaDist's traced step
     _, m = measure_peak(lambda: _step(model, opt, ids[1]), state_tensors(model, opt) + [ids[1]])
     ms = _median_ms(lambda b: _step(model, opt, b), ids[1:])
     return {"measured_peak": m.peak_bytes, "predicted_peak": None, "step_ms": ms, "method": m.method}
+
+
+def _equal_depth(layers: int, sh: dict, budget: int, args, rank: int, world: int) -> dict:
+    """MetaDist (under the budget) and FSDP2 + checkpointing at one depth, both built first, then timed in
+    ``args.rounds`` rounds of one step each, in alternating order, so that the shared machine's slow spells
+    fall on both alike (timed one system after the other, the ratio moved from 0.76x to 1.15x between runs
+    of one plan). Returns each system's median step (slowest rank) and the median over rounds of
+    MetaDist's step over FSDP2 + checkpointing's in the same round (median over ranks)."""
+    import torch.distributed as dist
+    from metadist_torch import metadist_compile
+    ids = _batches(sh)
+    model, opt = _build(layers, sh)
+    step = metadist_compile(memory_budget=budget, cache_dir=args.cache_dir)(_step)
+    step(model, opt, ids[0])
+    ck_model, ck_opt = _fsdp2_model(layers, sh, True)
+    per = sh["batch"] // world
+    local = [b[rank * per:(rank + 1) * per] for b in ids]
+    runs = {"metadist": lambda i: step(model, opt, ids[i % len(ids)]),
+            "fsdp2_ckpt": lambda i: _step(ck_model, ck_opt, local[i % len(local)])}
+    for i in range(2):   # warm-up
+        for run in runs.values():
+            run(i)
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(args.rounds):
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            dist.barrier()
+            t = time.perf_counter()
+            runs[name](r)
+            times[name].append(time.perf_counter() - t)
+    mine = {"metadist_ms": statistics.median(times["metadist"]) * 1e3,
+            "fsdp2_ckpt_ms": statistics.median(times["fsdp2_ckpt"]) * 1e3,
+            "ratio": statistics.median(a / b for a, b in zip(times["metadist"], times["fsdp2_ckpt"]))}
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return {"layers": layers, "rounds": args.rounds, "timing": "interleaved",
+            "metadist_ms": max(e["metadist_ms"] for e in every), "fsdp2_ckpt_ms": max(e["fsdp2_ckpt_ms"] for e in every),
+            "ratio_by_round": statistics.median(e["ratio"] for e in every),
+            "plan": step.plan.summary(), "recompute": len(getattr(step.plan, "recompute", []) or [])}
 
 
 def _probe(system: str, layers: int, sh: dict, budget: int, args, rank: int, world: int) -> dict:
@@ -207,12 +252,12 @@ def worker(args) -> int:
         res[system]["search_s"] = time.perf_counter() - t
     if "metadist" in res and "fsdp2_ckpt" in res:   # the step times at one depth: FSDP2 + checkpointing's
         depth = res["fsdp2_ckpt"]["best"]["layers"]
-        probes = {p["layers"]: p for p in res["metadist"]["probes"]}
-        if depth and depth not in probes:
-            probes[depth] = _probe("metadist", depth, sh, budget, args, rank, world)
-            res["metadist"]["probes"].append(probes[depth])
-        res["equal_depth"] = {"layers": depth, "metadist_ms": probes.get(depth, {}).get("step_ms"),
-                              "fsdp2_ckpt_ms": res["fsdp2_ckpt"]["best"].get("step_ms")}
+        if depth and depth <= res["metadist"]["best"]["layers"]:
+            res["equal_depth"] = _equal_depth(depth, sh, budget, args, rank, world)
+            if rank == 0:
+                e = res["equal_depth"]
+                print(f"  equal depth {depth} layers: metadist {e['metadist_ms']:.0f} ms, fsdp2_ckpt "
+                      f"{e['fsdp2_ckpt_ms']:.0f} ms, {e['ratio_by_round']:.2f}x by round", flush=True)
     if rank == 0:
         Path(args.out).write_text(json.dumps({"shape": sh, "world": world, "results": res}, default=str))
     return 0
@@ -224,12 +269,16 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-mb", type=float, default=None, help="bytes per device, in MiB (default 48; quick 40)")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="rounds timed at equal depth, one step of each system per round (default 8; quick 4)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.budget_mb is None:
         args.budget_mb = 40.0 if args.quick else 48.0
+    if args.rounds is None:
+        args.rounds = 4 if args.quick else 8
     if args.worker:   # finish_worker: gloo ranks have aborted in the interpreter's teardown (README "Not yet")
         from metadist_torch.engine import finish_worker
         finish_worker(worker(args))
@@ -241,7 +290,7 @@ def main(argv=None) -> int:
         out = Path(tmp) / "ranks.json"
         cache = os.environ.get("METADIST_CACHE_DIR") or str(Path(tmp) / "cache")
         wargs = ["--worker", "--out", str(out), "--cache-dir", cache, "--budget-mb", str(args.budget_mb),
-                 "--systems", args.systems] + (["--quick"] if args.quick else [])
+                 "--systems", args.systems, "--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
         env = dict(os.environ, OMP_NUM_THREADS="1", METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         proc = subprocess.run(torchrun_cmd(Path(__file__), args.nproc, wargs), env=env, stdout=subprocess.PIPE,
@@ -277,9 +326,10 @@ def main(argv=None) -> int:
         notes.append(f"MetaDist {md['max_layers']} layers vs FSDP2+checkpointing {ck['max_layers']}; step time "
                      f"ratio at each system's own depth {md['step_ms'] / ck['step_ms']:.2f}x.")
     if equal and equal.get("metadist_ms") and equal.get("fsdp2_ckpt_ms"):
-        notes.append(f"At FSDP2+checkpointing's depth ({equal['layers']} layers): MetaDist {equal['metadist_ms']:.0f} ms, "
-                     f"FSDP2+checkpointing {equal['fsdp2_ckpt_ms']:.0f} ms "
-                     f"({equal['metadist_ms'] / equal['fsdp2_ckpt_ms']:.2f}x).")
+        notes.append(f"At FSDP2+checkpointing's depth ({equal['layers']} layers), both timed interleaved in "
+                     f"{equal['rounds']} rounds: MetaDist {equal['metadist_ms']:.0f} ms, "
+                     f"FSDP2+checkpointing {equal['fsdp2_ckpt_ms']:.0f} ms (medians, slowest rank; "
+                     f"{equal['ratio_by_round']:.2f}x by round).")
     if "metadist" in ref and "fsdp2_ckpt" in ref:   # the step times at every depth both ran (fitting or not)
         ck = {p["layers"]: p for p in ref["fsdp2_ckpt"]["probes"] if p.get("step_ms")}
         rows = [(p["layers"], p["step_ms"], ck[p["layers"]]["step_ms"]) for p in
