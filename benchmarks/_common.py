@@ -23,6 +23,25 @@ def timed(fn: Callable, repeats: int = 1, warmup: int = 0):
     return statistics.median(ts), out
 
 
+def interleaved(runs: "dict[str, Callable[[int], object]]", rounds: int, start: int = 0,
+                before: Callable[[], object] | None = None) -> dict[str, list[float]]:
+    """Seconds of each of ``runs`` (name -> ``run(i)``, one step on batch ``i``) over ``rounds`` rounds of one
+    call each, in an order that rotates by one each round (two systems alternate), so that a slow spell of a
+    shared machine falls on all of them alike. ``before()`` runs untimed ahead of every call (a barrier);
+    round ``r`` passes ``start + r``."""
+    names = list(runs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            runs[name](start + r)
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
 def machine() -> str:
     import os
     return f"{platform.machine()} {os.cpu_count()} CPU cores, Python {platform.python_version()}"

@@ -75,6 +75,12 @@ def _batches(sh: dict):
             for i in range(sh["steps"] + 1)]
 
 
+def _local(batches: list, rank: int, world: int) -> list:
+    """This rank's slice of every batch (what FSDP2's ranks each read)."""
+    per = batches[0].shape[0] // world
+    return [b[rank * per:(rank + 1) * per] for b in batches]
+
+
 def _median_ms(fn, batches) -> float:
     import torch.distributed as dist
     ts = []
@@ -125,8 +131,7 @@ def _fsdp2_model(layers: int, sh: dict, ckpt: bool):
 def _run_fsdp2(layers: int, sh: dict, ckpt: bool, rank: int, world: int) -> dict:
     from metadist_torch.memory import measure_peak, state_tensors
     model, opt = _fsdp2_model(layers, sh, ckpt)
-    per = sh["batch"] // world
-    ids = [b[rank * per:(rank + 1) * per] for b in _batches(sh)]
+    ids = _local(_batches(sh), rank, world)
     _step(model, opt, ids[0])   # the optimizer state exists from here on, as in MetaDist's traced step
     _, m = measure_peak(lambda: _step(model, opt, ids[1]), state_tensors(model, opt) + [ids[1]])
     ms = _median_ms(lambda b: _step(model, opt, b), ids[1:])
@@ -140,26 +145,20 @@ def _equal_depth(layers: int, sh: dict, budget: int, args, rank: int, world: int
     of one plan). Returns each system's median step (slowest rank) and the median over rounds of
     MetaDist's step over FSDP2 + checkpointing's in the same round (median over ranks)."""
     import torch.distributed as dist
+    from benchmarks._common import interleaved
     from metadist_torch import metadist_compile
     ids = _batches(sh)
     model, opt = _build(layers, sh)
     step = metadist_compile(memory_budget=budget, cache_dir=args.cache_dir)(_step)
     step(model, opt, ids[0])
     ck_model, ck_opt = _fsdp2_model(layers, sh, True)
-    per = sh["batch"] // world
-    local = [b[rank * per:(rank + 1) * per] for b in ids]
+    local = _local(ids, rank, world)
     runs = {"metadist": lambda i: step(model, opt, ids[i % len(ids)]),
             "fsdp2_ckpt": lambda i: _step(ck_model, ck_opt, local[i % len(local)])}
     for i in range(2):   # warm-up
         for run in runs.values():
             run(i)
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for r in range(args.rounds):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            dist.barrier()
-            t = time.perf_counter()
-            runs[name](r)
-            times[name].append(time.perf_counter() - t)
+    times = interleaved(runs, args.rounds, before=dist.barrier)
     mine = {"metadist_ms": statistics.median(times["metadist"]) * 1e3,
             "fsdp2_ckpt_ms": statistics.median(times["fsdp2_ckpt"]) * 1e3,
             "ratio": statistics.median(a / b for a, b in zip(times["metadist"], times["fsdp2_ckpt"]))}

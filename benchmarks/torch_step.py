@@ -298,23 +298,21 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
     return out
 
 
+def _steps(args) -> tuple[int, int]:
+    """(warm-up steps, timed rounds) of every system."""
+    return (2, args.rounds or 6) if args.quick else (3, args.rounds or 15)
+
+
 def run_model(m: Model, args, rank: int, world: int) -> dict:
     """Build every system, then time them interleaved: each round runs one step of every system, in an
     order that rotates by one each round, so that a slow spell of this shared machine falls on all of them
     alike. Per system: the median step, and per round its time over DDP's in the same round."""
     import torch.distributed as dist
-    warmup = 2 if args.quick else 3
+    from benchmarks._common import interleaved
+    warmup, rounds = _steps(args)
     systems = build_systems(m, args, rank, world, warmup)
-    live = [n for n, s in systems.items() if isinstance(s, System)]
-    times: dict[str, list[float]] = {n: [] for n in live}
-    rounds = args.rounds or (6 if args.quick else 15)
-    for r in range(rounds):
-        order = live[r % len(live):] + live[:r % len(live)]
-        for name in order:
-            dist.barrier()
-            t = time.perf_counter()
-            systems[name].run(warmup + r)
-            times[name].append(time.perf_counter() - t)
+    times = interleaved({n: s.run for n, s in systems.items() if isinstance(s, System)}, rounds, start=warmup,
+                        before=dist.barrier)
     res: dict = {}
     for name, s in systems.items():
         if not isinstance(s, System):
@@ -341,7 +339,7 @@ def worker(args) -> int:
     from metadist_torch.engine import ensure_process_group
     torch.set_num_threads(1)
     rank, world = ensure_process_group()
-    steps = (2 if args.quick else 3) + (args.rounds or (6 if args.quick else 15))
+    steps = sum(_steps(args))
     res = {}
     for name in args.models.split(","):
         m = MODELS[name](args.quick, steps)
