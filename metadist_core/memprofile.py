@@ -35,9 +35,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .buckets import bucketed_step
 from .cost import local_bytes
 from .gathers import bucket_cap, gather_buckets
 from .placement import Sharding
+from .reshard import reshard
 
 # the part of a memory budget plans leave free for what the model does not count (a kernel's workspace,
 # allocator rounding, the engine's own buffers): predictions ran 0.93-1.02x the measured peak on GPT-2
@@ -93,10 +95,14 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
             out.append((start, end, float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))))
         for (t, span), at in zip(moved, issue):
             b = float(local_bytes(info["shape"], info["dtype"], t, problem.mesh))
-            if problem.bucket_bytes and info.get("bucketed") and not any(p.is_partial() for p in t) \
-                    and all(p.is_partial() or p.is_replicate() for p in own):
+            colls = reshard(own, t, info["shape"], info.get("comm_dtype", info["dtype"]), problem.mesh) \
+                if info.get("bucketed") else []
+            step = bucketed_step(problem, v, colls)
+            if step is not None and all(c.is_free for c in colls[step + 1:]):   # a bucket makes the target
                 copies = problem.bucket_copies
-                kind = "reduce_scatter" if any(p.is_shard() for p in t) else "all_reduce"
+                kind = colls[step].kind
+                # the bucket's result: a gradient all_reduced whole and then split is a narrow of the whole
+                b = float(local_bytes(info["shape"], info["dtype"], colls[step].after, problem.mesh))
                 src_b = float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))
                 held = 0.0 if info.get("view") else src_b   # a view's partial sum is its base's bytes
                 reduced.append((at, span[1], b, info["dtype"], copies, kind, src_b, held))   # joins a bucket

@@ -7,7 +7,8 @@ the measured one:
 
 - a reshard runs once per (value, target sharding, reader phase) however many
   ops read it (:func:`metadist_core.interpret.interpret`, :mod:`metadist_core.phases`);
-- the all_reduces of gradient values (``vars[v]["bucketed"]``) run in buckets of
+- the all_reduces of gradient values (``vars[v]["bucketed"]``; of each reshard, the collective
+  :func:`metadist_core.buckets.bucketed_step` names, and the ones after it once its bucket is done) run in buckets of
   ``problem.bucket_bytes`` per (axis, reduce, dtype), filled in the order the gradients are made,
   the first of each up to ``problem.first_bucket_bytes`` (:func:`metadist_core.gathers.bucket_cap`:
   it closes early, so its all_reduce overlaps the rest of the backward, as DDP's first bucket), their reduce_scatters in buckets
@@ -31,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .buckets import bucketed_step
 from .cost import Collective, collective_cost
 from .gathers import bucket_cap, gather_buckets
 from .phases import reshard_key
@@ -123,12 +125,6 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         run_bucket(key[0], key[1], b["bytes"], b["ready"], b["members"], "buckets")
         buckets.append(b["vars"])
 
-    def bucketed(var: str, e: Any) -> bool:
-        """A gradient moved by one all_reduce or reduce_scatter, and free steps (the local slice of a
-        Partial -> Shard made as all_reduce + split): the lowering buckets that collective."""
-        paid = [c for c in e.collectives if not c.is_free]
-        return bool(problem.vars[var].get("bucketed") and len(paid) == 1 and caps.get(paid[0].kind))
-
     def issue(var: str, e: Any) -> None:
         """Issue the edge's collectives: a gradient all_reduce or reduce_scatter joins a bucket; others run now."""
         key = reshard_key(var, e.src_sharding, e.dst_sharding, e.dst, problem.phases)
@@ -137,8 +133,12 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         colls = [c for c in e.collectives if not c.is_free]
         stats["n"] += len(colls)
         stats["bytes"] += sum(c.nbytes for c in colls)
-        if bucketed(var, e):
-            c = colls[0]
+        step = bucketed_step(problem, var, e.collectives)   # the one that joins a bucket (metadist_core.buckets)
+        if step is not None:
+            c = e.collectives[step]
+            rest = [x for x in e.collectives[step + 1:] if not x.is_free]
+            if rest:   # they read the bucket's result: they run once it is there (wait)
+                after[key] = rest
             bk = (c.kind, c.axis, c.reduce, problem.vars[var].get("comm_dtype", problem.vars[var]["dtype"]))
             first = getattr(problem, "first_bucket_bytes", None) if c.kind == "all_reduce" else None
             if bk in pending and pending[bk]["bytes"] + c.nbytes > bucket_cap(caps[c.kind], first, opened[bk]):
@@ -161,6 +161,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             done[key] = None                                 # runs where its first reader is
 
     pending_members: dict[tuple, tuple] = {}
+    after: dict[tuple, list] = {}   # the collectives of an edge after its bucketed one
     gather_of = {g.key: b for b in gather_buckets(problem, choice) for g in b}   # metadist_core.gathers
 
     def wait(var: str, e: Any) -> None:
@@ -172,6 +173,11 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             bk = pending_members.pop(key)
             if bk in pending:
                 flush(bk)
+        if key in after:   # async ones start as the bucket ends; the others where the reader is
+            at = done[key]
+            for c in after.pop(key):
+                at = run_comm(c, at if c.kind in ("all_reduce", "reduce_scatter") else max(at, t))
+            done[key] = at
         if done.get(key) is None and key in gather_of:       # a bucket of input gathers: one collective
             members = gather_of[key]
             run_bucket("all_gather", members[0].axis, sum(g.nbytes for g in members), t,

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from .buckets import bucketed_step
 from .constraints import Constraint, parse_constraints
 from .cost import DeviceSpec, local_bytes
 from .phases import FORWARD, phase_of, share_phase
@@ -154,7 +155,8 @@ class ShardingProblem:
     def price(self, var: str, collectives: Sequence) -> float:
         """Seconds of ``collectives`` moving ``var`` as the lowering runs them.
 
-        All_reduces of a gradient value (``vars[var]["bucketed"]``) run in buckets of
+        The all_reduce of a gradient value (``vars[var]["bucketed"]``) that joins a bucket
+        (:func:`metadist_core.buckets.bucketed_step`: the first paid collective of its reshard) runs in buckets of
         ``bucket_bytes`` that pay one latency each: each is charged its bytes in full and
         the latency ``2(n-1)alpha`` times ``min(1, nbytes / bucket_bytes)``, its share of a
         bucket. Summed over an axis that is ``total / bucket_bytes`` latencies, which is
@@ -176,13 +178,12 @@ class ShardingProblem:
 
         if gathers_bucketed(self, var) and len(collectives) == 1 and collectives[0].kind == "all_gather":
             return shared(collectives[0], 1, self.shard_bucket_bytes, GATHER_SHARE)
-        bucketed = self.bucket_bytes and self.vars[var].get("bucketed")
+        at = bucketed_step(self, var, collectives)   # the one collective that joins a bucket (metadist_core.buckets)
         total = 0.0
-        for c in collectives:
-            if bucketed and c.kind == "all_reduce":
-                total += shared(c, 2, self.bucket_bytes)
-            elif bucketed and c.kind == "reduce_scatter" and self.shard_bucket_bytes:
-                total += shared(c, 1, self.shard_bucket_bytes)
+        for i, c in enumerate(collectives):
+            if i == at:
+                total += shared(c, 2, self.bucket_bytes) if c.kind == "all_reduce" else \
+                    shared(c, 1, self.shard_bucket_bytes)
             else:
                 total += c.cost
         return total

@@ -204,7 +204,9 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, i
     collective ``only`` rejects, is not bucketed. A bucket runs at its earliest member's place, as one
     collective of the concatenated inputs (:func:`metadist_torch.schedule.issue_early` then moves it to
     right after its last input): the buckets :func:`metadist_core.overlap.predict` and
-    :mod:`metadist_core.memprofile` price. Values and bytes are unchanged. Returns the values (``VAR_META``)
+    :mod:`metadist_core.memprofile` price. A collective whose input is an earlier collective of the same
+    reshard never meets that condition with another gradient's, so only the first of a reshard joins a
+    bucket (:func:`metadist_core.buckets.bucketed_step`, the rule the pricers follow). Values and bytes are unchanged. Returns the values (``VAR_META``)
     of each bucket of two or more members, in the order the buckets were opened.
     """
     order = {n: i for i, n in enumerate(g.nodes)}

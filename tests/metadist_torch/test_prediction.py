@@ -16,6 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from metadist_core.buckets import bucketed_step  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.overlap import predict, priced_collectives  # noqa: E402
 from metadist_core.pipeline import plan_graph  # noqa: E402
@@ -158,6 +159,39 @@ def test_gradients_reduced_then_split_are_priced_in_the_lowerings_buckets(traced
     assert rg.reduce_buckets, "the lowering should bucket the gradients' all_reduces"
     assert rg.reduce_buckets == [b for b in pr.details["buckets"] if len(b) > 1]
     assert pr.n_buckets == len(pr.details["buckets"]) < len(split)
+
+
+def test_a_gradient_reduced_over_two_axes_is_bucketed_as_the_lowering_buckets_it(traced):
+    """On a (2, 2) mesh DDP's layout makes each gradient whole as a reduce_scatter on axis 0, an all_reduce on
+    axis 1 and an all_gather on axis 0. Only the first reads the gradient itself, so only it can join a bucket
+    (metadist_core.buckets); the all_reduce reads that gradient's own reduce_scatter and runs alone. The
+    solver charged it a bucket's share of the latency, which the lowering never runs."""
+    fe, tr = traced
+    mesh = Mesh((2, 2), alpha=[1e-5, 1e-5], beta=[1e-9, 1e-9])
+    for shard_mb in (0.0, 0.016):   # the reduce_scatters on their own, then in buckets
+        s = load_settings(progress=False, strategy="ddp", bucket_mb=0.016, shard_bucket_mb=shard_mb)
+        res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh),
+                         shard_buckets=True)
+        plan, problem = res.plan, res.problem
+        chains = [e for e in plan.edges if problem.vars[e.var].get("bucketed")
+                  and len([c for c in e.collectives if not c.is_free]) > 1]
+        assert len(chains) >= 8, "ddp on (2, 2) should make each gradient whole in several steps"
+        for e in chains:   # priced alone, at full latency, but the first when it can be bucketed
+            first = bucketed_step(problem, e.var, e.collectives)
+            assert first == (0 if shard_mb else None), (e.var, [str(c) for c in e.collectives])
+            rest = sum(c.cost for c in e.collectives[1:])
+            head = problem.price(e.var, e.collectives[:1])
+            if first is None:
+                assert head == pytest.approx(e.collectives[0].cost)
+            else:   # a bucket's share of the latency (these gradients are far below the 16 KB cap)
+                assert head < e.collectives[0].cost
+            assert problem.price(e.var, e.collectives) == pytest.approx(head + rest)
+        pr = predict(plan)
+        rg = lower_plan(tr.graph, plan, mesh, coords=(0, 0), groups=None, bucket_bytes=s.bucket_bytes,
+                        shard_bucket_bytes=problem.shard_bucket_bytes or 0,
+                        first_bucket_bytes=problem.first_bucket_bytes)
+        assert rg.reduce_buckets == [b for b in pr.details["buckets"] if len(b) > 1]
+        assert bool(rg.reduce_buckets) == bool(shard_mb), rg.reduce_buckets
 
 
 @pytest.mark.parametrize("strategy,shape", [("tp", (2,)), ("tp+dp", (2, 2))])
