@@ -185,6 +185,11 @@ class DeviceSpec:
     # stays in cache runs far faster than one that streams from memory and faults its fresh output's pages in
     # (an add on this 2-core host: 66 GB/s at 2 MiB, 14 at 32 MiB, 4.3 at 128 MiB); () : ``mem_bandwidth`` alone
     mem_curve: tuple[tuple[float, float], ...] = ()
+    # the fraction of an asynchronous collective's time that compute running beside it hides, measured on the
+    # live ranks (metadist_torch.calibrate.measure_overlap): 1 where the link has its own engine (NCCL on a
+    # GPU), about 0 where the collective needs the cores the compute runs on (4 gloo ranks on 2 cores); the
+    # rest of the collective's time the compute beside it is slowed by (metadist_core.overlap.predict)
+    overlap: float = 1.0
 
     def __post_init__(self) -> None:
         pairs = self.flops_by_dtype.items() if isinstance(self.flops_by_dtype, dict) else self.flops_by_dtype
@@ -213,7 +218,7 @@ class DeviceSpec:
         return {"name": self.name, "peak_flops": self.peak_flops, "mem_bandwidth": self.mem_bandwidth,
                 "memory_bytes": self.memory_bytes, "op_overhead": self.op_overhead,
                 "flops_by_dtype": dict(self.flops_by_dtype), "host_link": self.host_link,
-                "mem_curve": [list(p) for p in self.mem_curve]}
+                "mem_curve": [list(p) for p in self.mem_curve], "overlap": self.overlap}
 
     @classmethod
     def from_json(cls, d: dict) -> "DeviceSpec":
@@ -221,7 +226,7 @@ class DeviceSpec:
                    int(d.get("memory_bytes", 16 * 2**30)), float(d.get("op_overhead", 0.0)),
                    dict(d.get("flops_by_dtype") or {}),
                    None if d.get("host_link") is None else float(d["host_link"]),
-                   tuple(tuple(p) for p in d.get("mem_curve") or ()))
+                   tuple(tuple(p) for p in d.get("mem_curve") or ()), float(d.get("overlap", 1.0)))
 
 
 DEVICE_PRESETS: dict[str, DeviceSpec] = {

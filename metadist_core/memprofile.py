@@ -26,7 +26,8 @@ result are held beside the members (``problem.bucket_copies``, what the
 frontend's lowering makes: the torch one 2; an ``avg``'s quotient is made
 where the result is waited for, once the members and the concatenation are gone; XLA schedules JAX's collectives itself, 0). Inputs all-gathered in one bucket
 (:mod:`metadist_core.gathers`) are all made where the bucket runs, beside its
-two flat buffers (the pieces sent and the gathered whole).
+two flat buffers (the pieces sent and the gathered whole), which are held from where the bucket
+before it runs: the program issues each bucket then (FSDP's prefetch).
 """
 from __future__ import annotations
 
@@ -73,11 +74,14 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         span[0], span[1] = min(span[0], pos), max(span[1], last)
     out: list[tuple[int, int, float]] = []
     early: dict[tuple, int] = {}   # (var, target, phase) -> where its gather bucket runs (metadist_core.gathers)
+    before = None   # where the bucket before runs: the program issues this one there (prefetch)
     for bucket in gather_buckets(problem, choice):
         at = bucket[0].first
         for g in bucket:
             early[(g.var, g.key[2], g.key[3])] = at
-        out.append((at, at, float(sum(g.gathered + g.local for g in bucket))))   # the flat buffers
+        # the flat buffers (the pieces sent and the gathered whole), from the issue to the wait
+        out.append((at if before is None else min(before, at), at, float(sum(g.gathered + g.local for g in bucket))))
+        before = at
     reduced: list[tuple[int, int, float, str, int]] = []   # bucketed all_reduces: (issue, end, bytes, dtype, copies)
     for v, info in problem.vars.items():
         if info["shape"] is None or v not in src_sh:

@@ -18,9 +18,14 @@ the measured one:
   their first reader (the torch lowering defers their wait), so they overlap with
   the compute in between: gradients with the rest of the backward, as DDP does.
   One collective runs at a time per mesh axis;
+- an asynchronous collective (those above, and a prefetched bucket of gathers) slows the compute
+  beside it by the part of its time the device does not hide (``problem.device.overlap``, measured
+  on the live ranks: about 0 for gloo ranks sharing cores, whose collectives need those cores;
+  1, the default, where the link has its own engine);
 - the other collectives run where their first reader is, and the compute waits;
   the all_gathers of graph inputs run in buckets (:mod:`metadist_core.gathers`),
-  one collective per bucket where its first member's reader is.
+  one collective per bucket, the first where its first member's reader is and each later one as
+  the program waits for the one before (FSDP's prefetch), so that it overlaps those readers' compute.
 
 :func:`priced_collectives` lists the collectives priced, one per (value, target, phase),
 in the order the lowering issues them (kind, axis, bytes): the lowering's list
@@ -102,21 +107,62 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     buckets: list[list[str]] = []             # the values of each bucket, as they run
     stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "exposed": 0.0, "gather_buckets": 0}
 
-    def run_comm(c: Collective, start: float) -> float:
+    hidden = min(1.0, max(0.0, float(getattr(getattr(problem, "device", None), "overlap", 1.0))))
+    busy: list[tuple[float, float]] = []   # (start, end) of the asynchronous collectives not over yet
+
+    idle = [0.0]   # where the compute stream last stopped waiting
+
+    def contend(start: float, end: float) -> None:
+        """An asynchronous collective running from ``start`` to ``end``: compute at that time is slowed. One
+        that started in the past (a gradient bucket found full only when the next gradient came) slowed the
+        compute that ran since: that is charged now, and the rest of it runs that much later."""
+        nonlocal t
+        if hidden >= 1.0 or end <= start:
+            return
+        past = max(0.0, min(end, t) - max(start, idle[0]))
+        debt = (1.0 - hidden) * past
+        if end > t:
+            busy.append((t + debt, end + debt))
+        t += debt
+
+    def work(d: float) -> None:
+        """Advance the compute stream by ``d`` seconds of compute: at full speed where no asynchronous
+        collective runs, at ``hidden`` of it where one does (``DeviceSpec.overlap``: 0 where the
+        collective needs the cores the compute runs on; time the compute waits costs nothing more)."""
+        nonlocal t
+        busy[:] = [b for b in busy if b[1] > t]
+        for s, e in _union(busy):
+            s = max(s, t)
+            if s >= t + d:
+                break
+            d -= s - t                        # full speed up to the collective
+            if hidden > 0 and (e - s) * hidden >= d:
+                t = s + d / hidden
+                return
+            d -= (e - s) * hidden
+            t = e
+        t += d
+
+    def run_comm(c: Collective, start: float, asynchronous: bool = False) -> float:
         s = max(start, axis_free[c.axis])
         axis_free[c.axis] = s + c.cost
         stats["comm"] += c.cost
+        if asynchronous:
+            contend(s, s + c.cost)
         return s + c.cost
 
     caps = {"all_reduce": bucket, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
 
-    def run_bucket(kind: str, axis: int, nbytes: int, start: float, members: list, counter: str) -> None:
+    def run_bucket(kind: str, axis: int, nbytes: int, start: float, members: list, counter: str,
+                   asynchronous: bool = True) -> None:
         """One ``kind`` collective for a whole bucket on ``axis``: its members are there when it ends."""
         cost = collective_cost(kind, nbytes, mesh.shape[axis], *mesh.link(axis, kind))
         s = max(start, axis_free[axis])
         axis_free[axis] = s + cost
         stats["comm"] += cost
         stats[counter] += 1
+        if asynchronous:
+            contend(s, s + cost)
         for k in members:
             done[k] = s + cost
 
@@ -155,14 +201,27 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         if all(c.kind in ("all_reduce", "reduce_scatter") for c in colls):   # deferred wait: issued at the producer
             at = ready.get(var, 0.0)
             for c in colls:
-                at = run_comm(c, at)
+                at = run_comm(c, at, asynchronous=True)
             done[key] = at
         else:
             done[key] = None                                 # runs where its first reader is
 
     pending_members: dict[tuple, tuple] = {}
     after: dict[tuple, list] = {}   # the collectives of an edge after its bucketed one
-    gather_of = {g.key: b for b in gather_buckets(problem, choice) for g in b}   # metadist_core.gathers
+    gather_seq = gather_buckets(problem, choice)   # metadist_core.gathers, in the order the program runs them
+    gather_of = {g.key: i for i, b in enumerate(gather_seq) for g in b}
+    gathered: set[int] = set()
+
+    def run_gathers(i: int) -> None:
+        """Bucket ``i`` of input gathers where its first member's reader is (unless issued already), and
+        bucket ``i + 1`` with it: the lowering issues the next bucket as this one is waited for
+        (metadist_torch.schedule.prefetch_gathers, FSDP's prefetch), so it runs while these ops compute."""
+        for j in (i, i + 1):
+            if j < len(gather_seq) and j not in gathered:
+                gathered.add(j)
+                members = gather_seq[j]
+                run_bucket("all_gather", members[0].axis, sum(g.nbytes for g in members), t,
+                           [g.key for g in members], "gather_buckets", asynchronous=j > i)
 
     def wait(var: str, e: Any) -> None:
         nonlocal t
@@ -176,12 +235,11 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         if key in after:   # async ones start as the bucket ends; the others where the reader is
             at = done[key]
             for c in after.pop(key):
-                at = run_comm(c, at if c.kind in ("all_reduce", "reduce_scatter") else max(at, t))
+                early = c.kind in ("all_reduce", "reduce_scatter")
+                at = run_comm(c, at if early else max(at, t), asynchronous=early)
             done[key] = at
-        if done.get(key) is None and key in gather_of:       # a bucket of input gathers: one collective
-            members = gather_of[key]
-            run_bucket("all_gather", members[0].axis, sum(g.nbytes for g in members), t,
-                       [g.key for g in members], "gather_buckets")
+        if key in gather_of:   # a bucket of input gathers, one collective (unless prefetched), and the next
+            run_gathers(gather_of[key])
         if done.get(key) is None:                            # synchronous: the compute runs it
             at = t
             for c in e.collectives:
@@ -190,7 +248,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             done[key] = at
         if done[key] > t:
             stats["exposed"] += done[key] - t
-            t = done[key]
+            t = idle[0] = done[key]
 
     ops = [n for n in problem.nodes if n.kind == "op"]
     # the lowering issues each all_reduce right after its input exists: walk producers first
@@ -206,7 +264,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     for n in ops:
         for slot, v in enumerate(n.inputs):
             wait(v, incoming.get((n.id, slot)))
-        t += comp_of[n.id]
+        work(comp_of[n.id])
         stats["compute"] += comp_of[n.id]
         for v in n.outputs:
             ready[v] = t
@@ -217,9 +275,20 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     for bk in list(pending):
         flush(bk)
     end = max([t] + axis_free)
-    stats["exposed"] += end - t
+    stats["exposed"] = end - stats["compute"]   # what the compute waited, and the slowdown beside collectives
     return Prediction(end, stats["compute"], stats["comm"], stats["exposed"], int(stats["bytes"]), stats["n"],
                       stats["buckets"], {"gather_buckets": stats["gather_buckets"], "buckets": buckets})
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of time spans, as disjoint spans in order."""
+    out: list[list[float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
 
 
 def buckets_latency(nbytes: list[int], bucket_bytes: int) -> int:

@@ -156,8 +156,9 @@ def profile_from_samples(samples: Sequence[dict], nodes: int, devices_per_node: 
 
 #: bumped when the way a profile is measured changes: older cached profiles are measured again
 #: (2: messages up to 16 MiB, so that bandwidth shows beside the latency; 3: device rates measured by all
-#: ranks at once; 4: the memory rate by bytes moved, DeviceSpec.mem_curve)
-MEASURE_VERSION = 4
+#: ranks at once; 4: the memory rate by bytes moved, DeviceSpec.mem_curve; 5: how much of an asynchronous
+#: collective the compute beside it hides, DeviceSpec.overlap)
+MEASURE_VERSION = 5
 
 
 def profile_key(world_size: int, device_kind: str, host: str | None = None) -> dict:

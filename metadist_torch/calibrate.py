@@ -243,6 +243,52 @@ def _measure_kinds(group, n: int, dev, work, base: float, iters: int, sync, beta
     return kinds, [{"kind": k, "n": nn, "nbytes": b, "seconds": v} for k, nn, b, v in flat]
 
 
+#: float32 elements of the all_reduce whose overlap with compute is timed (4 MiB: a gradient bucket's size)
+OVERLAP_ELEMENTS = 1 << 20
+
+
+def measure_overlap(group, dev, work, iters: int, sync) -> float:
+    """The fraction of an asynchronous all_reduce's time that ``work`` (compute) running beside it hides on
+    this process group (``DeviceSpec.overlap``): the compute alone, the all_reduce alone, then the
+    all_reduce started, the compute run and the all_reduce waited for, as the lowering runs a gradient
+    bucket; ``(compute + all_reduce - both) / min(compute, all_reduce)``, clamped to [0, 1], from the
+    slowest rank's medians. On 4 gloo ranks sharing 2 cores both together took as long as one after the
+    other, or longer (the collective needs the cores the compute runs on): 0. NCCL on a GPU runs the
+    collective on its own stream: near 1."""
+    import torch
+    import torch.distributed as dist
+    from .collectives import _group_name, _ops
+    ops, name = _ops(), _group_name(group)
+    x = torch.ones(OVERLAP_ELEMENTS, dtype=torch.float32, device=dev)
+
+    def comm():
+        ops.wait_tensor(ops.all_reduce(x, "sum", name))
+
+    def barrier():
+        dist.barrier(group=group)
+
+    def timed(fn) -> float:   # the slowest rank's median
+        t = torch.tensor([_time(fn, iters, sync, before=barrier)], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
+    # as much compute as the all_reduce takes (else the smaller one's noise is all the figure says)
+    reps = max(1, min(200, round(timed(comm) / max(timed(work), 1e-7))))
+
+    def compute():
+        for _ in range(reps):
+            work()
+
+    def both():
+        pending = ops.all_reduce(x, "sum", name)
+        compute()
+        ops.wait_tensor(pending)
+    fractions = []
+    for _ in range(3):   # the median of three measurements
+        tc, tm, tb = timed(compute), timed(comm), timed(both)
+        fractions.append(min(1.0, max(0.0, (tc + tm - tb) / max(min(tc, tm), 1e-9))))
+    return statistics.median(fractions)
+
+
 def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7) -> MeshProfile:
     """Alpha/beta of every axis of ``mesh`` on the engine's live process groups, and the device's
     rates, as a profile (``cached`` grows by this mesh when given). Every rank calls it; every rank gets
@@ -281,6 +327,12 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
             entry["kinds"] = kinds
             samples += [{"level": f"axis{axis}", **m} for m in more]
         axes.append(entry)
+    # how much of an asynchronous collective the compute beside it hides, on the widest axis
+    wide = max(range(len(groups)), key=lambda a: mesh.shape[a], default=None)
+    hidden = 1.0
+    if wide is not None and mesh.shape[wide] > 1:
+        a = torch.randn(192, 192, device=dev)
+        hidden = measure_overlap(groups[wide], dev, lambda: [a @ a for _ in range(8)], iters, sync)
     rates = measure_device_rates(iters=3, before=dist.barrier, window=LIVE_WINDOW)
     low = sorted(rates["flops_by_dtype"])
     curve = rates["mem_curve"]
@@ -289,7 +341,8 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     dist.all_reduce(vec, op=dist.ReduceOp.MIN)   # the slowest rank sets the pace
     device_spec = DeviceSpec(f"measured-{dev.type}", float(vec[0]), float(vec[1]), op_overhead=float(-vec[2]),
                              flops_by_dtype={k: float(vec[3 + i]) for i, k in enumerate(low)},
-                             mem_curve=[(b, float(vec[3 + len(low) + i])) for i, (b, _) in enumerate(curve)])
+                             mem_curve=[(b, float(vec[3 + len(low) + i])) for i, (b, _) in enumerate(curve)],
+                             overlap=hidden)
     shape_key = "x".join(map(str, mesh.shape))
     if cached is not None:
         prof = MeshProfile.from_json(cached.to_json())

@@ -2,8 +2,8 @@
 
 All_reduces and reduce_scatters (and their buckets) start asynchronously through the raw
 ``torch.ops._c10d_functional`` ops and return a :class:`Pending`; :func:`md_done` waits for one where
-the rank program first reads it (:mod:`metadist_torch.schedule`). All_gathers and all_to_alls wait at
-once. Uneven splits pad to ``torch.chunk``'s chunk size and cut the padding off again; gloo has no AVG,
+the rank program first reads it (:mod:`metadist_torch.schedule`); so do buckets of parameter
+all_gathers, which the program issues one bucket ahead. Other all_gathers and all_to_alls wait at once. Uneven splits pad to ``torch.chunk``'s chunk size and cut the padding off again; gloo has no AVG,
 so ``avg`` is the sum divided by the axis size. :mod:`metadist_torch.lower` calls these from the
 rank program it builds.
 """
@@ -57,15 +57,26 @@ class Pending:
     def __getitem__(self, i: int) -> "_Member":
         return _Member(self, i)
 
+    def take(self, i: int) -> Any:
+        """Member ``i`` of a bucket's result, given up by the bucket where the result is a list (a gather
+        bucket's members are tensors of their own: each dies after its own last reader, not the bucket's)."""
+        out = self.wait()
+        v = out[i]
+        if isinstance(out, list):
+            out[i] = None
+        return v
+
 
 class _Member:
-    __slots__ = ("bucket", "i")
+    __slots__ = ("bucket", "i", "_v")
 
     def __init__(self, bucket: Pending, i: int) -> None:
-        self.bucket, self.i = bucket, i
+        self.bucket, self.i, self._v = bucket, i, None
 
     def wait(self) -> torch.Tensor:
-        return self.bucket.wait()[self.i]
+        if self.bucket is not None:
+            self._v, self.bucket = self.bucket.take(self.i), None
+        return self._v
 
 
 def md_done(p: Any) -> Any:
@@ -104,8 +115,8 @@ def _send(x: torch.Tensor, wire: torch.dtype | None, divide: int = 1) -> tuple[t
 class AxisComm:
     """The collectives of one mesh axis for this rank, run on tensors: group, size and coordinate on it.
 
-    All_reduces and reduce_scatters (and their buckets) start asynchronously: ``start_*`` returns a
-    :class:`Pending`; the plain methods wait at once. The others are synchronous."""
+    All_reduces and reduce_scatters (and their buckets) and all_gather buckets start asynchronously:
+    ``start_*`` returns a :class:`Pending`; the plain methods wait at once. The others are synchronous."""
 
     def __init__(self, axis: int, group: Any, n: int, coord: int, stats: CommStats) -> None:
         self.axis, self.group, self.n, self.coord, self.stats = axis, group, n, coord, stats
@@ -171,21 +182,34 @@ class AxisComm:
             return y
         return compressed(x, wire, run)
 
-    def all_gather_bucket(self, xs: Sequence[torch.Tensor], dims: Sequence[int],
-                          sizes: Sequence[Sequence[int]]) -> tuple:
+    def start_all_gather_bucket(self, xs: Sequence[torch.Tensor], dims: Sequence[int],
+                                sizes: Sequence[Sequence[int]]) -> Pending:
         """Several all_gathers as one call on a flat buffer: each piece padded to its chunk, flattened and
         concatenated; the gathered buffer is cut back into each member's pieces, concatenated along its
-        ``dims[i]`` (member ``i``'s ranks hold ``sizes[i]`` of it). Same values as one all_gather each."""
-        padded = [_pad(x, d, max(s)).contiguous() for x, d, s in zip(xs, dims, sizes)]
-        y = self._gather_raw(torch.cat([p.reshape(-1) for p in padded])).view(self.n, -1)
-        outs, off = [], 0
-        for p, d, s in zip(padded, dims, sizes):
-            k = p.numel()
-            pieces = y[:, off:off + k].reshape(self.n, *p.shape)
-            outs.append(torch.cat([pieces[i].narrow(d, 0, c) for i, c in enumerate(s) if c], dim=d))
-            off += k
-        self.stats.add("all_gather", sum(_nbytes(o) for o in outs), calls=len(xs))
-        return tuple(outs)
+        ``dims[i]`` (member ``i``'s ranks hold ``sizes[i]`` of it). Same values as one all_gather each.
+        Started here, cut when waited for: the rank program issues the next bucket while the ops reading
+        this one run (:func:`metadist_torch.schedule.prefetch_gathers`, FSDP's prefetch)."""
+        padded = [_pad(x, d, max(s)) for x, d, s in zip(xs, dims, sizes)]
+        shapes = [p.shape for p in padded]
+        flat = torch.cat([p.reshape(-1) for p in padded])
+        del padded
+        raw = _ops().all_gather_into_tensor(flat, self.n, self.gname)
+
+        def post(y: torch.Tensor) -> tuple:
+            y = y.view(self.n, -1)
+            outs, off = [], 0
+            for shape, d, s in zip(shapes, dims, sizes):
+                k = math.prod(shape)
+                pieces = y[:, off:off + k].reshape(self.n, *shape)
+                outs.append(torch.cat([pieces[i].narrow(d, 0, c) for i, c in enumerate(s) if c], dim=d))
+                off += k
+            self.stats.add("all_gather", sum(_nbytes(o) for o in outs), calls=len(outs))
+            return outs   # a list: Pending.take hands each member over
+        return Pending(raw, post)
+
+    def all_gather_bucket(self, xs: Sequence[torch.Tensor], dims: Sequence[int],
+                          sizes: Sequence[Sequence[int]]) -> tuple:
+        return tuple(self.start_all_gather_bucket(xs, dims, sizes).wait())
 
     def start_reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int,
                              wire: torch.dtype | None = None) -> Pending:

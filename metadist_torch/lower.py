@@ -54,7 +54,8 @@ SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "_res
                            "expand_copy", "_reshape_alias", "slice_backward", "select_backward"})
 DTYPE_META = "metadist_dtype"   # fx node meta: the canonical dtype of the value a node holds
 VAR_META = "metadist_var"       # fx node meta: the MetaIR value a node holds (a collective's: the value it moves)
-ASYNC_KINDS = frozenset({"all_reduce", "reduce_scatter", "all_reduce_bucket", "reduce_scatter_bucket"})
+ASYNC_KINDS = frozenset({"all_reduce", "reduce_scatter", "all_reduce_bucket", "reduce_scatter_bucket",
+                         "all_gather_bucket"})
 WIRE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})   # take a wire dtype
 
 
@@ -253,7 +254,9 @@ def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], 
 
     A gather counts when its input is a placeholder and only ops read its result (an edge of exactly one
     all_gather, what :func:`metadist_core.gathers.gathers` finds in the plan). Each bucket of two or more
-    runs as one :meth:`AxisComm.all_gather_bucket` where its first member was. Returns the buckets made.
+    runs as one :meth:`AxisComm.start_all_gather_bucket` where its first member was, each member's value an
+    ``md_done`` of it (:func:`metadist_torch.schedule.prefetch_gathers` then issues each bucket while the one
+    before it is read). Returns the buckets made (the members' values).
     """
     def only_ops_read(n: fx.Node) -> bool:
         return all(u.op == "call_function" and not getattr(u.target, "__name__", "").startswith("md_")
@@ -267,8 +270,10 @@ def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], 
         with g.inserting_before(b[0]):
             call = g.call_function(bucket_fn(gathers[b[0]][0]), ([m.args[0] for m in b], [m.args[1] for m in b],
                                                                    [m.args[2] for m in b]))
-            outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(b))]
-        for m, o in zip(b, outs):
+            items = [g.call_function(operator.getitem, (call, i)) for i in range(len(b))]
+            outs = [g.call_function(md_done, (it,)) for it in items]
+        for m, it, o in zip(b, items, outs):
+            it.meta.update(m.meta)
             o.meta.update(m.meta)
             m.replace_all_uses_with(o)
             g.erase_node(m)
@@ -349,7 +354,7 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
         inplace = reinplace_updates(g, [(inputs[v], n_out + i) for i, v in enumerate(state_inputs)], range(n_out),
                                     layout)
         write_state_in_place(g, [inputs[v] for v in state_inputs], n_out)
-    from .schedule import issue_early
+    from .schedule import issue_early, prefetch_gathers
 
     def numel(n: fx.Node) -> int | None:
         v = n.meta.get(VAR_META)
@@ -357,6 +362,7 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     # all_reduces issued as soon as their input exists (a loss's token count: at the start), waited for at their
     # first reader (one only the outputs read: at the end)
     issue_early(g, numel)
+    prefetch_gathers(g)   # the next bucket of parameters gathered while the ops reading this one run
     n_coll = sum(1 for _, c in res.collectives if not c.is_free)
     rg = RankGraph(fx.GraphModule(torch.nn.Module(), g), list(graph.inputs), output_vars, state_inputs, stats,
                    n_coll)

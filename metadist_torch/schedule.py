@@ -24,6 +24,7 @@ from .reinplace import input_aliases
 
 SMALL = 1 << 16   # elements: what hoist_input_chains may make and sink_to_outputs may keep alive longer
 HOIST_OPS = 8     # ops at most in a chain hoist_input_chains moves
+GATHER_PREFIX = "md_all_gather_bucket_axis"   # issued one bucket ahead (prefetch_gathers), not as early as it can
 ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_scatter_axis",
                   "md_reduce_scatter_bucket_axis")
 
@@ -163,4 +164,32 @@ def issue_early(g: fx.Graph, numel: Callable[[fx.Node], int | None] | None = Non
     return moved
 
 
-__all__ = ["issue_early", "hoist_input_chains", "sink_to_outputs", "md_wait", "is_async", "is_done"]
+def is_gather_bucket(node: fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "").startswith(GATHER_PREFIX)
+
+
+def prefetch_gathers(g: fx.Graph) -> int:
+    """Issue each bucket of parameter all_gathers (:func:`metadist_torch.lower.coalesce_all_gathers`) just
+    before the program waits for the bucket before it, as FSDP prefetches the next block's parameters: it
+    is gathered while the ops reading the one before compute, at the price of one more bucket held.
+    Buckets keep their order (the same on every rank). Run after :func:`issue_early`, which puts each
+    ``md_done`` at its first reader. Returns how many buckets moved."""
+    calls = [n for n in g.nodes if is_gather_bucket(n)]
+    moved = 0
+    for prev, nxt in zip(calls, calls[1:]):
+        order = {n: i for i, n in enumerate(g.nodes)}
+        waits = [d for it in prev.users for d in it.users if is_done(d)]
+        if not waits:
+            continue
+        at = min(waits, key=lambda n: order[n])
+        if order[at] >= order[nxt] or any(order[a] >= order[at] for a in nxt.all_input_nodes):
+            continue
+        items = sorted((u for u in nxt.users if u.op == "call_function" and u.target is operator.getitem),
+                       key=lambda n: order[n])
+        for n in [nxt] + items:
+            at.prepend(n)
+        moved += 1
+    return moved
+
+
+__all__ = ["issue_early", "prefetch_gathers", "is_gather_bucket", "hoist_input_chains", "sink_to_outputs", "md_wait", "is_async", "is_done"]

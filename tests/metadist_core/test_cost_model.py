@@ -281,6 +281,8 @@ def test_memory_rate_follows_the_measured_curve():
     assert DeviceSpec.from_json(dev.to_json()) == dev
     flat = DeviceSpec("toy", 1e12, 5e9)
     assert flat.bandwidth_for(1e9) == 5e9 and DeviceSpec.from_json(flat.to_json()) == flat
+    shared = DeviceSpec("toy", 1e12, 5e9, overlap=0.0)   # measured: collectives need the compute's cores
+    assert flat.overlap == 1.0 and DeviceSpec.from_json(shared.to_json()).overlap == 0.0
 
 
 # -- collective kinds priced apart (Mesh.links, measured by metadist_torch.calibrate) ------------------

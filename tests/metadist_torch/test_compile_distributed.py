@@ -110,7 +110,16 @@ def _random_solver(seed):
 
 
 def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_budget=None, expect_sharded=False,
-           retrace=False, checkpoint=False, all_in_place=False):
+           retrace=False, checkpoint=False, all_in_place=False, min_gather_buckets=0, env=None, **options):
+    from unittest import mock
+    with mock.patch.dict(os.environ, env or {}):
+        _check_in(name, mod, cfg, mesh, errors, report, random_seed=random_seed, memory_budget=memory_budget,
+                  expect_sharded=expect_sharded, retrace=retrace, checkpoint=checkpoint, all_in_place=all_in_place,
+                  min_gather_buckets=min_gather_buckets, **options)
+
+
+def _check_in(name, mod, cfg, mesh, errors, report, *, random_seed, memory_budget, expect_sharded, retrace,
+              checkpoint, all_in_place, min_gather_buckets, **options):
     import torch
     from metadist_torch import metadist_compile
     batches = [mod.batch(cfg, s) for s in range(STEPS)]
@@ -120,7 +129,7 @@ def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_bud
     losses_ref = [float(mod.train_step(model_ref, opt_ref, *b)) for b in batches]
     model, opt = mod.build(cfg)
     if random_seed is None:
-        step = metadist_compile(mesh=mesh, memory_budget=memory_budget)(mod.train_step)
+        step = metadist_compile(mesh=mesh, memory_budget=memory_budget, **options)(mod.train_step)
     else:  # a plan of random strategies, from a solver plugin registered here
         pm, solver = _random_solver(random_seed)
         step = metadist_compile(mesh=mesh, memory_budget=memory_budget, solver=solver, plugins=pm)(mod.train_step)
@@ -140,6 +149,9 @@ def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_bud
                      checkpoint_id=str(Path(os.environ["MD_TEST_OUT"]).parent / f"ckpt-{name}"))
         except Exception as e:  # pragma: no cover - reported by the test
             errors.append(f"{name}: torch.distributed.checkpoint.save failed: {type(e).__name__}: {e}")
+    buckets = step.runnable.lowered.gather_buckets
+    if len(buckets) < min_gather_buckets:
+        errors.append(f"{name}: {len(buckets)} gather buckets, expected at least {min_gather_buckets}")
     written = step.runnable.lowered.state_inputs
     inplace = step.runnable.inplace_updates
     tensors = [v for v in written if step.graph.vars[v].numel > 1]   # not the (merged) 0-d step counters
@@ -298,6 +310,9 @@ def worker() -> int:
         _check(f"gpt-vocab97@{tag}", gpt, gpt.GPTConfig(vocab=97, **gpt_small), mesh, errors, report)
     if world == 2:  # dropout runs replicated; every rank draws what the single-device step draws
         _check("gpt-dropout@2", gpt, gpt.GPTConfig(vocab=64, dropout=0.1, **gpt_small), (2,), errors, report)
+        # ZeRO-3 in 10 KiB gather buckets: each bucket of parameters is gathered while the one before is read
+        _check("gpt-zero3-prefetch@2", gpt, gpt.GPTConfig(vocab=64, **{**gpt_small, "layers": 2}), (2,), errors,
+               report, strategy="zero3", env={"METADIST_SHARD_BUCKET_MB": "0.01"}, min_gather_buckets=3)
         _check_custom_op(errors, report)
     gathered = [None] * world
     dist.all_gather_object(gathered, errors)

@@ -23,7 +23,7 @@ from metadist_core.pipeline import plan_graph  # noqa: E402
 from metadist_core.placement import Mesh  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
-from metadist_torch.schedule import is_async, is_done  # noqa: E402
+from metadist_torch.schedule import is_async, is_done, is_gather_bucket  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,6 +96,14 @@ def test_lowered_gather_buckets_are_the_planned_ones(traced, mesh_shape):
         rg = lower_plan(tr.graph, plan, mesh, coords=coords, groups=None, bucket_bytes=s.bucket_bytes,
                         shard_bucket_bytes=s.shard_bucket_bytes)
         assert rg.gather_buckets == [[g.var for g in b] for b in planned]
+        # each bucket after the first is issued before the program waits for the one before it (prefetch)
+        nodes = list(rg.gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        calls = [n for n in nodes if is_gather_bucket(n)]
+        assert len(calls) == len(planned)
+        for prev, nxt in zip(calls, calls[1:]):
+            waits = [pos[d] for it in prev.users for d in it.users if is_done(d)]
+            assert waits and pos[prev] < pos[nxt] < min(waits), (prev.name, nxt.name)
         lowered = [(v, c.kind, c.axis, c.nbytes) for v, c in rg.collectives]
         assert sorted(lowered) == sorted((v, c.kind, c.axis, c.nbytes) for v, c in priced_collectives(plan))
     unbucketed = predict(plan, dataclasses.replace(problem, shard_bucket_bytes=None))
@@ -192,6 +200,27 @@ def test_a_gradient_reduced_over_two_axes_is_bucketed_as_the_lowering_buckets_it
                         first_bucket_bytes=problem.first_bucket_bytes)
         assert rg.reduce_buckets == [b for b in pr.details["buckets"] if len(b) > 1]
         assert bool(rg.reduce_buckets) == bool(shard_mb), rg.reduce_buckets
+
+
+def test_collectives_the_device_cannot_hide_slow_the_compute_beside_them(traced):
+    """DeviceSpec.overlap: the part of an asynchronous collective's time the compute beside it hides. Where it
+    is 0 (4 gloo ranks sharing 2 cores: measure_overlap found an all_reduce and compute together as slow as
+    one after the other), DDP's and ZeRO-3's gradient buckets and prefetched gathers overlap nothing, and the
+    step is its compute plus its communication; where it is 1 the backward hides them."""
+    fe, tr = traced
+    mesh = Mesh((2,), alpha=[1e-6], beta=[1e-11])   # links cheap against compute: there is compute to hide in
+    for strategy in ("ddp", "zero3"):
+        s = load_settings(progress=False, strategy=strategy, bucket_mb=0.004, first_bucket_mb=0.004,
+                          shard_bucket_mb=0.01)   # buckets that run during the backward
+        res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh), shard_buckets=True)
+        steps = {}
+        for hidden in (0.0, 0.5, 1.0):
+            problem = dataclasses.replace(res.problem, device=dataclasses.replace(res.problem.device, overlap=hidden))
+            steps[hidden] = pr = predict(res.plan, problem)
+            assert pr.comm > 0
+        serial = steps[0.0].compute + steps[0.0].comm
+        assert steps[0.0].step == pytest.approx(serial, rel=1e-9), strategy
+        assert steps[1.0].step < steps[0.5].step < serial, strategy
 
 
 @pytest.mark.parametrize("strategy,shape", [("tp", (2,)), ("tp+dp", (2, 2))])
