@@ -39,7 +39,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from unittest import mock  # noqa: E402
 
-import numpy as np  # noqa: E402
 
 from ._common import timed, write_results  # noqa: E402
 

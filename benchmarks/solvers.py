@@ -25,7 +25,6 @@ import logging
 import time
 from pathlib import Path
 
-import numpy as np
 
 from metadist_core.coarsen import coarsen
 from metadist_core.constraints import Pin, apply_constraints
@@ -37,7 +36,7 @@ from metadist_core.build import build_problem
 from metadist_core.pipeline import op_costs
 from metadist_core.profile import load_profile
 
-from ._common import RESULTS, fmt, timed, write_results
+from ._common import RESULTS, timed, write_results
 from .synthetic_gpt2 import Gpt2Graph, build_gpt2
 from .synthetic_rules import synthetic_rulebook
 

@@ -33,7 +33,6 @@ must be the same (a test checks it).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 

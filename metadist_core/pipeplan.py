@@ -49,7 +49,6 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
 
     ops = forward_ops(graph)
     core, pos = positions(graph, ops)
-    at = {i: k for k, i in enumerate(core)}
     index = {nd.id: j for j, nd in enumerate(problem.nodes)} if problem is not None else {}
     edge_cost: dict[str, float] = {}
     for e in getattr(plan, "edges", []):

@@ -12,7 +12,7 @@ Uneven splits follow ``torch.chunk``: every device but the last few holds
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence, Union
 
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Iterable
+from typing import Any
 
 import pluggy
 

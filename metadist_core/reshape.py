@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from .placement import Partial, Placement, Replicate, Shard, chunk_bounds, chunk_sizes
+from .placement import Placement, Shard, chunk_bounds
 
 
 def dim_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[list[int], list[int]]]:

@@ -9,7 +9,7 @@ collective sequences of the cost model) without any framework.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import numpy as np
 

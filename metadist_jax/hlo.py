@@ -10,7 +10,6 @@ group size). Shapes in a partitioned module are per device already.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}

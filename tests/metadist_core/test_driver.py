@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from metadist_core import cli, planonly
-from metadist_core.frontend import Frontend, Traced
+from metadist_core.frontend import Frontend
 from metadist_core.hookspecs import hookimpl
 from metadist_core.pipeline import CompiledStep, compile_step
 from metadist_core.config import load_settings

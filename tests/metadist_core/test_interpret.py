@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 
 from metadist_core.interpret import Collectives, PlanError, interpret
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.placement import Mesh, Partial, Shard, Sharding
 from metadist_core.plan import ShardingPlan
 from metadist_core.build import build_problem
 from metadist_core.reference import GraphBuilder, run_graph, run_local
 from metadist_core.rules import RuleBook
-from metadist_core.simulate import SimCollectives, assemble, devices, distribute, simulate
+from metadist_core.simulate import SimCollectives, assemble, devices, distribute
 
 
 class Counting(SimCollectives):

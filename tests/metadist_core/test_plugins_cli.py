@@ -1,7 +1,6 @@
 import logging
 import shutil
 import subprocess
-import sys
 from importlib import metadata
 
 import pytest

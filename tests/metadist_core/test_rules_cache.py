@@ -1,11 +1,10 @@
 import json
 import logging
 
-import numpy as np
 import pytest
 
 from metadist_core.discover import discover
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.placement import Mesh, Partial, Replicate, Shard
 from metadist_core.plugins import PluginManager
 from metadist_core.reference import transformer_block
 from metadist_core.rules import CACHE_FILE, CACHE_VERSION, OpRules, RuleBook, ShardingRule, expand_rules

@@ -1,6 +1,5 @@
 """ShardCombine on the numpy reference ops: every rule found is right, the known rules are found,
 and wrong rules are rejected even where a single draw would let them through."""
-import itertools
 import math
 
 import numpy as np

@@ -10,7 +10,7 @@ from metadist_core.plugins import PluginManager
 from metadist_core.build import build_problem
 from metadist_core.reference import run_graph, run_local, transformer_block
 from metadist_core.rules import OpRules, RuleBook, ShardingRule
-from metadist_core.simulate import SimulationError, assemble, distribute, simulate
+from metadist_core.simulate import assemble, distribute, simulate
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ jax = pytest.importorskip("jax")
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from metadist_core.cost import Collective  # noqa: E402
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding  # noqa: E402
+from metadist_core.placement import Partial, Replicate, Shard, Sharding  # noqa: E402
 from metadist_core.simulate import apply_collective as sim_apply, devices  # noqa: E402
 from metadist_jax.engine import resolve_mesh  # noqa: E402
 from metadist_jax.lower import apply_collective, partition_spec  # noqa: E402

@@ -2,7 +2,6 @@
 all_to_all the lowering runs are timed and fitted on their own, with a one-element all_reduce, and every rank
 gets the same figures; the profile's mesh then prices each kind with its own figures."""
 import json
-import os
 
 import pytest
 

@@ -120,7 +120,6 @@ def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_bud
 
 def _check_in(name, mod, cfg, mesh, errors, report, *, random_seed, memory_budget, expect_sharded, retrace,
               checkpoint, all_in_place, min_gather_buckets, **options):
-    import torch
     from metadist_torch import metadist_compile
     batches = [mod.batch(cfg, s) for s in range(STEPS)]
     if retrace:  # a new input shape mid-run: traced and planned again, state moved if the plan stores it otherwise

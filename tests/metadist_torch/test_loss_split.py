@@ -98,7 +98,7 @@ def _worker(rank: int, store: str, rules: str, q) -> None:
                        if c.kind == "all_gather" and tuple(g.vars[v].shape) == big and v not in g.outputs)
         q.put((rank, [o.detach().numpy() for o in outs[:2]], kinds, plan.var_shardings[nll.outputs[0]] == psum))
         dist.destroy_process_group()
-    except Exception as e:   # report, never hang the parent
+    except Exception:   # report, never hang the parent
         import traceback
         q.put((rank, traceback.format_exc(), None, None))
 

@@ -10,8 +10,6 @@ examples, and of the op classes that convenient data used to fool.
 """
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +122,7 @@ def check_rule(spec, rule: ShardingRule, n: int, rng: np.random.Generator, out_s
             try:
                 with np.errstate(all="ignore"):
                     if spec.reshape_fn is not None:
-                        p_in, p_out = rule.inputs[0], rule.outputs[0]
+                        p_out = rule.outputs[0]
                         target = list(out_shapes[0])
                         if isinstance(p_out, Shard):
                             target[p_out.dim] = chunk(np.empty(out_shapes[0][p_out.dim]), 0, n)[r].shape[0]

@@ -62,7 +62,6 @@ def _layout(name, step, errors, report):
     from metadist_core.presets import preset_constraints
     plan, graph, prob = step.plan, step.graph, step.problem
     R2, S0 = Sharding((Replicate(), Replicate())), Sharding((Shard(0), Shard(0)))
-    sh = plan.input_shardings
     params = [v for v in graph.inputs if graph.vars[v].role == "parameter"]
     states = [v for v in graph.inputs if graph.vars[v].role == "optimizer_state" and graph.vars[v].ndim]
     batch = [v for v in graph.inputs if graph.vars[v].role == "input"]
