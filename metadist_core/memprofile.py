@@ -109,7 +109,9 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
                 b = float(local_bytes(info["shape"], info["dtype"], colls[step].after, problem.mesh))
                 src_b = float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))
                 held = 0.0 if info.get("view") else src_b   # a view's partial sum is its base's bytes
-                reduced.append((at, span[1], b, info["dtype"], copies, kind, src_b, held))   # joins a bucket
+                # joins a bucket: the lowering's are per kind, mesh axis, reduce op and dtype
+                group = (colls[step].axis, colls[step].reduce, info.get("comm_dtype", info["dtype"]))
+                reduced.append((at, span[1], b, group, copies, kind, src_b, held))
             else:
                 out.append((at, span[1], b))
     caps = {"all_reduce": problem.bucket_bytes, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
@@ -137,8 +139,8 @@ def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> 
             out.extend([(start, at, held), (at, end, b)])
         if copies:   # the concatenation and the result (held as the members from here on)
             out.append((at, at, src_total + total * (copies - 2)))
-    for start, end, b, dtype, copies, kind, sb, held in sorted(reduced):
-        key = (kind, dtype, copies)   # the lowering buckets per kind, reduce op and dtype
+    for start, end, b, group, copies, kind, sb, held in sorted(reduced, key=lambda r: r[:3]):
+        key = (kind, group, copies)   # the lowering buckets per kind, mesh axis, reduce op and dtype
         cur = open_.get(key)
         cap = bucket_cap(caps.get(kind) or 0, first_cap if kind == "all_reduce" else None, opened.get(key, 0))
         if cur is None or ((cur[1] + b) if kind == "all_reduce" else (cur[4] + sb)) > cap:
