@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Seque
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from .config import Settings
+    from .cost import DeviceSpec
     from .ir import MetaIR, MetaOp
     from .placement import Mesh
     from .plan import ShardingPlan
@@ -187,6 +188,11 @@ class Frontend(abc.ABC):
     def demo(self, args: Sequence[str]) -> int:
         """Run this frontend's end-to-end demo with command-line ``args``; return an exit code."""
         raise NotSupported(f"frontend {self.name!r} has no demo")
+
+    def device_spec(self, traced: "Traced") -> "DeviceSpec | None":
+        """The device a one-device step runs on, for its memory plan (``memory_budget``, ``offload``); None
+        (the default): priced as a CPU, whose memory is the host's."""
+        return None
 
     def device_kind(self) -> str | None:
         """The kind of device this process runs on ("cpu", "cuda-NVIDIA H100 ..."), the key of its measured

@@ -83,8 +83,11 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         out.append((at if before is None else min(before, at), at, float(sum(g.gathered + g.local for g in bucket))))
         before = at
     reduced: list[tuple[int, int, float, str, int]] = []   # bucketed all_reduces: (issue, end, bytes, dtype, copies)
+    # offloaded values (metadist_core.offload) live in the host's memory, not the device's, where the device
+    # has a memory of its own (a host link); on a CPU the host is the device and they count
+    apart = getattr(getattr(problem, "device", None), "host_link", None) is not None
     for v, info in problem.vars.items():
-        if info["shape"] is None or v not in src_sh:
+        if info["shape"] is None or v not in src_sh or (apart and info.get("host")):
             continue
         start, end = info["live"]
         own = src_sh[v]

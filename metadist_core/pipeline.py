@@ -303,18 +303,20 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         return measured_ops["ops"]
 
     def solve_on(m: Mesh) -> CompileResult:
-        if m.size == 1:
+        if m.size == 1 and s.memory_budget is None and not s.offload:
             p1, pr1 = replicated_plan(graph, m)
             return CompileResult(graph, RuleBook(), pr1, p1)
         return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
                           constraints=user_constraints + frontend.constraints(graph, m),
-                          device=profile.device if profile is not None else None,
+                          device=profile.device if profile is not None else
+                          (frontend.device_spec(traced) if m.size == 1 else None),
                           **lowering_traits(frontend),
                           # measured costs price the ops as measured too; the built-in ones at their roofline
                           op_slowdowns=slowdowns if getattr(profile, "measured", False) else None)
 
     book, problem, plan = RuleBook(), None, None
-    if run_mesh.size == 1:
+    if run_mesh.size == 1 and s.memory_budget is None and not s.offload:   # one device: nothing to split,
+        #                                      unless a budget asks to recompute or the optimizer goes to the host
         t = time.perf_counter()
         plan, problem = replicated_plan(graph, run_mesh)
         timings["solve"] = time.perf_counter() - t

@@ -178,11 +178,12 @@ def engine_for(mesh: Any = None) -> Engine:
     return hit[1]
 
 
-def measure_device(seconds: float = 0.5):
-    """Time this process's matmul FLOP/s and copy bandwidth (for the cost model's roofline DeviceSpec)."""
+def measure_device(seconds: float = 0.5, on: "torch.device | None" = None):
+    """Time this process's matmul FLOP/s and copy bandwidth (for the cost model's roofline DeviceSpec) on
+    device ``on`` (default: the rank's, :func:`device`)."""
     import time as _time
     from metadist_core.cost import DeviceSpec
-    dev = device()
+    dev = on if on is not None else device()
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     n = 1024 if dev.type == "cuda" else 256
     a = torch.randn(n, n, device=dev)

@@ -4,7 +4,8 @@ Two methods, one result (:class:`MemoryMeasurement`):
 
 - ``cuda_allocator`` (the step's device is a GPU): ``torch.cuda.reset_peak_memory_stats`` before the
   step, ``torch.cuda.max_memory_allocated`` after it -- every byte the caching allocator handed out,
-  state, inputs, activations, gradients and collective buffers included.
+  state, inputs, activations, gradients and collective buffers included -- less what it held before the
+  step besides the baseline's storages (``outside_bytes``: the cuBLAS workspace, other models).
 - ``live_storages`` (CPU): a :class:`LiveTensorTracker` -- a ``TorchDispatchMode`` that records the
   untyped storage of every tensor an op returns, holds a weak reference to it, and after each op adds
   up the bytes of the storages still alive. The tensors that exist before the step (parameters,
@@ -41,10 +42,14 @@ class MemoryMeasurement:
     baseline_bytes: int
     end_bytes: int
     ops: int = 0   # ops seen (live_storages) or 0
+    outside_bytes: int = 0   # cuda_allocator: allocated before the call and not the baseline's (left out)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "measured_peak_bytes": self.peak_bytes,
-                "baseline_bytes": self.baseline_bytes, "end_bytes": self.end_bytes}
+        d = {"method": self.method, "measured_peak_bytes": self.peak_bytes,
+             "baseline_bytes": self.baseline_bytes, "end_bytes": self.end_bytes}
+        if self.outside_bytes:
+            d["outside_bytes"] = self.outside_bytes
+        return d
 
 
 def _storages(t: Any) -> list[torch.UntypedStorage]:
@@ -168,10 +173,20 @@ def measure_peak(fn: Callable[[], Any], baseline: Iterable[Any] = (), device: to
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         start = torch.cuda.memory_allocated(dev)
+        # what the allocator holds before the call besides the baseline's storages is not the step's: the
+        # cuBLAS workspace (on an H200, 64 MB of a 103 MB start beside a 39 MB state), other models in the
+        # process. It is left out, as the live_storages count leaves it out on CPU.
+        seen: dict[int, int] = {}
+        for t in pytree.tree_leaves(base):
+            for st in _storages(t):
+                if st.device == dev:
+                    seen[st.data_ptr()] = st.nbytes()
+        outside = max(0, int(start) - sum(seen.values()))
         out = fn()
         torch.cuda.synchronize(dev)
-        return out, MemoryMeasurement(CUDA_ALLOCATOR, int(torch.cuda.max_memory_allocated(dev)), int(start),
-                                      int(torch.cuda.memory_allocated(dev)))
+        return out, MemoryMeasurement(CUDA_ALLOCATOR, int(torch.cuda.max_memory_allocated(dev)) - outside,
+                                      int(start) - outside, int(torch.cuda.memory_allocated(dev)) - outside,
+                                      outside_bytes=outside)
     tracker = LiveTensorTracker()
     tracker.track(base)
     start = tracker.current

@@ -111,6 +111,12 @@ class TorchFrontend(Frontend):
         step = traced.context
         eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
         if not eng.distributed:
+            if getattr(plan, "recompute", None):   # the local program is the traced step itself
+                raise NotImplementedError(
+                    f"on one device the plan meets memory_budget={settings.memory_budget:,} bytes only by recomputing "
+                    f"{len(plan.recompute)} ops (predicted peak {plan.memory_per_device:,} bytes), and MetaDist runs "
+                    f"a one-device step as traced, without recomputation, for now: raise memory_budget, offload the "
+                    f"optimizer state (offload='optimizer'), or run on 2 or more ranks")
             if settings.offload:   # the optimizer update on the host (metadist_torch.offload)
                 from .offload import offload_traced, state_to_host
                 off_step, info = offload_traced(step)
@@ -181,6 +187,18 @@ class TorchFrontend(Frontend):
         """Each op run at its real shapes on this rank's device, over its roofline (metadist_torch.optime)."""
         from .optime import measure_slowdowns
         return measure_slowdowns(graph, costs, cache_file, self._engine().device)
+
+    def device_spec(self, traced: Traced) -> Any:
+        """A one-device step on a GPU (its state there): the GPU's rates and host link, timed (about 0.5 s),
+        so that the memory plan keeps offloaded state off the device's memory."""
+        import torch
+        step = traced.context
+        dev = next((sl.get().device for sl in getattr(getattr(step, "state", None), "slots", [])
+                    if isinstance(sl.get(), torch.Tensor) and sl.get().device.type == "cuda"), None)
+        if dev is None:
+            return None
+        from .engine import measure_device
+        return measure_device(on=dev)
 
     def device_kind(self) -> str | None:
         import torch

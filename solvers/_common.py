@@ -54,6 +54,8 @@ def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsS
             raise RuntimeError(f"solver {name} returned toggles and shardings of {peak:,} bytes per device over "
                                f"the budget of {problem.memory_budget:,}; this is a solver bug")
     elif problem.memory_budget is not None and plan.memory_per_device > problem.memory_budget:
+        if stats.get("status") == "trivial":   # nothing to choose (one device): the only plan is the leanest
+            raise InfeasibleBudgetError(problem.memory_budget, plan.memory_per_device, problem.mesh)
         raise RuntimeError(f"solver {name} returned a plan of {plan.memory_per_device:,} bytes per device over the "
                            f"budget of {problem.memory_budget:,}; this is a solver bug")
     return plan
