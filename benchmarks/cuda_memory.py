@@ -11,7 +11,7 @@ model's device). For each system, the same initial weights and batches:
 - ``metadist_offload``: ``metadist_compile(offload="optimizer")``: AdamW's state and update on the host
   (pinned), the rest on the GPU;
 - ``metadist_budget``: ``metadist_compile(memory_budget=...)`` at 0.8x the plain plan's predicted
-  peak, so that the solver recomputes (on one device that is a clear error for now), and
+  peak, so that the solver recomputes, and
   ``metadist_budget_offload`` a budget of 0.9x with the optimizer state offloaded (met without recomputing).
 
 Each record: the losses' largest relative difference from eager over the steps, the median step time,

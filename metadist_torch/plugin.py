@@ -10,6 +10,7 @@ what it needs on first use.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 
 from metadist_core.frontend import Frontend, Traced
@@ -110,13 +111,7 @@ class TorchFrontend(Frontend):
         from .program import LocalProgram, RankProgram, place_state
         step = traced.context
         eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
-        if not eng.distributed:
-            if getattr(plan, "recompute", None):   # the local program is the traced step itself
-                raise NotImplementedError(
-                    f"on one device the plan meets memory_budget={settings.memory_budget:,} bytes only by recomputing "
-                    f"{len(plan.recompute)} ops (predicted peak {plan.memory_per_device:,} bytes), and MetaDist runs "
-                    f"a one-device step as traced, without recomputation, for now: raise memory_budget, offload the "
-                    f"optimizer state (offload='optimizer'), or run on 2 or more ranks")
+        if not eng.distributed and not getattr(plan, "recompute", None):
             if settings.offload:   # the optimizer update on the host (metadist_torch.offload)
                 from .offload import offload_traced, state_to_host
                 off_step, info = offload_traced(step)
@@ -124,8 +119,14 @@ class TorchFrontend(Frontend):
                 prog = LocalProgram(off_step, reinplace=False)   # the update runs on the host copy
                 prog.offload = info
                 return prog
-            return LocalProgram(step)
-        place_state(step, plan, eng)
+            return LocalProgram(step)   # one device: the traced step itself
+        if eng.distributed:
+            place_state(step, plan, eng)
+        else:   # one device recomputing: the rewritten graph, lowered as the only rank of a one-device mesh,
+            #     on the device the state lives on (the engine's is the CPU at world size 1)
+            import torch
+            dev = next((sl.get().device for sl in step.state.slots if isinstance(sl.get(), torch.Tensor)), eng.device)
+            eng = dataclasses.replace(eng, device=dev)
         from .compression import wire_map
         graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
                            coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
