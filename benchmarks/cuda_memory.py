@@ -103,18 +103,20 @@ def main(argv=None) -> int:
     records = []
     ref = None
     plain_pred = None
-    runs = [("eager", {}), ("metadist", {}), ("metadist_offload", {"offload": "optimizer"})]
-    for name, kw in runs + [("metadist_budget", None), ("metadist_budget_offload", {"offload": "optimizer"})]:
-        if kw is None or "memory_budget" not in kw and name.startswith("metadist_budget"):
-            # a budget under the plain plan's predicted peak: the solver must recompute (or offload)
+    # (system, options, budget as a fraction of the plain plan's predicted peak: under it the solver must
+    # recompute or rely on the offload)
+    runs = [("eager", {}, None), ("metadist", {}, None), ("metadist_offload", {"offload": "optimizer"}, None),
+            ("metadist_budget", {}, 0.8), ("metadist_budget_offload", {"offload": "optimizer"}, 0.9)]
+    for name, kw, fraction in runs:
+        if fraction is not None:
             if plain_pred is None:
                 continue
-            kw = {**(kw or {}), "memory_budget": int(plain_pred * (0.9 if kw else 0.8) * MB)}
+            kw = {**kw, "memory_budget": int(plain_pred * fraction * MB)}
         try:
             r = _run(name, args.layers, batches, ref, **kw)
         except Exception as e:   # report and go on: one system failing must not hide the others
             r = {"system": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
-        r["options"] = {k: v for k, v in kw.items()}
+        r["options"] = dict(kw)
         records.append(r)
         if name == "eager":
             ref = r.get("losses")

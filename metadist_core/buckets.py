@@ -40,4 +40,11 @@ def bucketed_step(problem: Any, var: str, collectives: Sequence[Any]) -> int | N
     return None
 
 
-__all__ = ["bucketed_step"]
+def bucket_key(problem: Any, var: str, collective: Any) -> tuple:
+    """The bucket group ``collective`` (the bucketed step of ``var``'s reshard) joins: the lowering buckets
+    per kind, mesh axis, reduce op and the dtype the value travels in."""
+    info = problem.vars[var]
+    return (collective.kind, collective.axis, collective.reduce, info.get("comm_dtype", info["dtype"]))
+
+
+__all__ = ["bucketed_step", "bucket_key"]

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .buckets import bucketed_step
+from .buckets import bucket_key, bucketed_step
 from .cost import local_bytes
 from .gathers import bucket_cap, gather_buckets
 from .placement import Sharding
@@ -82,7 +82,7 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         # the flat buffers (the pieces sent and the gathered whole), from the issue to the wait
         out.append((at if before is None else min(before, at), at, float(sum(g.gathered + g.local for g in bucket))))
         before = at
-    reduced: list[tuple[int, int, float, str, int]] = []   # bucketed all_reduces: (issue, end, bytes, dtype, copies)
+    reduced: list[tuple] = []   # bucketed gradients: (issue, end, bytes, bucket group, copies, source bytes, held)
     # offloaded values (metadist_core.offload) live in the host's memory, not the device's, where the device
     # has a memory of its own (a host link); on a CPU the host is the device and they count
     apart = getattr(getattr(problem, "device", None), "host_link", None) is not None
@@ -107,14 +107,11 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
             step = bucketed_step(problem, v, colls)
             if step is not None and all(c.is_free for c in colls[step + 1:]):   # a bucket makes the target
                 copies = problem.bucket_copies
-                kind = colls[step].kind
                 # the bucket's result: a gradient all_reduced whole and then split is a narrow of the whole
                 b = float(local_bytes(info["shape"], info["dtype"], colls[step].after, problem.mesh))
                 src_b = float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))
                 held = 0.0 if info.get("view") else src_b   # a view's partial sum is its base's bytes
-                # joins a bucket: the lowering's are per kind, mesh axis, reduce op and dtype
-                group = (colls[step].axis, colls[step].reduce, info.get("comm_dtype", info["dtype"]))
-                reduced.append((at, span[1], b, group, copies, kind, src_b, held))
+                reduced.append((at, span[1], b, bucket_key(problem, v, colls[step]), copies, src_b, held))
             else:
                 out.append((at, span[1], b))
     caps = {"all_reduce": problem.bucket_bytes, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
@@ -135,26 +132,27 @@ def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> 
     open_: dict[tuple, list] = {}
     opened: dict[tuple, int] = {}   # buckets per key: the first all_reduce bucket is held to first_cap
 
-    def close(kind: str, cur: list) -> None:
+    def close(cur: list) -> None:
         end, total, members, copies, src_total = cur
         at = max(start for start, _, _ in members)
         for start, b, held in members:   # the partial sum until the bucket runs, then the result
             out.extend([(start, at, held), (at, end, b)])
         if copies:   # the concatenation and the result (held as the members from here on)
             out.append((at, at, src_total + total * (copies - 2)))
-    for start, end, b, group, copies, kind, sb, held in sorted(reduced, key=lambda r: r[:3]):
-        key = (kind, group, copies)   # the lowering buckets per kind, mesh axis, reduce op and dtype
+    for start, end, b, group, copies, sb, held in sorted(reduced, key=lambda r: r[:3]):
+        key = (group, copies)   # group: kind, mesh axis, reduce op and dtype (metadist_core.buckets.bucket_key)
+        kind = group[0]
         cur = open_.get(key)
         cap = bucket_cap(caps.get(kind) or 0, first_cap if kind == "all_reduce" else None, opened.get(key, 0))
         if cur is None or ((cur[1] + b) if kind == "all_reduce" else (cur[4] + sb)) > cap:
             if cur is not None:
-                close(kind, cur)
+                close(cur)
             cur = open_[key] = [end, 0.0, [], copies, 0.0]
             opened[key] = opened.get(key, 0) + 1
         cur[0], cur[1], cur[4] = max(cur[0], end), cur[1] + b, cur[4] + sb
         cur[2].append((start, b, held))
-    for key, c in open_.items():
-        close(key[0], c)
+    for c in open_.values():
+        close(c)
     return out
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .buckets import bucketed_step
+from .buckets import bucket_key, bucketed_step
 from .cost import Collective, collective_cost
 from .gathers import bucket_cap, gather_buckets
 from .phases import reshard_key
@@ -104,12 +104,12 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     pending: dict[tuple, dict] = {}           # open gradient bucket per (axis, reduce, dtype)
     opened: dict[tuple, int] = {}             # buckets opened per (kind, axis, reduce, dtype)
     buckets: list[list[str]] = []             # the values of each bucket, as they run
-    stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "exposed": 0.0, "gather_buckets": 0}
+    stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "gather_buckets": 0}
 
     hidden = min(1.0, max(0.0, float(getattr(getattr(problem, "device", None), "overlap", 1.0))))
     busy: list[tuple[float, float]] = []   # (start, end) of the asynchronous collectives not over yet
 
-    idle = [0.0]   # where the compute stream last stopped waiting
+    idle = 0.0   # where the compute stream last stopped waiting
 
     def contend(start: float, end: float) -> None:
         """An asynchronous collective running from ``start`` to ``end``: compute at that time is slowed. One
@@ -118,7 +118,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         nonlocal t
         if hidden >= 1.0 or end <= start:
             return
-        past = max(0.0, min(end, t) - max(start, idle[0]))
+        past = max(0.0, min(end, t) - max(start, idle))
         debt = (1.0 - hidden) * past
         if end > t:
             busy.append((t + debt, end + debt))
@@ -184,7 +184,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             rest = [x for x in e.collectives[step + 1:] if not x.is_free]
             if rest:   # they read the bucket's result: they run once it is there (wait)
                 after[key] = rest
-            bk = (c.kind, c.axis, c.reduce, problem.vars[var].get("comm_dtype", problem.vars[var]["dtype"]))
+            bk = bucket_key(problem, var, c)
             first = getattr(problem, "first_bucket_bytes", None) if c.kind == "all_reduce" else None
             if bk in pending and pending[bk]["bytes"] + c.nbytes > bucket_cap(caps[c.kind], first, opened[bk]):
                 flush(bk)
@@ -223,7 +223,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
                            [g.key for g in members], "gather_buckets", asynchronous=j > i)
 
     def wait(var: str, e: Any) -> None:
-        nonlocal t
+        nonlocal t, idle
         if e is None or not e.collectives:
             return
         key = reshard_key(var, e.src_sharding, e.dst_sharding, e.dst, problem.phases)
@@ -246,8 +246,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
                     at = run_comm(c, at)
             done[key] = at
         if done[key] > t:
-            stats["exposed"] += done[key] - t
-            t = idle[0] = done[key]
+            t = idle = done[key]
 
     ops = [n for n in problem.nodes if n.kind == "op"]
     # the lowering issues each all_reduce right after its input exists: walk producers first
@@ -274,8 +273,8 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     for bk in list(pending):
         flush(bk)
     end = max([t] + axis_free)
-    stats["exposed"] = end - stats["compute"]   # what the compute waited, and the slowdown beside collectives
-    return Prediction(end, stats["compute"], stats["comm"], stats["exposed"], int(stats["bytes"]), stats["n"],
+    exposed = end - stats["compute"]   # what the compute waited, and the slowdown beside collectives
+    return Prediction(end, stats["compute"], stats["comm"], exposed, int(stats["bytes"]), stats["n"],
                       stats["buckets"], {"gather_buckets": stats["gather_buckets"], "buckets": buckets})
 
 

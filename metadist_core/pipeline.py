@@ -302,8 +302,12 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
                 g, costs, None if where is None else str(where.with_name(where.stem + "-ops.json"))) or {})
         return measured_ops["ops"]
 
+    def replicated_only(m: Mesh) -> bool:
+        """One device and nothing to plan: no budget that may ask to recompute, no optimizer on the host."""
+        return m.size == 1 and s.memory_budget is None and not s.offload
+
     def solve_on(m: Mesh) -> CompileResult:
-        if m.size == 1 and s.memory_budget is None and not s.offload:
+        if replicated_only(m):
             p1, pr1 = replicated_plan(graph, m)
             return CompileResult(graph, RuleBook(), pr1, p1)
         return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
@@ -315,8 +319,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
                           op_slowdowns=slowdowns if getattr(profile, "measured", False) else None)
 
     book, problem, plan = RuleBook(), None, None
-    if run_mesh.size == 1 and s.memory_budget is None and not s.offload:   # one device: nothing to split,
-        #                                      unless a budget asks to recompute or the optimizer goes to the host
+    if replicated_only(run_mesh):
         t = time.perf_counter()
         plan, problem = replicated_plan(graph, run_mesh)
         timings["solve"] = time.perf_counter() - t

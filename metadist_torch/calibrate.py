@@ -302,13 +302,13 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     groups = engine.groups()
     axes, samples = [], []
+    a = torch.randn(192, 192, device=dev)
+    work = (lambda: [a @ a for _ in range(8)])      # the compute a collective sits between in a step
     for axis, group in enumerate(groups):
         n = mesh.shape[axis]
         rows = []
         for _ in range(3):   # the first collectives of a group set its connections up: not timed
             dist.all_reduce(torch.ones(1, device=dev), group=group)
-        a = torch.randn(192, 192, device=dev)
-        work = (lambda: [a @ a for _ in range(8)])      # the compute a collective sits between in a step
         base = _time(work, iters, sync)
         for nbytes in LIVE_SIZES:
             x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
@@ -322,17 +322,16 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
                             "seconds": float(t.item())})
         fa, fb = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
         entry = {"alpha": fa, "beta": fb}
-        if n > 1:   # (``work`` multiplies ``a``: not to be rebound above)
+        if n > 1:
             kinds, more = _measure_kinds(group, n, dev, work, base, iters, sync, beta=fb)
             entry["kinds"] = kinds
             samples += [{"level": f"axis{axis}", **m} for m in more]
         axes.append(entry)
     # how much of an asynchronous collective the compute beside it hides, on the widest axis
-    wide = max(range(len(groups)), key=lambda a: mesh.shape[a], default=None)
+    wide = max(range(len(groups)), key=lambda ax: mesh.shape[ax], default=None)
     hidden = 1.0
     if wide is not None and mesh.shape[wide] > 1:
-        a = torch.randn(192, 192, device=dev)
-        hidden = measure_overlap(groups[wide], dev, lambda: [a @ a for _ in range(8)], iters, sync)
+        hidden = measure_overlap(groups[wide], dev, work, iters, sync)
     rates = measure_device_rates(iters=3, before=dist.barrier, window=LIVE_WINDOW)
     low = sorted(rates["flops_by_dtype"])
     curve = rates["mem_curve"]

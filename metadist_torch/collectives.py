@@ -195,7 +195,7 @@ class AxisComm:
         del padded
         raw = _ops().all_gather_into_tensor(flat, self.n, self.gname)
 
-        def post(y: torch.Tensor) -> tuple:
+        def post(y: torch.Tensor) -> list:
             y = y.view(self.n, -1)
             outs, off = [], 0
             for shape, d, s in zip(shapes, dims, sizes):

@@ -124,9 +124,7 @@ class TorchFrontend(Frontend):
             place_state(step, plan, eng)
         else:   # one device recomputing: the rewritten graph, lowered as the only rank of a one-device mesh,
             #     on the device the state lives on (the engine's is the CPU at world size 1)
-            import torch
-            dev = next((sl.get().device for sl in step.state.slots if isinstance(sl.get(), torch.Tensor)), eng.device)
-            eng = dataclasses.replace(eng, device=dev)
+            eng = dataclasses.replace(eng, device=_state_device(step) or eng.device)
         from .compression import wire_map
         graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
                            coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
@@ -192,10 +190,7 @@ class TorchFrontend(Frontend):
     def device_spec(self, traced: Traced) -> Any:
         """A one-device step on a GPU (its state there): the GPU's rates and host link, timed (about 0.5 s),
         so that the memory plan keeps offloaded state off the device's memory."""
-        import torch
-        step = traced.context
-        dev = next((sl.get().device for sl in getattr(getattr(step, "state", None), "slots", [])
-                    if isinstance(sl.get(), torch.Tensor) and sl.get().device.type == "cuda"), None)
+        dev = _state_device(traced.context, "cuda")
         if dev is None:
             return None
         from .engine import measure_device
@@ -227,6 +222,17 @@ class TorchFrontend(Frontend):
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         from .calibrate import run_calibrate
         return run_calibrate(out, nprocs=nprocs)
+
+
+def _state_device(step: Any, kind: str | None = None) -> Any:
+    """The device a traced step's state (parameters, buffers, optimizer state) lives on (the first state
+    tensor's, or the first on a device of ``kind``); None without any."""
+    import torch
+    for slot in getattr(getattr(step, "state", None), "slots", []):
+        t = slot.get()
+        if isinstance(t, torch.Tensor) and (kind is None or t.device.type == kind):
+            return t.device
+    return None
 
 
 @hookimpl
