@@ -31,6 +31,7 @@ before it runs: the program issues each bucket then (FSDP's prefetch).
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable
 
@@ -40,6 +41,8 @@ from .buckets import bucket_key, bucketed_step
 from .cost import local_bytes
 from .gathers import bucket_cap, gather_buckets
 from .placement import Sharding
+
+log = logging.getLogger("metadist.memprofile")
 from .reshard import reshard
 
 # the part of a memory budget plans leave free for what the model does not count (a kernel's workspace,
@@ -191,12 +194,15 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
         return plan
     target = int(budget * (1.0 - HEADROOM))
     peak = peak_with_buffers(problem, plan)
+    log.debug("fit_with_buffers: the plan under %s peaks at %s with buffers (target %s)",
+              f"{int(budget):,}", f"{peak:,}", f"{target:,}")
     if peak <= target:
         return plan
     best = peak                       # the least peak with buffers seen
     over = int(problem.memory_budget)  # the last solver budget whose plan overshot the target
     floor = 0                         # no plan's own terms go below this (from an infeasible solve)
     b = target - max(0, peak - int(plan.memory_per_device))
+    last_cut = 0
     for _ in range(rounds):
         if b <= floor:
             b = (floor + over) // 2
@@ -209,11 +215,20 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
             b = (floor + over) // 2
             continue
         peak = peak_with_buffers(problem, cand)
+        log.debug("fit_with_buffers: solver budget %s gives a peak of %s with buffers (target %s)",
+                  f"{int(b):,}", f"{peak:,}", f"{target:,}")
         if peak <= target:
             return cand
+        # below the plan's own terms, not the budget it was solved under (the terms may have had slack: then
+        # cutting the budget by the overshoot gives the same plan back); and when the overshoot did not shrink,
+        # by twice the last cut, at least 0.5 % of the budget, so that a few rounds reach a different plan
+        cut = peak - target
+        if peak >= best:
+            cut = max(cut, 2 * last_cut, int(budget) // 200)
+        last_cut = cut
         best = min(best, peak)
         over = int(b)
-        b = b - (peak - target)
+        b = min(int(b), int(cand.memory_per_device)) - cut
     need = int(math.ceil(best / (1.0 - HEADROOM)))
     err = InfeasibleBudgetError(budget, need, problem.mesh,
                                 f"found needs, with its collectives' buffers and {HEADROOM:.0%} headroom,")

@@ -18,6 +18,7 @@ The plan carries the objective, the LP/MIP lower bound and the gap.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -30,6 +31,7 @@ from ._common import MemIndex, enforce_budget, min_memory_choice, over_budget, s
 from ._milp import _Model
 
 NAME = "ilp"
+log = logging.getLogger("metadist.solvers.ilp")
 # above this many variables (options + edge table cells) the ILP of a multi-axis mesh is solved one block of
 # mesh axes at a time (solvers/_axes.py): GPT-2 small on (2,2,2) has 385k and HiGHS left a gap of 0.997 after 60 s,
 # LLaMA-8B on (8,8) has 104k and solves exactly in 13 s
@@ -52,6 +54,9 @@ def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float,
         prof = model.profile(res.x)
         tpk = int(np.argmax(prof))
         limit = res.x[-1] * model.mem_unit if peak_var else budget
+        log.debug("ilp lazy round %d: %d memory rows, peak %s at step %d against %s (%s), %.1f s left",
+                  rounds, len(steps), f"{int(prof[tpk]):,}", tpk, f"{limit:,.0f}", res.message,
+                  deadline - time.perf_counter())
         if not over_budget(prof[tpk], limit) or tpk in steps or time.perf_counter() > deadline:
             return res, ch, steps, rounds
         steps.append(tpk)

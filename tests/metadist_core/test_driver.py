@@ -117,3 +117,21 @@ def test_an_adapter_that_runs_no_ops_is_refused_when_defined():
     class Partial(Frontend):   # still abstract: allowed
         pass
     assert Partial.__abstractmethods__
+
+
+def test_the_first_gradient_bucket_follows_the_measured_overlap(monkeypatch):
+    """DDP's 1 MiB first bucket exists to start an all_reduce early, beside the rest of the backward. Where
+    the profile measured that nothing overlaps (4 gloo ranks on 2 cores: 0), it only adds a latency, so
+    auto gives none; where something does (or nothing was measured), DDP's. A number the user set stays."""
+    from metadist_core.config import DDP_FIRST_BUCKET_MB, NO_OVERLAP, load_settings, resolve_first_bucket
+    s = load_settings(progress=False)
+    assert s.first_bucket_mb is None and s.first_bucket_bytes == int(DDP_FIRST_BUCKET_MB * 2**20)
+    none = resolve_first_bucket(s, 0.0)
+    assert none.first_bucket_mb == 0.0 and none.first_bucket_bytes == s.bucket_bytes
+    assert resolve_first_bucket(s, NO_OVERLAP).first_bucket_bytes == 2**20
+    assert resolve_first_bucket(s, None).first_bucket_bytes == 2**20
+    assert resolve_first_bucket(load_settings(first_bucket_mb=2.0), 0.0).first_bucket_bytes == 2 * 2**20
+    monkeypatch.setenv("METADIST_FIRST_BUCKET_MB", "auto")
+    assert load_settings().first_bucket_mb is None
+    monkeypatch.setenv("METADIST_FIRST_BUCKET_MB", "0.5")
+    assert resolve_first_bucket(load_settings(), 0.0).first_bucket_bytes == 2**19

@@ -63,3 +63,40 @@ def test_buffers_add_the_gathered_weight_where_it_is_read():
     # by hand, at the mm: x 128 + w 48 + y 192 + gathered w 96 = 464 bytes; holding the copy to the decay
     # would make the scale's position the peak: w 48 + y 192 + z 192 + 96 = 528
     assert peak_with_buffers(problem, plan) == 464
+
+
+def test_fitting_the_buffers_cuts_below_the_plans_own_terms_not_the_budget(monkeypatch):
+    """GPT-2 (11 layers, 48 MiB, 4 ranks) gave this: the solver's plans have slack under the budget they are
+    solved with, so cutting that budget by the overshoot (4.4 KB) returned the same plan round after round,
+    and a budget that a leaner plan meets was called infeasible. The next budget must go below the plan's
+    own terms, and further when the overshoot does not shrink."""
+    import types
+
+    from metadist_core import memprofile
+    from metadist_core.problem import InfeasibleBudgetError
+
+    mib = 2 ** 20
+    budget = 48 * mib
+    target = int(budget * (1 - memprofile.HEADROOM))
+    # (own terms, peak with buffers): the solver returns the plan with the most own bytes under its budget
+    plans = [(budget - 1000, budget + 50_000), (target - mib // 5, target + 4400), (target - 3 * mib, target - 1)]
+    asked = []
+
+    class P:
+        def __init__(self, b):
+            self.memory_budget, self.mesh = b, "4"
+
+        def with_budget(self, b):
+            return P(b)
+
+    def resolve(p):
+        asked.append(p.memory_budget)
+        fit = [own for own, _ in plans if own <= p.memory_budget]
+        if not fit:
+            raise InfeasibleBudgetError(p.memory_budget, plans[-1][0], "4")
+        return types.SimpleNamespace(memory_per_device=max(fit))
+    peaks = dict(plans)
+    monkeypatch.setattr(memprofile, "peak_with_buffers", lambda prob, plan: peaks[plan.memory_per_device])
+    got = memprofile.fit_with_buffers(P(budget), resolve(P(budget)), resolve)
+    assert got.memory_per_device == plans[-1][0], asked
+    assert peaks[got.memory_per_device] <= target

@@ -149,6 +149,15 @@ def _check_in(name, mod, cfg, mesh, errors, report, *, random_seed, memory_budge
         except Exception as e:  # pragma: no cover - reported by the test
             errors.append(f"{name}: torch.distributed.checkpoint.save failed: {type(e).__name__}: {e}")
     buckets = step.runnable.lowered.gather_buckets
+    # the first gradient bucket is decided on rank 0 from its profile's measured overlap (metadist_core.config
+    # resolve_first_bucket) and shared with the plan: every rank lowers the same all_reduce buckets
+    import torch.distributed as dist
+    first = step.plan.stats.get("first_bucket_mb")
+    mine = (first, step.runnable.lowered.reduce_buckets)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if first not in (0.0, 1.0) or any(e != every[0] for e in every):
+        errors.append(f"{name}: first bucket / gradient buckets differ between ranks or are unset: {every}")
     if len(buckets) < min_gather_buckets:
         errors.append(f"{name}: {len(buckets)} gather buckets, expected at least {min_gather_buckets}")
     written = step.runnable.lowered.state_inputs
