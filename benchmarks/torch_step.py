@@ -12,8 +12,9 @@ the model's layers allow it, and TP x DP on a (2, 2) mesh (the TP plan on the
 inner axis, ``fully_shard`` on the outer), and MetaDist's own lowering of each
 hand plan's layout (``metadist_<layout>``: the strategy preset that pins it).
 Every system is built and warmed up first, then timed in rounds, one step of
-each per round in a rotating order (``--rounds``), so that the shared machine's
-slow spells fall on all of them alike. For every system: the median step time,
+each per round in a Williams order (``--rounds``: by default whole designs, so that
+every system runs in every position and right after every other system equally often), so that the
+shared machine's slow spells, and what one step leaves to the next, fall on all of them alike. For every system: the median step time,
 its time over DDP's in each round, the cost model's prediction for that same plan
 (MetaDist's plan, or MetaDist's lowering of the hand plan's layout, priced by
 ``metadist_core.overlap.predict``), the communication bytes per step that plan
@@ -304,13 +305,17 @@ def _steps(args) -> tuple[int, int]:
 
 
 def run_model(m: Model, args, rank: int, world: int) -> dict:
-    """Build every system, then time them interleaved: each round runs one step of every system, in an
-    order that rotates by one each round, so that a slow spell of this shared machine falls on all of them
-    alike. Per system: the median step, and per round its time over DDP's in the same round."""
+    """Build every system, then time them interleaved: each round runs one step of every system, in a
+    Williams order (benchmarks._common.williams_order), so that a slow spell of this shared machine falls
+    on all of them alike. Per system: the median step, and per round its time over DDP's in the same round."""
     import torch.distributed as dist
     from benchmarks._common import interleaved
     warmup, rounds = _steps(args)
     systems = build_systems(m, args, rank, world, warmup)
+    if not args.rounds:   # whole Williams designs: n rounds for n systems, 2n when n is odd
+        n = sum(1 for s in systems.values() if isinstance(s, System))
+        design = n if n % 2 == 0 else 2 * n
+        rounds = -(-rounds // design) * design
     times = interleaved({n: s.run for n, s in systems.items() if isinstance(s, System)}, rounds, start=warmup,
                         before=dist.barrier)
     res: dict = {}
@@ -477,7 +482,8 @@ def main(argv=None) -> int:
                         "step_ms": one["metadist_step_s"] * 1e3, "eager_step_ms": one["eager_step_s"] * 1e3})
     notes = (f"{args.nproc} gloo ranks on this machine ({os.cpu_count()} cores), one thread each, one launch. "
              + " ".join(lines) + f" Whole run {time.perf_counter() - t_all:.0f} s. Systems timed in interleaved "
-             f"rounds (one step of each per round, rotating order). step_ms: median over ranks of "
+             f"rounds (one step of each per round, Williams orders: each system in each position and after each other "
+             f"system equally often). step_ms: median over ranks of "
              "each rank's median step; vs_ddp_by_round: median over ranks of each rank's median, over rounds, of "
              "the step over DDP's step in the same round; predicted_ms: metadist_core.overlap.predict of MetaDist's plan, or of "
              "MetaDist's lowering of the hand plan's layout (the metadist_<layout> row, its strategy preset); comm bytes per rank per step.")
