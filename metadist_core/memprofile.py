@@ -41,9 +41,9 @@ from .buckets import bucket_key, bucketed_step
 from .cost import local_bytes
 from .gathers import bucket_cap, gather_buckets
 from .placement import Sharding
+from .reshard import reshard
 
 log = logging.getLogger("metadist.memprofile")
-from .reshard import reshard
 
 # the part of a memory budget plans leave free for what the model does not count (a kernel's workspace,
 # allocator rounding, the engine's own buffers): predictions ran 0.93-1.02x the measured peak on GPT-2
