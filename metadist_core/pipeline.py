@@ -101,6 +101,9 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     if device is None and s.mesh_profile:
         from .profile import load_profile
         device = load_profile(s.mesh_profile).device
+    # DDP's small first gradient bucket only where the device hides a collective behind compute; the plan
+    # records the size it was priced with, and every rank lowers that (compile_step)
+    s = resolve_first_bucket(s, getattr(device, "overlap", None))
     plain, named = split_constraints(constraints)
     # proven ILP answers are kept beside the rules (solvers/_cache.py): a re-run of the same problem is not re-solved
     cache = getattr(book, "cache_dir", None)
@@ -200,6 +203,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                    "chosen_by": plan.stats.pop("recompute_chosen_by", "?"),
                                    "saved_bytes": sum(seg.saved_bytes for seg in segs)}
     plan.stats.setdefault("strategy", s.strategy)
+    if s.coalesce:
+        plan.stats["first_bucket_mb"] = s.first_bucket_mb
     from .memprofile import peak_with_buffers   # the peak with the collectives' buffers, beside the solver's
     plan.stats["peak_with_buffers"] = peak_with_buffers(problem, plan)
     log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
@@ -247,9 +252,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         if request.get("strategy"):
             s = dataclasses.replace(s, strategy=check_strategy(request["strategy"]))
         traced = frontend.trace(fn, tuple(args), dict(kwargs))
-        plan_profile = load_profile(request.get("profile") or s.mesh_profile)
-        plan_mesh = plan_profile.mesh(tuple(request.get("mesh", [2])))
-        s = resolve_first_bucket(s, _overlap(plan_profile))
+        plan_mesh = load_profile(request.get("profile") or s.mesh_profile).mesh(tuple(request.get("mesh", [2])))
         if s.pipeline_stages is not None and s.pipeline_stages > 1:   # priced for every frontend, JAX included
             from .pipeplan import plan_only_pipeline
             result = plan_only_pipeline(traced.graph, plan_mesh, s, pm, solver_options,
@@ -286,7 +289,6 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         if not _own_link_costs(mesh):
             run_mesh = profile.mesh(run_mesh.shape, run_mesh.axis_names)
         timings["profile"] = time.perf_counter() - t
-        s = resolve_first_bucket(s, _overlap(profile))   # DDP's small first bucket only where it can hide
     k_stages = s.pipeline_stages
     if k_stages is not None and k_stages > 1:   # a count that does not match mesh axis 0: a clear error
         from .pipeplan import check_stages
@@ -336,15 +338,13 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         except BaseException as e:
             frontend.share_error(e)   # the other processes wait for a plan: tell them instead
             raise
-    if plan is not None and getattr(plan, "stats", None) is not None and s.coalesce:
-        plan.stats["first_bucket_mb"] = s.first_bucket_mb   # what the plan was priced with, for every rank
     t = time.perf_counter()
     if run_mesh.size > 1:
         plan = frontend.share(plan, traced)
         timings["share"] = time.perf_counter() - t
-        first = (getattr(plan, "stats", None) or {}).get("first_bucket_mb")
-        if first is not None:   # every rank lowers the buckets rank 0 priced, whatever its own profile read
-            s = dataclasses.replace(s, first_bucket_mb=float(first))
+    first = (getattr(plan, "stats", None) or {}).get("first_bucket_mb")
+    if first is not None:   # every rank lowers the buckets rank 0 priced (plan_graph), whatever its own profile read
+        s = dataclasses.replace(s, first_bucket_mb=float(first))
     if getattr(plan, "recompute", None):   # every rank runs the graph the plan was made for
         from .recompute import rewrite
         traced = dataclasses.replace(traced, graph=rewrite(traced.graph, plan.recompute))
@@ -361,11 +361,6 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     log.info("compiled %s with %s on mesh %s: %s", graph.name, frontend.name, run_mesh,
              ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     return CompileResult(graph, book, problem, plan, runnable, timings, traced, run_mesh)
-
-
-def _overlap(profile: Any) -> float | None:
-    """The fraction of an asynchronous collective the profile's device hides (None: not known)."""
-    return getattr(getattr(profile, "device", None), "overlap", None)
 
 
 def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callable[[Mesh], CompileResult],
