@@ -311,17 +311,23 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         """One device and nothing to plan: no budget that may ask to recompute, no optimizer on the host."""
         return m.size == 1 and s.memory_budget is None and not s.offload
 
+    one_device: list = []   # the frontend's measured DeviceSpec of a one-device step (a GPU), asked once
+
     def solve_on(m: Mesh) -> CompileResult:
         if replicated_only(m):
             p1, pr1 = replicated_plan(graph, m)
             return CompileResult(graph, RuleBook(), pr1, p1)
+        if profile is None and m.size == 1 and not one_device:
+            one_device.append(frontend.device_spec(traced))
+        own = one_device[0] if profile is None and m.size == 1 else None
         return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
                           constraints=user_constraints + frontend.constraints(graph, m),
-                          device=profile.device if profile is not None else
-                          (frontend.device_spec(traced) if m.size == 1 else None),
+                          device=profile.device if profile is not None else own,
                           **lowering_traits(frontend),
-                          # measured costs price the ops as measured too; the built-in ones at their roofline
-                          op_slowdowns=slowdowns if getattr(profile, "measured", False) else None)
+                          # measured costs price the ops as measured too (a one-device step's device the
+                          # frontend measured: its ops timed on it); the built-in ones at their roofline
+                          op_slowdowns=slowdowns if getattr(profile, "measured", False) or own is not None
+                          else None)
 
     book, problem, plan = RuleBook(), None, None
     if replicated_only(run_mesh):

@@ -141,7 +141,30 @@ LIVE_WINDOW = 0.08   # seconds per timing of the device rates on the live ranks 
 CURVE_ELEMENTS = (1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
 
 
-def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone: bool = False) -> dict:
+#: ops in the program that times the per-op dispatch (DeviceSpec.op_overhead)
+DISPATCH_OPS = 100
+
+
+def dispatch_program(dev, n: int = DISPATCH_OPS) -> Callable[[], object]:
+    """A call that runs ``n`` tiny ops as a lowered step runs its ops: an fx GraphModule calling aten
+    overloads one after another. Its time over ``n`` is what every op costs beside its roofline, as the
+    program pays it (a Python loop of ``t.add(1.0)`` calls reads 1.9 us a call on a 2-core CPU, the
+    program 1.6)."""
+    import torch
+    import torch.fx as fx
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = x
+    for _ in range(n):
+        y = g.call_function(torch.ops.aten.add.Tensor, (y, x))
+    g.output(y)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    tiny = torch.randn(8, device=dev)
+    return lambda: gm(tiny)
+
+
+def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone: bool = False,
+                         dev=None) -> dict:
     """This process's matmul FLOP/s, memory-bound bytes/s (also by bytes moved: ``mem_curve``) and per-op
     overhead (medians). ``before``: a barrier, so that the ranks of one machine measure at once and the
     figures include what they take from each other (4 gloo ranks on 2 cores: 55-61 GFLOP/s each so, 167
@@ -149,10 +172,11 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
     one far longer than a time slice, or the figures depend on which ranks the scheduler ran in it (7 ms
     timings gave 48 and 78 GFLOP/s in two measurements of the same 4 ranks). ``alone``: the rates of
     this process while it has the device to itself: the fastest of ``iters`` single calls (what
-    :mod:`metadist_torch.optime` divides an op's own fastest time by)."""
+    :mod:`metadist_torch.optime` divides an op's own fastest time by). ``dev``: the device (default: the
+    rank's, :func:`metadist_torch.engine.device`)."""
     import torch
     from metadist_torch.engine import device
-    dev = device()
+    dev = dev if dev is not None else device()
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     n = 2048 if dev.type == "cuda" else 256
     a, b = torch.randn(n, n, device=dev), torch.randn(n, n, device=dev)
@@ -164,7 +188,7 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
         return _time(fn, iters, sync, before, reps=1 if alone else reps, window=window, pick=pick)
     mm = timed(lambda: a @ b, 20)
     add = timed(lambda: x.add(1.0), 5)
-    over = timed(lambda: [tiny.add(1.0) for _ in range(50)]) / 50
+    over = timed(dispatch_program(dev)) / DISPATCH_OPS
     low = {}   # bf16/fp16 matmul rates: tensor cores (or AMX on a CPU) make them far faster, or far slower
     for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         a16, b16 = a.to(dt), b.to(dt)

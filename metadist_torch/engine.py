@@ -179,36 +179,32 @@ def engine_for(mesh: Any = None) -> Engine:
 
 
 def measure_device(seconds: float = 0.5, on: "torch.device | None" = None):
-    """Time this process's matmul FLOP/s and copy bandwidth (for the cost model's roofline DeviceSpec) on
-    device ``on`` (default: the rank's, :func:`device`)."""
+    """This process's rates on device ``on`` (default: the rank's, :func:`device`) as the cost model's
+    DeviceSpec: matmul FLOP/s, memory rate by bytes moved, per-op dispatch
+    (:func:`metadist_torch.calibrate.measure_device_rates`, alone: the rates
+    :mod:`metadist_torch.optime` divides each op's time by) and, on a GPU, the host link (pinned host to
+    device copies of 64 MiB, the fastest over about ``seconds / 2``)."""
     import time as _time
     from metadist_core.cost import DeviceSpec
+    from .calibrate import measure_device_rates
     dev = on if on is not None else device()
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    n = 1024 if dev.type == "cuda" else 256
-    a = torch.randn(n, n, device=dev)
-    b = torch.randn(n, n, device=dev)
-
-    def rate(fn, work):
-        fn()
-        sync()
-        best = float("inf")
-        t_end = _time.perf_counter() + seconds / 2
+    r = measure_device_rates(iters=7, alone=True, dev=dev)
+    link = None   # a CPU is its own host (metadist_core.offload): no link to price
+    if dev.type == "cuda":
+        h = torch.empty(1 << 24, pin_memory=True)
+        x = torch.empty(h.shape, device=dev)
+        x.copy_(h, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        best, t_end = float("inf"), _time.perf_counter() + seconds / 2
         while _time.perf_counter() < t_end:
             t = _time.perf_counter()
-            fn()
-            sync()
+            x.copy_(h, non_blocking=True)
+            torch.cuda.synchronize(dev)
             best = min(best, _time.perf_counter() - t)
-        return work / best
-
-    flops = rate(lambda: a @ b, 2 * n ** 3)
-    x = torch.randn(1 << 20, device=dev)
-    bw = rate(lambda: x.add(1.0), 2 * x.numel() * 4)
-    link = None   # a CPU is its own host (metadist_core.offload): no link to price
-    if dev.type == "cuda":   # host link: pinned host -> device copies of 64 MiB
-        h = torch.empty(1 << 24, pin_memory=True)
-        link = float(rate(lambda: x.new_empty(h.shape).copy_(h, non_blocking=True), h.numel() * 4))
-    return DeviceSpec(f"measured-{dev.type}", float(flops), float(bw), host_link=link)
+        link = h.numel() * 4 / best
+    return DeviceSpec(f"measured-{dev.type}", float(r["peak_flops"]), float(r["mem_bandwidth"]), host_link=link,
+                      op_overhead=float(r["op_overhead"]), flops_by_dtype=r["flops_by_dtype"],
+                      mem_curve=r["mem_curve"])
 
 
 def finish_worker(code: int = 0) -> None:

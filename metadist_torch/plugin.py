@@ -185,12 +185,16 @@ class TorchFrontend(Frontend):
     def op_slowdowns(self, graph: Any, costs: dict, cache_file: str | None) -> dict[str, float]:
         """Each op run at its real shapes on this rank's device, over its roofline (metadist_torch.optime)."""
         from .optime import measure_slowdowns
-        return measure_slowdowns(graph, costs, cache_file, self._engine().device)
+        # the GPU of the one-device step device_spec measured in this compile, else this rank's device
+        dev = self.__dict__.pop("_one_device", None) or self._engine().device
+        return measure_slowdowns(graph, costs, cache_file, dev)
 
     def device_spec(self, traced: Traced) -> Any:
-        """A one-device step on a GPU (its state there): the GPU's rates and host link, timed (about 0.5 s),
-        so that the memory plan keeps offloaded state off the device's memory."""
+        """A one-device step on a GPU (its state there): the GPU's rates and host link, timed (about 1 s),
+        so that the memory plan keeps offloaded state off the device's memory and the step is priced on
+        that GPU (its ops are then timed there too: :meth:`op_slowdowns`)."""
         dev = _state_device(traced.context, "cuda")
+        self._one_device = dev
         if dev is None:
             return None
         from .engine import measure_device

@@ -136,3 +136,49 @@ def test_a_frontend_that_cannot_offload_says_so():
     from metadist_core.reference import ReferenceFrontend
     with pytest.raises(NotSupported, match="offload='optimizer' is not yet for the reference frontend"):
         compile_step(ReferenceFrontend(), lambda: None, (), {}, load_settings(offload="optimizer"))
+
+
+def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_ops_timed(monkeypatch):
+    """A one-device step whose frontend measures its device (a GPU in use; here the CPU, standing in) is
+    planned on that device's rates, per-op dispatch included, and its ops are timed on it: the price is
+    within a factor of two of the measured step, where the built-in CPU rates and no dispatch cost had
+    priced a GPU step 11-34 % under (H200, 2026-11-26). The numbers stay the single-device ones."""
+    import statistics
+    import time
+    from metadist_core.overlap import predict
+    from metadist_torch import metadist_compile, plugin
+    from metadist_torch.engine import measure_device
+    timed_on = []
+
+    def device_spec(self, traced):
+        self._one_device = torch.device("cpu")
+        return measure_device(on=torch.device("cpu"))
+    real = plugin.TorchFrontend.op_slowdowns
+
+    def op_slowdowns(self, graph, costs, cache_file):
+        timed_on.append(self.__dict__.get("_one_device"))
+        return real(self, graph, costs, cache_file)
+    monkeypatch.setattr(plugin.TorchFrontend, "device_spec", device_spec)
+    monkeypatch.setattr(plugin.TorchFrontend, "op_slowdowns", op_slowdowns)
+    def build():   # wide enough that its compute, not the call around it, is the step's time
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)) for _ in range(12)]
+    m_ref, o_ref = build()
+    m, o = build()
+    step = metadist_compile(memory_budget=1 << 40)(_step)
+    ts = []
+    for i, (x, y) in enumerate(data):
+        ref = _step(m_ref, o_ref, x, y)
+        t0 = time.perf_counter()
+        got = step(m, o, x, y)
+        ts.append(time.perf_counter() - t0)
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), (i, float(got), float(ref))
+    dev = step.problem.device
+    assert dev.name == "measured-cpu" and dev.op_overhead > 0, dev
+    assert timed_on == [torch.device("cpu")], timed_on   # the ops were timed, on the step's device
+    assert "op_times" in step.timings
+    measured, priced = statistics.median(ts[2:]), predict(step.plan, step.problem).step
+    assert 0.5 < priced / measured < 2.0, (priced, measured)
