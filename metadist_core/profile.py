@@ -157,8 +157,9 @@ def profile_from_samples(samples: Sequence[dict], nodes: int, devices_per_node: 
 #: bumped when the way a profile is measured changes: older cached profiles are measured again
 #: (2: messages up to 16 MiB, so that bandwidth shows beside the latency; 3: device rates measured by all
 #: ranks at once; 4: the memory rate by bytes moved, DeviceSpec.mem_curve; 5: how much of an asynchronous
-#: collective the compute beside it hides, DeviceSpec.overlap)
-MEASURE_VERSION = 5
+#: collective the compute beside it hides, DeviceSpec.overlap; 6: the rates of one rank alone divided by
+#: the share of the device a rank gets while all compute, the per-op dispatch of a lowered program)
+MEASURE_VERSION = 6
 
 
 def profile_key(world_size: int, device_kind: str, host: str | None = None) -> dict:

@@ -134,11 +134,64 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
 # latency and the ranks' uneven arrival (with 1 MiB at most, gloo on 4 ranks of 2 cores fitted beta to 0
 # while 16 MiB all_reduces took 27-33 ms, i.e. 1.1-1.3 ns/byte)
 LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
-LIVE_WINDOW = 0.08   # seconds per timing of the device rates on the live ranks (measure_device_rates)
+SHARE_SECONDS = 0.06   # about how long the mixed compute that measures the ranks' share of the device runs
+
+
+def measure_share(dev, iters: int = 3) -> float:
+    """How many times longer compute takes on this rank while every rank of the process group computes
+    at once than while it runs alone (``DeviceSpec`` rates are the alone ones divided by it): at least 1.
+    The compute is a mix like a step's (small matmuls, adds, a program of tiny ops) and runs for about
+    :data:`SHARE_SECONDS`, several scheduler time slices: ranks that share cores take turns only over
+    such spans (4 gloo ranks on 2 cores: 20 matmuls of 6 ms read 1.27x slower all at once, a 41 ms step
+    of GPT-2 2.07x; rates timed at once over 80 ms windows had read the matmul 2.1x and the add 3.4x
+    slower than alone, and priced that step's compute at 64 ms against the 85 ms it took). Rank 0 times
+    it alone while the others wait, then all time it at once; the slowest rank's median is the figure.
+    One rank per device (NCCL, one GPU each): about 1."""
+    import torch
+    import torch.distributed as dist
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    a = torch.randn(128, 128, device=dev)
+    x = torch.randn(1 << 16, device=dev)
+    prog = dispatch_program(dev, 50)
+
+    def unit():
+        for _ in range(4):
+            a @ a
+        x.add(1.0)
+        prog()
+    unit()
+    sync()
+    t0 = time.perf_counter()
+    unit()
+    sync()
+    reps = max(1, min(10000, int(SHARE_SECONDS / max(time.perf_counter() - t0, 1e-7))))
+    t = torch.tensor([reps], dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)   # every rank runs the same work
+    reps = int(t.item())
+
+    def work():
+        for _ in range(reps):
+            unit()
+        sync()
+    alone = torch.zeros(1, dtype=torch.float64, device=dev)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        alone[0] = _time(work, iters, lambda: None, pick=min)
+    dist.barrier()
+    dist.all_reduce(alone)   # rank 0's figure on every rank
+    both = torch.tensor([_time(work, iters, lambda: None, before=dist.barrier)], dtype=torch.float64, device=dev)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    return max(1.0, float(both.item()) / max(float(alone.item()), 1e-9))
 
 
 # float32 elements of the adds that time the memory rate by size (DeviceSpec.mem_curve); 16x on a GPU (1 GiB at most)
 CURVE_ELEMENTS = (1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
+LOW_DTYPES = ("bfloat16", "float16")   # the matmul rates timed beside float32's (DeviceSpec.flops_by_dtype)
+
+
+def curve_elements(dev) -> tuple[int, ...]:
+    """The adds' sizes that time the memory-rate curve on ``dev``."""
+    return CURVE_ELEMENTS if dev.type == "cpu" else tuple(e << 4 for e in CURVE_ELEMENTS)
 
 
 #: ops in the program that times the per-op dispatch (DeviceSpec.op_overhead)
@@ -190,11 +243,11 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
     add = timed(lambda: x.add(1.0), 5)
     over = timed(dispatch_program(dev)) / DISPATCH_OPS
     low = {}   # bf16/fp16 matmul rates: tensor cores (or AMX on a CPU) make them far faster, or far slower
-    for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+    for name, dt in ((k, getattr(torch, k)) for k in LOW_DTYPES):
         a16, b16 = a.to(dt), b.to(dt)
         low[name] = 2 * n ** 3 / max(timed(lambda: a16 @ b16, 5) - over, 1e-9)
     curve = []   # bytes/s by bytes moved: in cache, streamed, and with a fresh output's pages faulted in
-    for k in (CURVE_ELEMENTS if dev.type == "cpu" else tuple(e << 4 for e in CURVE_ELEMENTS)):
+    for k in curve_elements(dev):
         y = torch.randn(k, device=dev)
         t = timed(lambda: y.add(1.0), max(1, (1 << 18) // k))
         curve.append((2 * k * 4, 2 * k * 4 / max(t - over, 1e-9)))
@@ -356,12 +409,26 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     hidden = 1.0
     if wide is not None and mesh.shape[wide] > 1:
         hidden = measure_overlap(groups[wide], dev, work, iters, sync)
-    rates = measure_device_rates(iters=3, before=dist.barrier, window=LIVE_WINDOW)
-    low = sorted(rates["flops_by_dtype"])
-    curve = rates["mem_curve"]
-    vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]]
-                       + [rates["flops_by_dtype"][k] for k in low] + [r for _, r in curve], dtype=torch.float64)
-    dist.all_reduce(vec, op=dist.ReduceOp.MIN)   # the slowest rank sets the pace
+    # the rates of one rank alone (the fastest of single calls, as metadist_torch.optime times each op),
+    # divided by the share of the device a rank gets while all compute at once
+    # (rank 0 alone times them while the others wait: the same device on every rank)
+    share = measure_share(dev)
+    low = sorted(LOW_DTYPES)
+    curve = [(2 * k * 4, 0.0) for k in curve_elements(dev)]
+    vec = torch.zeros(3 + len(low) + len(curve), dtype=torch.float64, device=dev)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        rates = measure_device_rates(iters=7, alone=True, dev=dev)
+        vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]]
+                           + [rates["flops_by_dtype"][k] for k in low] + [r for _, r in rates["mem_curve"]],
+                           dtype=torch.float64, device=dev)
+    dist.broadcast(vec, 0)
+    vec[0] /= share
+    vec[1] /= share
+    vec[2] *= share
+    vec[3:] /= share
+    log.info("measured device: %.1f GFLOP/s alone, %.2fx slower with every rank computing at once",
+             float(vec[0]) * share / 1e9, share)
     device_spec = DeviceSpec(f"measured-{dev.type}", float(vec[0]), float(vec[1]), op_overhead=float(-vec[2]),
                              flops_by_dtype={k: float(vec[3 + i]) for i, k in enumerate(low)},
                              mem_curve=[(b, float(vec[3 + len(low) + i])) for i, (b, _) in enumerate(curve)],

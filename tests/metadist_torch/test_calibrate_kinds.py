@@ -42,3 +42,31 @@ def test_kinds_are_timed_apart_and_alike_on_every_rank(tmp_path):
     mesh = Mesh((2,), alpha=1e-3, beta=1e-9, links=[{k: (v["alpha"], v["beta"]) for k, v in kinds.items()}])
     assert mesh.link(0, "all_gather") == (kinds["all_gather"]["alpha"], kinds["all_gather"]["beta"])
     assert mesh.link(0, "all_reduce", numel=1) == (kinds["all_reduce_tiny"]["alpha"], 1e-9)
+
+
+def _share_worker(rank: int, init: str, out: str, world: int) -> None:
+    import torch.distributed as dist
+    from metadist_torch.calibrate import measure_share
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        share = measure_share(torch.device("cpu"))
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(share, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_share_of_the_device_is_ranks_per_core_where_ranks_outnumber_cores(tmp_path):
+    """4 ranks: on a machine of 2 cores each gets half of one while all compute (2x as slow as alone); on
+    4 cores or more, each its own (1x). The figure the live profile divides the alone rates by."""
+    import os
+    import torch.multiprocessing as mp
+    world = 4
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    expected = max(1.0, world / cores)
+    out = str(tmp_path / "share")
+    mp.spawn(_share_worker, args=(str(tmp_path / "init"), out, world), nprocs=world, join=True)
+    got = [json.load(open(f"{out}.{r}")) for r in range(world)]
+    assert len(set(got)) == 1, got   # the slowest rank's figure, everywhere
+    assert 0.7 * expected <= got[0] <= 1.4 * expected, (got[0], expected, cores)
