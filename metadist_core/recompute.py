@@ -291,10 +291,11 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
 
     ``propose(segments, cut)``: the segments a solver that prices :func:`toggles` chose under the budget
     less ``cut`` bytes (None: it has no choice); their rewritten graph is solved first, and proposed again
-    under a budget cut by what its plan overshot with the collectives' buffers (once more). Without one, or when that graph has no plan under the
-    budget, the fewest segments that fit are found by bisection; the counts doubling from there up to all
-    segments are solved too, and the count whose plan :func:`step_seconds` predicts fastest wins
-    (fewer recomputed ops leave the sharding less memory, which it may pay for in collectives).
+    under a budget cut by what its plan overshot with the collectives' buffers (once more). Without one, or
+    when that graph has no plan under the budget, segment counts are solved from all down, halving, while
+    the step :func:`step_seconds` predicts does not grow (bisecting for the fewest that fit where a count
+    does not fit and fewer were still faster), and the count predicted fastest wins (fewer recomputed ops
+    leave the sharding less memory, which it may pay for in collectives).
 
     ``solve(graph)`` returns ``(problem, plan)`` or raises :class:`InfeasibleBudgetError`
     (its ``.needed``: the least bytes per device any plan of that graph needs; :func:`needed`). Returns
@@ -358,27 +359,36 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
             f"{budget_for(*best[2]):,} or less; allow recompute or raise memory_budget to {without:,}",
             budget, without, budget_for(*best[2])) from first
     fits = {len(segs): best[1:]}   # segments recomputed -> (graph, (problem, plan))
-    lo, hi = 0, len(segs)   # infeasible at lo, feasible at hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        g = rewrite(graph, ops_for(mid))
-        try:
-            fits[mid] = (g, solve(g))
-            hi = mid
-        except InfeasibleBudgetError:
-            lo = mid
-    # the fewest segments leave the least memory to the sharding, which may then pay in collectives more
-    # than recomputing more would cost: a few more counts (doubling up to all) are solved too, and the
-    # plan the cost model says runs fastest (metadist_core.overlap.predict) is taken
-    k = hi * 2
-    while k < len(segs):
+    times = {len(segs): step_seconds(*best[2])}
+
+    def attempt(k: int) -> bool:
         try:
             g = rewrite(graph, ops_for(k))
             fits[k] = (g, solve(g))
-        except InfeasibleBudgetError:   # a coarser segment choice may not fit where fewer did
-            pass
-        k *= 2
-    times = {k: step_seconds(*res) for k, (_, res) in fits.items()}
+        except InfeasibleBudgetError:
+            return False
+        times[k] = step_seconds(*fits[k][1])
+        return True
+    # from all segments down, halving: each count fewer leaves the sharding less memory, which it may pay
+    # for in collectives more than the recomputation saved. Down while the predicted step
+    # (metadist_core.overlap.predict) does not grow; where a count does not fit while fewer segments were
+    # still faster, the fewest that fit are found by bisection. Under a tight budget every segment
+    # recomputed is often fastest, and two solves decide (GPT-2, 11 layers, 48 MiB on 4 devices: 25
+    # segments at 650 ms predicted, 12 at 851); the bisection from none up had solved 7 counts there
+    prev, k = len(segs), len(segs) // 2
+    while k >= 1:
+        if not attempt(k):
+            lo, hi = k, prev   # infeasible at lo, feasible at hi
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if attempt(mid):
+                    hi = mid
+                else:
+                    lo = mid
+            break
+        if times[k] > times[prev]:   # fewer segments cost more: fewer still would not pay
+            break
+        prev, k = k, k // 2
     k = min(times, key=lambda c: (times[c], c))
     g, res = fits[k]
     _chosen_by(res, "search over segment counts")

@@ -98,6 +98,46 @@ def test_recomputing_trades_memory_for_compute():
     assert comps[0] < comps[2], comps
 
 
+class _Priced:
+    """A plan of a scripted solve: only its objective (seconds) is read (recompute.step_seconds)."""
+
+    def __init__(self, objective):
+        self.objective, self.stats, self.choices = objective, {}, None
+
+
+@pytest.mark.parametrize("shape", ["more_is_faster", "fewer_is_faster"])
+def test_segment_search_goes_down_from_all_and_stops_where_fewer_cost_more(shape):
+    """The search over segment counts (a solver without toggles) solves all segments first and halves
+    while the predicted step does not grow: where every segment recomputed is fastest (a tight budget,
+    the sharding paying in collectives for memory) two counts decide; where fewer are faster it bisects
+    down to the fewest that fit. Each time the count predicted fastest is taken."""
+    from metadist_core.problem import InfeasibleBudgetError
+    from metadist_core.recompute import choose
+    tr, _ = _traced(layers=4)
+    g = tr.graph
+    n = len(order(segments(g)))
+    assert n >= 8, n
+    fewest = 3   # the fewest segments with a plan under the budget
+    solved = []
+
+    def solve(graph):
+        k = sum(op.id.endswith(SUFFIX) for op in graph.ops)   # recomputed ops: which count this is
+        counts = {sum(len(s.recompute) for s in order(segments(g))[:j]): j for j in range(n + 1)}
+        j = counts[k]
+        solved.append(j)
+        if j < fewest:
+            raise InfeasibleBudgetError(1, 2 + fewest - j, Mesh((1,)))
+        return None, _Priced(100.0 - j if shape == "more_is_faster" else 100.0 + j)
+    graph, (_, plan), segs = choose(g, 1, solve)
+    if shape == "more_is_faster":
+        assert len(segs) == n and solved == [0, n, n // 2], solved
+    else:
+        assert len(segs) == fewest, (len(segs), solved)
+        assert solved[:2] == [0, n] and fewest - 1 in solved and len(solved) <= 2 + 2 * n.bit_length(), solved
+    assert plan.objective == min(100.0 - j if shape == "more_is_faster" else 100.0 + j
+                                 for j in solved if j >= fewest)
+
+
 def test_toggles_price_the_rewritten_graph_exactly():
     """A segment's toggle on the plain graph's problem costs and holds what rewriting the graph does: for
     several sets of segments, the plain problem with those toggles on and the rewritten graph's problem
