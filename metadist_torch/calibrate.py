@@ -134,10 +134,10 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
 # latency and the ranks' uneven arrival (with 1 MiB at most, gloo on 4 ranks of 2 cores fitted beta to 0
 # while 16 MiB all_reduces took 27-33 ms, i.e. 1.1-1.3 ns/byte)
 LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
-SHARE_SECONDS = 0.06   # about how long the mixed compute that measures the ranks' share of the device runs
+SHARE_SECONDS = 0.1   # about how long the mixed compute that measures the ranks' share of the device runs
 
 
-def measure_share(dev, iters: int = 3) -> float:
+def measure_share(dev, iters: int = 5) -> float:
     """How many times longer compute takes on this rank while every rank of the process group computes
     at once than while it runs alone (``DeviceSpec`` rates are the alone ones divided by it): at least 1.
     The compute is a mix like a step's (small matmuls, adds, a program of tiny ops) and runs for about

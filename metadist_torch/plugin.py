@@ -80,6 +80,7 @@ class TorchFrontend(Frontend):
         from .offload import state_to_device
         state_to_device(state)   # offloaded optimizer state back beside the parameters: tracing runs the optimizer
         step = trace_step(fn, args, kwargs, state=state)
+        self._traced_step = step   # op_slowdowns times its program whole (optime.program_factor)
         return Traced(step.graph, context=step)
 
     def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> "Mesh":
@@ -184,10 +185,14 @@ class TorchFrontend(Frontend):
 
     def op_slowdowns(self, graph: Any, costs: dict, cache_file: str | None) -> dict[str, float]:
         """Each op run at its real shapes on this rank's device, over its roofline (metadist_torch.optime)."""
-        from .optime import measure_slowdowns
+        from .optime import measure_slowdowns, program_factor
         # the GPU of the one-device step device_spec measured in this compile, else this rank's device
         dev = self.__dict__.pop("_one_device", None) or self._engine().device
-        return measure_slowdowns(graph, costs, cache_file, dev)
+        slow = measure_slowdowns(graph, costs, cache_file, dev)
+        factor = program_factor(self.__dict__.pop("_traced_step", None), graph, costs, slow, dev)
+        if factor is None:
+            return slow
+        return {i: slow.get(i, 1.0) * factor for i in costs}
 
     def device_spec(self, traced: Traced) -> Any:
         """A one-device step on a GPU (its state there): the GPU's rates and host link, timed (about 1 s),

@@ -73,6 +73,7 @@ class TracedStep:
     out_vars: list[str | None]      # per flat graph output: MetaIR var id (None for constants)
     random_ops: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    example_inputs: list[torch.Tensor] = field(default_factory=list)   # the traced call's user tensors
 
     def unflatten_outputs(self, outs: Sequence[Any]) -> Any:
         """The user's return value from the tensor outputs of one run (constants put back in place)."""
@@ -196,7 +197,8 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
             conv.graph.vars[v].role = "gradient"
     timings = {"make_fx": t1 - t0, "functionalize": t2 - t1, "to_meta_ir": time.perf_counter() - t2}
     return TracedStep(gm, conv.graph, state, len(user_tensors), spec, n_user_out + len(consts), n_user_out, consts,
-                      conv.in_names, conv.constants, conv.state_out, conv.out_vars, conv.random_ops, timings)
+                      conv.in_names, conv.constants, conv.state_out, conv.out_vars, conv.random_ops, timings,
+                      [t.detach() for t in user_tensors])
 
 
 def _bn_with_stats(input, weight, bias, running_mean, running_var, training, momentum, eps):

@@ -140,9 +140,11 @@ def test_a_frontend_that_cannot_offload_says_so():
 
 def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_ops_timed(monkeypatch):
     """A one-device step whose frontend measures its device (a GPU in use; here the CPU, standing in) is
-    planned on that device's rates, per-op dispatch included, and its ops are timed on it: the price is
-    within a factor of two of the measured step, where the built-in CPU rates and no dispatch cost had
-    priced a GPU step 11-34 % under (H200, 2026-11-26). The numbers stay the single-device ones."""
+    planned on that device's rates, per-op dispatch included, its ops timed on it and its program timed
+    whole (metadist_torch.optime.program_factor): the price is within -30..+50 % of the measured step
+    (0.87-0.96 in three runs here; 0.75-0.80 with the ops' alone times only), where the built-in CPU rates
+    and no dispatch cost had priced a GPU step 11-34 % under (H200, 2026-11-26). The numbers stay the
+    single-device ones."""
     import statistics
     import time
     from metadist_core.overlap import predict
@@ -181,4 +183,4 @@ def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_o
     assert timed_on == [torch.device("cpu")], timed_on   # the ops were timed, on the step's device
     assert "op_times" in step.timings
     measured, priced = statistics.median(ts[2:]), predict(step.plan, step.problem).step
-    assert 0.5 < priced / measured < 2.0, (priced, measured)
+    assert 0.7 < priced / measured < 1.5, (priced, measured)
