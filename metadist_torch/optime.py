@@ -199,7 +199,9 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
         vals.update({step.in_names[n_s + j]: t.to(dev) for j, t in enumerate(step.example_inputs)})
         vals.update({n: t.to(dev) for n, t in zip(step.in_names[n_s + len(step.example_inputs):], step.constants)})
         args = [vals[v] for v in rg.input_vars]
-        with torch.no_grad():
+        # the generators as they were: a step with dropout draws from them, and this rank's next draws
+        # must be the ones every other rank and the single-device step make
+        with torch.no_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
             measured = _time(lambda: rg(*args), iters, sync, pick=min)
     except Exception as e:   # a program that cannot run alone here: the ops' times stand
         log.info("the step's program could not be timed whole: %s: %s", type(e).__name__, e)

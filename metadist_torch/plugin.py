@@ -188,8 +188,9 @@ class TorchFrontend(Frontend):
         from .optime import measure_slowdowns, program_factor
         # the GPU of the one-device step device_spec measured in this compile, else this rank's device
         dev = self.__dict__.pop("_one_device", None) or self._engine().device
-        slow = measure_slowdowns(graph, costs, cache_file, dev)
-        factor = program_factor(self.__dict__.pop("_traced_step", None), graph, costs, slow, dev)
+        with _same_random_draws(dev):
+            slow = measure_slowdowns(graph, costs, cache_file, dev)
+            factor = program_factor(self.__dict__.pop("_traced_step", None), graph, costs, slow, dev)
         if factor is None:
             return slow
         return {i: slow.get(i, 1.0) * factor for i in costs}
@@ -203,7 +204,8 @@ class TorchFrontend(Frontend):
         if dev is None:
             return None
         from .engine import measure_device
-        return measure_device(on=dev)
+        with _same_random_draws(dev):
+            return measure_device(on=dev)
 
     def device_kind(self) -> str | None:
         import torch
@@ -226,11 +228,20 @@ class TorchFrontend(Frontend):
         if int(flag.item()) == 1:
             return cached
         from .calibrate import measure_live
-        return measure_live(eng, mesh, cached)
+        with _same_random_draws(eng.device):
+            return measure_live(eng, mesh, cached)
 
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         from .calibrate import run_calibrate
         return run_calibrate(out, nprocs=nprocs)
+
+
+def _same_random_draws(dev: Any) -> Any:
+    """The random generators as they were after the measurements inside (their inputs are random, and the
+    step-sized program may run dropout): the step's first draws must be the ones the single-device step
+    makes from the same seed (every rank starts from rank 0's state, which planning had advanced)."""
+    import torch
+    return torch.random.fork_rng(devices=[dev] if getattr(dev, "type", "cpu") == "cuda" else [])
 
 
 def _state_device(step: Any, kind: str | None = None) -> Any:

@@ -149,18 +149,15 @@ def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_o
     import time
     from metadist_core.overlap import predict
     from metadist_torch import metadist_compile, plugin
-    from metadist_torch.engine import measure_device
     timed_on = []
 
-    def device_spec(self, traced):
-        self._one_device = torch.device("cpu")
-        return measure_device(on=torch.device("cpu"))
     real = plugin.TorchFrontend.op_slowdowns
 
     def op_slowdowns(self, graph, costs, cache_file):
         timed_on.append(self.__dict__.get("_one_device"))
         return real(self, graph, costs, cache_file)
-    monkeypatch.setattr(plugin.TorchFrontend, "device_spec", device_spec)
+    # the step's state "on a GPU": here the CPU stands in, measured as the GPU would be
+    monkeypatch.setattr(plugin, "_state_device", lambda step, kind=None: torch.device("cpu"))
     monkeypatch.setattr(plugin.TorchFrontend, "op_slowdowns", op_slowdowns)
     def build():   # wide enough that its compute, not the call around it, is the step's time
         torch.manual_seed(0)
@@ -184,3 +181,35 @@ def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_o
     assert "op_times" in step.timings
     measured, priced = statistics.median(ts[2:]), predict(step.plan, step.problem).step
     assert 0.7 < priced / measured < 1.5, (priced, measured)
+
+
+def test_timing_the_whole_program_leaves_the_random_generators_as_they_were(monkeypatch):
+    """The planner runs the step's program once more to time it (optime.program_factor); a step with
+    dropout draws from the generators there, so it must put them back: the compiled step's losses and
+    the draws after it equal eager's."""
+    from metadist_torch import metadist_compile, plugin
+    ran = []
+    real = plugin.TorchFrontend.op_slowdowns
+
+    def op_slowdowns(self, graph, costs, cache_file):
+        ran.append(self.__dict__.get("_traced_step") is not None)
+        return real(self, graph, costs, cache_file)
+    monkeypatch.setattr(plugin, "_state_device", lambda step, kind=None: torch.device("cpu"))
+    monkeypatch.setattr(plugin.TorchFrontend, "op_slowdowns", op_slowdowns)
+
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    m_ref, o_ref = build()
+    torch.manual_seed(5)
+    ref = [float(_step(m_ref, o_ref, x, torch.zeros(8, 4))) for _ in range(2)]
+    ref_next = torch.rand(3)
+    m, o = build()
+    step = metadist_compile(memory_budget=1 << 40)(_step)
+    torch.manual_seed(5)
+    got = [float(step(m, o, x, torch.zeros(8, 4))) for _ in range(2)]
+    assert ran == [True]   # the program was there to be timed
+    assert got == pytest.approx(ref, rel=1e-5), (got, ref)
+    assert torch.equal(torch.rand(3), ref_next)
