@@ -105,7 +105,7 @@ class _Priced:
         self.objective, self.stats, self.choices = objective, {}, None
 
 
-@pytest.mark.parametrize("shape", ["more_is_faster", "fewer_is_faster"])
+@pytest.mark.parametrize("shape", ["more_is_faster", "fewer_is_faster", "more_is_faster_above_half"])
 def test_segment_search_goes_down_from_all_and_stops_where_fewer_cost_more(shape):
     """The search over segment counts (a solver without toggles) solves all segments first and halves
     while the predicted step does not grow: where every segment recomputed is fastest (a tight budget,
@@ -117,7 +117,8 @@ def test_segment_search_goes_down_from_all_and_stops_where_fewer_cost_more(shape
     g = tr.graph
     n = len(order(segments(g)))
     assert n >= 8, n
-    fewest = 3   # the fewest segments with a plan under the budget
+    # the fewest segments with a plan under the budget
+    fewest = n // 2 + 2 if shape == "more_is_faster_above_half" else 3
     solved = []
 
     def solve(graph):
@@ -127,14 +128,16 @@ def test_segment_search_goes_down_from_all_and_stops_where_fewer_cost_more(shape
         solved.append(j)
         if j < fewest:
             raise InfeasibleBudgetError(1, 2 + fewest - j, Mesh((1,)))
-        return None, _Priced(100.0 - j if shape == "more_is_faster" else 100.0 + j)
+        return None, _Priced(100.0 + j if shape == "fewer_is_faster" else 100.0 - j)
     graph, (_, plan), segs = choose(g, 1, solve)
     if shape == "more_is_faster":
         assert len(segs) == n and solved == [0, n, n // 2], solved
+    elif shape == "more_is_faster_above_half":   # half does not fit; the count between is slower: stop
+        assert len(segs) == n and solved == [0, n, n // 2, (n // 2 + n) // 2], solved
     else:
         assert len(segs) == fewest, (len(segs), solved)
         assert solved[:2] == [0, n] and fewest - 1 in solved and len(solved) <= 2 + 2 * n.bit_length(), solved
-    assert plan.objective == min(100.0 - j if shape == "more_is_faster" else 100.0 + j
+    assert plan.objective == min(100.0 + j if shape == "fewer_is_faster" else 100.0 - j
                                  for j in solved if j >= fewest)
 
 
