@@ -21,6 +21,7 @@ dtype, and none (1) when there is none. Slowdowns are cached in a JSON file besi
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -81,13 +82,23 @@ def _elements(op: MetaOp, graph: MetaIR) -> int:
     return sum(int(graph.vars[v].numel) for v in [*op.inputs, *op.outputs] if graph.vars[v].is_tensor)
 
 
-def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | os.PathLike | None = None,
-                      device: torch.device | None = None) -> dict[str, float]:
-    """Per op id of ``graph``, its measured time over its roofline (see the module doc); ``costs``: the
-    op's ``(flops, bytes)`` as the frontend reports them. Ops already in ``cache_file`` are not run again."""
+def alone_rates(dev: torch.device) -> Callable[[], dict]:
+    """This process's rates on ``dev`` while it has the device to itself
+    (:func:`metadist_torch.calibrate.measure_device_rates`, ``alone``), measured at the first call and
+    kept: what :func:`measure_slowdowns` and :func:`program_factor` of one compile divide by."""
     from .calibrate import measure_device_rates
+    return functools.cache(lambda: measure_device_rates(iters=7, alone=True, dev=dev))
+
+
+def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | os.PathLike | None = None,
+                      device: torch.device | None = None, rates: Callable[[], dict] | None = None
+                      ) -> dict[str, float]:
+    """Per op id of ``graph``, its measured time over its roofline (see the module doc); ``costs``: the
+    op's ``(flops, bytes)`` as the frontend reports them. Ops already in ``cache_file`` are not run again.
+    ``rates``: the device's alone rates (:func:`alone_rates`; asked only when an op is timed)."""
     from .engine import device as engine_device
     dev = device or engine_device()
+    rates_of = rates or alone_rates(dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     cache: dict[str, float] = {}
     path = Path(cache_file) if cache_file else None
@@ -99,7 +110,7 @@ def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | 
         except (OSError, ValueError, AttributeError):
             cache = {}
     t0 = time.perf_counter()
-    rates: DeviceSpec | None = None
+    spec: DeviceSpec | None = None
     sig_of = {op.id: op.signature(graph) for op in graph.ops}
     by_key: dict[tuple, tuple[int, float]] = {}   # (key, dtypes) -> (elements, slowdown) of its largest measured op
     new = tried = 0
@@ -112,16 +123,16 @@ def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | 
         sig = sig_of[op.id]
         n = _elements(op, graph)
         if sig not in cache and name and name not in RANDOM and n <= MAX_ELEMENTS:
-            if rates is None:
-                r = measure_device_rates(iters=7, alone=True, dev=dev)
+            if spec is None:
+                r = rates_of()
                 # the op's time beyond its roofline is its time less a tiny op's timed the same way (this
                 # call path dispatches slower than the lowered program, whose own per-op cost the profile's
                 # op_overhead adds back: on an H200, ops' times less the program's dispatch priced GPT-2's
                 # step 26 % over its measured time)
                 tiny = torch.randn(8, device=dev)
                 harness = _timed(lambda: torch.ops.aten.add.Tensor(tiny, tiny), sync)
-                rates = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], op_overhead=harness,
-                                   flops_by_dtype=r["flops_by_dtype"], mem_curve=r["mem_curve"])
+                spec = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], op_overhead=harness,
+                                  flops_by_dtype=r["flops_by_dtype"], mem_curve=r["mem_curve"])
             try:
                 overload = resolve_overload(op.key)
                 tensors = _inputs(op, graph, dev)
@@ -134,8 +145,8 @@ def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | 
                 cache[sig] = 0.0
                 tried += 1
             else:
-                roof = _roofline(op, graph, cost, rates)
-                cache[sig] = min(max((t - rates.op_overhead) / max(roof, 1e-9), LIMITS[0]), LIMITS[1])
+                roof = _roofline(op, graph, cost, spec)
+                cache[sig] = min(max((t - spec.op_overhead) / max(roof, 1e-9), LIMITS[0]), LIMITS[1])
                 new += 1
         if cache.get(sig) and n >= by_key.get(key, (-1, 0.0))[0]:
             by_key[key] = (n, cache[sig])
@@ -166,7 +177,8 @@ PROGRAM_FACTOR = (1.0, 4.0)   # the program's factor over its ops' alone times i
 
 
 def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns: dict[str, float],
-                   device: torch.device | None = None, iters: int = 3) -> float | None:
+                   device: torch.device | None = None, iters: int = 3,
+                   rates: Callable[[], dict] | None = None) -> float | None:
     """How many times longer the whole step's program runs, alone on this device at its traced shapes,
     than its ops' alone times say (their rooflines times ``slowdowns``, plus the per-op dispatch of a
     lowered program): each op is timed again and again on its own inputs, hot in the caches, while the
@@ -175,10 +187,12 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
     model 4.7 against 7.2). The fastest of ``iters`` runs of the replicated program, lowered as every
     plan is (``step``: the :class:`~metadist_torch.trace.TracedStep` whose graph is ``graph``), on copies
     of the state; None where its one-device peak is over :data:`PROGRAM_BYTES` (a model that needs the
-    mesh to fit) or it cannot run. Clamped to :data:`PROGRAM_FACTOR`."""
+    mesh to fit) or it cannot run. Clamped to :data:`PROGRAM_FACTOR`. ``rates``: as for
+    :func:`measure_slowdowns`. A step with dropout draws from the random generators here: the caller keeps
+    them (:meth:`metadist_torch.plugin.TorchFrontend.op_slowdowns`)."""
     from metadist_core.pipeline import replicated_plan
     from metadist_core.placement import Mesh
-    from .calibrate import measure_device_rates
+    from .calibrate import _time
     from .engine import device as engine_device
     from .lower import lower_plan
     dev = device or engine_device()
@@ -199,17 +213,15 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
         vals.update({step.in_names[n_s + j]: t.to(dev) for j, t in enumerate(step.example_inputs)})
         vals.update({n: t.to(dev) for n, t in zip(step.in_names[n_s + len(step.example_inputs):], step.constants)})
         args = [vals[v] for v in rg.input_vars]
-        # the generators as they were: a step with dropout draws from them, and this rank's next draws
-        # must be the ones every other rank and the single-device step make
-        with torch.no_grad(), torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        with torch.no_grad():
             measured = _time(lambda: rg(*args), iters, sync, pick=min)
     except Exception as e:   # a program that cannot run alone here: the ops' times stand
         log.info("the step's program could not be timed whole: %s: %s", type(e).__name__, e)
         return None
-    r = measure_device_rates(iters=7, alone=True, dev=dev)
-    rates = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], flops_by_dtype=r["flops_by_dtype"],
-                       mem_curve=r["mem_curve"])
-    roof = sum(_roofline(op, graph, costs[op.id], rates) * slowdowns.get(op.id, 1.0)
+    r = (rates or alone_rates(dev))()
+    spec = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], flops_by_dtype=r["flops_by_dtype"],
+                      mem_curve=r["mem_curve"])
+    roof = sum(_roofline(op, graph, costs[op.id], spec) * slowdowns.get(op.id, 1.0)
                for op in graph.ops if op.id in costs)
     dispatch = r["op_overhead"] * len(graph.ops)
     factor = (measured - dispatch) / max(roof, 1e-9)
@@ -218,9 +230,4 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
     return min(max(factor, PROGRAM_FACTOR[0]), PROGRAM_FACTOR[1])
 
 
-def _time(fn: Callable[[], Any], iters: int, sync: Callable[[], None], pick: Callable = min) -> float:
-    from .calibrate import _time as timed
-    return timed(fn, iters, sync, pick=pick)
-
-
-__all__ = ["measure_slowdowns", "program_factor", "MAX_ELEMENTS"]
+__all__ = ["alone_rates", "measure_slowdowns", "program_factor", "MAX_ELEMENTS"]

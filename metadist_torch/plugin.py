@@ -185,12 +185,13 @@ class TorchFrontend(Frontend):
 
     def op_slowdowns(self, graph: Any, costs: dict, cache_file: str | None) -> dict[str, float]:
         """Each op run at its real shapes on this rank's device, over its roofline (metadist_torch.optime)."""
-        from .optime import measure_slowdowns, program_factor
+        from .optime import alone_rates, measure_slowdowns, program_factor
         # the GPU of the one-device step device_spec measured in this compile, else this rank's device
         dev = self.__dict__.pop("_one_device", None) or self._engine().device
+        rates = alone_rates(dev)   # measured once, for both
         with _same_random_draws(dev):
-            slow = measure_slowdowns(graph, costs, cache_file, dev)
-            factor = program_factor(self.__dict__.pop("_traced_step", None), graph, costs, slow, dev)
+            slow = measure_slowdowns(graph, costs, cache_file, dev, rates=rates)
+            factor = program_factor(self.__dict__.pop("_traced_step", None), graph, costs, slow, dev, rates=rates)
         if factor is None:
             return slow
         return {i: slow.get(i, 1.0) * factor for i in costs}
