@@ -6,12 +6,16 @@ For each model (the MLP and the flax transformer of examples/jax, trained with
 optax adam) and mesh ((8,) and (2, 4)), one run times three ways to run the
 same step on the same 8 devices:
 
-* ``metadist``: ``metadist_compile`` — the plan lowered to shard_map with its
-  collectives placed explicitly;
+* ``metadist``: ``metadist_compile`` with its defaults — the plan lowered to
+  shard_map with its collectives placed explicitly; with measured costs the
+  solver's plan is timed beside the ddp and fsdp presets' at the first call and
+  the fastest kept (``autotune``, :mod:`metadist_core.autotune`);
+* ``metadist-model``: the same with ``autotune=False``: the solver's plan as the
+  cost model ranks it;
 * ``hand-dp``: ``jax.jit`` with hand-written data-parallel shardings
   (parameters and optimizer state replicated, the batch split on every axis);
-* ``gspmd``: ``jax.jit`` given MetaDist's in/out shardings
-  (``step.shardings()``), leaving everything in between to GSPMD;
+* ``gspmd``: ``jax.jit`` given the in/out shardings of the solver's plan
+  (``metadist-model``'s ``step.shardings()``), leaving everything in between to GSPMD;
 * ``metadist-builtin``: MetaDist with the built-in link and device costs
   instead of those its first compile measures on this machine (the default);
 * ``metadist-ddp``: MetaDist pinned to data parallelism, to tell a wrong
@@ -108,6 +112,7 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
             common = dict(mesh=mesh, solver=solver, cache_dir=cache)
             # the first compile on this machine measures the links and the device (cached in ``cache``)
             md, args, compile_s = _compile(step_fn, params, opt_state, batch, **common)
+            mo, mo_args, _ = _compile(step_fn, params, opt_state, batch, autotune=False, **common)
             with mock.patch.dict(os.environ, {"METADIST_MEASURE_LINKS": "0"}):   # the built-in costs
                 bi, bi_args, _ = _compile(step_fn, params, opt_state, batch, **common)
             dd, dd_args, _ = _compile(step_fn, params, opt_state, batch, strategy="ddp", **common)
@@ -124,12 +129,12 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
             dp_out = (rep, dp_in[0], dp_in[1])
             hand = jax.jit(step_fn, in_shardings=dp_in, out_shardings=dp_out)
             hand_args = [jax.device_put(a, s) for a, s in zip((params, opt_state, batch), dp_in)]
-            ins, outs = md.shardings()
+            ins, outs = mo.shardings()
             gspmd = jax.jit(step_fn, in_shardings=ins[0], out_shardings=outs)
 
-            steps = {"metadist": md, "metadist-builtin": bi, "metadist-ddp": dd}
-            systems = {"metadist": (md, args), "metadist-builtin": (bi, bi_args), "metadist-ddp": (dd, dd_args),
-                       "hand-dp": (hand, hand_args), "gspmd": (gspmd, args)}
+            steps = {"metadist": md, "metadist-model": mo, "metadist-builtin": bi, "metadist-ddp": dd}
+            systems = {"metadist": (md, args), "metadist-model": (mo, mo_args), "metadist-builtin": (bi, bi_args),
+                       "metadist-ddp": (dd, dd_args), "hand-dp": (hand, hand_args), "gspmd": (gspmd, mo_args)}
             times = {}
             for sys_name, (fn, a) in systems.items():
                 times[sys_name], _ = timed(lambda: _block(fn(*a)), repeats=repeats, warmup=2)
@@ -137,11 +142,11 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
             preds["hand-dp"] = preds["metadist-ddp"]   # the hand layout, priced by MetaDist pinned to it
             counted = {k: counted_bytes(st.lowered().compiled_text(*systems[k][1])) for k, st in steps.items()}
             counted["hand-dp"] = counted_bytes(hand.lower(*hand_args).compile().as_text())
-            counted["gspmd"] = counted_bytes(gspmd.lower(*args).compile().as_text())
+            counted["gspmd"] = counted_bytes(gspmd.lower(*mo_args).compile().as_text())
             n_params = sum(1 for v in md.graph.inputs if md.graph.vars[v].role == "parameter")
             best = min(times["hand-dp"], times["gspmd"])
             for sys_name, t in times.items():
-                own = steps.get(sys_name, md)
+                own = steps.get(sys_name, mo if sys_name == "gspmd" else md)
                 plan = own.plan
                 sharded = sum(1 for v in own.graph.inputs if own.graph.vars[v].role == "parameter"
                               and not plan.input_shardings[v].is_fully_replicated())
@@ -156,10 +161,13 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
                     "params_sharded": f"{sharded}/{n_params}" if sys_name != "hand-dp" else f"0/{n_params}",
                     "compile_s": compile_s if sys_name == "metadist" else None,
                     "solver": plan.solver, "quick": quick,
+                    "autotune": (plan.stats.get("autotune") or {}).get("chosen") if sys_name == "metadist" else None,
+                    "autotune_trials": plan.stats.get("autotune") if sys_name == "metadist" else None,
                 })
             print(f"{name:>26} mesh {'x'.join(map(str, mesh)):>3}: " +
                   ", ".join(f"{k} {v * 1e3:.2f} ms" + (f" (pred {preds[k].step * 1e3:.2f})" if k in preds else "")
-                            for k, v in times.items()) + f" (compile {compile_s:.1f} s)", flush=True)
+                            for k, v in times.items()) + f" (compile {compile_s:.1f} s; autotune kept "
+                  f"{(md.plan.stats.get('autotune') or {}).get('chosen')!r})", flush=True)
     return records
 
 
@@ -174,19 +182,21 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="metadist-jax-step-") as cache:
         records = run(args.quick, args.solver, cache)
     notes = ("Step time of one training step (forward, backward, adam) on 8 virtual CPU devices of one host, "
-             "medians, all systems in the same run. `metadist`: the plan lowered to shard_map with explicit "
-             "collectives, priced with the link and device costs its first compile measured on this machine "
-             "(the default); `metadist-builtin`: the same with the built-in costs; `metadist-ddp`: MetaDist "
+             "medians, all systems in the same run. `metadist`: MetaDist's defaults: the plan lowered to shard_map "
+             "with explicit collectives, priced with the link and device costs its first compile measured on "
+             "this machine, the solver's plan timed beside the ddp and fsdp presets' plans at the first call and "
+             "the fastest kept (`autotune` column: the one kept); `metadist-model`: the same with "
+             "`autotune=False`, the solver's plan as the cost model ranks it; `metadist-builtin`: the same with the built-in costs; `metadist-ddp`: MetaDist "
              "pinned to data parallelism (`strategy=\"ddp\"`), whose price stands as hand-dp's prediction; "
              "`hand-dp`: jax.jit with replicated parameters and the batch split over every device; `gspmd`: "
-             "jax.jit given MetaDist's in/out shardings, GSPMD choosing the rest (no prediction). "
+             "jax.jit given metadist-model's in/out shardings, GSPMD choosing the rest (no prediction). "
              "`predicted_ms`: metadist_core.overlap.predict of the plan; `comm_bytes_predicted`: the bytes per "
              "device its collectives move as priced; `comm_bytes_counted`: the same read from the optimized HLO "
              "XLA compiled (metadist_jax.hlo). `vs_best_hand` < 1 means faster than the better of hand-dp and "
              "gspmd. Virtual devices share the host's 2 cores, so these measure program structure, not links.")
     path = write_results(NAME, records, ["model", "mesh", "system", "step_ms", "predicted_ms", "pred_error",
                                          "vs_best_hand", "comm_bytes_predicted", "comm_bytes_counted",
-                                         "collectives_counted", "params_sharded", "compile_s"],
+                                         "collectives_counted", "params_sharded", "autotune", "compile_s"],
                          "JAX step time: MetaDist vs hand-written DP vs GSPMD (8 virtual CPU devices)", notes)
     print(f"wrote {path} and {path.with_suffix('.json')}")
 

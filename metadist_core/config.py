@@ -27,6 +27,7 @@
 | recompute      | METADIST_RECOMPUTE         | recompute       | true (only when a memory budget needs it) |
 | offload        | METADIST_OFFLOAD           | offload         | none ("optimizer": state and update on the host) |
 | ilp_cache_mb   | METADIST_ILP_CACHE_MB      | ilp_cache_mb    | 512 (MiB of kept ILP answers; the least recently used go first) |
+| autotune       | METADIST_AUTOTUNE          | autotune        | true (with measured costs: the solver's plan timed beside the ddp and fsdp presets', the fastest kept; frontends that can time a plan alone: JAX) |
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ class Settings:
     recompute: bool = True   # recompute forward segments when no plan meets memory_budget without it
     offload: str | None = None   # None | "optimizer": optimizer state and its update on the host (metadist_core.offload)
     ilp_cache_mb: float = 512.0   # disk the ILP's kept answers may take under cache_dir/milp (solvers/_cache.py)
+    autotune: bool = True   # with measured costs, time the solver's plan beside the presets' (metadist_core.autotune)
 
     @property
     def bucket_bytes(self) -> int:
@@ -123,7 +125,7 @@ def load_settings(**explicit: Any) -> Settings:
             value = file_vals.get(f.name)
         if value is None:
             continue
-        if f.name in ("coalesce", "progress", "measure_links", "recompute", "measure_memory"):
+        if f.name in ("coalesce", "progress", "measure_links", "recompute", "measure_memory", "autotune"):
             value = _bool(f.name, value)
         elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws", "max_real_discovery",
                         "micro_batches", "discovery_workers",

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover - types only
+    from .autotune import Trial
     from .config import Settings
     from .cost import DeviceSpec
     from .ir import MetaIR, MetaOp
@@ -117,6 +118,14 @@ class Frontend(abc.ABC):
         ``settings`` carries the lowering's knobs (``coalesce``, ``bucket_bytes``...)."""
 
     # -- micro-batches (metadist_core.microbatch) --------------------
+    def trial(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings", args: tuple,
+              kwargs: dict) -> "Trial | None":
+        """``plan`` made runnable on the step's own ``args`` for :mod:`metadist_core.autotune` to time: a
+        :class:`~metadist_core.autotune.Trial` whose ``run()`` runs one step and leaves the arguments as they
+        were. Called on the planning process alone; None (the default) where one process cannot run a plan
+        by itself (torch: every rank takes part in a step), and then nothing is timed."""
+        return None
+
     def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
         """The call cut into ``m`` micro-batches along dim 0 of every tensor input, each ``(args, kwargs)``;
         a batch ``m`` does not divide is an error quoting both (``microbatch.micro_batch_size``)."""

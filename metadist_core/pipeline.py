@@ -324,14 +324,16 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
 
     one_device: list = []   # the frontend's measured DeviceSpec of a one-device step (a GPU), asked once
 
-    def solve_on(m: Mesh) -> CompileResult:
+    def solve_on(m: Mesh, settings: Settings | None = None) -> CompileResult:
+        """The plan on ``m`` (``settings``: another preset of the same compile; else the compile's)."""
+        st = settings or s
         if replicated_only(m):
             p1, pr1 = replicated_plan(graph, m)
             return CompileResult(graph, RuleBook(), pr1, p1)
         if profile is None and m.size == 1 and not one_device:
             one_device.append(frontend.device_spec(traced))
         own = one_device[0] if profile is None and m.size == 1 else None
-        return plan_graph(graph, m, plugins=pm, settings=s, solver_options=solver_options,
+        return plan_graph(graph, m, plugins=pm, settings=st, solver_options=solver_options,
                           constraints=user_constraints + frontend.constraints(graph, m),
                           device=profile.device if profile is not None else own,
                           **lowering_traits(frontend),
@@ -341,6 +343,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
                           else None)
 
     book, problem, plan = RuleBook(), None, None
+    tuned, tuned_plan = None, None   # the autotune trial of the plan kept, whose lowering is reused
     if replicated_only(run_mesh):
         t = time.perf_counter()
         plan, problem = replicated_plan(graph, run_mesh)
@@ -350,8 +353,11 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
             res = _plan_with_pipeline(graph, run_mesh, s, solve_on, frontend)   # metadist_core.pipeplan
             if res is None:
                 res = solve_on(run_mesh)
-            book, problem, plan = res.rulebook, res.problem, res.plan
             timings.update(res.timings)
+            res, tuned = _autotune(res, frontend, traced, run_mesh, s, user_constraints, solve_on, args, kwargs,
+                                   timings)
+            book, problem, plan = res.rulebook, res.problem, res.plan
+            tuned_plan = plan
         except BaseException as e:
             frontend.share_error(e)   # the other processes wait for a plan: tell them instead
             raise
@@ -372,12 +378,32 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     elif s.micro_batches > 1:
         from .microbatch import lower_micro_batches
         runnable = lower_micro_batches(frontend, traced, plan, run_mesh, s)
+    elif tuned is not None and tuned.runnable is not None and plan is tuned_plan:
+        runnable = tuned.runnable   # lowered (and compiled) already when it was timed
     else:
         runnable = frontend.lower(traced, plan, run_mesh, s)
     timings["lower"] = time.perf_counter() - t
     log.info("compiled %s with %s on mesh %s: %s", graph.name, frontend.name, run_mesh,
              ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     return CompileResult(graph, book, problem, plan, runnable, timings, traced, run_mesh)
+
+
+def _autotune(res: CompileResult, frontend: Frontend, traced: Traced, mesh: Mesh, s: Settings,
+              user_constraints: list, solve_on: Callable[..., CompileResult], args: tuple, kwargs: dict,
+              timings: dict[str, float]) -> tuple[CompileResult, Any]:
+    """The solver's result, or a preset's that ran faster when both were timed (:mod:`metadist_core.autotune`),
+    and the kept plan's trial (None when nothing was timed)."""
+    from .autotune import skip_reason, tune
+    why = skip_reason(s, res.plan, user_constraints) if mesh.size > 1 else "one device"
+    if why is not None:
+        log.debug("autotune: not timing plans: %s", why)
+        return res, None
+    t = time.perf_counter()
+    chosen, trial = tune(res, lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name)),
+                         lambda p: frontend.trial(traced, p, mesh, s, tuple(args), dict(kwargs)),
+                         lambda p: p.digest())
+    timings["autotune"] = time.perf_counter() - t
+    return chosen, trial
 
 
 def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callable[[Mesh], CompileResult],

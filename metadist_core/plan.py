@@ -6,6 +6,7 @@ updated state) the exact list of collectives that the cost model priced.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence, Union
@@ -176,6 +177,12 @@ class ShardingPlan:
                 return e.collectives
         raise KeyError(f"the plan has no edge from {var!r} to {dst!r}")
 
+    def digest(self) -> str:
+        """A digest of what the plan does (shardings, strategies, collectives), not of how long it took."""
+        d = self.to_json()
+        core = {k: d[k] for k in ("mesh_shape", "var_shardings", "op_strategies", "input_shardings", "edges")}
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
+
     def summary(self) -> str:
         n_coll = sum(1 for _, c in self.collectives() if not c.is_free)
         gap = "" if self.gap is None else f", gap {self.gap:.2%}"
@@ -209,6 +216,9 @@ class ShardingPlan:
             lines.append(f"recomputed for the backward: {len(self.recompute)} forward ops"
                          + (f" in {segs} segments" if segs else "") + ": " + ", ".join(self.recompute[:12])
                          + (" ..." if len(self.recompute) > 12 else ""))
+        if self.stats.get("autotune"):
+            from .autotune import describe as tuned
+            lines.append(tuned(self.stats["autotune"]))
         if self.stages:
             from .stages import describe
             pl = self.stats.get("pipeline", {})

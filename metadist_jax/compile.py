@@ -38,12 +38,13 @@ class JaxStep(CompiledStep):
                  constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
                  progress: bool | None = None, plugins: PluginManager | None = None, micro_batches: int | None = None,
                  pipeline_stages: int | None = None, schedule: str | None = None,
-                 strategy: str | None = None, recompute: bool | None = None) -> None:
+                 strategy: str | None = None, recompute: bool | None = None,
+                 autotune: bool | None = None) -> None:
         pm = plugins or PluginManager()
         super().__init__(pm.frontend(JaxFrontend.name), fn, mesh=mesh, constraints=constraints, solver_options=solver_options,
                          plugins=pm, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
                          progress=progress, micro_batches=micro_batches, pipeline_stages=pipeline_stages,
-                         schedule=schedule, strategy=strategy, recompute=recompute)
+                         schedule=schedule, strategy=strategy, recompute=recompute, autotune=autotune)
 
     def lowered(self) -> LoweredStep:
         """The lowered step of the last compile (an error before the first call)."""
@@ -97,7 +98,7 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
                      progress: bool | None = None, plugins: PluginManager | None = None,
                      micro_batches: int | None = None, pipeline_stages: int | None = None,
                      schedule: str | None = None, strategy: str | None = None,
-                     recompute: bool | None = None) -> Any:
+                     recompute: bool | None = None, autotune: bool | None = None) -> Any:
     """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``.
 
     :param mesh: None (every device of every process as one axis), a shape
@@ -120,6 +121,9 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
         constraints on the same plan search (:mod:`metadist_core.presets`).
     :param recompute: True (default): recompute forward segments when no plan meets ``memory_budget``
         without it (copies fenced by ``optimization_barrier`` so XLA keeps them); False: never.
+    :param autotune: True (default): with measured costs, the solver's plan is timed beside the ddp and fsdp
+        presets' on these devices at the first call (a few seconds) and the fastest kept
+        (:mod:`metadist_core.autotune`; ``plan.stats["autotune"]``); False: the solver's plan as priced.
 
     Use as ``@metadist_compile`` or ``@metadist_compile(mesh=(2, 4))``; returns a :class:`JaxStep`.
     """
@@ -127,7 +131,7 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
         return JaxStep(f, mesh=mesh, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
                        constraints=constraints, solver_options=solver_options, progress=progress, plugins=plugins,
                        micro_batches=micro_batches, pipeline_stages=pipeline_stages, schedule=schedule,
-                       strategy=strategy, recompute=recompute)
+                       strategy=strategy, recompute=recompute, autotune=autotune)
 
     return wrap(fn) if fn is not None else wrap
 

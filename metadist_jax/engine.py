@@ -9,7 +9,6 @@ same plan and makes them adopt process 0's if not.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from typing import Any, Sequence
@@ -110,10 +109,8 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 
 def plan_digest(plan: Any) -> str:
-    """A digest of what a plan does (shardings, strategies, collectives), not of how long it took."""
-    d = plan.to_json()
-    core = {k: d[k] for k in ("mesh_shape", "var_shardings", "op_strategies", "input_shardings", "edges")}
-    return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
+    """A digest of what a plan does (:meth:`~metadist_core.plan.ShardingPlan.digest`)."""
+    return plan.digest()
 
 
 def agree_on_plan(plan: Any) -> Any:

@@ -271,7 +271,7 @@ class LoweredStep:
         pos = {v: i for i, v in enumerate(program.input_ids)}
         self.consts = [put(context.const_values[v], program.in_shardings[pos[v]]) for v in context.const_ids]
 
-    def _operands(self, args: tuple, kwargs: dict) -> list:
+    def operands(self, args: tuple, kwargs: dict) -> list:
         """The program's operands for the user's arguments: each leaf placed as the plan stores it, then
         the step's constants."""
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
@@ -280,12 +280,19 @@ class LoweredStep:
         return [put(x, s) for x, s in zip(leaves, self.program.in_shardings)] + list(self.consts)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        outs = self.program.fn(*self._operands(args, kwargs))
+        outs = self.program.fn(*self.operands(args, kwargs))
         return jax.tree_util.tree_unflatten(self.context.out_tree, list(outs))
 
     def compiled_text(self, *args: Any, **kwargs: Any) -> str:
         """The optimized HLO XLA compiles for these arguments (what :mod:`metadist_jax.hlo` reads)."""
-        return self.program.fn.lower(*self._operands(args, kwargs)).compile().as_text()
+        return self.program.fn.lower(*self.operands(args, kwargs)).compile().as_text()
+
+    def trial(self, args: tuple, kwargs: dict) -> Any:
+        """A :class:`metadist_core.autotune.Trial` of this step on ``args``: placed once, each ``run()`` runs
+        the program and waits for it. Nothing is donated, so the arguments stay as they were."""
+        from metadist_core.autotune import Trial
+        operands = self.operands(args, kwargs)
+        return Trial(lambda: jax.block_until_ready(self.program.fn(*operands)), self)
 
 
 __all__ = ["JaxCollectives", "LoweredStep", "LoweringError", "Program", "apply_collective", "build_body",

@@ -88,6 +88,15 @@ class JaxFrontend(Frontend):
         program = lower_plan(traced.graph, plan, mesh, self.jax_mesh(mesh), ctx.output_ids)
         return LoweredStep(program, ctx)
 
+    def trial(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings", args: tuple,
+              kwargs: dict) -> Any:
+        """The plan lowered and placed on ``args`` for autotune to time; None with several processes (each
+        would time alone, and every process must run the same plan)."""
+        import jax
+        if jax.process_count() > 1:
+            return None
+        return self.lower(traced, plan, mesh, settings).trial(args, kwargs)
+
     def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
         from .microbatch import split_batch
         return split_batch(args, kwargs, m)

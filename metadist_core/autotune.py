@@ -1,0 +1,160 @@
+"""Measured choice of plan: the solver's plan timed beside the strategy presets' plans on the live mesh.
+
+The cost model ranks plans by their price. Where the price is wrong (JAX on
+virtual CPU devices: XLA fuses what the model prices op by op), the solver's
+plan can run slower than a preset the user would have picked. With
+``autotune`` on and costs measured (``measure_links``), the driver also solves
+the presets of :data:`PRESETS` on the same problem, asks the frontend for a
+:class:`Trial` of every distinct plan (lowered, run on the step's own
+arguments, nothing kept), times them in interleaved rounds and keeps the
+fastest. The solver's plan stays unless another is faster by more than
+:data:`MARGIN` (the rounds' noise on shared cores).
+
+Only frontends that can run a plan on the planning process alone take part
+(:meth:`~metadist_core.frontend.Frontend.trial`): JAX in one process. The
+figures are kept in ``plan.stats["autotune"]`` and shown by ``str(plan)``'s
+summary line.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger("metadist.autotune")
+
+#: the presets timed beside the solver's plan (metadist_core.presets): what a user would write by hand
+PRESETS = ("ddp", "fsdp")
+#: a preset replaces the solver's plan only when it is this much faster (relative, medians of the rounds)
+MARGIN = 0.05
+#: timed rounds; each runs every trial once, in alternating order
+ROUNDS = 5
+
+
+@dataclass
+class Trial:
+    """One plan made runnable for timing: ``run()`` runs one step and returns when it is done, leaving the
+    user's arguments as they were; ``runnable`` is what the frontend's ``lower`` gives for the plan (the
+    driver keeps it when the plan wins, so the winner is not lowered twice), or None."""
+
+    run: Callable[[], Any]
+    runnable: Callable | None = None
+
+
+@dataclass
+class Candidate:
+    """A plan in the running: where it came from (``"auto"`` or a preset) and, once timed, its step."""
+
+    name: str
+    result: Any                      # the CompileResult of its solve
+    trial: Trial | None = None
+    seconds: float | None = None
+
+
+def skip_reason(settings: Any, plan: Any, user_constraints: Sequence[Any]) -> str | None:
+    """Why the plans are not timed for this compile (None: they are)."""
+    s = settings
+    if not s.autotune:
+        return "autotune=False"
+    if not s.measure_links:
+        return "costs are not measured (measure_links=False)"
+    if s.strategy != "auto":
+        return f"the user chose strategy={s.strategy!r}"
+    if user_constraints:
+        return f"the user gave {len(user_constraints)} constraints"
+    if s.micro_batches > 1 or getattr(plan, "stages", None) or getattr(plan, "recompute", None) or s.offload:
+        return "the plan accumulates micro-batches, pipelines, recomputes or offloads"
+    return None
+
+
+def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
+                clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Median seconds of one step of each trial: one untimed run each (compiles, warms), then ``rounds``
+    rounds that run every trial once, forwards and backwards in turn so none always goes first."""
+    for t in trials:
+        t.run()
+    times: list[list[float]] = [[] for _ in trials]
+    for r in range(rounds):
+        order = range(len(trials)) if r % 2 == 0 else range(len(trials) - 1, -1, -1)
+        for i in order:
+            t0 = clock()
+            trials[i].run()
+            times[i].append(clock() - t0)
+    return [statistics.median(x) for x in times]
+
+
+def pick(candidates: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
+    """The solver's plan (the first) unless a timed one is faster than it by more than ``margin``."""
+    timed = [c for c in candidates if c.seconds is not None]
+    if not timed:
+        return candidates[0]
+    best = min(timed, key=lambda c: c.seconds)
+    first = candidates[0]
+    if first.seconds is None or best is first or best.seconds < first.seconds * (1.0 - margin):
+        return best
+    return first
+
+
+def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[Any], Trial | None],
+         digest: Callable[[Any], str], presets: Sequence[str] = PRESETS, rounds: int = ROUNDS,
+         margin: float = MARGIN) -> tuple[Any, Trial | None]:
+    """The CompileResult to run, among the solver's (``auto``) and the presets', and its trial.
+
+    ``solve_preset(name)`` solves the same problem under a preset (an exception: that preset is left out);
+    ``make_trial(plan)`` gives the plan's Trial or None (the frontend cannot time it: nothing is tuned);
+    ``digest(plan)`` says which plans are the same. The figures go to ``plan.stats["autotune"]`` of the
+    plan kept.
+    """
+    t_start = time.perf_counter()
+    cands = [Candidate("auto", auto, make_trial(auto.plan))]
+    if cands[0].trial is None:   # asked first, so that no preset is solved for nothing
+        log.info("autotune: the frontend cannot time a plan here; keeping the solver's plan")
+        return auto, None
+    seen = {digest(auto.plan)}
+    for name in presets:
+        try:
+            res = solve_preset(name)
+        except Exception as e:   # a preset that does not fit the budget, or has no plan on this mesh
+            log.info("autotune: preset %r left out: %s", name, e)
+            continue
+        if res.plan.stages or res.plan.recompute:
+            log.info("autotune: preset %r left out: its plan pipelines or recomputes", name)
+            continue
+        d = digest(res.plan)
+        if d in seen:
+            log.info("autotune: preset %r gives the solver's plan (or an earlier preset's)", name)
+            continue
+        seen.add(d)
+        cands.append(Candidate(name, res))
+    if len(cands) == 1:
+        return auto, cands[0].trial
+    for c in cands[1:]:
+        c.trial = make_trial(c.result.plan)
+        if c.trial is None:
+            log.info("autotune: the frontend cannot time plan %r here; keeping the solver's plan", c.name)
+            return auto, cands[0].trial
+    for c, sec in zip(cands, time_trials([c.trial for c in cands], rounds)):
+        c.seconds = sec
+    chosen = pick(cands, margin)
+    figures = {"chosen": chosen.name, "margin": margin, "rounds": rounds,
+               "seconds": time.perf_counter() - t_start,
+               "candidates": [{"strategy": c.name, "measured_ms": c.seconds * 1e3,
+                               "predicted_ms": c.result.plan.objective * 1e3} for c in cands]}
+    chosen.result.plan.stats["autotune"] = figures
+    log.info("autotune: %s", "; ".join(f"{c.name} {c.seconds * 1e3:.2f} ms measured "
+                                       f"({c.result.plan.objective * 1e3:.2f} predicted)" for c in cands)
+             + f"; running {chosen.name!r}")
+    return chosen.result, chosen.trial
+
+
+def describe(figures: dict) -> str:
+    """One line: the plans timed and the one kept (for ``str(plan)`` and the CLI)."""
+    parts = [f"{c['strategy']} {c['measured_ms']:.1f} ms (predicted {c['predicted_ms']:.1f})"
+             for c in figures.get("candidates", [])]
+    return f"autotuned: {', '.join(parts)}; running {figures.get('chosen')!r}"
+
+
+__all__ = ["Candidate", "MARGIN", "PRESETS", "ROUNDS", "Trial", "describe", "pick", "skip_reason",
+           "time_trials", "tune"]

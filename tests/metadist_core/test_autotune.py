@@ -1,0 +1,103 @@
+"""metadist_core.autotune: plans timed side by side, the solver's kept unless another is clearly faster."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from metadist_core.autotune import Candidate, Trial, pick, skip_reason, time_trials, tune
+from metadist_core.config import load_settings
+
+
+@dataclass
+class FakePlan:
+    name: str
+    objective: float = 0.010
+    stats: dict = field(default_factory=dict)
+    stages: list = field(default_factory=list)
+    recompute: list = field(default_factory=list)
+
+
+@dataclass
+class FakeResult:
+    plan: FakePlan
+
+
+def _sleeper(seconds: float, calls: list, name: str) -> Trial:
+    def run():
+        calls.append(name)
+        time.sleep(seconds)
+    return Trial(run, runnable=name)
+
+
+def test_the_preset_that_runs_faster_is_kept_and_its_figures_recorded():
+    calls: list = []
+    auto = FakeResult(FakePlan("auto", 0.005))
+    presets = {"ddp": FakeResult(FakePlan("ddp", 0.020)), "fsdp": FakeResult(FakePlan("fsdp", 0.006))}
+    slow = {"auto": 0.012, "ddp": 0.002, "fsdp": 0.008}   # the model ranks them the other way round
+    chosen, trial = tune(auto, presets.__getitem__, lambda p: _sleeper(slow[p.name], calls, p.name),
+                         lambda p: p.name, rounds=3)
+    assert chosen is presets["ddp"] and trial.runnable == "ddp"
+    fig = chosen.plan.stats["autotune"]
+    assert fig["chosen"] == "ddp"
+    got = {c["strategy"]: c for c in fig["candidates"]}
+    assert set(got) == {"auto", "ddp", "fsdp"}
+    assert got["ddp"]["measured_ms"] < got["fsdp"]["measured_ms"] < got["auto"]["measured_ms"]
+    assert got["ddp"]["predicted_ms"] == pytest.approx(20.0)
+    # one warm-up each, then 3 rounds of all three
+    assert sorted(calls.count(n) for n in ("auto", "ddp", "fsdp")) == [4, 4, 4]
+    assert "autotune" not in auto.plan.stats
+
+
+def test_the_solvers_plan_stays_within_the_margin():
+    a, b = Candidate("auto", None, seconds=0.100), Candidate("ddp", None, seconds=0.097)
+    assert pick([a, b], margin=0.05) is a
+    b.seconds = 0.090
+    assert pick([a, b], margin=0.05) is b
+    assert pick([Candidate("auto", None)]).name == "auto"
+
+
+def test_a_plan_seen_before_or_a_preset_without_a_plan_is_not_timed_twice():
+    calls: list = []
+    auto = FakeResult(FakePlan("same"))
+
+    def solve(name):
+        if name == "fsdp":
+            raise RuntimeError("no plan fits")
+        return FakeResult(FakePlan("same"))   # ddp gives the solver's plan
+
+    chosen, trial = tune(auto, solve, lambda p: _sleeper(0.0, calls, p.name), lambda p: p.name)
+    assert chosen is auto and calls == [] and trial.runnable == "same"
+    assert "autotune" not in auto.plan.stats
+
+
+def test_nothing_is_solved_when_the_frontend_cannot_time_a_plan():
+    solved: list = []
+    auto = FakeResult(FakePlan("auto"))
+    chosen, trial = tune(auto, lambda n: solved.append(n), lambda p: None, lambda p: p.name)
+    assert chosen is auto and trial is None and solved == []
+
+
+def test_rounds_alternate_their_order():
+    calls: list = []
+    trials = [_sleeper(0.0, calls, n) for n in "abc"]
+    ticks = iter(range(1000))
+    out = time_trials(trials, rounds=2, clock=lambda: next(ticks))
+    assert calls == list("abc") + list("abc") + list("cba")
+    assert out == [1, 1, 1]
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(autotune=False), "autotune=False"),
+    (dict(measure_links=False), "measure_links=False"),
+    (dict(strategy="fsdp"), "strategy='fsdp'"),
+    (dict(micro_batches=2), "micro-batches"),
+])
+def test_a_users_own_choice_is_never_second_guessed(change, why):
+    base = dict(autotune=True, measure_links=True)
+    s = load_settings(**{**base, **change})
+    assert why in skip_reason(s, FakePlan("p"), [])
+    assert skip_reason(load_settings(**base), FakePlan("p"), []) is None
+    assert "constraints" in skip_reason(load_settings(**base), FakePlan("p"), ["w: S(0)"])
+    assert "recomputes" in skip_reason(load_settings(**base), FakePlan("p", recompute=["op"]), [])
