@@ -399,7 +399,9 @@ def _autotune(res: CompileResult, frontend: Frontend, traced: Traced, mesh: Mesh
         log.debug("autotune: not timing plans: %s", why)
         return res, None
     t = time.perf_counter()
-    chosen, trial = tune(res, lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name)),
+    # a preset that only fits the budget by recomputing is left out (autotune skips recomputing plans), so it
+    # is solved without the segment search
+    chosen, trial = tune(res, lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
                          lambda p: frontend.trial(traced, p, mesh, s, tuple(args), dict(kwargs)),
                          lambda p: p.digest())
     timings["autotune"] = time.perf_counter() - t
