@@ -266,3 +266,51 @@ def test_replicated_inputs_run_the_op_once_not_on_every_device():
     assert stats.runs == 1 and len(outs[0]) == 16 and all(np.array_equal(o, np.tanh(x)) for o in outs[0])
     runner.pieces((Shard(0),), [x], np.random.default_rng(1), False)
     assert stats.runs == 1 + 16
+
+
+def _scatter_rows_f32(table, idx, rows):
+    """An embedding's gradient in float32: ``rows`` added into ``table`` at ``idx`` (out-of-range dropped)."""
+    out = np.array(table, dtype=np.float32)
+    i = np.asarray(idx).reshape(-1)
+    r = np.asarray(rows, dtype=np.float32).reshape(i.size, -1)
+    keep = (i >= 0) & (i < out.shape[0])
+    np.add.at(out, i[keep], r[keep])
+    return out
+
+
+def test_a_float32_partial_sum_that_rounds_with_its_pieces_is_found():
+    """The table as a Partial sum, indices and rows split: each device adds its rows into its piece of the
+    table, and the pieces sum to the result. Rounding in float32 grows with the pieces (a random split of
+    the table cancels), not with the result, and the rule had been rejected on it."""
+    rng = np.random.default_rng(3)
+    table = np.zeros((64, 16), np.float32)
+    idx = rng.integers(0, 64, size=(32, 8, 1)).astype(np.int32)
+    rows = rng.normal(size=(32, 8, 16)).astype(np.float32)
+    rules = discover_rules(OpSpec(_scatter_rows_f32, [table, idx, rows], "scatter_rows"), 4)
+    assert _rule([P("sum"), Shard(0), Shard(0)], [P("sum")]) in rules
+    # the table whole on every device would be counted once per device: never a Partial sum
+    assert _rule([Replicate(), Shard(0), Shard(0)], [P("sum")]) not in rules
+    # every rule found is right in exact arithmetic (float64), on data discovery did not draw
+    check = np.random.default_rng(11)
+    t64 = check.normal(size=table.shape)
+    i64 = check.integers(0, 64, size=idx.shape)
+    r64 = check.normal(size=rows.shape)
+
+    def scatter64(t, i, r):
+        out = np.array(t, dtype=np.float64)
+        np.add.at(out, np.asarray(i).reshape(-1), np.asarray(r).reshape(np.asarray(i).size, -1))
+        return out
+
+    for r in rules:
+        pieces = [_pieces(x, p, 4, check) for x, p in zip((t64, i64, r64), r.inputs)]
+        outs = [scatter64(*(pc[k] for pc in pieces)) for k in range(4)]
+        got = _whole(outs, r.outputs[0]) if not isinstance(r.outputs[0], Replicate) else outs[0]
+        np.testing.assert_allclose(got, scatter64(t64, i64, r64), rtol=1e-9, atol=1e-9, err_msg=str(r))
+
+
+def test_the_wider_tolerance_of_a_sum_still_rejects_a_value_counted_once_per_device():
+    a = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    b = np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32) * 1e-3   # small beside a's pieces
+    rules = discover_rules(OpSpec(lambda x, y: (x + y).astype(np.float32), [a, b], "add_f32"), 4)
+    assert _rule([P("sum"), P("sum")], [P("sum")]) in rules
+    assert _rule([P("sum"), Replicate()], [P("sum")]) not in rules
