@@ -32,12 +32,8 @@ def tolerance(a: np.ndarray) -> float:
     return 1e-2
 
 
-def same_result(full: Any, got: Any, exact: bool, terms: np.ndarray | None = None) -> bool:
-    """Does ``got`` reproduce ``full``? Exact for integer data, else a dtype-scaled tolerance.
-
-    ``terms``: where ``got`` is a sum of pieces, the sum of their magnitudes, element by element. Rounding
-    in a sum grows with its terms, not with its result: pieces that cancel (a Partial input's random
-    split) leave an error that scales with them, so the tolerance takes them in."""
+def same_result(full: Any, got: Any, exact: bool) -> bool:
+    """Does ``got`` reproduce ``full``? Exact for integer data, else a dtype-scaled tolerance."""
     if is_array(full) != is_array(got):
         if is_array(got) and got.ndim == 0 and not is_array(full):
             got = got.item()
@@ -63,10 +59,7 @@ def same_result(full: Any, got: Any, exact: bool, terms: np.ndarray | None = Non
     with np.errstate(invalid="ignore", over="ignore"):
         if np.isfinite(full).all() and np.isfinite(got).all():
             scale = float(np.max(np.abs(full))) if full.size else 0.0
-            bound = np.abs(full) + 1e-3 * max(scale, 1e-30)
-            if terms is not None:
-                bound = bound + terms
-            return bool(np.all(np.abs(full - got) <= tol * bound))
+            return bool(np.all(np.abs(full - got) <= tol * (np.abs(full) + 1e-3 * max(scale, 1e-30))))
     if not np.array_equal(np.isnan(full), np.isnan(got)):
         return False
     fin = np.isfinite(full)
@@ -76,11 +69,7 @@ def same_result(full: Any, got: Any, exact: bool, terms: np.ndarray | None = Non
     if f.size == 0:
         return True
     scale = max(float(np.max(np.abs(f))), 1e-30)
-    bound = np.abs(f) + 1e-3 * scale
-    if terms is not None:
-        t = terms[fin]
-        bound = bound + np.where(np.isfinite(t), t, 0.0)
-    return bool(np.all(np.abs(f - g) <= tol * bound))
+    return bool(np.all(np.abs(f - g) <= tol * (np.abs(f) + 1e-3 * scale)))
 
 
 
@@ -144,22 +133,9 @@ def valid_combines(pieces: list[Any], full: Any, exact: bool, among: set[Placeme
         if isinstance(p, Replicate):
             if all(same_result(full, x, exact) for x in got):
                 ok.add(p)
-            continue
-        terms = sum_terms(pieces, p)
-        if (probe is None or not probe.differs(got, terms)) and same_result(full, got, exact, terms):
+        elif (probe is None or not probe.differs(got)) and same_result(full, got, exact):
             ok.add(p)
     return ok
-
-
-def sum_terms(pieces: list[Any], p: Placement) -> np.ndarray | None:
-    """For a Partial sum (avg) of float pieces, the sum (mean) of their magnitudes element by element: the
-    scale of the rounding in that reduction (:func:`same_result`); None for any other combine."""
-    if not (isinstance(p, Partial) and p.reduce in ("sum", "avg")) or not pieces \
-            or not all(is_array(x) and is_float(x) for x in pieces):
-        return None
-    with np.errstate(invalid="ignore", over="ignore"):
-        mag = np.sum(np.abs(np.stack(pieces)), axis=0, dtype=np.float64)
-    return mag / len(pieces) if p.reduce == "avg" else mag
 
 
 class _Probe:
@@ -180,22 +156,18 @@ class _Probe:
             return None
         return cls(full)
 
-    def _differs(self, b: np.ndarray, terms: np.ndarray | None = None) -> bool:
+    def _differs(self, b: np.ndarray) -> bool:
         a = self.values
         with np.errstate(invalid="ignore", over="ignore"):
             if not (np.isfinite(a).all() and np.isfinite(b).all()):
                 return False
-            bound = np.abs(a) + 1e-3 * max(self.scale, 1e-30)
-            if terms is not None:
-                bound = bound + np.where(np.isfinite(terms), terms, 0.0)
-            return bool(np.any(np.abs(a - b) > self.tol * bound))
+            return bool(np.any(np.abs(a - b) > self.tol * (np.abs(a) + 1e-3 * max(self.scale, 1e-30))))
 
-    def differs(self, got: Any, terms: np.ndarray | None = None) -> bool:
-        """True when ``got`` (a whole output) already differs at the probed elements (``terms``: the
-        magnitudes of a sum's pieces, :func:`sum_terms`)."""
+    def differs(self, got: Any) -> bool:
+        """True when ``got`` (a whole output) already differs at the probed elements."""
         if not is_array(got) or got.shape != self.full.shape:
             return False
-        return self._differs(got[self.index], None if terms is None else terms[self.index])
+        return self._differs(got[self.index])
 
     def rules_out(self, pieces: list[Any], p: Placement) -> bool:
         """True when combining ``pieces`` as ``p`` surely does not give the output (Replicate, Partial)."""
@@ -205,9 +177,8 @@ class _Probe:
             return any(self._differs(x[self.index]) for x in pieces)
         if not isinstance(p, Partial) or not all(is_float(x) for x in pieces):
             return False
-        probed = [x[self.index] for x in pieces]
-        got = combine(probed, p, self.values)   # the same reduction, on 16 elements
-        return got is not None and self._differs(got, sum_terms(probed, p))
+        got = combine([x[self.index] for x in pieces], p, self.values)   # the same reduction, on 16 elements
+        return got is not None and self._differs(got)
 
 
 @functools.lru_cache(maxsize=1024)
