@@ -8,8 +8,9 @@ same step on the same 8 devices:
 
 * ``metadist``: ``metadist_compile`` with its defaults — the plan lowered to
   shard_map with its collectives placed explicitly; with measured costs the
-  solver's plan is timed beside the ddp and fsdp presets' at the first call and
-  the fastest kept (``autotune``, :mod:`metadist_core.autotune`);
+  solver's plan is timed beside the ddp and fsdp presets' at the first call, each
+  lowered as a shard_map and through GSPMD (:mod:`metadist_jax.gspmd`), and the
+  fastest kept (``autotune``, :mod:`metadist_core.autotune`);
 * ``metadist-model``: the same with ``autotune=False``: the solver's plan as the
   cost model ranks it;
 * ``hand-dp``: ``jax.jit`` with hand-written data-parallel shardings
@@ -96,6 +97,12 @@ def _compile(step_fn, params, opt_state, batch, **kw):
     return st, a, time.perf_counter() - t0
 
 
+def _kept(plan) -> str | None:
+    """The plan and lowering autotune kept, as ``preset/lowering`` (None: nothing was timed)."""
+    fig = plan.stats.get("autotune")
+    return None if not fig else f"{fig['chosen']}/{fig.get('lowering') or '-'}"
+
+
 def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -161,13 +168,13 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
                     "params_sharded": f"{sharded}/{n_params}" if sys_name != "hand-dp" else f"0/{n_params}",
                     "compile_s": compile_s if sys_name == "metadist" else None,
                     "solver": plan.solver, "quick": quick,
-                    "autotune": (plan.stats.get("autotune") or {}).get("chosen") if sys_name == "metadist" else None,
+                    "autotune": _kept(plan) if sys_name == "metadist" else None,
                     "autotune_trials": plan.stats.get("autotune") if sys_name == "metadist" else None,
                 })
             print(f"{name:>26} mesh {'x'.join(map(str, mesh)):>3}: " +
                   ", ".join(f"{k} {v * 1e3:.2f} ms" + (f" (pred {preds[k].step * 1e3:.2f})" if k in preds else "")
                             for k, v in times.items()) + f" (compile {compile_s:.1f} s; autotune kept "
-                  f"{(md.plan.stats.get('autotune') or {}).get('chosen')!r})", flush=True)
+                  f"{_kept(md.plan)})", flush=True)
     return records
 
 
@@ -184,8 +191,10 @@ def main(argv=None) -> None:
     notes = ("Step time of one training step (forward, backward, adam) on 8 virtual CPU devices of one host, "
              "medians, all systems in the same run. `metadist`: MetaDist's defaults: the plan lowered to shard_map "
              "with explicit collectives, priced with the link and device costs its first compile measured on "
-             "this machine, the solver's plan timed beside the ddp and fsdp presets' plans at the first call and "
-             "the fastest kept (`autotune` column: the one kept); `metadist-model`: the same with "
+             "this machine, the solver's plan timed beside the ddp and fsdp presets' plans at the first call, each "
+             "lowered both as a shard_map and through GSPMD (its layouts held by sharding constraints, XLA "
+             "placing the collectives), and the fastest kept (`autotune` column: the plan and lowering kept; "
+             "for a GSPMD lowering the counted bytes are XLA's, the predicted ones the plan's); `metadist-model`: the same with "
              "`autotune=False`, the solver's plan as the cost model ranks it; `metadist-builtin`: the same with the built-in costs; `metadist-ddp`: MetaDist "
              "pinned to data parallelism (`strategy=\"ddp\"`), whose price stands as hand-dp's prediction; "
              "`hand-dp`: jax.jit with replicated parameters and the batch split over every device; `gspmd`: "

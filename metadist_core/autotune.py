@@ -6,8 +6,10 @@ plan can run slower than a preset the user would have picked. With
 ``autotune`` on and costs measured (``measure_links``), the driver also solves
 the presets of :data:`PRESETS` on the same problem, asks the frontend for a
 :class:`Trial` of every distinct plan (lowered, run on the step's own
-arguments, nothing kept), times them in interleaved rounds and keeps the
-fastest. The solver's plan stays unless another is faster by more than
+arguments, nothing kept; a frontend with several lowerings gives one trial
+for each: JAX runs a plan as a manual shard_map or through GSPMD), times them
+in interleaved rounds and keeps the fastest. The solver's plan in the
+frontend's first lowering stays unless another is faster by more than
 :data:`MARGIN` (the rounds' noise on shared cores).
 
 Only frontends that can run a plan on the planning process alone take part
@@ -29,8 +31,9 @@ log = logging.getLogger("metadist.autotune")
 PRESETS = ("ddp", "fsdp")
 #: a preset replaces the solver's plan only when it is this much faster (relative, medians of the rounds)
 MARGIN = 0.05
-#: timed rounds; each runs every trial once, in alternating order
-ROUNDS = 5
+#: timed rounds; each runs every trial once, in alternating order (5 rounds picked a JAX plan 10 % slower than
+#: another in the benchmark's rounds right after)
+ROUNDS = 10
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Trial:
 
     run: Callable[[], Any]
     runnable: Callable | None = None
+    lowering: str = ""               # which of the frontend's lowerings of the plan (JAX: shard_map, gspmd)
 
 
 @dataclass
@@ -51,6 +55,18 @@ class Candidate:
     result: Any                      # the CompileResult of its solve
     trial: Trial | None = None
     seconds: float | None = None
+
+    @property
+    def label(self) -> str:
+        low = self.trial.lowering if self.trial is not None else ""
+        return f"{self.name} ({low})" if low else self.name
+
+
+def _as_trials(made: Any) -> list[Trial]:
+    """What ``make_trial`` gave, as a list: a Trial, several (one per lowering of the plan), or None."""
+    if made is None:
+        return []
+    return list(made) if isinstance(made, (list, tuple)) else [made]
 
 
 def skip_reason(settings: Any, plan: Any, user_constraints: Sequence[Any]) -> str | None:
@@ -86,7 +102,8 @@ def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
 
 
 def pick(candidates: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
-    """The solver's plan (the first) unless a timed one is faster than it by more than ``margin``."""
+    """The solver's plan in the frontend's first lowering (the first candidate) unless a timed one is faster
+    than it by more than ``margin``."""
     timed = [c for c in candidates if c.seconds is not None]
     if not timed:
         return candidates[0]
@@ -108,11 +125,13 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     plan kept.
     """
     t_start = time.perf_counter()
-    cands = [Candidate("auto", auto, make_trial(auto.plan))]
-    if cands[0].trial is None:   # asked first, so that no preset is solved for nothing
+    first = _as_trials(make_trial(auto.plan))
+    if not first:   # asked first, so that no preset is solved for nothing
         log.info("autotune: the frontend cannot time a plan here; keeping the solver's plan")
         return auto, None
+    cands = [Candidate("auto", auto, t) for t in first]
     seen = {digest(auto.plan)}
+    plans = [Candidate("auto", auto)]
     for name in presets:
         try:
             res = solve_preset(name)
@@ -127,33 +146,36 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
             log.info("autotune: preset %r gives the solver's plan (or an earlier preset's)", name)
             continue
         seen.add(d)
-        cands.append(Candidate(name, res))
+        plans.append(Candidate(name, res))
+    for c in plans[1:]:
+        made = _as_trials(make_trial(c.result.plan))
+        if not made:
+            log.info("autotune: the frontend cannot time plan %r here; left out", c.name)
+        cands += [Candidate(c.name, c.result, t) for t in made]
     if len(cands) == 1:
         return auto, cands[0].trial
-    for c in cands[1:]:
-        c.trial = make_trial(c.result.plan)
-        if c.trial is None:
-            log.info("autotune: the frontend cannot time plan %r here; keeping the solver's plan", c.name)
-            return auto, cands[0].trial
     for c, sec in zip(cands, time_trials([c.trial for c in cands], rounds)):
         c.seconds = sec
     chosen = pick(cands, margin)
-    figures = {"chosen": chosen.name, "margin": margin, "rounds": rounds,
+    figures = {"chosen": chosen.name, "lowering": chosen.trial.lowering, "margin": margin, "rounds": rounds,
                "seconds": time.perf_counter() - t_start,
-               "candidates": [{"strategy": c.name, "measured_ms": c.seconds * 1e3,
+               "candidates": [{"strategy": c.name, "lowering": c.trial.lowering, "measured_ms": c.seconds * 1e3,
                                "predicted_ms": c.result.plan.objective * 1e3} for c in cands]}
     chosen.result.plan.stats["autotune"] = figures
-    log.info("autotune: %s", "; ".join(f"{c.name} {c.seconds * 1e3:.2f} ms measured "
+    log.info("autotune: %s", "; ".join(f"{c.label} {c.seconds * 1e3:.2f} ms measured "
                                        f"({c.result.plan.objective * 1e3:.2f} predicted)" for c in cands)
-             + f"; running {chosen.name!r}")
+             + f"; running {chosen.label!r}")
     return chosen.result, chosen.trial
 
 
 def describe(figures: dict) -> str:
     """One line: the plans timed and the one kept (for ``str(plan)`` and the CLI)."""
-    parts = [f"{c['strategy']} {c['measured_ms']:.1f} ms (predicted {c['predicted_ms']:.1f})"
+    def label(d: dict) -> str:
+        return f"{d['strategy']} ({d['lowering']})" if d.get("lowering") else str(d["strategy"])
+    parts = [f"{label(c)} {c['measured_ms']:.1f} ms (predicted {c['predicted_ms']:.1f})"
              for c in figures.get("candidates", [])]
-    return f"autotuned: {', '.join(parts)}; running {figures.get('chosen')!r}"
+    kept = label({"strategy": figures.get("chosen"), "lowering": figures.get("lowering")})
+    return f"autotuned: {', '.join(parts)}; running {kept}"
 
 
 __all__ = ["Candidate", "MARGIN", "PRESETS", "ROUNDS", "Trial", "describe", "pick", "skip_reason",

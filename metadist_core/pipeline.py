@@ -401,9 +401,11 @@ def _autotune(res: CompileResult, frontend: Frontend, traced: Traced, mesh: Mesh
     t = time.perf_counter()
     # a preset that only fits the budget by recomputing is left out (autotune skips recomputing plans), so it
     # is solved without the segment search
-    chosen, trial = tune(res, lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
-                         lambda p: frontend.trial(traced, p, mesh, s, tuple(args), dict(kwargs)),
-                         lambda p: p.digest())
+    with Ticker("autotune (solving the presets, timing the plans)", enabled=s.progress):
+        chosen, trial = tune(res,
+                             lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
+                             lambda p: frontend.trial(traced, p, mesh, s, tuple(args), dict(kwargs)),
+                             lambda p: p.digest())
     timings["autotune"] = time.perf_counter() - t
     return chosen, trial
 

@@ -90,12 +90,21 @@ class JaxFrontend(Frontend):
 
     def trial(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings", args: tuple,
               kwargs: dict) -> Any:
-        """The plan lowered and placed on ``args`` for autotune to time; None with several processes (each
-        would time alone, and every process must run the same plan)."""
+        """The plan lowered both ways and placed on ``args`` for autotune to time: as a manual shard_map (the
+        plan's collectives as written, :mod:`metadist_jax.lower`) and through GSPMD (its layouts held, XLA
+        placing the collectives, :mod:`metadist_jax.gspmd`). None with several processes (each would time
+        alone, and every process must run the same plan)."""
         import jax
         if jax.process_count() > 1:
             return None
-        return self.lower(traced, plan, mesh, settings).trial(args, kwargs)
+        from .gspmd import LOWERING, lower_gspmd
+        from .lower import LoweredStep
+        manual = self.lower(traced, plan, mesh, settings).trial(args, kwargs)
+        manual.lowering = "shard_map"
+        program = lower_gspmd(traced.graph, plan, mesh, self.jax_mesh(mesh), traced.context.output_ids)
+        partitioned = LoweredStep(program, traced.context).trial(args, kwargs)
+        partitioned.lowering = LOWERING
+        return [manual, partitioned]
 
     def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
         from .microbatch import split_batch
