@@ -92,8 +92,9 @@ class JaxFrontend(Frontend):
               kwargs: dict) -> Any:
         """The plan lowered both ways and placed on ``args`` for autotune to time: as a manual shard_map (the
         plan's collectives as written, :mod:`metadist_jax.lower`) and through GSPMD (its layouts held, XLA
-        placing the collectives, :mod:`metadist_jax.gspmd`). None with several processes (each would time
-        alone, and every process must run the same plan)."""
+        placing the collectives, :mod:`metadist_jax.gspmd`); under a ``memory_budget`` the shard_map only (the
+        memory plan is the shard_map's; XLA's partitioner keeps what it likes). None with several processes
+        (each would time alone, and every process must run the same plan)."""
         import jax
         if jax.process_count() > 1:
             return None
@@ -101,6 +102,8 @@ class JaxFrontend(Frontend):
         from .lower import LoweredStep
         manual = self.lower(traced, plan, mesh, settings).trial(args, kwargs)
         manual.lowering = "shard_map"
+        if settings.memory_budget is not None:
+            return [manual]
         program = lower_gspmd(traced.graph, plan, mesh, self.jax_mesh(mesh), traced.context.output_ids)
         partitioned = LoweredStep(program, traced.context).trial(args, kwargs)
         partitioned.lowering = LOWERING
