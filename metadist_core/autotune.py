@@ -86,19 +86,44 @@ def skip_reason(settings: Any, plan: Any, user_constraints: Sequence[Any]) -> st
 
 
 def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
-                clock: Callable[[], float] = time.perf_counter) -> list[float]:
+                clock: Callable[[], float] = time.perf_counter) -> list[float | None]:
     """Median seconds of one step of each trial: one untimed run each (compiles, warms), then ``rounds``
-    rounds that run every trial once, forwards and backwards in turn so none always goes first."""
-    for t in trials:
-        t.run()
+    rounds that run every trial once, forwards and backwards in turn so none always goes first. A trial that
+    raises is left out from then on (None): a lowering the engine refuses is not the user's error."""
+    ok = [True] * len(trials)
+
+    def attempt(i: int) -> bool:
+        try:
+            trials[i].run()
+            return True
+        except Exception as e:
+            log.warning("autotune: a trial (%s) failed and is left out: %s: %s", trials[i].lowering or "plan",
+                        type(e).__name__, e)
+            ok[i] = False
+            return False
+
+    for i in range(len(trials)):
+        attempt(i)
     times: list[list[float]] = [[] for _ in trials]
     for r in range(rounds):
         order = range(len(trials)) if r % 2 == 0 else range(len(trials) - 1, -1, -1)
         for i in order:
+            if not ok[i]:
+                continue
             t0 = clock()
-            trials[i].run()
-            times[i].append(clock() - t0)
-    return [statistics.median(x) for x in times]
+            if attempt(i):
+                times[i].append(clock() - t0)
+    return [statistics.median(x) if ok[i] and x else None for i, x in enumerate(times)]
+
+
+def _trials_of(make_trial: Callable[[Any], Any], plan: Any, name: str) -> list[Trial]:
+    """The trials of ``plan``; none where the frontend cannot make them (logged: the plan is left out)."""
+    try:
+        return _as_trials(make_trial(plan))
+    except Exception as e:
+        log.warning("autotune: plan %r could not be made runnable and is left out: %s: %s", name,
+                    type(e).__name__, e)
+        return []
 
 
 def pick(candidates: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
@@ -125,7 +150,7 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     plan kept.
     """
     t_start = time.perf_counter()
-    first = _as_trials(make_trial(auto.plan))
+    first = _trials_of(make_trial, auto.plan, "auto")
     if not first:   # asked first, so that no preset is solved for nothing
         log.info("autotune: the frontend cannot time a plan here; keeping the solver's plan")
         return auto, None
@@ -148,7 +173,7 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
         seen.add(d)
         plans.append(Candidate(name, res))
     for c in plans[1:]:
-        made = _as_trials(make_trial(c.result.plan))
+        made = _trials_of(make_trial, c.result.plan, c.name)
         if not made:
             log.info("autotune: the frontend cannot time plan %r here; left out", c.name)
         cands += [Candidate(c.name, c.result, t) for t in made]
@@ -156,6 +181,9 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
         return auto, cands[0].trial
     for c, sec in zip(cands, time_trials([c.trial for c in cands], rounds)):
         c.seconds = sec
+    cands = [c for c in cands if c.seconds is not None] or cands[:1]
+    if cands[0].seconds is None:   # nothing ran: the driver lowers the solver's plan as it would have
+        return auto, None
     chosen = pick(cands, margin)
     figures = {"chosen": chosen.name, "lowering": chosen.trial.lowering, "margin": margin, "rounds": rounds,
                "seconds": time.perf_counter() - t_start,

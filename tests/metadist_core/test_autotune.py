@@ -101,3 +101,32 @@ def test_a_users_own_choice_is_never_second_guessed(change, why):
     assert skip_reason(load_settings(**base), FakePlan("p"), []) is None
     assert "constraints" in skip_reason(load_settings(**base), FakePlan("p"), ["w: S(0)"])
     assert "recomputes" in skip_reason(load_settings(**base), FakePlan("p", recompute=["op"]), [])
+
+
+def test_a_plan_the_engine_refuses_is_left_out_not_raised():
+    calls: list = []
+    auto = FakeResult(FakePlan("auto"))
+    presets = {"ddp": FakeResult(FakePlan("ddp")), "fsdp": FakeResult(FakePlan("fsdp"))}
+
+    def make(plan):
+        if plan.name == "fsdp":
+            raise RuntimeError("cannot lower this plan")
+        if plan.name == "ddp":
+            def boom():
+                raise RuntimeError("XLA refused it")
+            return [_sleeper(0.004, calls, "ddp-ok"), Trial(boom, runnable="ddp-bad", lowering="other")]
+        return _sleeper(0.008, calls, "auto")
+
+    chosen, trial = tune(auto, presets.__getitem__, make, lambda p: p.name, rounds=3)
+    assert chosen is presets["ddp"] and trial.runnable == "ddp-ok"
+    got = [(c["strategy"], c["lowering"]) for c in chosen.plan.stats["autotune"]["candidates"]]
+    assert got == [("auto", ""), ("ddp", "")]      # the failing lowering and the unlowerable preset are gone
+
+
+def test_when_nothing_runs_the_solvers_plan_is_lowered_as_before():
+    def boom():
+        raise RuntimeError("no")
+    auto = FakeResult(FakePlan("auto"))
+    chosen, trial = tune(auto, lambda n: FakeResult(FakePlan(n)), lambda p: Trial(boom), lambda p: p.name,
+                         rounds=2)
+    assert chosen is auto and trial is None and "autotune" not in auto.plan.stats
