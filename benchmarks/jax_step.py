@@ -25,8 +25,9 @@ same step on the same 8 devices:
 Beside each time: the cost model's prediction for that plan and the bytes per
 device its collectives move, priced and counted in the HLO XLA compiled.
 
-Step times are medians over several runs after a warm-up; ratios are taken in
-the same run. The devices are virtual CPU devices on one host, so these figures
+Step times are medians over interleaved rounds after a warm-up (one step of
+every system per round, in Williams orders, as torch_step times them), so the
+ratios are taken in the same rounds. The devices are virtual CPU devices on one host, so these figures
 measure the programs' structure and collective count, not network links.
 """
 from __future__ import annotations
@@ -40,12 +41,13 @@ import argparse  # noqa: E402
 import importlib.util  # noqa: E402
 import logging  # noqa: E402
 import pathlib  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from unittest import mock  # noqa: E402
 
 
-from ._common import timed, write_results  # noqa: E402
+from ._common import interleaved, write_results  # noqa: E402
 
 NAME = "jax_step"
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "jax"
@@ -142,9 +144,14 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
             steps = {"metadist": md, "metadist-model": mo, "metadist-builtin": bi, "metadist-ddp": dd}
             systems = {"metadist": (md, args), "metadist-model": (mo, mo_args), "metadist-builtin": (bi, bi_args),
                        "metadist-ddp": (dd, dd_args), "hand-dp": (hand, hand_args), "gspmd": (gspmd, mo_args)}
-            times = {}
-            for sys_name, (fn, a) in systems.items():
-                times[sys_name], _ = timed(lambda: _block(fn(*a)), repeats=repeats, warmup=2)
+            for fn, a in systems.values():   # compiled and warm before any timing
+                for _ in range(2):
+                    _block(fn(*a))
+            # interleaved rounds in Williams orders (as torch_step): a slow spell of the shared cores falls on
+            # every system alike, and the ratios are taken in the same rounds
+            rounds = -(-repeats // len(systems)) * len(systems)
+            per = interleaved({k: (lambda i, fn=fn, a=a: _block(fn(*a))) for k, (fn, a) in systems.items()}, rounds)
+            times = {k: statistics.median(v) for k, v in per.items()}
             preds = {k: predict(st.plan, st.problem) for k, st in steps.items()}
             preds["hand-dp"] = preds["metadist-ddp"]   # the hand layout, priced by MetaDist pinned to it
             counted = {k: counted_bytes(st.lowered().compiled_text(*systems[k][1])) for k, st in steps.items()}
@@ -189,7 +196,8 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="metadist-jax-step-") as cache:
         records = run(args.quick, args.solver, cache)
     notes = ("Step time of one training step (forward, backward, adam) on 8 virtual CPU devices of one host, "
-             "medians, all systems in the same run. `metadist`: MetaDist's defaults: the plan lowered to shard_map "
+             "medians over 24 interleaved rounds (one step of each system per round, Williams orders), all systems in "
+             "the same run. `metadist`: MetaDist's defaults: the plan lowered to shard_map "
              "with explicit collectives, priced with the link and device costs its first compile measured on "
              "this machine, the solver's plan timed beside the ddp and fsdp presets' plans at the first call, each "
              "lowered both as a shard_map and through GSPMD (its layouts held by sharding constraints, XLA "
