@@ -217,7 +217,8 @@ class GraphBuilder:
 def call_signature(args: tuple, kwargs: dict) -> Any:
     """The compile-cache key of a call: the pytree structure, and every leaf's shape and dtype."""
     leaves, tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-    return tree, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+    return tree, tuple((x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray))
+                       else (tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
 def _leaf_name(prefix: str, path: Any) -> str:
