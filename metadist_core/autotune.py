@@ -196,6 +196,32 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     return chosen.result, chosen.trial
 
 
+def autotune_result(res: Any, frontend: Any, traced: Any, mesh: Any, s: Any, user_constraints: Sequence[Any],
+                    solve_on: Callable[..., Any], args: tuple, kwargs: dict,
+                    timings: dict[str, float]) -> tuple[Any, Trial | None]:
+    """For the driver (:func:`metadist_core.pipeline.compile_step`): the solver's CompileResult ``res``, or a
+    preset's that ran faster when both were timed, and the kept plan's trial (None when nothing was timed).
+    ``solve_on(mesh, settings)`` solves the compile's problem under other settings; ``frontend.trial`` makes
+    the trials."""
+    import dataclasses
+
+    from .progress import Ticker
+    why = skip_reason(s, res.plan, user_constraints) if mesh.size > 1 else "one device"
+    if why is not None:
+        log.debug("autotune: not timing plans: %s", why)
+        return res, None
+    t = time.perf_counter()
+    # a preset that only fits the budget by recomputing is left out (autotune skips recomputing plans), so it
+    # is solved without the segment search
+    with Ticker("autotune (solving the presets, timing the plans)", enabled=s.progress):
+        chosen, trial = tune(res,
+                             lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
+                             lambda p: frontend.trial(traced, p, mesh, s, tuple(args), dict(kwargs)),
+                             lambda p: p.digest())
+    timings["autotune"] = time.perf_counter() - t
+    return chosen, trial
+
+
 def describe(figures: dict) -> str:
     """One line: the plans timed and the one kept (for ``str(plan)`` and the CLI)."""
     def label(d: dict) -> str:
@@ -206,5 +232,5 @@ def describe(figures: dict) -> str:
     return f"autotuned: {', '.join(parts)}; running {kept}"
 
 
-__all__ = ["Candidate", "MARGIN", "PRESETS", "ROUNDS", "Trial", "describe", "pick", "skip_reason",
-           "time_trials", "tune"]
+__all__ = ["Candidate", "MARGIN", "PRESETS", "ROUNDS", "Trial", "autotune_result", "describe", "pick",
+           "skip_reason", "time_trials", "tune"]

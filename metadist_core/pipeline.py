@@ -354,8 +354,9 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
             if res is None:
                 res = solve_on(run_mesh)
             timings.update(res.timings)
-            res, tuned = _autotune(res, frontend, traced, run_mesh, s, user_constraints, solve_on, args, kwargs,
-                                   timings)
+            from .autotune import autotune_result
+            res, tuned = autotune_result(res, frontend, traced, run_mesh, s, user_constraints, solve_on, args,
+                                         kwargs, timings)
             book, problem, plan = res.rulebook, res.problem, res.plan
             tuned_plan = plan
         except BaseException as e:
@@ -386,28 +387,6 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     log.info("compiled %s with %s on mesh %s: %s", graph.name, frontend.name, run_mesh,
              ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     return CompileResult(graph, book, problem, plan, runnable, timings, traced, run_mesh)
-
-
-def _autotune(res: CompileResult, frontend: Frontend, traced: Traced, mesh: Mesh, s: Settings,
-              user_constraints: list, solve_on: Callable[..., CompileResult], args: tuple, kwargs: dict,
-              timings: dict[str, float]) -> tuple[CompileResult, Any]:
-    """The solver's result, or a preset's that ran faster when both were timed (:mod:`metadist_core.autotune`),
-    and the kept plan's trial (None when nothing was timed)."""
-    from .autotune import skip_reason, tune
-    why = skip_reason(s, res.plan, user_constraints) if mesh.size > 1 else "one device"
-    if why is not None:
-        log.debug("autotune: not timing plans: %s", why)
-        return res, None
-    t = time.perf_counter()
-    # a preset that only fits the budget by recomputing is left out (autotune skips recomputing plans), so it
-    # is solved without the segment search
-    with Ticker("autotune (solving the presets, timing the plans)", enabled=s.progress):
-        chosen, trial = tune(res,
-                             lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
-                             lambda p: frontend.trial(traced, p, mesh, s, tuple(args), dict(kwargs)),
-                             lambda p: p.digest())
-    timings["autotune"] = time.perf_counter() - t
-    return chosen, trial
 
 
 def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callable[[Mesh], CompileResult],
