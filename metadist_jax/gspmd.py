@@ -30,11 +30,11 @@ import jax
 from jax.sharding import NamedSharding
 
 from metadist_core.cost import Collective
-from metadist_core.interpret import Collectives, check_plan_ends, interpret
+from metadist_core.interpret import Collectives
 from metadist_core.ir import MetaIR, MetaOp
 from metadist_core.placement import Mesh, Sharding
 
-from .lower import Program, check_even, op_payload, output_shardings, partition_spec
+from .lower import Program, build_body, op_payload, partition_spec, program_ends
 from .payload import bind_payload
 
 LOWERING = "gspmd"
@@ -65,11 +65,9 @@ class GlobalCollectives(Collectives):
     all_reduce = all_gather = reduce_scatter = all_to_all = local_split = local_partial = _to
 
 
-def build_global_body(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: Any, output_ids: Sequence[str]) -> Any:
-    """The whole-value step: graph inputs -> outputs in ``output_ids`` order, every value in its planned layout."""
-    state_of = {out: s_in for s_in, out in graph.aliases.items()}
-    constrain = _Constrain(jax_mesh, mesh.axis_names)
-
+def whole_op_runner(graph: MetaIR, constrain: _Constrain) -> Any:
+    """``run_op`` for the interpreter in the global view: the op bound on whole values, its outputs held in
+    their planned layouts."""
     def run_op(op: MetaOp, ins: list, out_sh: list[Sharding]) -> list:
         full_in = [tuple(graph.vars[v].shape) for v in op.inputs]
         payload = op_payload(op)
@@ -77,32 +75,20 @@ def build_global_body(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: Any, outpu
         outs = bind_payload(payload, ins, full_shapes=full_in, reshape_to=reshape_to)
         return [constrain(x, sh) for x, sh in zip(outs, out_sh)]
 
-    def body(*inputs: Any) -> tuple:
-        res = interpret(graph, plan, mesh, dict(zip(graph.inputs, inputs)), run_op, GlobalCollectives(constrain))
-        return tuple(res.state[state_of[o]] if o in state_of else res.outputs[o] for o in output_ids)
-
-    return body
+    return run_op
 
 
 def lower_gspmd(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: Any,
                 output_ids: Sequence[str] | None = None) -> Program:
     """``plan`` as one ``jax.jit`` over ``jax_mesh`` that GSPMD partitions, inputs and outputs stored as planned."""
     output_ids = list(output_ids if output_ids is not None else graph.outputs)
-    names = list(jax_mesh.axis_names)
-    mesh = Mesh(mesh.shape, names, mesh.alpha, mesh.beta, mesh.links or None)
-    check_even(plan, graph, mesh)
-    check_plan_ends(graph, plan, mesh)
-    for op in graph.ops:
-        op_payload(op)
-    rep = Sharding.replicated(mesh.ndim)
-    in_specs = [partition_spec(plan.input_shardings.get(v, rep), graph.vars[v].ndim, names) for v in graph.inputs]
-    out_specs = [partition_spec(s, graph.vars[v].ndim, names)
-                 for v, s in zip(output_ids, output_shardings(graph, plan, mesh, output_ids))]
+    mesh, in_specs, out_specs = program_ends(graph, plan, mesh, jax_mesh, output_ids)
+    constrain = _Constrain(jax_mesh, mesh.axis_names)
+    body = build_body(graph, plan, mesh, output_ids, whole_op_runner(graph, constrain), GlobalCollectives(constrain))
     in_sh = [NamedSharding(jax_mesh, s) for s in in_specs]
     out_sh = [NamedSharding(jax_mesh, s) for s in out_specs]
-    fn = jax.jit(build_global_body(graph, plan, mesh, jax_mesh, output_ids), in_shardings=tuple(in_sh),
-                 out_shardings=tuple(out_sh))
+    fn = jax.jit(body, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh))
     return Program(fn, list(graph.inputs), in_specs, out_specs, in_sh, out_sh, -1, jax_mesh)
 
 
-__all__ = ["GlobalCollectives", "LOWERING", "build_global_body", "lower_gspmd"]
+__all__ = ["GlobalCollectives", "LOWERING", "lower_gspmd", "whole_op_runner"]

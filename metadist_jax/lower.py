@@ -225,22 +225,25 @@ def output_shardings(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[
     return [plan.input_shardings.get(state_of[o], rep) if o in state_of else rep for o in output_ids]
 
 
-def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str]) -> Any:
-    """The per-device function: local graph inputs -> local outputs in ``output_ids`` order."""
+def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str], run_op: Any = None,
+               collectives: Collectives | None = None) -> Any:
+    """The per-device function: local graph inputs -> local outputs in ``output_ids`` order (``run_op`` and
+    ``collectives``: another view of the same walk, :mod:`metadist_jax.gspmd`'s whole values)."""
     state_of = {out: s_in for s_in, out in graph.aliases.items()}
-    run_op = local_op_runner(graph, mesh)
+    run_op = run_op or local_op_runner(graph, mesh)
+    collectives = collectives or JaxCollectives(mesh)
 
     def body(*inputs: Any) -> tuple:
-        res = interpret(graph, plan, mesh, dict(zip(graph.inputs, inputs)), run_op, JaxCollectives(mesh))
+        res = interpret(graph, plan, mesh, dict(zip(graph.inputs, inputs)), run_op, collectives)
         return tuple(res.state[state_of[o]] if o in state_of else res.outputs[o] for o in output_ids)
 
     return body
 
 
-def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh,
-               output_ids: Sequence[str] | None = None) -> Program:
-    """Turn ``plan`` into a jitted shard_map program over ``jax_mesh``."""
-    output_ids = list(output_ids if output_ids is not None else graph.outputs)
+def program_ends(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh, output_ids: Sequence[str]
+                 ) -> tuple[Mesh, list[PartitionSpec], list[PartitionSpec]]:
+    """``plan`` checked for a program over ``jax_mesh`` (even splits, its ends, every op runnable): the
+    planning mesh under the JAX mesh's axis names, and the PartitionSpecs of the inputs and ``output_ids``."""
     names = list(jax_mesh.axis_names)
     if tuple(jax_mesh.devices.shape) != tuple(mesh.shape):
         raise LoweringError(f"the JAX mesh has shape {tuple(jax_mesh.devices.shape)} but the plan is for {mesh}")
@@ -254,6 +257,14 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh
     in_specs = [partition_spec(s, graph.vars[v].ndim, names) for v, s in zip(graph.inputs, in_sh)]
     out_sh = output_shardings(graph, plan, mesh, output_ids)
     out_specs = [partition_spec(s, graph.vars[v].ndim, names) for v, s in zip(output_ids, out_sh)]
+    return mesh, in_specs, out_specs
+
+
+def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh,
+               output_ids: Sequence[str] | None = None) -> Program:
+    """Turn ``plan`` into a jitted shard_map program over ``jax_mesh``."""
+    output_ids = list(output_ids if output_ids is not None else graph.outputs)
+    mesh, in_specs, out_specs = program_ends(graph, plan, mesh, jax_mesh, output_ids)
     mapped = jax.shard_map(build_body(graph, plan, mesh, output_ids), mesh=jax_mesh, in_specs=tuple(in_specs),
                            out_specs=tuple(out_specs), check_vma=False)
     n_coll = sum(1 for _, c in plan.collectives() if not c.is_free)
@@ -287,13 +298,14 @@ class LoweredStep:
         """The optimized HLO XLA compiles for these arguments (what :mod:`metadist_jax.hlo` reads)."""
         return self.program.fn.lower(*self.operands(args, kwargs)).compile().as_text()
 
-    def trial(self, args: tuple, kwargs: dict) -> Any:
-        """A :class:`metadist_core.autotune.Trial` of this step on ``args``: placed once, each ``run()`` runs
-        the program and waits for it. Nothing is donated, so the arguments stay as they were."""
+    def trial(self, args: tuple, kwargs: dict, lowering: str = "") -> Any:
+        """A :class:`metadist_core.autotune.Trial` of this step on ``args`` (``lowering``: its name): placed
+        once, each ``run()`` runs the program and waits for it. Nothing is donated, so the arguments stay as
+        they were."""
         from metadist_core.autotune import Trial
         operands = self.operands(args, kwargs)
-        return Trial(lambda: jax.block_until_ready(self.program.fn(*operands)), self)
+        return Trial(lambda: jax.block_until_ready(self.program.fn(*operands)), self, lowering)
 
 
 __all__ = ["JaxCollectives", "LoweredStep", "LoweringError", "Program", "apply_collective", "build_body",
-           "check_even", "local_op_runner", "lower_plan", "output_shardings", "partition_spec"]
+           "check_even", "local_op_runner", "lower_plan", "output_shardings", "partition_spec", "program_ends"]

@@ -100,14 +100,11 @@ class JaxFrontend(Frontend):
             return None
         from .gspmd import LOWERING, lower_gspmd
         from .lower import LoweredStep
-        manual = self.lower(traced, plan, mesh, settings).trial(args, kwargs)
-        manual.lowering = "shard_map"
+        manual = self.lower(traced, plan, mesh, settings).trial(args, kwargs, "shard_map")
         if settings.memory_budget is not None:
             return [manual]
         program = lower_gspmd(traced.graph, plan, mesh, self.jax_mesh(mesh), traced.context.output_ids)
-        partitioned = LoweredStep(program, traced.context).trial(args, kwargs)
-        partitioned.lowering = LOWERING
-        return [manual, partitioned]
+        return [manual, LoweredStep(program, traced.context).trial(args, kwargs, LOWERING)]
 
     def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
         from .microbatch import split_batch
