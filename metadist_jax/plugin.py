@@ -90,21 +90,25 @@ class JaxFrontend(Frontend):
 
     def trial(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings", args: tuple,
               kwargs: dict) -> Any:
-        """The plan lowered both ways and placed on ``args`` for autotune to time: as a manual shard_map (the
-        plan's collectives as written, :mod:`metadist_jax.lower`) and through GSPMD (its layouts held, XLA
-        placing the collectives, :mod:`metadist_jax.gspmd`); under a ``memory_budget`` the shard_map only (the
+        """The plan lowered three ways and placed on ``args`` for autotune to time: as a manual shard_map (the
+        plan's collectives as written, :mod:`metadist_jax.lower`) and through GSPMD (:mod:`metadist_jax.gspmd`:
+        its layouts held, XLA placing the collectives; and only its input and output layouts held, XLA laying
+        out the rest); under a ``memory_budget`` the shard_map only (the
         memory plan is the shard_map's; XLA's partitioner keeps what it likes). None with several processes
         (each would time alone, and every process must run the same plan)."""
         import jax
         if jax.process_count() > 1:
             return None
-        from .gspmd import LOWERING, lower_gspmd
+        from .gspmd import IO_LOWERING, LOWERING, lower_gspmd
         from .lower import LoweredStep
         manual = self.lower(traced, plan, mesh, settings).trial(args, kwargs, "shard_map")
         if settings.memory_budget is not None:
             return [manual]
-        program = lower_gspmd(traced.graph, plan, mesh, self.jax_mesh(mesh), traced.context.output_ids)
-        return [manual, LoweredStep(program, traced.context).trial(args, kwargs, LOWERING)]
+        out = [manual]
+        for name, hold in ((LOWERING, True), (IO_LOWERING, False)):
+            program = lower_gspmd(traced.graph, plan, mesh, self.jax_mesh(mesh), traced.context.output_ids, hold)
+            out.append(LoweredStep(program, traced.context).trial(args, kwargs, name))
+        return out
 
     def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
         from .microbatch import split_batch
