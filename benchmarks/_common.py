@@ -86,3 +86,30 @@ def write_results(name: str, records: Sequence[dict], columns: Sequence[str], ti
     path = RESULTS / f"{name}.md"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def plot_predicted(records: Sequence[dict], path: Path, title: str, label: Callable[[dict], str],
+                   xlabel: str = "measured step (ms)") -> None:
+    """A PNG of each record's ``predicted_ms`` against its ``step_ms`` (records without a prediction left
+    out), with the diagonal and the +-25 % band the cost model is held to."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 5))
+    pts = [r for r in records if r.get("predicted_ms") and r.get("step_ms")]
+    for r in pts:
+        ax.scatter(r["step_ms"], r["predicted_ms"], s=30)
+        ax.annotate(label(r), (r["step_ms"], r["predicted_ms"]), fontsize=7)
+    hi = max([1.0] + [max(r["step_ms"], r["predicted_ms"]) for r in pts]) * 1.2
+    ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="predicted = measured")
+    ax.plot([0, hi], [0, hi * 0.75], ":", c="grey", lw=0.8)
+    ax.plot([0, hi], [0, hi * 1.25], ":", c="grey", lw=0.8, label="+-25 %")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("cost model's prediction (ms)")
+    ax.set_xlim(0, hi)
+    ax.set_ylim(0, hi)
+    ax.legend(fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

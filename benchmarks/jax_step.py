@@ -26,7 +26,8 @@ same step on the same 8 devices:
 Beside each time: the cost model's prediction for that plan and the bytes per
 device its collectives move, priced and counted in the HLO XLA compiled.
 
-Step times are medians over interleaved rounds after a warm-up (one step of
+Writes results/jax_step.json, .md and .png (each plan's prediction against its
+measured step). Step times are medians over interleaved rounds after a warm-up (one step of
 every system per round, in Williams orders, as torch_step times them), so the
 ratios are taken in the same rounds. The devices are virtual CPU devices on one host, so these figures
 measure the programs' structure and collective count, not network links.
@@ -48,7 +49,7 @@ import time  # noqa: E402
 from unittest import mock  # noqa: E402
 
 
-from ._common import interleaved, write_results  # noqa: E402
+from ._common import RESULTS, interleaved, plot_predicted, write_results  # noqa: E402
 
 NAME = "jax_step"
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "jax"
@@ -216,7 +217,15 @@ def main(argv=None) -> None:
                                          "vs_best_hand", "comm_bytes_predicted", "comm_bytes_counted",
                                          "collectives_counted", "params_sharded", "autotune", "compile_s"],
                          "JAX step time: MetaDist vs hand-written DP vs GSPMD (8 virtual CPU devices)", notes)
-    print(f"wrote {path} and {path.with_suffix('.json')}")
+    plot(records, RESULTS / f"{NAME}.png")
+    print(f"wrote {path}, {path.with_suffix('.json')} and {NAME}.png")
+
+
+def plot(records, path: pathlib.Path) -> None:
+    """Predicted against measured for every plan with a prediction (the GSPMD row has none)."""
+    short = {"mlp": "mlp", "transformer": "tf"}
+    plot_predicted(records, path, "jax_step: predicted against measured, 8 virtual CPU devices",
+                   lambda r: f"{short.get(r['model'].split()[0], r['model'])} {r['mesh']}/{r['system']}")
 
 
 if __name__ == "__main__":

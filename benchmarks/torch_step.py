@@ -384,26 +384,9 @@ def single(quick: bool) -> dict:
 
 
 def plot(records, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 5))
-    pts = [r for r in records if r.get("predicted_ms") and r.get("step_ms")]
-    for r in pts:
-        ax.scatter(r["step_ms"], r["predicted_ms"], s=30)
-        ax.annotate(f"{r['model']}/{r['system']}", (r["step_ms"], r["predicted_ms"]), fontsize=7)
-    hi = max([1.0] + [max(r["step_ms"], r["predicted_ms"]) for r in pts]) * 1.2
-    ax.plot([0, hi], [0, hi], "k--", lw=0.8, label="predicted = measured")
-    ax.plot([0, hi], [0, hi * 0.75], ":", c="grey", lw=0.8)
-    ax.plot([0, hi], [0, hi * 1.25], ":", c="grey", lw=0.8, label="+-25 %")
-    ax.set_xlabel("measured step (ms, median over ranks)")
-    ax.set_ylabel("cost model's prediction (ms)")
-    ax.set_xlim(0, hi)
-    ax.set_ylim(0, hi)
-    ax.legend(fontsize=8)
-    ax.set_title("torch_step: predicted against measured, 4 gloo ranks")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from benchmarks._common import plot_predicted
+    plot_predicted(records, path, "torch_step: predicted against measured, 4 gloo ranks",
+                   lambda r: f"{r['model']}/{r['system']}", "measured step (ms, median over ranks)")
 
 
 def main(argv=None) -> int:
