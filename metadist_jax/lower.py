@@ -298,12 +298,13 @@ class LoweredStep:
         """The optimized HLO XLA compiles for these arguments (what :mod:`metadist_jax.hlo` reads)."""
         return self.program.fn.lower(*self.operands(args, kwargs)).compile().as_text()
 
-    def trial(self, args: tuple, kwargs: dict, lowering: str = "") -> Any:
+    def trial(self, args: tuple, kwargs: dict, lowering: str = "", operands: list | None = None) -> Any:
         """A :class:`metadist_core.autotune.Trial` of this step on ``args`` (``lowering``: its name): placed
-        once, each ``run()`` runs the program and waits for it. Nothing is donated, so the arguments stay as
-        they were."""
+        once (or given ``operands``, placed already: another lowering of the same plan takes the same), each
+        ``run()`` runs the program and waits for it. Nothing is donated, so the arguments stay as they were."""
         from metadist_core.autotune import Trial
-        operands = self.operands(args, kwargs)
+        if operands is None:
+            operands = self.operands(args, kwargs)
         return Trial(lambda: jax.block_until_ready(self.program.fn(*operands)), self, lowering)
 
 

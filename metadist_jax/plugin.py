@@ -101,13 +101,15 @@ class JaxFrontend(Frontend):
             return None
         from .gspmd import IO_LOWERING, LOWERING, lower_gspmd
         from .lower import LoweredStep
-        manual = self.lower(traced, plan, mesh, settings).trial(args, kwargs, "shard_map")
+        lowered = self.lower(traced, plan, mesh, settings)
+        operands = lowered.operands(args, kwargs)   # placed once: every lowering of the plan stores it alike
+        out = [lowered.trial(args, kwargs, "shard_map", operands)]
         if settings.memory_budget is not None:
-            return [manual]
-        out = [manual]
+            return out
         for name, hold in ((LOWERING, True), (IO_LOWERING, False)):
             program = lower_gspmd(traced.graph, plan, mesh, self.jax_mesh(mesh), traced.context.output_ids, hold)
-            out.append(LoweredStep(program, traced.context).trial(args, kwargs, name))
+            same = list(program.in_shardings) == list(lowered.program.in_shardings)
+            out.append(LoweredStep(program, traced.context).trial(args, kwargs, name, operands if same else None))
         return out
 
     def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
