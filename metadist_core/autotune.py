@@ -7,7 +7,7 @@ plan can run slower than a preset the user would have picked. With
 the presets of :data:`PRESETS` on the same problem, asks the frontend for a
 :class:`Trial` of every distinct plan (lowered, run on the step's own
 arguments, nothing kept; a frontend with several lowerings gives one trial
-for each: JAX runs a plan as a manual shard_map or through GSPMD), times them
+for each: JAX runs a plan as a manual shard_map or, two ways, through GSPMD), times them
 in interleaved rounds and keeps the fastest. The solver's plan in the
 frontend's first lowering stays unless another is faster by more than
 :data:`MARGIN` (the rounds' noise on shared cores).

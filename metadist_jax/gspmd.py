@@ -29,8 +29,8 @@ weight gradients' transposes into the matmuls (83 fused matmuls against 74 in
 the manual program, which keeps the single-device form) and merges every
 gradient all-reduce into one; jax.jit's data parallelism ran 1.04-1.07x
 faster than the shard_map of the same plan on 8 CPU devices. Autotune
-(:mod:`metadist_core.autotune`) times both lowerings of each plan and keeps
-the faster. The collectives of a GSPMD lowering are XLA's, so its bytes are
+(:mod:`metadist_core.autotune`) times the three lowerings of each plan and
+keeps the fastest. The collectives of a GSPMD lowering are XLA's, so its bytes are
 read from the compiled HLO (:mod:`metadist_jax.hlo`), not from the plan.
 """
 from __future__ import annotations
