@@ -20,12 +20,13 @@ from .placement import Mesh, Placement, Replicate, Shard, Sharding, parse_placem
 
 log = logging.getLogger("metadist.rules")
 
-CACHE_VERSION = 7   # 2: entries keyed by op pattern and axis size (metadist_core.patterns); 3: nonfinite draws;
+CACHE_VERSION = 8   # 2: entries keyed by op pattern and axis size (metadist_core.patterns); 3: nonfinite draws;
 # 4: sizes below the axis size exact, and the empty-piece class in the pattern; 5: slice_backward and
 # select_backward run on gradient pieces at the pieces' own size (they had replicated rules only);
 # 6: ops of 3 inputs also tried with the third Partial(sum) beside two shards, where it has fewer dims (addmm);
 # 7: inputs split on one dim of sizes in whole ratios (grouped-query attention's heads), and ops whose traced
-# call leaves a defaulted dropout_p out (CPU flash attention) no longer taken for random ops
+# call leaves a defaulted dropout_p out (CPU flash attention) no longer taken for random ops; 8: a JAX scatter's
+# scalar combiner retyped, so scatters run in float64 (the embedding gradient's data-parallel rule)
 CACHE_FILE = "rules-v%d.json" % CACHE_VERSION
 
 

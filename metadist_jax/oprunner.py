@@ -3,7 +3,10 @@
 Discovery binds the primitive eagerly on CPU numpy pieces. Floating inputs run
 in float64 under ``jax.enable_x64`` (only inside the call, so the user's float32
 step is untouched); ops carrying a nested jaxpr (scan, while, cond) run in their
-own dtypes, since their bodies are typed.
+own dtypes, since their bodies are typed; a scatter's scalar combiner is retyped
+to float64 (:func:`metadist_jax.payload.x64_params`), so a scatter-add runs in
+float64 too (in float32 the partial sums of its pieces missed the tolerance and
+the data-parallel rule of the embedding's gradient was rejected).
 
 A primitive whose params name shapes is run on a piece with those params
 localized from the piece's shape (:func:`metadist_jax.payload.localize`), the
@@ -144,7 +147,7 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
             raise Unrunnable(f"{op.key} ({op.id}) has a non-array value {v}")
         if v in avals and not _plain_dtype(avals[v].dtype):
             raise Unrunnable(f"{op.key} ({op.id}) works on {avals[v].dtype} values")
-    x64 = not payload.has_jaxpr()
+    x64 = payload.runs_in_float64()
     rng = np.random.default_rng(_seed(op.signature(graph)))
     examples = []
     index_slots = {payload.layout[pos] for pos in _INDEX_OPERANDS.get(payload.name, ())

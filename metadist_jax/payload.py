@@ -40,6 +40,11 @@ class OpPayload:
     def has_jaxpr(self) -> bool:
         return any(holds_jaxpr(v) for v in self.params.values())
 
+    def runs_in_float64(self) -> bool:
+        """Can discovery run it in float64? Yes unless a jaxpr it carries is more than a scalar combiner
+        (a scatter's ``update_jaxpr``, which :func:`x64_params` retypes; a scan's or a cond's body is typed)."""
+        return all(scalar_combiner(v) for v in self.params.values() if holds_jaxpr(v))
+
 
 IDENTITY = OpPayload(None, {}, [0], ())   # the payload of a copy op loaded without one
 
@@ -51,6 +56,29 @@ def holds_jaxpr(v: Any) -> bool:
     if isinstance(v, (tuple, list)):
         return any(holds_jaxpr(x) for x in v)
     return False
+
+
+def scalar_combiner(v: Any) -> bool:
+    """Is ``v`` a jaxpr of scalars in, scalars out and no constants (``add a b``: how a scatter combines)?"""
+    if not isinstance(v, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+        return False
+    j = v.jaxpr if isinstance(v, jcore.ClosedJaxpr) else v
+    if (isinstance(v, jcore.ClosedJaxpr) and v.consts) or j.constvars:
+        return False
+    return all(getattr(x.aval, "shape", None) == () for x in list(j.invars) + list(j.outvars))
+
+
+def _combiner_x64(v: Any) -> Any:
+    """A scalar combiner retyped to float64 where it takes floats (traced again on float64 scalars)."""
+    import jax
+
+    j = v.jaxpr if isinstance(v, jcore.ClosedJaxpr) else v
+    if not any(is_float_dtype(x.aval.dtype) for x in j.invars):
+        return v
+    args = [jax.ShapeDtypeStruct((), np.float64 if is_float_dtype(x.aval.dtype) else x.aval.dtype) for x in j.invars]
+    fn = jcore.jaxpr_as_fun(v if isinstance(v, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(j, []))
+    closed = jax.make_jaxpr(fn)(*args)
+    return closed if isinstance(v, jcore.ClosedJaxpr) else closed.jaxpr
 
 
 def is_float_dtype(dt: Any) -> bool:
@@ -66,6 +94,8 @@ def x64_params(params: dict) -> dict:
     for k, v in params.items():
         if (isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic))) and is_float_dtype(v):
             v = np.dtype(np.float64)
+        elif scalar_combiner(v):   # a scatter's update_jaxpr: add of two float32 scalars -> of two float64
+            v = _combiner_x64(v)
         out[k] = v
     return out
 
@@ -140,4 +170,4 @@ def bind_payload(payload: OpPayload, tensors: Sequence[Any], *, full_shapes: Seq
 
 
 __all__ = ["OpPayload", "IDENTITY", "KEY_PREFIX", "COPY_KEY", "bind_payload", "localize", "operand_shapes",
-           "x64_params", "holds_jaxpr", "is_float_dtype"]
+           "x64_params", "holds_jaxpr", "is_float_dtype", "scalar_combiner"]
