@@ -8,7 +8,7 @@ same step on the same 8 devices:
 
 * ``metadist``: ``metadist_compile`` with its defaults — the plan lowered to
   shard_map with its collectives placed explicitly; with measured costs the
-  solver's plan is timed beside the ddp and fsdp presets' at the first call, each
+  solver's plan is timed beside the ddp, zero1 and fsdp presets' at the first call, each
   lowered as a shard_map and twice through GSPMD (:mod:`metadist_jax.gspmd`: the
   plan's layouts held, or only its input and output layouts: ``gspmd-io``), and the
   fastest kept (``autotune``, :mod:`metadist_core.autotune`);
@@ -201,7 +201,7 @@ def main(argv=None) -> None:
              "medians over 24 interleaved rounds (one step of each system per round, Williams orders), all systems in "
              "the same run. `metadist`: MetaDist's defaults: the plan lowered to shard_map "
              "with explicit collectives, priced with the link and device costs its first compile measured on "
-             "this machine, the solver's plan timed beside the ddp and fsdp presets' plans at the first call, each "
+             "this machine, the solver's plan timed beside the ddp, zero1 and fsdp presets' plans at the first call, each "
              "lowered as a shard_map and through GSPMD (`gspmd`: its layouts held by sharding constraints, XLA "
              "placing the collectives; `gspmd-io`: only its input and output layouts held), and the fastest kept (`autotune` column: the plan and lowering kept; "
              "for a GSPMD lowering the counted bytes are XLA's, the predicted ones the plan's); `metadist-model`: the same with "

@@ -27,7 +27,8 @@
 | recompute      | METADIST_RECOMPUTE         | recompute       | true (only when a memory budget needs it) |
 | offload        | METADIST_OFFLOAD           | offload         | none ("optimizer": state and update on the host) |
 | ilp_cache_mb   | METADIST_ILP_CACHE_MB      | ilp_cache_mb    | 512 (MiB of kept ILP answers; the least recently used go first) |
-| autotune       | METADIST_AUTOTUNE          | autotune        | true (with measured costs: the solver's plan timed beside the ddp and fsdp presets', the fastest kept; frontends that can time a plan alone: JAX) |
+| autotune       | METADIST_AUTOTUNE          | autotune        | true (with measured costs: the solver's plan timed beside the ddp, zero1 and fsdp presets', the fastest kept; frontends that can time a plan alone: JAX) |
+| autotune_seconds | METADIST_AUTOTUNE_SECONDS | autotune_seconds | 60 (autotune's time: programs not compiled by then are left untimed) |
 """
 from __future__ import annotations
 
@@ -77,6 +78,7 @@ class Settings:
     offload: str | None = None   # None | "optimizer": optimizer state and its update on the host (metadist_core.offload)
     ilp_cache_mb: float = 512.0   # disk the ILP's kept answers may take under cache_dir/milp (solvers/_cache.py)
     autotune: bool = True   # with measured costs, time the solver's plan beside the presets' (metadist_core.autotune)
+    autotune_seconds: float = 60.0   # autotune's time budget (metadist_core.autotune.time_trials)
 
     @property
     def bucket_bytes(self) -> int:
@@ -136,7 +138,8 @@ def load_settings(**explicit: Any) -> Settings:
                 raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
         elif f.name == "first_bucket_mb" and str(value).strip().lower() == "auto":
             value = None
-        elif f.name in ("time_limit", "bucket_mb", "first_bucket_mb", "shard_bucket_mb", "ilp_cache_mb"):
+        elif f.name in ("time_limit", "bucket_mb", "first_bucket_mb", "shard_bucket_mb", "ilp_cache_mb",
+                        "autotune_seconds"):
             try:
                 value = float(value)
             except ValueError:
@@ -161,6 +164,9 @@ def load_settings(**explicit: Any) -> Settings:
         raise ValueError(f"first_bucket_mb must be 0 (the same as bucket_mb) or more, got {s.first_bucket_mb}")
     if s.shard_bucket_mb < 0:
         raise ValueError(f"shard_bucket_mb must be 0 (off) or more, got {s.shard_bucket_mb}")
+    if s.autotune_seconds <= 0:
+        raise ValueError(f"autotune_seconds must be more than 0 (turn autotune off with autotune=False), "
+                         f"got {s.autotune_seconds}")
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
     if s.grad_compression is not None:

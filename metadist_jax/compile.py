@@ -121,8 +121,8 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
         constraints on the same plan search (:mod:`metadist_core.presets`).
     :param recompute: True (default): recompute forward segments when no plan meets ``memory_budget``
         without it (copies fenced by ``optimization_barrier`` so XLA keeps them); False: never.
-    :param autotune: True (default): with measured costs, the solver's plan is timed beside the ddp and fsdp
-        presets' on these devices at the first call (a few seconds) and the fastest kept
+    :param autotune: True (default): with measured costs, the solver's plan is timed beside the ddp, zero1
+        and fsdp presets' on these devices at the first call (seconds) and the fastest kept
         (:mod:`metadist_core.autotune`; ``plan.stats["autotune"]``); False: the solver's plan as priced.
 
     Use as ``@metadist_compile`` or ``@metadist_compile(mesh=(2, 4))``; returns a :class:`JaxStep`.

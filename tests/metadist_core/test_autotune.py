@@ -88,6 +88,32 @@ def test_rounds_alternate_their_order():
     assert out == [1, 1, 1]
 
 
+def test_a_spent_time_budget_leaves_the_rest_untimed_but_the_solvers_plan():
+    """``autotune_seconds``: a trial not yet compiled when the budget is spent is left out, and no round
+    starts past the third; the first trial (the solver's plan) always runs."""
+    calls: list = []
+    trials = [_sleeper(0.0, calls, n) for n in "abcd"]
+    now = [0.0]
+
+    def clock() -> float:   # each reading moves it by 4 s: by the third warm-up 8 s of the 6 s budget are gone
+        now[0] += 4.0
+        return now[0]
+    out = time_trials(trials, rounds=10, clock=clock, budget=6.0)
+    assert out[2:] == [None, None] and out[0] is not None and out[1] is not None
+    assert calls[:2] == ["a", "b"] and set(calls) == {"a", "b"}
+    assert calls.count("a") == 1 + 3   # its warm-up, then three rounds only
+
+    calls.clear()
+    out = time_trials(trials, rounds=2, clock=lambda: 0.0, budget=10.0)   # within it: every trial, every round
+    assert all(t is not None for t in out) and len(calls) == 4 * 3
+
+
+def test_the_time_budget_must_be_positive():
+    with pytest.raises(ValueError, match="autotune_seconds"):
+        load_settings(autotune_seconds=0)
+    assert load_settings().autotune_seconds == 60.0
+
+
 @pytest.mark.parametrize("change, why", [
     (dict(autotune=False), "autotune=False"),
     (dict(measure_links=False), "measure_links=False"),
