@@ -21,7 +21,7 @@ activations had made XLA partition the embedding gradient's scatter-add by
 columns (an all-gather of the token ids and three of the [256, 128] table and
 its moments), 1.06-1.09x jax.jit's data parallelism in the same rounds on 8
 CPU devices. For a plan that splits activations or weights XLA may choose
-another layout in between, so both are timed.
+another layout in between, so both GSPMD lowerings are timed.
 
 Why a second lowering: XLA's partitioner rewrites the local program as it
 partitions it. On the JAX transformer's data-parallel plan it moves the
