@@ -4,7 +4,8 @@ The key is a digest of everything HiGHS sees (objective, integrality, bounds, ev
 constraint's coefficients and limits, the gap and presolve options) and of the scipy
 version that solved it. Only proven answers are kept, optimal (status 0) or infeasible
 (status 2); a solve stopped by its time limit is not, since another run with more time
-may do better. A hit gives back the stored result, so a re-run of the same step on the
+may do better. (A toggled solve, the recompute proposal, that runs out of its time before its toggles
+and shardings meet the budget leaves a marker with its time limit instead: :func:`ran_out`.) A hit gives back the stored result, so a re-run of the same step on the
 same mesh (a restart, every rank under torchrun, the benchmark's warm run) skips the
 MILP, while any change to the problem (sizes, mesh, link costs, budget, constraints)
 makes a new key and a new solve. The answers take at most the ``ilp_cache_mb`` setting
@@ -131,6 +132,35 @@ def evict(folder: Path, limit: int, keep: Path | None = None) -> list[Path]:
         log.info("ILP cache: removed %d least recently used answers to stay within %.0f MiB", len(gone),
                  limit / 2**20)
     return gone
+
+
+def _marker(cache_dir: str | os.PathLike, key: str) -> Path:
+    return Path(cache_dir) / SUBDIR / f"{key}.timeout"
+
+
+def ran_out(cache_dir: str | os.PathLike | None, key: str, time_limit: float) -> float | None:
+    """The time limit an earlier solve of ``key`` ran out of without meeting its memory rows, when it was at
+    least ``time_limit`` (a run given no more time would too); else None."""
+    if cache_dir is None:
+        return None
+    try:
+        spent = float(_marker(cache_dir, key).read_text())
+    except (OSError, ValueError):
+        return None
+    return spent if spent >= time_limit else None
+
+
+def note_ran_out(cache_dir: str | os.PathLike | None, key: str, time_limit: float) -> None:
+    """Remember that the solve of ``key`` (its first round) ran out of ``time_limit`` seconds unanswered.
+    Not a proof, so not an answer: only a run given no more time skips it (:func:`ran_out`)."""
+    if cache_dir is None:
+        return
+    path = _marker(cache_dir, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{float(time_limit)!r}")
+    except OSError as e:
+        log.warning("could not note the ILP's timeout in %s: %s", path.parent, e)
 
 
 def _num(v: Any) -> float:

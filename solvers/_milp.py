@@ -263,8 +263,16 @@ class _Model:
             self.mem_rows[step] = (coef, const)
         return self.mem_rows[step]
 
-    def solve(self, steps: list[int], budget: float, time_limit: float, gap: float,
-              objective: np.ndarray | None = None, peak_var: bool = False):
+    def key(self, steps: list[int], budget: float, gap: float) -> str:
+        """The cache key of :meth:`solve` with these memory rows (the model HiGHS would see)."""
+        return self._digest(self._parts(steps, budget, None, False), gap)
+
+    def _digest(self, parts: tuple, gap: float) -> str:
+        c, integrality, lb, ub, cons = parts
+        return _cache.milp_key([c, integrality, lb, ub, *[p for k in cons for p in (k.A, k.lb, k.ub)],
+                                gap, self.presolve])
+
+    def _parts(self, steps: list[int], budget: float, objective: np.ndarray | None, peak_var: bool):
         c = self.c if objective is None else objective
         c = c * self.scale
         A, lo, hi = self.A, self.lo, self.hi
@@ -286,6 +294,12 @@ class _Model:
             c = np.concatenate([np.zeros(nv), [1.0]])
             ub = np.concatenate([ub, [np.inf]])
         lb = np.concatenate([self.lb, np.zeros(len(ub) - len(self.lb))])
+        return c, integrality, lb, ub, cons
+
+    def solve(self, steps: list[int], budget: float, time_limit: float, gap: float,
+              objective: np.ndarray | None = None, peak_var: bool = False):
+        parts = self._parts(steps, budget, objective, peak_var)
+        c, integrality, lb, ub, cons = parts
         t0 = time.perf_counter()
 
         def run(presolve: bool):
@@ -294,8 +308,7 @@ class _Model:
                                  "mip_rel_gap": gap, "disp": False, "presolve": presolve})
         key = None
         if self.cache_dir is not None:   # the same model solved before: its proven answer (solvers/_cache.py)
-            key = _cache.milp_key([c, integrality, lb, ub, *[p for k in cons for p in (k.A, k.lb, k.ub)],
-                                   gap, self.presolve])
+            key = self._digest(parts, gap)
             hit = _cache.load(self.cache_dir, key)
             if hit is not None:
                 self.cache_hits += 1
