@@ -22,6 +22,7 @@ class _Model:
 
     def __init__(self, t: Terms) -> None:
         self.t = t
+        self._keys: dict[tuple, str] = {}   # cache keys already digested (key)
         self.xoff = np.cumsum([0] + t.n_options[:-1]).astype(np.int64) if t.n_nodes else np.zeros(0, np.int64)
         nx = int(sum(t.n_options))
         c = [np.asarray(u, dtype=float) for u in t.unary]
@@ -263,14 +264,20 @@ class _Model:
             self.mem_rows[step] = (coef, const)
         return self.mem_rows[step]
 
-    def key(self, steps: list[int], budget: float, gap: float) -> str:
-        """The cache key of :meth:`solve` with these memory rows (the model HiGHS would see)."""
-        return self._digest(self._parts(steps, budget, None, False), gap)
-
-    def _digest(self, parts: tuple, gap: float) -> str:
-        c, integrality, lb, ub, cons = parts
-        return _cache.milp_key([c, integrality, lb, ub, *[p for k in cons for p in (k.A, k.lb, k.ub)],
-                                gap, self.presolve])
+    def key(self, steps: list[int], budget: float, gap: float, objective: np.ndarray | None = None,
+            peak_var: bool = False, parts: tuple | None = None) -> str:
+        """The cache key of :meth:`solve` with these memory rows (the model HiGHS would see; ``parts``: its
+        :meth:`_parts`, when built already). Kept per rows and budget under the model's own objective, so
+        that the recompute proposal's marker check (solvers/ilp.py) and its first solve digest it once."""
+        memo = (tuple(steps), float(budget), gap, peak_var, self.presolve) if objective is None else None
+        if memo is not None and memo in self._keys:
+            return self._keys[memo]
+        c, integrality, lb, ub, cons = parts or self._parts(steps, budget, objective, peak_var)
+        key = _cache.milp_key([c, integrality, lb, ub, *[p for k in cons for p in (k.A, k.lb, k.ub)],
+                               gap, self.presolve])
+        if memo is not None:
+            self._keys[memo] = key
+        return key
 
     def _parts(self, steps: list[int], budget: float, objective: np.ndarray | None, peak_var: bool):
         c = self.c if objective is None else objective
@@ -308,7 +315,7 @@ class _Model:
                                  "mip_rel_gap": gap, "disp": False, "presolve": presolve})
         key = None
         if self.cache_dir is not None:   # the same model solved before: its proven answer (solvers/_cache.py)
-            key = self._digest(parts, gap)
+            key = self.key(steps, budget, gap, objective, peak_var, parts)
             hit = _cache.load(self.cache_dir, key)
             if hit is not None:
                 self.cache_hits += 1
