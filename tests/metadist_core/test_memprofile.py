@@ -100,3 +100,23 @@ def test_fitting_the_buffers_cuts_below_the_plans_own_terms_not_the_budget(monke
     got = memprofile.fit_with_buffers(P(budget), resolve(P(budget)), resolve)
     assert got.memory_per_device == plans[-1][0], asked
     assert peaks[got.memory_per_device] <= target
+
+
+def test_a_reduce_scatter_buckets_concatenation_is_held_while_it_is_in_flight():
+    """A gradient bucket's reduce_scatter sends a concatenation of its own, which the collective holds while
+    it is in flight: until the next bucket of its group is issued, or until the program waits for it (the
+    first read of a member's result), whichever comes first. An all_reduce bucket reduces its
+    concatenation in place, which is its result: the extra copy exists only where it runs."""
+    from metadist_core.memprofile import _buckets
+    rs, ar = ("reduce_scatter", 0, "sum", "float32"), ("all_reduce", 0, "sum", "float32")
+    # (issue, last read, result bytes, group, copies, partial-sum bytes, held, first read)
+    reduced = [(1, 20, 10.0, rs, 2, 40.0, 40.0, 18), (2, 20, 10.0, rs, 2, 40.0, 40.0, 18),
+               (5, 20, 10.0, rs, 2, 40.0, 40.0, 19)]
+    out = _buckets(reduced, {"reduce_scatter": 100, "all_reduce": 100})
+    assert (2, 5, 80.0) in out and (5, 19, 40.0) in out   # the first until the second is issued; the last until read
+    assert not [iv for iv in out if iv[2] == 80.0 and iv != (2, 5, 80.0)]
+    # no next bucket before the read: held until the wait
+    out = _buckets([(3, 30, 10.0, rs, 2, 40.0, 40.0, 12)], {"reduce_scatter": 100})
+    assert (3, 12, 40.0) in out
+    out = _buckets([(r[0], r[1], 40.0, ar, *r[4:]) for r in reduced], {"reduce_scatter": 100, "all_reduce": 100})
+    assert (2, 2, 80.0) in out and (5, 5, 40.0) in out
