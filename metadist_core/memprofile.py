@@ -149,8 +149,9 @@ def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> 
             out.extend([(start, at, held), (at, end, b)])
         if not copies:
             return
-        if key[0][0] != "reduce_scatter":   # the concatenation and the result (held as the members from here on)
-            out.append((at, at, src_total + total * (copies - 2)))
+        extra = src_total + total * (copies - 2)   # the concatenation (the result is held as the members)
+        if key[0][0] != "reduce_scatter":
+            out.append((at, at, extra))
             return
         # a reduce_scatter's concatenation is a buffer of its own that the collective holds while in flight:
         # until the next bucket of its group is issued or the program waits for it (before the first read of
@@ -158,7 +159,7 @@ def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> 
         prev = in_flight.pop(key, None)
         if prev is not None:
             out.append((prev[0], max(prev[0], min(prev[1], at)), prev[2]))
-        in_flight[key] = (at, max(at, min(first for _, _, _, first in members)), src_total + total * (copies - 2))
+        in_flight[key] = (at, max(at, min(first for _, _, _, first in members)), extra)
     for start, end, b, group, copies, sb, held, first in sorted(reduced, key=lambda r: r[:3]):
         key = (group, copies)   # group: kind, mesh axis, reduce op and dtype (metadist_core.buckets.bucket_key)
         kind = group[0]

@@ -54,8 +54,8 @@ def _update(h: Any, a: np.ndarray) -> None:
     h.update(a.tobytes())
 
 
-def _path(cache_dir: str | os.PathLike, key: str) -> Path:
-    return Path(cache_dir) / SUBDIR / f"{key}.npz"
+def _path(cache_dir: str | os.PathLike, key: str, suffix: str = ".npz") -> Path:
+    return Path(cache_dir) / SUBDIR / f"{key}{suffix}"
 
 
 def load(cache_dir: str | os.PathLike | None, key: str) -> Any | None:
@@ -134,17 +134,13 @@ def evict(folder: Path, limit: int, keep: Path | None = None) -> list[Path]:
     return gone
 
 
-def _marker(cache_dir: str | os.PathLike, key: str) -> Path:
-    return Path(cache_dir) / SUBDIR / f"{key}.timeout"
-
-
 def ran_out(cache_dir: str | os.PathLike | None, key: str, time_limit: float) -> float | None:
     """The time limit an earlier solve of ``key`` ran out of without meeting its memory rows, when it was at
     least ``time_limit`` (a run given no more time would too); else None."""
     if cache_dir is None:
         return None
     try:
-        spent = float(_marker(cache_dir, key).read_text())
+        spent = float(_path(cache_dir, key, ".timeout").read_text())
     except (OSError, ValueError):
         return None
     return spent if spent >= time_limit else None
@@ -155,7 +151,7 @@ def note_ran_out(cache_dir: str | os.PathLike | None, key: str, time_limit: floa
     Not a proof, so not an answer: only a run given no more time skips it (:func:`ran_out`)."""
     if cache_dir is None:
         return
-    path = _marker(cache_dir, key)
+    path = _path(cache_dir, key, ".timeout")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(f"{float(time_limit)!r}")
