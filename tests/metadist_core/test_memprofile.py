@@ -120,3 +120,9 @@ def test_a_reduce_scatter_buckets_concatenation_is_held_while_it_is_in_flight():
     assert (3, 12, 40.0) in out
     out = _buckets([(r[0], r[1], 40.0, ar, *r[4:]) for r in reduced], {"reduce_scatter": 100, "all_reduce": 100})
     assert (2, 2, 80.0) in out and (5, 5, 40.0) in out
+    # the torch lowering's one copy (an all_reduce bucket reduced in place): a reduce_scatter's concatenation is
+    # still a buffer beside its result
+    out = _buckets([(*r[:4], 1, *r[5:]) for r in reduced], {"reduce_scatter": 100})
+    assert (2, 5, 80.0) in out and (5, 19, 40.0) in out
+    out = _buckets([(r[0], r[1], 40.0, ar, 1, *r[5:]) for r in reduced], {"all_reduce": 100})
+    assert (2, 2, 0.0) in out and (5, 5, 0.0) in out   # reduced in place: the result is the concatenation
