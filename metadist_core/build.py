@@ -21,7 +21,7 @@ from .cost import DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, strat
 from .ir import MetaIR
 from .phases import reader_phases
 from .placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
-from .problem import Edge, Node, ShardingProblem, _distinct, gathers_bucketed
+from .problem import BUDGET_GATHER_SHARE, GATHER_SHARE, Edge, Node, ShardingProblem, _distinct, gathers_bucketed
 from .prune import useful_rules
 from .reshard import reshard, reshard_costs
 from .rules import RuleBook, Strategy, expand_rules
@@ -63,7 +63,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   grad_compression: str | None = None,
                   bucket_bytes: int | None = None, bucket_copies: int = 0,
                   shard_bucket_bytes: int | None = None, phased: bool = True,
-                  first_bucket_bytes: int | None = None, whole_inputs: bool = False) -> ShardingProblem:
+                  first_bucket_bytes: int | None = None, whole_inputs: bool = False,
+                  budget_gather_share: float = BUDGET_GATHER_SHARE) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them, or (flops, bytes, slowdown)
@@ -75,7 +76,9 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     collectives of gradient values at that dtype (``vars[v]["comm_dtype"]``, :mod:`metadist_core.compression`).
     ``bucket_bytes``: the lowering buckets gradient all_reduces up to this size (:meth:`ShardingProblem.price`),
     the first bucket of each (axis, reduce op, dtype) up to ``first_bucket_bytes`` (:func:`metadist_core.gathers.bucket_cap`).
-    ``shard_bucket_bytes``: it gathers graph inputs in buckets up to this size (:mod:`metadist_core.gathers`).
+    ``shard_bucket_bytes``: it gathers graph inputs in buckets up to this size (:mod:`metadist_core.gathers`);
+    the solver prices such a gather less a share of the latency its bucket-mates pay: :data:`GATHER_SHARE`
+    without a memory budget, ``budget_gather_share`` under one (:meth:`ShardingProblem.price`).
     ``whole_inputs``: every process receives each user input whole (the torch frontend), so reading one in a
     layout other than the one it is stored in is a local slice: priced at nothing, run without a collective.
     """
@@ -96,8 +99,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
         for v in graph.inputs:
             if "comm_dtype" not in vars_[v]:
                 vars_[v]["gather_bucketed"] = True
-                if memory_budget is None:   # and the solver prices them so (gathers_bucketed)
-                    vars_[v]["gather_priced"] = True
+                vars_[v]["gather_priced"] = True   # and the solver prices them so (gathers_bucketed)
+                vars_[v]["gather_share"] = GATHER_SHARE if memory_budget is None else float(budget_gather_share)
     if bucket_bytes:
         from .compression import gradient_chain
         for v in gradient_chain(graph):
@@ -166,16 +169,15 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
         info = prob.vars[var]
         dtype = info.get("comm_dtype", info["dtype"])   # what the collectives move (grad_compression)
         # priced as ShardingProblem.price does: gradients' all_reduces in buckets, and inputs the lowering may
-        # gather in buckets (metadist_core.gathers) a little under a whole latency; the plain cost table made
+        # gather in buckets (metadist_core.gathers) under a whole latency (their share of a bucket's under a
+        # memory budget, a little under otherwise: ShardingProblem.price); the plain cost table made
         # gathering a parameter cost what gathering its transpose does, and the lowering can bucket only the
-        # former (the zero3 plan of the GPT example gathered 27 transposes one by one). Not under a memory
-        # budget: the solver's memory terms do not hold a bucket's gathered parameters (issue 14), and plans
-        # that gathered every parameter in one bucket missed the budget (GPT-2 on 2 ranks under 2 MB: the
-        # leanest plan found needed 2.6 MB). Tried again on 2026-11-26 (bucket share under a budget, with
-        # the plan priced whole where none fitted): GPT-2 width 256 at 11 layers in 48 MiB on 4 gloo ranks
-        # ran 0.86-1.00x FSDP2 + checkpointing (1.08x as it is), but two of four benchmark runs measured
-        # peaks over the budget (1.06x and 1.10x the prediction), so it was reverted
-        bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var))
+        # former (the zero3 plan of the GPT example gathered 27 transposes one by one). Under a budget the
+        # plans so priced overshot it twice in four benchmark runs, 1.06x and 1.10x their prediction: both were
+        # gradient buckets' memory the model missed (a reduce_scatter's concatenation held in flight, and the
+        # copies its chunks were made through), fixed in memprofile and the torch lowering
+        bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var),
+                    info.get("gather_share"))
         local = prob.sliced(var)
         key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed, local)
         if key not in table_cache:

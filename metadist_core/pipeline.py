@@ -29,7 +29,7 @@ from .placement import Mesh
 from .plugins import PluginManager
 from .presets import check_strategy, steer
 from .progress import Ticker
-from .problem import InfeasibleBudgetError
+from .problem import BUDGET_GATHER_SHARE, GATHER_SHARE, InfeasibleBudgetError
 from .recompute import needed
 from .rules import RuleBook
 
@@ -127,6 +127,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
         timings["op_times"] = time.perf_counter() - t
 
     plain_built: list = []   # the plain graph's problem: built once, for its solve and the recompute proposals
+    # under a budget, input gathers priced by their bucket share (FSDP-like plans), else whole (plan_under_budget)
+    gather_share = [BUDGET_GATHER_SHARE]
 
     def build(g: MetaIR) -> tuple[Any, Any, dict]:
         if g is graph and plain_built:   # a shallow copy: a proposal sets toggles on it, not on the original
@@ -139,7 +141,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                 bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
                                 shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None,
                                 first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
-                                phased=phased, whole_inputs=whole_inputs)
+                                phased=phased, whole_inputs=whole_inputs, budget_gather_share=gather_share[0])
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
             from .offload import apply_offload
@@ -200,9 +202,22 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
         on = plan.stats.get("toggles_on")
         return None if on is None else [segs[j] for j in on]
 
+    def plan_under_budget() -> tuple[MetaIR, tuple[Any, Any], list]:
+        try:
+            return choose(graph, s.memory_budget, solve, flops, enabled=s.recompute, propose=propose)
+        except InfeasibleBudgetError:
+            if s.memory_budget is None or not (s.coalesce and shard_buckets and s.shard_bucket_bytes):
+                raise
+        # the plans that gather parameters in buckets hold each bucket's whole parameters beside the rest,
+        # outside the solver's memory terms (memprofile.fit_with_buffers); where none of them fits, the
+        # plans that gather few inputs may (GPT-2 width 256 on 4 ranks in 48 MiB: 12 and 13 layers)
+        log.info("no plan with its input gathers priced in buckets meets the budget; pricing each gather whole")
+        gather_share[0] = GATHER_SHARE
+        plain_built.clear()
+        return choose(graph, s.memory_budget, solve, flops, enabled=s.recompute, propose=propose)
+
     try:
-        graph, (problem, plan), segs = choose(graph, s.memory_budget, solve, flops, enabled=s.recompute,
-                                              propose=propose)
+        graph, (problem, plan), segs = plan_under_budget()
     except InfeasibleBudgetError as e:
         if getattr(e, "need_with_buffers", None) is None:
             raise

@@ -165,19 +165,22 @@ class ShardingProblem:
         reduce_scatters of gradient values pay the same way their share of the latency
         ``(n-1)alpha`` of a ``shard_bucket_bytes`` bucket. A graph input moved by exactly one
         all_gather, which the lowering gathers in buckets of ``shard_bucket_bytes``
-        (:mod:`metadist_core.gathers`), pays its latency less :data:`GATHER_SHARE` of the part its
-        bucket-mates would pay (:func:`gathers_bucketed`): a plan gathers few inputs or many, and
-        a lone gather pays a whole latency (charged its share, the auto plans of GPT-2 and LLaMA
+        (:mod:`metadist_core.gathers`), pays its latency less a share of the part its
+        bucket-mates would pay (:func:`gathers_bucketed`; ``vars[var]["gather_share"]``). Without a
+        memory budget that share is :data:`GATHER_SHARE`, small: a plan gathers few inputs or many,
+        and a lone gather pays a whole latency (charged its share, the auto plans of GPT-2 and LLaMA
         gathered 8 and 10 small inputs one by one, predicted 1.4x and 3.9x what the solver
         thought), while the small preference makes a parameter's gather, which can be bucketed,
-        win over the same gather of its transpose, which cannot.
+        win over the same gather of its transpose, which cannot. Under a budget it is
+        :data:`BUDGET_GATHER_SHARE`, the whole share, as a gradient's: the plans that meet a tight
+        budget gather every layer's parameters, a bucket at a time.
         """
         def shared(c: Any, steps: int, cap: int, share: float = 1.0) -> float:   # less what bucket-mates pay
             latency = steps * (self.mesh.shape[c.axis] - 1) * self.mesh.link(c.axis, c.kind)[0]
             return c.cost - share * latency * (1.0 - min(1.0, c.nbytes / cap))
 
         if gathers_bucketed(self, var) and len(collectives) == 1 and collectives[0].kind == "all_gather":
-            return shared(collectives[0], 1, self.shard_bucket_bytes, GATHER_SHARE)
+            return shared(collectives[0], 1, self.shard_bucket_bytes, self.vars[var].get("gather_share", GATHER_SHARE))
         at = bucketed_step(self, var, collectives)   # the one collective that joins a bucket (metadist_core.buckets)
         total = 0.0
         for i, c in enumerate(collectives):
@@ -336,16 +339,22 @@ def _distinct(shardings: Sequence[Sharding]) -> tuple[list[Sharding], np.ndarray
     return list(uniq), np.asarray(idx, dtype=np.int32)
 
 
-# the part of the latency a bucketed parameter gather saves that the solver counts on (ShardingProblem.price)
+# the part of the latency a bucketed parameter gather saves that the solver counts on (ShardingProblem.price):
+# GATHER_SHARE without a memory budget, where a plan gathers few inputs and a lone one pays a whole latency;
+# BUDGET_GATHER_SHARE under one, where the plans that meet it gather every layer's parameters, a bucket per
+# layer, as FSDP does (GPT-2 width 256, 11 layers in 48 MiB on 4 gloo ranks: priced whole, each of ~220
+# gathers a latency, the solver kept a tensor-parallel plan, 1.08-1.14x FSDP2 + checkpointing; priced by
+# their bucket share, it gathers, 0.96-0.97x)
 GATHER_SHARE = 0.01
+BUDGET_GATHER_SHARE = 1.0
 
 
 def gathers_bucketed(prob: ShardingProblem, var: str) -> bool:
-    """Does the solver price ``var``'s all_gather as one the lowering may bucket (:data:`GATHER_SHARE` of the
-    latency its bucket-mates pay taken off, :meth:`ShardingProblem.price`)? Yes for an input the lowering
-    gathers in buckets, on a problem built without a memory budget (see _build_edges)."""
+    """Does the solver price ``var``'s all_gather as one the lowering may bucket (``vars[var]["gather_share"]``
+    of the latency its bucket-mates pay taken off, :meth:`ShardingProblem.price`)? Yes for an input the lowering
+    gathers in buckets."""
     return bool(prob.shard_bucket_bytes and prob.vars[var].get("gather_priced"))
 
 
-__all__ = ["OUTPUT", "InfeasibleBudgetError", "Node", "Edge", "ShardingProblem", "GATHER_SHARE",
+__all__ = ["OUTPUT", "InfeasibleBudgetError", "Node", "Edge", "ShardingProblem", "GATHER_SHARE", "BUDGET_GATHER_SHARE",
            "gathers_bucketed"]

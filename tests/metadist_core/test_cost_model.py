@@ -131,11 +131,15 @@ def test_parameters_are_gathered_in_buckets_not_their_transposes(pm, coarsen):
     whole = next(c.cost for v, c in priced_collectives(plan) if v == "w0")
     y3 = p.price("y3", [c for v, c in priced_collectives(plan) if v == "y3"])
     assert whole * 0.99 < one < whole and plan.comm_seconds == pytest.approx(4 * one + y3, rel=1e-9)
-    # under a memory budget the solver does not count on buckets (its memory terms do not hold a bucket's
-    # gathered parameters): each gather is priced whole, as before
+    # under a memory budget a gather pays only its bytes' share of the bucket's latency, as a gradient's
+    # all_reduce does: the plans that meet a tight budget gather every layer's parameters, bucket by bucket
     from metadist_core.problem import gathers_bucketed
     tight = build_problem(g, rulebook(g), mesh, constraints=pins, shard_bucket_bytes=1 << 22, memory_budget=1 << 30)
-    assert gathers_bucketed(p, "w0") and not gathers_bucketed(tight, "w0") and tight.vars["w0"]["gather_bucketed"]
+    assert gathers_bucketed(p, "w0") and gathers_bucketed(tight, "w0") and tight.vars["w0"]["gather_bucketed"]
+    gather = next(c for v, c in priced_collectives(plan) if v == "w0")
+    latency = (4 - 1) * mesh.link(0, "all_gather")[0]
+    assert tight.price("w0", [gather]) == pytest.approx(whole - latency * (1 - gather.nbytes / (1 << 22)), rel=1e-12)
+    assert tight.price("w0", [gather]) < one
 
 
 def gradients(n_grads=5, size=(64, 32)) -> MetaIR:

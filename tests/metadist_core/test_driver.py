@@ -135,3 +135,39 @@ def test_the_first_gradient_bucket_follows_the_measured_overlap(monkeypatch):
     assert load_settings().first_bucket_mb is None
     monkeypatch.setenv("METADIST_FIRST_BUCKET_MB", "0.5")
     assert resolve_first_bucket(load_settings(), 0.0).first_bucket_bytes == 2**19
+
+
+def test_under_a_budget_that_no_bucket_priced_plan_meets_the_gathers_are_priced_whole(tmp_path, monkeypatch):
+    """Under a memory budget the solver prices an input's gather by its share of a bucket (FSDP-like plans,
+    which hold each bucket's gathered parameters outside the solver's memory terms). Where no plan so priced
+    meets the budget, the driver plans once more with every gather priced whole, as plans that gather few
+    inputs may fit where bucketed ones do not; a budget nothing meets is still the error it was."""
+    from metadist_core import recompute
+    from metadist_core.pipeline import plan_graph
+    from metadist_core.placement import Mesh
+    from metadist_core.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, InfeasibleBudgetError
+    pm = _pm()
+    graph = pm.frontend("toy").trace(transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}).graph
+    s = load_settings(cache_dir=str(tmp_path), progress=False, memory_budget=1 << 30)
+    res = plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, shard_buckets=True)
+    shares = {res.problem.vars[v]["gather_share"] for v in graph.inputs}
+    assert shares == {BUDGET_GATHER_SHARE}, shares   # it fits: priced by bucket share, planned once
+
+    real, seen = recompute.choose, []
+
+    def choose(g, budget, solve, *a, **kw):   # as if no bucket-priced plan met the budget
+        problem, _ = solve(g)
+        seen.append({problem.vars[v].get("gather_share") for v in g.inputs})
+        if seen[-1] != {GATHER_SHARE}:
+            raise InfeasibleBudgetError(budget, 2 * budget, problem.mesh)
+        return real(g, budget, solve, *a, **kw)
+
+    monkeypatch.setattr(recompute, "choose", choose)
+    res = plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, shard_buckets=True)
+    assert seen == [{BUDGET_GATHER_SHARE}, {GATHER_SHARE}]
+    assert {res.problem.vars[v]["gather_share"] for v in graph.inputs} == {GATHER_SHARE}
+    # without gather buckets in the lowering there is nothing to price otherwise: the error stands
+    seen.clear()
+    with pytest.raises(InfeasibleBudgetError):
+        plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, shard_buckets=False)
+    assert len(seen) == 1
