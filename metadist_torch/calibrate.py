@@ -179,7 +179,15 @@ def measure_share(dev, iters: int = 5) -> float:
         alone[0] = _time(work, iters, lambda: None, pick=min)
     dist.barrier()
     dist.all_reduce(alone)   # rank 0's figure on every rank
-    both = torch.tensor([_time(work, iters, lambda: None, before=dist.barrier)], dtype=torch.float64, device=dev)
+    # all at once: from a barrier to the barrier after every rank's work, on each rank, the longest of them. A
+    # rank's own work alone was timed from when the scheduler first ran it, so ranks that took turns on the
+    # cores each read about their alone time (a share of 1.0-1.4 in some runs, for 4 ranks on 2 cores that
+    # take 2x: the benchmark that got 1.0 priced GPT-2's compute at half what it took)
+    def together():
+        work()
+        dist.barrier()
+    together()
+    both = torch.tensor([_time(together, iters, lambda: None, before=dist.barrier)], dtype=torch.float64, device=dev)
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     return max(1.0, float(both.item()) / max(float(alone.item()), 1e-9))
 
