@@ -115,10 +115,11 @@ def _flatten(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 def _release(*ts: torch.Tensor) -> None:
     """Free the storage of buffers this rank's program no longer reads, once their collective has been waited
     for (FSDP frees its gather buffers so too). Dropping the last Python reference is not enough: gloo's
-    thread holds a collective's tensors until it gets to run again, so a bucket's gathered flat buffer had
-    lived on across the peak in some runs of a plan and not in others (the GPT example's fsdp plan on 2
-    ranks: a gathered weight's stacked pieces, 131,072 bytes, freed at op 455 in one run and at op 526 in
-    the next, across the peak; test_memory's slow test)."""
+    thread holds a collective's tensors until it gets to run again, so a gather's output lived on after its
+    last reader in some runs of a plan and not in others (the GPT example's fsdp plan on 2 ranks: one
+    131,072-byte output freed at op 455 in one run and at op 526 in the next, across the peak; that one is
+    the program's own value, which this cannot free; freeing the buffers a gather copies out of took
+    test_memory's slow test from 3-6 failures in 15-22 runs to none in 12)."""
     for t in ts:
         t.untyped_storage().resize_(0)
 
