@@ -152,7 +152,7 @@ def _settings(args):
 
 
 def cmd_plan(args) -> int:
-    from .pipeline import plan_graph
+    from .planner import plan_graph
 
     settings, pm = _settings(args)
     if args.strategy:

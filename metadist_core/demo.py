@@ -18,7 +18,7 @@ from .plugins import PluginManager
 
 
 def run_demo(mesh_text: str = "4", solver: str | None = None, cache_dir: str | None = None) -> int:
-    from .pipeline import plan_graph
+    from .planner import plan_graph
     from .reference import run_graph, run_local, transformer_block
     from .simulate import simulate
 

@@ -152,7 +152,7 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
                   k: int | None, flat: Any = None) -> Any:
     """The sub-mesh CompileResult whose plan has ``plan.stages`` set, or None (no pipeline chosen).
 
-    ``solve(mesh)`` returns a :class:`~metadist_core.pipeline.CompileResult` for ``graph`` on ``mesh``;
+    ``solve(mesh)`` returns a :class:`~metadist_core.planner.CompileResult` for ``graph`` on ``mesh``;
     ``k`` is the user's stage count (None: the planner decides, with ``flat``, the whole-mesh result,
     as the alternative; ``flat`` None means no unpipelined plan met the budget).
     """
@@ -202,7 +202,7 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
 def plan_only_pipeline(graph: MetaIR, mesh: Mesh, settings: Any, plugins: Any, solver_options: Any,
                        constraints: list) -> Any:
     """``metadist plan`` with ``pipeline_stages=k``: the stages priced on ``mesh`` (no engine needed)."""
-    from .pipeline import CompileResult, plan_graph, replicated_plan
+    from .planner import CompileResult, plan_graph, replicated_plan
     from .rules import RuleBook
     check_stages(settings.pipeline_stages, mesh, settings.schedule, settings.micro_batches)
 
