@@ -6,7 +6,7 @@ Models: the GPT example (``gpt``), transformers' GPT-2 with 4 layers of width
 256 (``gpt2``), a LLaMA-style model from a small ``LlamaConfig`` (``llama``).
 Systems on 4 gloo ranks (one launch, one thread each): MetaDist (``auto``,
 the first compile measures this machine's link and device costs and caches
-them), DDP, FSDP2 (``fully_shard`` per block), a hand Megatron tensor-parallel
+them), DDP, FSDP2 (``fully_shard`` per block; also with ``reshard_after_forward=False``), a hand Megatron tensor-parallel
 plan (DTensor ``parallelize_module`` with ColwiseParallel/RowwiseParallel) where
 the model's layers allow it, and TP x DP on a (2, 2) mesh (the TP plan on the
 inner axis, ``fully_shard`` on the outer), and MetaDist's own lowering of each
@@ -187,7 +187,12 @@ def _counted(run_step) -> dict:
 # every hand plan beside MetaDist's own lowering of its layout (the strategy preset that pins it): the hand
 # plan's row takes that lowering's prediction, and the lowering's own row shows whether the cost model
 # predicts what MetaDist runs, apart from what torch's implementation of the same layout adds
+# (FSDP2 by default gathers each block's parameters again in the backward; with reshard_after_forward=False it
+# keeps them from the forward to the backward. MetaDist's torch lowering moves a value again for its readers
+# after the forward, so it gathers a parameter again where the backward reads the parameter itself. Both
+# FSDP2 rows take the fsdp layout's price.)
 HAND = {"ddp": ("metadist_ddp", "ddp", None), "fsdp2": ("metadist_fsdp", "fsdp", None),
+        "fsdp2_no_reshard": ("metadist_fsdp", "fsdp", None),
         "tp": ("metadist_tp", "tp", None), "tp_x_dp": ("metadist_tp_x_dp", "tp+dp", (2, 2))}
 
 
@@ -247,7 +252,7 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
         warm(run)
         return System(run, after=lambda rounds: {"comm_bytes_counted": counted[0] / max(1, counted[1])})
 
-    def hand_sharded(mesh_shape, tp_plan: bool):
+    def hand_sharded(mesh_shape, tp_plan: bool, reshard_after_forward: bool = True):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         model, opt = m.build()
@@ -261,8 +266,8 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
         if len(mesh_shape) == 2 or not tp_plan:
             dp_mesh = dm["dp"] if tp_plan else None
             for blk in m.blocks(model):
-                fully_shard(blk, mesh=dp_mesh)
-            fully_shard(model, mesh=dp_mesh)
+                fully_shard(blk, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
             if tp_plan:
                 dp_rank, dp = dm["dp"].get_local_rank(), mesh_shape[0]
                 batches = [_shard_batch(b, dp_rank, dp) for b in m.batches]
@@ -279,8 +284,10 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
             continue
         if mesh is not None and world != 4:
             continue
-        makers.append((mine, lambda preset=preset, mesh=mesh: metadist(preset, mesh)))
+        if mine not in (n for n, _ in makers):
+            makers.append((mine, lambda preset=preset, mesh=mesh: metadist(preset, mesh)))
         makers.append((hand, {"ddp": ddp, "fsdp2": lambda: hand_sharded((world,), False),
+                              "fsdp2_no_reshard": lambda: hand_sharded((world,), False, False),
                               "tp": lambda: hand_sharded((world,), True),
                               "tp_x_dp": lambda: hand_sharded((2, 2), True)}[hand]))
     out: dict = {}
