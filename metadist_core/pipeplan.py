@@ -11,6 +11,7 @@ The stages travel in ``plan.stages`` (the plan is the sub-mesh's).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -148,11 +149,11 @@ def has_gradients(graph: MetaIR) -> bool:
         any(v.role == "gradient" for v in graph.vars.values())
 
 
-def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mesh], Any],
+def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mesh, Any], Any],
                   k: int | None, flat: Any = None) -> Any:
     """The sub-mesh CompileResult whose plan has ``plan.stages`` set, or None (no pipeline chosen).
 
-    ``solve(mesh)`` returns a :class:`~metadist_core.planner.CompileResult` for ``graph`` on ``mesh``;
+    ``solve(mesh, settings)`` returns a :class:`~metadist_core.planner.CompileResult` for ``graph`` on ``mesh``;
     ``k`` is the user's stage count (None: the planner decides, with ``flat``, the whole-mesh result,
     as the alternative; ``flat`` None means no unpipelined plan met the budget).
     """
@@ -162,7 +163,12 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
         return None   # the planner pipelines only where the schedule can run (1F1B: m >= p)
     virtual = 2 if settings.schedule == "interleaved" else 1
     sub = sub_mesh(mesh)
-    res = solve(sub)
+    budget = settings.memory_budget
+    # the sub-mesh's plan is every stage's: the devices of one stage hold a piece of it, so it is solved under
+    # the budget of all p stages together and the cut holds each stage to the budget (best_cuts). Under the
+    # budget itself the whole step had to fit one stage's devices: GPT of 2 layers under 2,000,000 bytes on 4
+    # gloo ranks needed 2,037,568 on one device and could not pipeline at all
+    res = solve(sub, settings if budget is None else dataclasses.replace(settings, memory_budget=int(budget * p)))
     plan, problem = res.plan, res.problem
     batch_in = [v for v in graph.inputs if graph.vars[v].role == "input" and graph.vars[v].shape]
     cut = cut_at_gradients(graph, graph.vars[batch_in[0]].shape[0] if batch_in else None)
@@ -174,7 +180,6 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
         raise StageError(f"pipeline_stages={p}{' (interleaved: 2 per device)' if virtual > 1 else ''} needs "
                          f"{n_pieces} pieces of forward to cut, but the step's forward has {len(costs.core)} ops; "
                          f"use fewer stages or a deeper model")
-    budget = settings.memory_budget
     if k is None:
         flat_time = m * flat.plan.objective if flat is not None else float("inf")
         flat_mem = flat.plan.memory_per_device if flat is not None else float("inf")
@@ -206,11 +211,11 @@ def plan_only_pipeline(graph: MetaIR, mesh: Mesh, settings: Any, plugins: Any, s
     from .rules import RuleBook
     check_stages(settings.pipeline_stages, mesh, settings.schedule, settings.micro_batches)
 
-    def solve(m: Mesh) -> Any:
+    def solve(m: Mesh, st: Any) -> Any:
         if m.size == 1:
             p1, pr1 = replicated_plan(graph, m)
             return CompileResult(graph, RuleBook(), pr1, p1)
-        return plan_graph(graph, m, plugins=plugins, settings=settings, solver_options=solver_options,
+        return plan_graph(graph, m, plugins=plugins, settings=st, solver_options=solver_options,
                           constraints=constraints)
 
     return pipeline_plan(graph, mesh, settings, solve, settings.pipeline_stages)

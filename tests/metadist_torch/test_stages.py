@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from metadist_torch import metadist_compile  # noqa: E402
 
-from test_compile_single import mlp  # noqa: E402
+from test_compile_single import gpt, mlp  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,6 +28,33 @@ def test_a_pipeline_needs_a_first_axis_of_that_many_devices():
     model, opt = mlp.build(c)
     with pytest.raises(ValueError, match=r"pipeline_stages=2 puts the stages on mesh axis 0, which has 1 devices"):
         metadist_compile(pipeline_stages=2)(mlp.train_step)(model, opt, *mlp.batch(c, 0))
+
+
+def test_stages_meet_a_budget_that_the_whole_step_on_one_device_misses(tmp_path):
+    """The planner solves the sub-mesh's plan (here one device per stage) under the budget of all stages
+    together and holds each stage to the budget by the cut. It had solved the sub-mesh under the budget
+    itself, so a step pipelined because it does not fit could only pipeline when it fit one device whole."""
+    from metadist_core.config import load_settings
+    from metadist_core.pipeplan import pipeline_plan
+    from metadist_core.placement import Mesh
+    from metadist_core.planner import plan_graph
+    from metadist_core.plugins import PluginManager
+    from metadist_core.problem import InfeasibleBudgetError
+    c = gpt.GPTConfig(vocab=96, seq=16, width=64, heads=2, layers=2, batch=8)
+    model, opt = gpt.build(c)
+    pm = PluginManager()
+    graph = pm.frontend("torch").trace(gpt.train_step, (model, opt, *gpt.batch(c, 0)), {}).graph
+    cache = str(tmp_path / "rules")
+    with pytest.raises(InfeasibleBudgetError) as least:   # what one device needs at least, recomputing
+        plan_graph(graph, Mesh((1,)), plugins=pm, settings=load_settings(cache_dir=cache, progress=False,
+                                                                          memory_budget=1 << 16))
+    budget = int(0.97 * least.value.needed)
+    s = load_settings(cache_dir=cache, progress=False, memory_budget=budget, micro_batches=4)
+    with pytest.raises(InfeasibleBudgetError):   # one device cannot hold the step under it
+        plan_graph(graph, Mesh((1,)), plugins=pm, settings=s)
+    res = pipeline_plan(graph, Mesh((4,)), s, lambda m, st: plan_graph(graph, m, plugins=pm, settings=st), None)
+    assert res is not None and len(res.plan.stages) == 4
+    assert max(st.memory for st in res.plan.stages) <= budget, [st.memory for st in res.plan.stages]
 
 
 @pytest.mark.slow
