@@ -82,9 +82,11 @@ class Model:
     """One benchmark model: ``build()`` -> (module, optimizer); ``batches[i]`` the step's arguments after them;
     ``step(model, opt, *batch)`` the training step; ``tp_plan(model)`` the Megatron plan or None."""
 
-    def __init__(self, name, desc, build, step, batches, tp_plan=None, blocks=None):
+    def __init__(self, name, desc, build, step, batches, tp_plan=None, blocks=None, tp_pins=None):
         self.name, self.desc, self.build, self.step, self.batches = name, desc, build, step, batches
         self.tp_plan, self.blocks = tp_plan, blocks
+        # constraints by name beside the tp presets, so that MetaDist's tp rows take the hand plan's layout
+        self.tp_pins = tp_pins
 
 
 def _gpt_model(quick: bool, steps: int) -> Model:
@@ -96,9 +98,12 @@ def _gpt_model(quick: bool, steps: int) -> Model:
         # the MLP of every block, Megatron-style (the fused qkv is split by width after it: left whole)
         return {f"blocks.{i}.{n}": (ColwiseParallel() if n == "fc" else RowwiseParallel())
                 for i in range(c.layers) for n in ("fc", "out")}
+    # the hand plan keeps the attention whole: so does MetaDist's price of it (the tp preset leaves an attention
+    # whose weights the user pins whole to the solver)
+    whole_attention = {f"blocks.*.{n}.*": "R" for n in ("qkv", "proj")}
     return Model("gpt", f"GPT example vocab {c.vocab} width {c.width} layers {c.layers} seq {c.seq} batch {c.batch}",
                  lambda: gpt.build(c), gpt.train_step, [gpt.batch(c, s) for s in range(steps)], tp_plan,
-                 lambda m: list(m.blocks))
+                 lambda m: list(m.blocks), whole_attention)
 
 
 def _hf_step(model, opt, ids):
@@ -211,7 +216,8 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
         from metadist_core.overlap import predict
         from metadist_torch import metadist_compile
         model, opt = m.build()
-        step = metadist_compile(cache_dir=cache, strategy=strategy, mesh=mesh)(m.step)
+        pins = m.tp_pins if strategy.startswith("tp") else None
+        step = metadist_compile(cache_dir=cache, strategy=strategy, mesh=mesh, constraints=pins)(m.step)
         t0 = time.perf_counter()
         step(model, opt, *m.batches[0])
         first = time.perf_counter() - t0

@@ -22,7 +22,8 @@ a preset's price and its numbers come from the same machinery.
   projections that feed them alone by columns and the output projection by
   rows; other parameters replicated, the batch whole. A split weight is read
   only in its split (never gathered); the solver places the activations
-  (sequence-parallel norms where that is cheaper).
+  (sequence-parallel norms where that is cheaper). An attention, or a column/row pair, one of whose weights
+  the user pins unsplit (constraints by name) is left to the solver whole: Megatron on the MLPs alone.
 - ``tp+dp``: tp on the last mesh axis, ddp on the others.
 
 Optimizer state follows the parameter it belongs to where a preset does not
@@ -104,8 +105,10 @@ def _replicated_update(g: GraphView, pins: Pins, grads: Iterable[str]) -> None:
             pins.out.pins.extend(Forbid(Shard(d), var=v) for d in range(len(shape)))
 
 
-def preset_constraints(prob: "ShardingProblem", name: str) -> PresetConstraints:
-    """The constraints of preset ``name`` on ``prob``."""
+def preset_constraints(prob: "ShardingProblem", name: str, user: Mapping[str, Sharding] | None = None
+                       ) -> PresetConstraints:
+    """The constraints of preset ``name`` on ``prob``. ``user``: the user's own pins (value -> sharding), which
+    the tp presets respect beyond the pinned values themselves (:func:`~metadist_core.tensor_parallel.tensor_parallel`)."""
     key = ALIASES.get(check_strategy(name), check_strategy(name))
     if key == "auto":
         return PresetConstraints("auto", [])
@@ -116,7 +119,7 @@ def preset_constraints(prob: "ShardingProblem", name: str) -> PresetConstraints:
     dp_axes = [a for a in every if a not in tp_axes]
     pins = Pins(prob, name)
     if tp_axes:
-        tensor_parallel(g, pins, tp_axes)
+        tensor_parallel(g, pins, tp_axes, user)
     for v in g.batch:
         pins.pin(v, split_on(g.shape(v), 0, dp_axes, shape) if dp_axes else None,
                  f"batch dim 0 does not divide by {math.prod(shape[a] for a in dp_axes)}" if dp_axes else "")
@@ -179,7 +182,8 @@ def steer(prob: "ShardingProblem", strategy: str = "auto", named: Mapping[str, A
         extra += pins_by_name(prob, named)
     if strategy and strategy != "auto":
         mine = {c.var for c in extra}
-        extra += [c for c in preset_constraints(prob, strategy).pins if c.var not in mine]
+        user = {c.var: c.sharding for c in extra if isinstance(c, Pin)}
+        extra += [c for c in preset_constraints(prob, strategy, user).pins if c.var not in mine]
     return constrain(prob, extra)
 
 

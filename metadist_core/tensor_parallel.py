@@ -9,9 +9,10 @@ weight is read only in its split, never gathered.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 from .constraints import Forbid, var_name
-from .placement import Replicate, Shard
+from .placement import Replicate, Shard, Sharding
 from .presetgraph import MATMULS, NOT_ELEMENTWISE, PASS_WEIGHT, GraphView, Pins, split_on
 
 
@@ -113,10 +114,17 @@ def _residual(g: GraphView, i: int, v: str) -> bool:
                for u in g.prob.nodes[i].inputs)
 
 
-def tensor_parallel(g: GraphView, pins: Pins, axes: list[int]) -> None:
+def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str, Sharding] | None = None) -> None:
+    """The tp pins on ``axes``. ``user``: the user's own pins; an attention or a column/row pair one of whose
+    weights the user keeps unsplit on ``axes`` is left to the solver whole (Megatron on the MLPs alone, say:
+    a hand plan that cannot split a fused qkv by heads), where pinning the rest of it would fight the user's."""
     shape = g.prob.mesh.shape
     n_tp = math.prod(shape[a] for a in axes)
     how = f"does not divide by {n_tp}"
+    user = user or {}
+
+    def unsplit(w: str) -> bool:
+        return w in user and not any(user[w][a].is_shard() for a in axes)
 
     def split(var: str, dim: int, role: str) -> None:
         sh = split_on(g.shape(var), dim, axes, shape)
@@ -128,6 +136,12 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int]) -> None:
     for i in sorted(g.forward):
         n = g.prob.nodes[i]
         if n.kind != "op" or "scaled_dot_product" not in n.key or "backward" in n.key:
+            continue
+        mine = [_matmul_weight(g, j)[1] for j in _follow_any(g, n.outputs[0])] + \
+            [_matmul_weight(g, j)[1] for v in n.inputs[:3] if len(g.shape(v) or ()) == 4 for j in _back_to_matmuls(g, v)]
+        if any(unsplit(w) for w in mine):
+            pins.out.notes.append(f"attention {n.id}: {', '.join(var_name(g.prob, w) for w in mine if unsplit(w))} "
+                                  f"pinned unsplit by the user; the attention is left to the solver")
             continue
         for v in list(n.inputs[:3]) + list(n.outputs[:1]):
             if len(g.shape(v) or ()) == 4:
@@ -154,6 +168,10 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int]) -> None:
         for j in _follow(g, g.prob.nodes[i].outputs[0], width):
             _, w2, out2, in2, _ = _matmul_weight(g, j)
             if w2 == w1 or g.shape(w2)[in2] != width:
+                continue
+            if unsplit(w1) or unsplit(w2):
+                pins.out.notes.append(f"{var_name(g.prob, w1)} / {var_name(g.prob, w2)}: pinned unsplit by the "
+                                      f"user; the pair is left to the solver")
                 continue
             pins.out.pairs.append((w1, w2))
             split(w1, out1, "column-parallel weight")

@@ -57,3 +57,36 @@ def test_tp_preset_is_megatron_on_llama():
     assert by["lm_head.weight"] == rep and by["model.embed_tokens.weight"] == rep
     params = {v for v in g.inputs if g.vars[v].role == "parameter"}
     assert not [label[e.var] for e, c in res.plan.collectives() if not c.is_free and e.var in params]
+
+
+def test_tp_preset_leaves_an_attention_whole_whose_weights_the_user_keeps_whole():
+    """The GPT example's hand Megatron plan splits the MLPs only (its fused qkv cannot be split by heads with
+    ColwiseParallel). With the tp preset and the attention's weights pinned whole by name, the preset leaves
+    the attention to the solver instead of splitting its activations by heads around the user's pins: the MLPs
+    are column/row pairs, the attention's weights stay whole, and no weight is moved."""
+    from test_compile_single import gpt
+    c = gpt.GPTConfig(vocab=64, seq=16, width=32, heads=4, layers=2, batch=4)
+    model, opt = gpt.build(c)
+    fe = TorchFrontend()
+    g = fe.trace(gpt.train_step, (model, opt, *gpt.batch(c, 0)), {}).graph
+    mesh = Mesh((4,), alpha=[2e-4], beta=[1e-9])
+    whole = {f"blocks.*.{n}.*": "R" for n in ("qkv", "proj")}
+    res = plan_graph(g, mesh, settings=load_settings(progress=False, strategy="tp"),
+                     constraints=fe.constraints(g, mesh) + [whole])
+    label = {v: g.vars[v].label for v in g.inputs}
+    by = {label[v]: res.plan.input_shardings[v] for v in g.inputs if g.vars[v].role == "parameter"}
+    col, row, rep = Sharding((Shard(0),)), Sharding((Shard(1),)), Sharding((Replicate(),))
+    for i in range(2):
+        assert by[f"blocks.{i}.fc.weight"] == col and by[f"blocks.{i}.fc.bias"] == col
+        assert by[f"blocks.{i}.out.weight"] == row
+        assert by[f"blocks.{i}.qkv.weight"] == rep and by[f"blocks.{i}.proj.weight"] == rep
+    from metadist_core.presets import preset_constraints
+    from metadist_core.constraints import pins_by_name
+    user = {p.var: p.sharding for p in pins_by_name(res.problem.unsteered, whole)}
+    pc = preset_constraints(res.problem.unsteered, "tp", user)
+    assert not [p for p in pc.pairs if p[0] == "<attention>"], pc.pairs
+    assert sum("attention" in n and "left to the solver" in n for n in pc.notes) == 2, pc.notes
+    plain = preset_constraints(res.problem.unsteered, "tp")   # without the user's pins: heads split
+    assert sum(p[0] == "<attention>" for p in plain.pairs) == 2
+    params = {v for v in g.inputs if g.vars[v].role == "parameter"}
+    assert not [label[e.var] for e, c in res.plan.collectives() if not c.is_free and e.var in params]
