@@ -137,8 +137,10 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
         n = g.prob.nodes[i]
         if n.kind != "op" or "scaled_dot_product" not in n.key or "backward" in n.key:
             continue
-        mine = [_matmul_weight(g, j)[1] for j in _follow_any(g, n.outputs[0])] + \
-            [_matmul_weight(g, j)[1] for v in n.inputs[:3] if len(g.shape(v) or ()) == 4 for j in _back_to_matmuls(g, v)]
+        mine = list(dict.fromkeys(   # its projections' weights (a fused qkv weight once)
+            [_matmul_weight(g, j)[1] for j in _follow_any(g, n.outputs[0])] +
+            [_matmul_weight(g, j)[1] for v in n.inputs[:3] if len(g.shape(v) or ()) == 4
+             for j in _back_to_matmuls(g, v)]))
         if any(unsplit(w) for w in mine):
             pins.out.notes.append(f"attention {n.id}: {', '.join(var_name(g.prob, w) for w in mine if unsplit(w))} "
                                   f"pinned unsplit by the user; the attention is left to the solver")
