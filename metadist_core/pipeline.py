@@ -27,9 +27,16 @@ from .plugins import PluginManager
 from .presets import check_strategy
 from .rules import RuleBook
 # planning a traced graph (re-exported: tools, benchmarks and tests import these from here)
-from .planner import CompileResult, _own_link_costs, lowering_traits, op_costs, plan_graph, replicated_plan
+from .planner import CompileResult, lowering_traits, op_costs, plan_graph, replicated_plan
 
 log = logging.getLogger("metadist.pipeline")
+
+
+def _own_link_costs(mesh: Any) -> bool:
+    """Is ``mesh`` a metadist Mesh whose link costs differ from the built-in ones (set by its maker)?"""
+    from .placement import DEFAULT_ALPHA, DEFAULT_BETA
+    return isinstance(mesh, Mesh) and (any(a != DEFAULT_ALPHA for a in mesh.alpha)
+                                       or any(b != DEFAULT_BETA for b in mesh.beta) or bool(mesh.links))
 
 
 def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: dict,

@@ -45,13 +45,6 @@ class CompileResult:
     mesh: Mesh | None = None
 
 
-def _own_link_costs(mesh: Any) -> bool:
-    """Is ``mesh`` a metadist Mesh whose link costs differ from the built-in ones (set by its maker)?"""
-    from .placement import DEFAULT_ALPHA, DEFAULT_BETA
-    return isinstance(mesh, Mesh) and (any(a != DEFAULT_ALPHA for a in mesh.alpha)
-                                       or any(b != DEFAULT_BETA for b in mesh.beta) or bool(mesh.links))
-
-
 def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, float]]:
     """``(flops, bytes)`` per op id, from the frontend that owns each op (missing: the core estimates)."""
     out = {}

@@ -181,9 +181,8 @@ def steer(prob: "ShardingProblem", strategy: str = "auto", named: Mapping[str, A
     if named:
         extra += pins_by_name(prob, named)
     if strategy and strategy != "auto":
-        mine = {c.var for c in extra}
-        user = {c.var: c.sharding for c in extra if isinstance(c, Pin)}
-        extra += [c for c in preset_constraints(prob, strategy, user).pins if c.var not in mine]
+        user = {c.var: c.sharding for c in extra}   # annotations and names give pins only
+        extra += [c for c in preset_constraints(prob, strategy, user).pins if c.var not in user]
     return constrain(prob, extra)
 
 
