@@ -18,17 +18,22 @@ What it fixes for every engine:
   updated state leaves with its state edge's collectives, stored as its input
   is (both checked on the plan before anything runs);
 - the reduce of a mixed-Partial Sharding is applied axis by axis from the last
-  mesh axis to the first (:func:`metadist_core.simulate.assemble`).
+  mesh axis to the first (:func:`metadist_core.simulate.assemble`);
+- with ``reduce_after(op)`` (an engine's choice), an op that only permutes dims (a transpose) and is the
+  sole reader of a value reduced before it runs on the Partial value and the edge's collectives on its
+  result, their dims permuted alike: the same collectives on as many bytes, recorded under the value they
+  were planned for. XLA folds a transpose into the dot that feeds it only when no collective stands
+  between them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 
 from .cost import Collective, UnknownCollectiveError
 from .ir import MetaIR, MetaOp
 from .phases import reader_phases, share_phase
-from .placement import Mesh, Sharding
+from .placement import Mesh, Shard, Sharding
 
 V = TypeVar("V")
 OUTPUT = "<output>"
@@ -122,13 +127,54 @@ def check_plan_ends(graph: MetaIR, plan: Any, mesh: Mesh) -> None:
             raise PlanError(f"updated state {s_out} ends as {sh}, but its input {s_in} is stored as {want}")
 
 
+def late_reduces(graph: MetaIR, plan: Any, incoming: Mapping,
+                 permutes: Callable[[MetaOp], Sequence[int] | None]) -> dict[str, tuple[int, ...]]:
+    """Op id -> dim permutation of the ops whose input's collectives run after them instead (the module
+    doc): one input, ``permutes(op)`` gives its permutation, the input read by this op alone through
+    collectives that begin with a reduce of a Sharding with no Shard and end replicated, and the op's
+    output left replicated."""
+    readers: dict[str, int] = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            readers[v] = readers.get(v, 0) + 1
+    ends = set(graph.outputs) | set(graph.aliases.values())
+    late = {}
+    for op in graph.ops:
+        if len(op.inputs) != 1 or len(op.outputs) != 1:
+            continue
+        perm = permutes(op)
+        v = op.inputs[0]
+        edge = incoming.get((op.id, 0))
+        st = plan.strategies.get(op.id)
+        if perm is None or edge is None or not edge.collectives or readers.get(v) != 1 or v in ends or st is None:
+            continue
+        if edge.collectives[0].kind in ("all_reduce", "reduce_scatter") \
+                and not any(p.is_shard() for p in edge.src_sharding) and edge.dst_sharding.is_fully_replicated() \
+                and all(sh.is_fully_replicated() for sh in st.outputs):
+            late[op.id] = tuple(perm)
+    return late
+
+
+def permuted(c: Collective, perm: Sequence[int]) -> Collective:
+    """``c`` as it applies to its value with dims permuted by ``perm`` (output dim i is input dim perm[i])."""
+    where = {d: i for i, d in enumerate(perm)}
+
+    def sh(s: Sharding) -> Sharding:
+        return Sharding([Shard(where[p.dim]) if isinstance(p, Shard) else p for p in s])
+    return replace(c, dims=tuple(where[d] for d in c.dims), before=sh(c.before), after=sh(c.after))
+
+
 def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run_op: OpRunner,
               collectives: Collectives, *, keep_values: bool = False,
-              whole: Callable[[str, Sharding], V] | None = None) -> Interpretation:
+              whole: Callable[[str, Sharding], V] | None = None,
+              reduce_after: Callable[[MetaOp], Sequence[int] | None] | None = None) -> Interpretation:
     """Walk ``plan`` over ``graph``: ``inputs`` are the local values of the graph inputs; ``whole(var, sh)``
-    gives user input ``var``'s local value under ``sh`` where the plan reads it so without a collective."""
+    gives user input ``var``'s local value under ``sh`` where the plan reads it so without a collective;
+    ``reduce_after(op)``: the dim permutation of an op that only permutes its input's dims, else None: its
+    input's reduce may run after it (the module doc)."""
     check_plan_ends(graph, plan, mesh)
     incoming, finals = plan.edge_index()
+    late = late_reduces(graph, plan, incoming, reduce_after) if reduce_after is not None else {}
     env: dict[str, Any] = dict(inputs)
     shared: dict[tuple, Any] = {}
     result = Interpretation({}, {})
@@ -136,6 +182,15 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
     # frontend's lowering moves a value once for every phase), else the graph's
     priced = getattr(plan, "problem", None)
     phases = priced.phases if getattr(priced, "phases", None) is not None else reader_phases(graph)
+
+    def run(var: str, x: Any, edge: Any, shape: tuple[int, ...], perm: Sequence[int] | None = None) -> Any:
+        for c in edge.collectives:
+            fn = getattr(collectives, c.kind, None) if c.kind in COLLECTIVE_KINDS else None
+            if fn is None:
+                raise UnknownCollectiveError(c.kind, type(collectives).__name__)
+            x = fn(x, c if perm is None else permuted(c, perm), shape)
+            result.collectives.append((var, c))
+        return x
 
     def move(var: str, edge: Any) -> Any:
         x = env[var]
@@ -154,13 +209,7 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
         key = edge_key(var, edge.collectives, share_phase(phases, edge.dst, edge.src_sharding))
         if key in shared:
             return shared[key]
-        shape = tuple(graph.vars[var].shape or ())
-        for c in edge.collectives:
-            fn = getattr(collectives, c.kind, None) if c.kind in COLLECTIVE_KINDS else None
-            if fn is None:
-                raise UnknownCollectiveError(c.kind, type(collectives).__name__)
-            x = fn(x, c, shape)
-            result.collectives.append((var, c))
+        x = run(var, x, edge, tuple(graph.vars[var].shape or ()))
         shared[key] = x
         return x
 
@@ -168,8 +217,13 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
     for s_in, s_out in graph.aliases.items():
         state_of.setdefault(s_out, []).append(s_in)
     for op in graph.ops:
-        ins = [move(v, incoming.get((op.id, slot))) for slot, v in enumerate(op.inputs)]
-        outs = list(run_op(op, ins, op_output_shardings(plan, op, mesh)))
+        if op.id in late:   # the op on the Partial value, then its input's collectives on its result
+            outs = list(run_op(op, [env[op.inputs[0]]], op_output_shardings(plan, op, mesh)))
+            outs = [run(op.inputs[0], outs[0], incoming[(op.id, 0)], tuple(graph.vars[op.outputs[0]].shape or ()),
+                        late[op.id])]
+        else:
+            ins = [move(v, incoming.get((op.id, slot))) for slot, v in enumerate(op.inputs)]
+            outs = list(run_op(op, ins, op_output_shardings(plan, op, mesh)))
         if len(outs) != len(op.outputs):
             raise RuntimeError(f"op {op.id} ({op.key}) gave {len(outs)} outputs, the graph has {len(op.outputs)}")
         for v, x in zip(op.outputs, outs):
@@ -191,4 +245,4 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
 
 
 __all__ = ["Collectives", "Interpretation", "OpRunner", "PlanError", "interpret", "edge_key",
-           "op_output_shardings", "check_plan_ends", "COLLECTIVE_KINDS", "OUTPUT"]
+           "op_output_shardings", "check_plan_ends", "late_reduces", "permuted", "COLLECTIVE_KINDS", "OUTPUT"]

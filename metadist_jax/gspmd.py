@@ -104,7 +104,8 @@ def lower_gspmd(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: Any,
     output_ids = list(output_ids if output_ids is not None else graph.outputs)
     mesh, in_specs, out_specs = program_ends(graph, plan, mesh, jax_mesh, output_ids)
     constrain = _Constrain(jax_mesh, mesh.axis_names) if hold_layouts else _unconstrained
-    body = build_body(graph, plan, mesh, output_ids, whole_op_runner(graph, constrain), GlobalCollectives(constrain))
+    body = build_body(graph, plan, mesh, output_ids, whole_op_runner(graph, constrain), GlobalCollectives(constrain),
+                      reduce_after=None)   # whole values: XLA places the collectives itself
     in_sh = [NamedSharding(jax_mesh, s) for s in in_specs]
     out_sh = [NamedSharding(jax_mesh, s) for s in out_specs]
     fn = jax.jit(body, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh))
