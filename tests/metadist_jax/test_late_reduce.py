@@ -63,9 +63,17 @@ def _whole_gradients(hlo: str, weights: set) -> list[tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("mesh", [(8,), (2, 4)], ids=lambda m: "x".join(map(str, m)))
-def test_a_reduce_before_a_transpose_runs_after_it(devices8, rule_cache, mesh):
+@pytest.mark.parametrize("mesh,features", [((8,), None), ((2, 4), None), ((2, 4), 12)],
+                         ids=["8", "2x4", "2x4-features12"])
+def test_a_reduce_before_a_transpose_runs_after_it(devices8, rule_cache, mesh, features):
+    """features=12: the first weight's gradient is (12, 256), whose dim 0 does not split 8 ways, so its
+    reduce-scatter and all-gather act on the dim the transpose moves the planned one to."""
     mlp, opt, params, opt_state, batch = mlp_case()
+    if features is not None:
+        sizes = (features,) + tuple(mlp.TEST_SIZES[1:])
+        params = mlp.init_params(jax.random.key(0), sizes)
+        opt_state = opt.init(params)
+        batch = mlp.make_batch(0, **{**mlp.TEST_BATCH, "features": features})
     step = metadist_compile(mlp.make_step(opt), mesh=mesh, cache_dir=rule_cache, strategy="ddp", autotune=False)
     step(params, opt_state, batch)
     args = step.lowered().operands((params, opt_state, batch), {})
@@ -75,7 +83,10 @@ def test_a_reduce_before_a_transpose_runs_after_it(devices8, rule_cache, mesh):
     graph = step.graph
     inc, _ = plan.edge_index()
     assert ids and all(inc[(t, 0)].collectives for t in ids), str(plan)   # the weight gradients' transposes
-    assert set(late_reduces(graph, plan, inc, moves_only)) == set(ids)
+    late = late_reduces(graph, plan, inc, step.problem.mesh, moves_only)
+    assert set(late) == set(ids)
+    if features is not None:   # some edge scatters, and on the first weight's gradient the dim moves
+        assert any(d != e for dims in late.values() for d, e in dims.items()), late
 
     prog = lower_plan(graph, plan, step.problem.mesh, step.jax_mesh)
     for got, w in zip(prog.fn(*args), want):
