@@ -117,9 +117,9 @@ def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
 
     for i in range(len(trials)):
         if i > 0 and spent():
-            log.warning("autotune: %d of %d programs left untimed: the autotune_seconds budget (%.0f s) was "
-                        "spent compiling the others (raise autotune_seconds to time them all)",
-                        len(trials) - i, len(trials), budget)
+            log.warning("autotune: %d of %d programs left untimed: autotune_seconds ran out (%.0f s of it were "
+                        "left for compiling and timing them once the other plans were solved and lowered; raise "
+                        "autotune_seconds to time them all)", len(trials) - i, len(trials), budget)
             ok[i:] = [False] * (len(trials) - i)
             break
         attempt(i)
