@@ -22,7 +22,7 @@ from metadist_core.microbatch import GradientCut, combine, micro_batch_size
 from metadist_core.placement import Mesh, Sharding
 
 from .engine import put
-from .lower import JaxCollectives, check_even, local_op_runner, output_shardings, partition_spec
+from .lower import JaxCollectives, check_even, local_op_runner, moves_only, output_shardings, partition_spec
 
 
 def batch_leaf_positions(args: tuple, kwargs: dict) -> tuple[list, Any, list[int]]:
@@ -102,7 +102,8 @@ def lower_micro_batches(graph: Any, context: Any, cut: GradientCut, plans: tuple
         for i in range(m):
             g_in = {v: None if v in cut.acc_of else env[v][i] if v in batch_ids else env[v]
                     for v in cut.grad_graph.inputs}
-            res = interpret(cut.grad_graph, plans[0], mesh, g_in, run_grad, JaxCollectives(mesh))
+            res = interpret(cut.grad_graph, plans[0], mesh, g_in, run_grad, JaxCollectives(mesh),
+                            reduce_after=moves_only)
             for s_in, x in res.state.items():
                 if s_in in cut.acc_of:
                     g = cut.acc_of[s_in]
@@ -113,7 +114,8 @@ def lower_micro_batches(graph: Any, context: Any, cut: GradientCut, plans: tuple
                 per_out[o].append(res.outputs[o])
         scale = 1.0 / m if cut.reduction == "mean" else 1.0
         u_in = {v: (sums[v] * scale if v in sums else env[v]) for v in cut.update_graph.inputs}
-        res_u = interpret(cut.update_graph, plans[1], mesh, u_in, run_update, JaxCollectives(mesh))
+        res_u = interpret(cut.update_graph, plans[1], mesh, u_in, run_update, JaxCollectives(mesh),
+                          reduce_after=moves_only)
         outs = []
         for o in out_ids:
             s_in = state_of.get(o)
