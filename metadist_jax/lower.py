@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -239,7 +239,8 @@ def moves_only(op: MetaOp) -> tuple[int, ...] | None:
 
 
 def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str], run_op: Any = None,
-               collectives: Collectives | None = None, reduce_after: Any = moves_only) -> Any:
+               collectives: Collectives | None = None,
+               reduce_after: Callable[[MetaOp], tuple[int, ...] | None] | None = moves_only) -> Any:
     """The per-device function: local graph inputs -> local outputs in ``output_ids`` order (``run_op`` and
     ``collectives``: another view of the same walk, :mod:`metadist_jax.gspmd`'s whole values;
     ``reduce_after``: :func:`metadist_core.interpret.interpret`'s)."""
@@ -323,5 +324,5 @@ class LoweredStep:
         return Trial(lambda: jax.block_until_ready(self.program.fn(*operands)), self, lowering)
 
 
-__all__ = ["moves_only", "JaxCollectives", "LoweredStep", "LoweringError", "Program", "apply_collective", "build_body",
-           "check_even", "local_op_runner", "lower_plan", "output_shardings", "partition_spec", "program_ends"]
+__all__ = ["JaxCollectives", "LoweredStep", "LoweringError", "Program", "apply_collective", "build_body",
+           "moves_only", "check_even", "local_op_runner", "lower_plan", "output_shardings", "partition_spec", "program_ends"]
