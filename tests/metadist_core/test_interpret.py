@@ -79,3 +79,67 @@ def test_mixed_partial_reduces_last_axis_first():
     vals = {(0, 0): np.array([1.0]), (0, 1): np.array([5.0]), (1, 0): np.array([4.0]), (1, 1): np.array([-1.0])}
     got = assemble(vals, Sharding([Partial("max"), Partial("sum")]), mesh)
     assert got.tolist() == [max(1 + 5, 4 - 1)]
+
+
+def _late_reduce_case(mesh_shape, n_rows, cols):
+    """y = x @ w split on the contraction (a Partial y), then transpose(y) read whole and tanh'd: the plan
+    reduces y before the transpose. Returns the graph, the plan and the inputs' full values."""
+    from metadist_core.reshard import reshard
+    from metadist_core.rules import Strategy
+    g = GraphBuilder("late_reduce")
+    x, w = g.input("x", (n_rows, 16)), g.input("w", (16, cols))
+    y = g.op("np.matmul", x, w)
+    t = g.op("np.transpose", y, perm=[1, 0])
+    g.output(g.op("np.tanh", t))
+    ir = g.ir
+    mesh = Mesh(mesh_shape)
+    plan = ShardingPlan.replicated(build_problem(ir, RuleBook(), mesh))
+    split = lambda d: Sharding([Shard(d)] * mesh.ndim)   # noqa: E731
+    part = Sharding([Partial("sum")] * mesh.ndim)
+    rep = Sharding.replicated(mesh.ndim)
+    mm = next(op for op in ir.ops if op.key == "np.matmul")
+    plan.strategies[mm.id] = Strategy((split(1), split(0)), (part,))
+    plan.input_shardings.update({"x": split(1), "w": split(0)})
+    for e in plan.edges:
+        if e.var in ("x", "w"):
+            e.src_sharding = e.dst_sharding = plan.input_shardings[e.var]
+        if e.var == y:
+            e.src_sharding, e.dst_sharding = part, rep
+            e.collectives = reshard(part, rep, (n_rows, cols), "float32", mesh)
+    rng = np.random.default_rng(5)
+    return ir, plan, mesh, {"x": rng.standard_normal((n_rows, 16)), "w": rng.standard_normal((16, cols))}
+
+
+@pytest.mark.parametrize("mesh_shape,n_rows,cols,dims", [((2,), 8, 6, {}), ((2, 2), 8, 6, {0: 1}),
+                                                          ((2, 2), 12, 6, {0: 1}), ((2, 2), 8, 8, {0: 0})],
+                         ids=["2", "2x2", "2x2-rows12", "2x2-square"])
+def test_a_transpose_runs_before_the_reduce_planned_ahead_of_it(mesh_shape, n_rows, cols, dims):
+    """With ``reduce_after`` the transpose runs on the Partial value and the same collectives (on a (2, 2)
+    mesh a reduce-scatter, an all-reduce and an all-gather) on its result: the same numbers, the same list
+    of collectives. On (2, 2) the planned dim 0 of y (8 or 12 rows) is dim 1 of the transposed (6, n) value:
+    6 does not split 4 ways, so the dims move with the permutation; a square y keeps the planned dim."""
+    from metadist_core.interpret import late_reduces
+    ir, plan, mesh, full = _late_reduce_case(mesh_shape, n_rows, cols)
+    inc, _ = plan.edge_index()
+    tr = next(op for op in ir.ops if op.key == "np.transpose")
+    y_edge = inc[(tr.id, 0)]
+    assert y_edge.collectives and y_edge.collectives[0].kind in ("all_reduce", "reduce_scatter")
+
+    def perm(op):
+        return tuple(op.attrs["perm"]) if op.key == "np.transpose" else None
+    late = late_reduces(ir, plan, inc, mesh, perm)
+    assert set(late) == {tr.id} and late[tr.id] == dims, late
+
+    def run_op(op, ins, out_sh):
+        r = {d: run_local(op, [v[d] for v in ins], [None]) for d in devices(mesh)}
+        return [r]
+    local = {v: distribute(full[v], plan.input_shardings[v], mesh) for v in ("x", "w")}
+    ref = run_graph(ir, full)[ir.outputs[0]]
+    planned = interpret(ir, plan, mesh, local, run_op, SimCollectives(mesh))
+    moved = interpret(ir, plan, mesh, local, run_op, SimCollectives(mesh), reduce_after=perm)
+    for res in (planned, moved):
+        (out,) = res.outputs.values()
+        for d in devices(mesh):
+            np.testing.assert_allclose(out[d], ref, rtol=1e-12)
+    assert [(v, c.kind, c.nbytes) for v, c in moved.collectives] == \
+        [(v, c.kind, c.nbytes) for v, c in planned.collectives]
