@@ -161,7 +161,7 @@ def build_gpt2(name: str = "gpt2-tiny-2l", batch: int = 8, seq: int = 128, layer
     grads: dict = {}
     gl = b.op("aten.ones_like.default", [loss], [((), "float32")])
     dlogp = b.op("aten.nll_loss_backward.default", [gl, logp, labels, tw], [((T, V), "float32")], {"reduction": 1})
-    dlogits = b.op("aten._log_softmax_backward_data.default", [dlogits_in := dlogp, logp], [((T, V), "float32")],
+    dlogits = b.op("aten._log_softmax_backward_data.default", [dlogp, logp], [((T, V), "float32")],
                    {"dim": 1})
     dxfv = b.mm(dlogits, wte)
     grads[wte] = b.mm(b.t(dlogits), xfv)
