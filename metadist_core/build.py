@@ -64,7 +64,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   bucket_bytes: int | None = None, bucket_copies: int = 0,
                   shard_bucket_bytes: int | None = None, phased: bool = True,
                   first_bucket_bytes: int | None = None, whole_inputs: bool = False,
-                  budget_gather_share: float = BUDGET_GATHER_SHARE, gathers_parameters: bool = False) -> ShardingProblem:
+                  gather_share: float | None = None) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them, or (flops, bytes, slowdown)
@@ -77,9 +77,9 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     ``bucket_bytes``: the lowering buckets gradient all_reduces up to this size (:meth:`ShardingProblem.price`),
     the first bucket of each (axis, reduce op, dtype) up to ``first_bucket_bytes`` (:func:`metadist_core.gathers.bucket_cap`).
     ``shard_bucket_bytes``: it gathers graph inputs in buckets up to this size (:mod:`metadist_core.gathers`);
-    the solver prices such a gather less a share of the latency its bucket-mates pay: :data:`GATHER_SHARE`
-    without a memory budget, ``budget_gather_share`` under one or where every plan gathers the parameters
-    (``gathers_parameters``: a preset that splits them, zero3) (:meth:`ShardingProblem.price`).
+    the solver prices such a gather less a share of the latency its bucket-mates pay: ``gather_share``, by
+    default :data:`GATHER_SHARE` without a memory budget and :data:`BUDGET_GATHER_SHARE` under one
+    (:meth:`ShardingProblem.price`).
     ``whole_inputs``: every process receives each user input whole (the torch frontend), so reading one in a
     layout other than the one it is stored in is a local slice: priced at nothing, run without a collective.
     """
@@ -101,8 +101,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
             if "comm_dtype" not in vars_[v]:
                 vars_[v]["gather_bucketed"] = True
                 vars_[v]["gather_priced"] = True   # and the solver prices them so (gathers_bucketed)
-                vars_[v]["gather_share"] = float(budget_gather_share) if memory_budget is not None or \
-                    gathers_parameters else GATHER_SHARE
+                vars_[v]["gather_share"] = float(gather_share) if gather_share is not None else \
+                    GATHER_SHARE if memory_budget is None else BUDGET_GATHER_SHARE
     if bucket_bytes:
         from .compression import gradient_chain
         for v in gradient_chain(graph):

@@ -143,9 +143,6 @@ def late_reduces(graph: MetaIR, plan: Any, incoming: Mapping, mesh: Mesh,
         for v in op.inputs:
             readers[v] = readers.get(v, 0) + 1
     ends = set(graph.outputs) | set(graph.aliases.values())
-    devices = 1
-    for n in mesh.shape:
-        devices *= n
     late = {}
     for op in graph.ops:
         if len(op.inputs) != 1 or len(op.outputs) != 1:
@@ -162,7 +159,7 @@ def late_reduces(graph: MetaIR, plan: Any, incoming: Mapping, mesh: Mesh,
                 and all(sh.is_fully_replicated() for sh in st.outputs):
             out_shape = tuple(graph.vars[op.outputs[0]].shape or ())
             used = {d for c in edge.collectives for d in c.dims}
-            if all(d < len(out_shape) and out_shape[d] % devices == 0 for d in used):
+            if all(d < len(out_shape) and out_shape[d] % mesh.size == 0 for d in used):
                 late[op.id] = {d: d for d in used}
             else:
                 late[op.id] = {d: list(perm).index(d) for d in used}

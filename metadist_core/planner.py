@@ -115,8 +115,11 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
         timings["op_times"] = time.perf_counter() - t
 
     plain_built: list = []   # the plain graph's problem: built once, for its solve and the recompute proposals
-    # under a budget, input gathers priced by their bucket share (FSDP-like plans), else whole (plan_under_budget)
-    gather_share = [BUDGET_GATHER_SHARE]
+    # under a budget, and for a preset whose every plan gathers the parameters (presets.gathers_parameters),
+    # input gathers priced by their bucket share (FSDP-like plans); else, or once plan_under_budget gives up on
+    # those, each gather nearly whole
+    gather_share = [BUDGET_GATHER_SHARE if s.memory_budget is not None or gathers_parameters(s.strategy)
+                    else GATHER_SHARE]
 
     def build(g: MetaIR) -> tuple[Any, Any, dict]:
         if g is graph and plain_built:   # a shallow copy: a proposal sets toggles on it, not on the original
@@ -129,8 +132,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                 bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
                                 shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None,
                                 first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
-                                phased=phased, whole_inputs=whole_inputs, budget_gather_share=gather_share[0],
-                                gathers_parameters=gathers_parameters(s.strategy))
+                                phased=phased, whole_inputs=whole_inputs, gather_share=gather_share[0])
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
             from .offload import apply_offload

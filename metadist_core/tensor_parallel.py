@@ -138,9 +138,10 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
         if n.kind != "op" or "scaled_dot_product" not in n.key or "backward" in n.key:
             continue
         # the q/k/v projections (behind the 4-D inputs) and the output projections, walked once
-        cols = [(v, j) for v in n.inputs[:3] if len(g.shape(v) or ()) == 4 for j in _back_to_matmuls(g, v)]
+        cols = [(v, _matmul_weight(g, j)) for v in n.inputs[:3] if len(g.shape(v) or ()) == 4
+                for j in _back_to_matmuls(g, v)]
         rows = [_matmul_weight(g, j) for j in _follow_any(g, n.outputs[0])]
-        mine = list(dict.fromkeys([r[1] for r in rows] + [_matmul_weight(g, j)[1] for _, j in cols]))
+        mine = list(dict.fromkeys([r[1] for r in rows] + [c[1] for _, c in cols]))
         if any(unsplit(w) for w in mine):   # a fused qkv weight named once
             pins.out.notes.append(f"attention {n.id}: {', '.join(var_name(g.prob, w) for w in mine if unsplit(w))} "
                                   f"pinned unsplit by the user; the attention is left to the solver")
@@ -148,9 +149,8 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
         for v in list(n.inputs[:3]) + list(n.outputs[:1]):
             if len(g.shape(v) or ()) == 4:
                 split(v, 1, "attention heads")
-        for v, j in cols:   # q/k/v projections: column-parallel (a fused qkv weight is left whole)
+        for v, (_, w, out_dim, _, bias) in cols:   # q/k/v projections: column-parallel (a fused qkv is left whole)
             shp = g.shape(v)
-            _, w, out_dim, _, bias = _matmul_weight(g, j)
             if g.shape(w)[out_dim] == shp[1] * shp[3]:
                 split(w, out_dim, "column-parallel weight")
                 if bias is not None:
