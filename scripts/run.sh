@@ -17,6 +17,19 @@ if [ ! -x .venv/bin/python ]; then
 fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# No wheel cache: the installed set is ~2.2 GB and a cache would hold a second
+# copy of every download; CI machines have run out of disk with it.
+export PIP_NO_CACHE_DIR=1
+need_mb=2600
+if [ ! -d .venv/lib ] || ! .venv/bin/python -c "import torch, jax, tvm" >/dev/null 2>&1; then
+    free_mb=$(df -Pm . | awk 'NR==2 {print $4}')
+    if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ]; then
+        echo "scripts/run.sh: only ${free_mb} MB free on $(df -P . | awk 'NR==2 {print $6}');" \
+             "installing torch, JAX, TVM and the test tools takes about ${need_mb} MB." \
+             "Free some disk (or point PIP's TMPDIR elsewhere) and run again." >&2
+        exit 1
+    fi
+fi
 pipq() {  # quiet pip that still fails loudly; hides this machine's notes about absent local indexes
     local log; log="$(mktemp)"
     if ! pip install -q "$@" >"$log" 2>&1; then
