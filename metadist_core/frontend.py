@@ -176,6 +176,12 @@ class Frontend(abc.ABC):
         fn = getattr(importlib.import_module(self.runner_module), "op_cost", None)
         return None if fn is None else fn(op, graph)
 
+    def fuses(self, op: "MetaOp") -> bool:
+        """Does this frontend's compiler fuse ``op`` into the elementwise loop of its neighbours? Where it
+        says so for the optimizer's update, that update is priced as one loop per parameter
+        (:mod:`metadist_core.fusion`). False by default: every op is priced as run by itself."""
+        return False
+
     def op_slowdowns(self, graph: "MetaIR", costs: "dict[str, tuple]", cache_file: str | None) -> dict[str, float]:
         """Per op id, how much slower than its roofline (``costs``: its ``(flops, bytes)``) the op runs on
         this process's device, measured; the cost model multiplies its roofline by it. Called on the

@@ -19,6 +19,7 @@ from .config import Settings, load_settings, resolve_first_bucket
 from .constraints import split_constraints
 from .discover import discover
 from .frontend import Frontend, Traced
+from .fusion import fused_bytes
 from .ir import RECOMPUTED_SUFFIX, MetaIR
 from .memprofile import HEADROOM, leanest_with_buffers
 from .placement import Mesh
@@ -46,12 +47,18 @@ class CompileResult:
 
 
 def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, float]]:
-    """``(flops, bytes)`` per op id, from the frontend that owns each op (missing: the core estimates)."""
+    """``(flops, bytes)`` per op id, from the frontend that owns each op (missing: the core estimates); the
+    optimizer update's ops at the bytes of their fused loop where the frontend's compiler fuses them
+    (:mod:`metadist_core.fusion`)."""
     out = {}
     for op in graph.ops:
         c = plugins.op_cost(op, graph)
         if c is not None:
             out[op.id] = tuple(c)
+    from .build import estimate_op_cost
+    for i, nbytes in fused_bytes(graph, plugins.fuses).items():
+        flops, _, *rest = out.get(i) or estimate_op_cost(graph.op(i), graph)
+        out[i] = (flops, nbytes, *rest)
     return out
 
 

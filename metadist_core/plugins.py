@@ -161,3 +161,8 @@ class PluginManager:
         """``(flops, bytes)`` of ``op`` from its frontend, or None (the core then estimates)."""
         fe = self.owner(op)
         return None if fe is None else fe.op_cost(op, graph)
+
+    def fuses(self, op: Any) -> bool:
+        """Does the compiler of ``op``'s frontend fuse it with its elementwise neighbours?"""
+        fe = self.owner(op)
+        return fe is not None and bool(fe.fuses(op))

@@ -95,8 +95,41 @@ def measure_axes(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> tuple[list[di
             rows.append(("all_reduce", n, per * 4, secs))
             samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": per * 4, "seconds": secs})
         a, b = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
-        axes.append({"alpha": a, "beta": b})
+        entry = {"alpha": a, "beta": b}
+        if n > 1:
+            entry["kinds"], more = _measure_gather_scatter(jax_mesh, name, axis, n, n_all, iters)
+            samples += more
+        axes.append(entry)
     return axes, samples
+
+
+def _measure_gather_scatter(jax_mesh, name: str, axis: int, n: int, n_all: int, iters: int) -> tuple[dict, list]:
+    """Alpha/beta of all_gather and reduce_scatter on axis ``name``, from chains of gather-then-scatter
+    pairs (``CHAIN`` pairs, less one), half of a pair each: XLA's CPU runtime combines independent psums but
+    runs every gather and scatter by itself, a rendezvous of all the devices each; on 8 virtual devices a
+    pair of 4 KB pieces took 331 us where the psums' fit priced each at 70 us (measured 2026-11-26)."""
+    from metadist_core.profile import fit_alpha_beta
+    spec = P(tuple(jax_mesh.axis_names))
+    rows, samples = [], []
+    for nbytes in LIVE_SIZES:
+        per = max(1, nbytes // 4 // n)   # the gathered buffer is ``nbytes`` a device
+        x = jax.device_put(np.ones((n_all * per,), np.float32), jax.sharding.NamedSharding(jax_mesh, spec))
+
+        def chain(k: int):
+            def body(v):
+                for _ in range(k):
+                    w = lax.all_gather(v, name, axis=0, tiled=True)
+                    v = lax.psum_scatter(w, name, scatter_dimension=0, tiled=True) * (1.0 / n)
+                return v
+            return jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        one = _median_seconds(jax.jit(chain(1)), x, iters)
+        many = _median_seconds(jax.jit(chain(CHAIN)), x, iters)
+        secs = max((many - one) / (CHAIN - 1) / 2, 1e-7)
+        for kind in ("all_gather", "reduce_scatter"):   # both priced on the whole (gathered) buffer
+            rows.append((kind, n, per * n * 4, secs))
+            samples.append({"level": f"axis{axis}", "kind": kind, "n": n, "nbytes": per * n * 4, "seconds": secs})
+    a, b = fit_alpha_beta(rows)
+    return {"all_gather": {"alpha": a, "beta": b}, "reduce_scatter": {"alpha": a, "beta": b}}, samples
 
 
 def measure_device_rates(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> dict:
@@ -137,12 +170,19 @@ def measure_live(jax_mesh: "jax.sharding.Mesh", mesh_shape: Sequence[int], cache
     from metadist_core.cost import DeviceSpec
     axes, samples = measure_axes(jax_mesh, iters)
     rates = measure_device_rates(jax_mesh, iters)
+    def gs(a: dict) -> tuple[float, float]:
+        k = a.get("kinds", {}).get("all_gather")
+        return (k["alpha"], k["beta"]) if k else (-1.0, -1.0)
     vec = np.array([rates["peak_flops"], rates["mem_bandwidth"], rates["op_overhead"]]
-                   + [v for a in axes for v in (a["alpha"], a["beta"])], dtype=np.float64)
+                   + [v for a in axes for v in (a["alpha"], a["beta"], *gs(a))], dtype=np.float64)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         vec = np.asarray(multihost_utils.broadcast_one_to_all(vec), dtype=np.float64)
-    axes = [{"alpha": float(vec[3 + 2 * i]), "beta": float(vec[4 + 2 * i])} for i in range(len(axes))]
+    axes = [{"alpha": float(vec[3 + 4 * i]), "beta": float(vec[4 + 4 * i])} for i in range(len(axes))]
+    for i, a in enumerate(axes):   # process 0's gather/scatter figures, where its axis had them
+        ka, kb = float(vec[5 + 4 * i]), float(vec[6 + 4 * i])
+        if ka >= 0:
+            a["kinds"] = {k: {"alpha": ka, "beta": kb} for k in ("all_gather", "reduce_scatter")}
     platform = jax.devices()[0].platform
     device = DeviceSpec(f"measured-jax-{platform}", float(vec[0]), float(vec[1]), op_overhead=float(vec[2]))
     if cached is not None:

@@ -21,6 +21,15 @@ if TYPE_CHECKING:  # pragma: no cover - types only
     from metadist_core.profile import MeshProfile
 
 
+#: jaxpr primitives XLA's loop fusion runs inside one loop (priced so in the optimizer update,
+#: :mod:`metadist_core.fusion`)
+XLA_LOOP_FUSED = frozenset({
+    "add", "sub", "mul", "div", "neg", "sqrt", "rsqrt", "integer_pow", "pow", "max", "min", "abs", "sign",
+    "square", "exp", "log", "log1p", "expm1", "tanh", "logistic", "select_n", "convert_element_type",
+    "broadcast_in_dim", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "clamp", "copy", "copy_p",
+})
+
+
 class JaxFrontend(Frontend):
     """JAX: pure steps ``(params, opt_state, batch) -> (loss, params, opt_state)`` on every JAX device."""
 
@@ -122,6 +131,11 @@ class JaxFrontend(Frontend):
         from .microbatch import lower_micro_batches
         return lower_micro_batches(traced.graph, traced.context, cut, plans, plans[2], mesh, self.jax_mesh(mesh),
                                    settings.micro_batches)
+
+    def fuses(self, op: Any) -> bool:
+        """XLA fuses elementwise primitives (and broadcasts and casts) into one loop."""
+        payload = getattr(op, "payload", None)
+        return getattr(payload, "name", None) in XLA_LOOP_FUSED
 
     def device_kind(self) -> str | None:
         import jax

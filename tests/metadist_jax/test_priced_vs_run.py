@@ -6,7 +6,7 @@
 * A JAX training step has one reader phase: XLA merges the interpreter's second
   move of a value, so the problem prices one.
 * The first compile with ``measure_links`` on measures the links per mesh axis
-  and the device, caches the profile, and the next compile reads it; a new mesh
+  (all_gather and reduce_scatter apart from the psums) and the device, caches the profile, and the next compile reads it; a new mesh
   shape is measured and added.
 * A metadist ``Mesh`` given as ``mesh=`` keeps link costs of its own; one with
   the built-in costs (a shape and axis names) takes the measured ones.
@@ -102,6 +102,12 @@ def test_profile_measured_cached_and_grown(devices8, tmp_path, monkeypatch):
     assert set(grown.axis_costs) == {"8", "2x4"}
     mesh = grown.mesh((2, 4))
     assert list(mesh.alpha) == [a["alpha"] for a in grown.axis_costs["2x4"]]
+    # gathers and scatters are timed apart from the psums, per axis, and price those kinds
+    for axis, a in enumerate(grown.axis_costs["2x4"]):
+        k = a["kinds"]
+        assert set(k) == {"all_gather", "reduce_scatter"} and k["all_gather"]["alpha"] > 0
+        assert mesh.link(axis, "all_gather") == (k["all_gather"]["alpha"], k["all_gather"]["beta"])
+        assert mesh.link(axis, "all_reduce") == (a["alpha"], a["beta"])
 
 
 def test_given_mesh_keeps_its_link_costs(devices8, rule_cache):

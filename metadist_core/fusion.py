@@ -1,0 +1,114 @@
+"""The optimizer's update as a compiler fuses it: one loop per parameter, its intermediates never in memory.
+
+An optimizer's update is a chain of elementwise ops per parameter (Adam: the new m and v, their bias
+corrections, the square root, the step, the new parameter; a dozen ops). Run op by op, as eager torch
+runs it, every intermediate is written to memory and read back. XLA (the JAX frontend) fuses the chain
+into one loop that reads the parameter, its gradient and its state once and writes the new ones once.
+Priced op by op, the data-parallel plan's replicated update on whole parameters read 72-146 % over the
+measured step on the benchmark MLP (benchmarks/results/jax_step.md), and the solver never chose it.
+
+:func:`update_regions` finds the update: the elementwise ops after the forward that read a parameter or
+optimizer state, the elementwise ops after them, and the elementwise producers that only they read.
+:func:`fused_bytes` gives each such op the bytes it moves inside its loop: the values it reads from
+outside the loop (each once per loop), and the values it writes that something outside reads or the
+step returns. The forward and backward stay priced op by op: what XLA fuses there depends on more than
+the op kinds, and op-by-op pricing of them was measured closer to the step than any fused pricing tried
+(README, "what issue 12 still lacks").
+
+The core knows no op kinds: the frontend whose compiler fuses says which of its ops are elementwise
+(:meth:`metadist_core.frontend.Frontend.fuses`).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .ir import MetaIR, MetaOp
+from .stages import forward_ops
+
+STATE_ROLES = ("parameter", "optimizer_state")
+
+
+def _readers(graph: MetaIR) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for op in graph.ops:
+        for v in op.inputs:
+            out.setdefault(v, []).append(op.id)
+    return out
+
+
+def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list[list[str]]:
+    """The optimizer update's fused loops: lists of op ids (graph order), one per connected chain."""
+    fwd = set(forward_ops(graph))
+    if len(fwd) == len(graph.ops):
+        return []   # inference: no update
+    readers = _readers(graph)
+    state = {v for v in graph.inputs if graph.vars[v].role in STATE_ROLES}
+    ok = {op.id for op in graph.ops if op.id not in fwd and elementwise(op)}
+    region = {i for i in ok if any(v in state for v in graph.op(i).inputs)}
+    todo = list(region)
+    while todo:   # what the update computes from them
+        for v in graph.op(todo.pop()).outputs:
+            for r in readers.get(v, ()):
+                if r in ok and r not in region:
+                    region.add(r)
+                    todo.append(r)
+    grew = True
+    while grew:   # producers that only the update reads (Adam's (1 - b1) * g): in the same loop
+        grew = False
+        for i in list(region):
+            for v in graph.op(i).inputs:
+                p = graph.vars[v].producer
+                if p is None or p in region or p not in ok:
+                    continue
+                if v in graph.outputs:
+                    continue
+                outs = graph.op(p).outputs
+                if all(r in region for o in outs for r in readers.get(o, ())) and not any(o in graph.outputs for o in outs):
+                    region.add(p)
+                    grew = True
+    # connected chains: ops joined by a value of more than one element that one writes and another reads
+    parent = {i: i for i in region}
+
+    def find(i: str) -> str:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+    for i in region:
+        for v in graph.op(i).outputs:
+            if graph.vars[v].numel > 1:
+                for r in readers.get(v, ()):
+                    if r in region:
+                        parent[find(r)] = find(i)
+    groups: dict[str, list[str]] = {}
+    for op in graph.ops:
+        if op.id in region:
+            groups.setdefault(find(op.id), []).append(op.id)
+    return list(groups.values())
+
+
+def fused_bytes(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> dict[str, float]:
+    """Op id -> the bytes it moves inside its fused update loop (only the update's ops are keys)."""
+    readers = _readers(graph)
+    outputs = set(graph.outputs)
+    out: dict[str, float] = {}
+    for loop in update_regions(graph, elementwise):
+        inside = set(loop)
+        seen: set[str] = set()
+        for i in loop:
+            op = graph.op(i)
+            b = 0.0
+            for v in op.inputs:
+                mv = graph.vars[v]
+                if mv.is_tensor and mv.producer not in inside and v not in seen:
+                    seen.add(v)   # read once per loop however many of its ops read it
+                    b += mv.nbytes
+            for v in op.outputs:
+                mv = graph.vars[v]
+                if mv.is_tensor and (v in outputs or any(r not in inside for r in readers.get(v, ()))):
+                    b += mv.nbytes
+            out[i] = b
+    return out
+
+
+__all__ = ["fused_bytes", "update_regions"]
