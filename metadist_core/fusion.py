@@ -38,12 +38,15 @@ def _readers(graph: MetaIR) -> dict[str, list[str]]:
 
 def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list[list[str]]:
     """The optimizer update's fused loops: lists of op ids (graph order), one per connected chain."""
+    fusable = {op.id for op in graph.ops if elementwise(op)}
+    if not fusable:
+        return []   # a frontend whose ops run one by one
     fwd = set(forward_ops(graph))
     if len(fwd) == len(graph.ops):
         return []   # inference: no update
     readers = _readers(graph)
     state = {v for v in graph.inputs if graph.vars[v].role in STATE_ROLES}
-    ok = {op.id for op in graph.ops if op.id not in fwd and elementwise(op)}
+    ok = fusable - fwd
     region = {i for i in ok if any(v in state for v in graph.op(i).inputs)}
     todo = list(region)
     while todo:   # what the update computes from them
