@@ -8,7 +8,9 @@ Priced op by op, the data-parallel plan's replicated update on whole parameters 
 measured step on the benchmark MLP (benchmarks/results/jax_step.md), and the solver never chose it.
 
 :func:`update_regions` finds the update: the elementwise ops after the forward that read a parameter or
-optimizer state, the elementwise ops after them, and the elementwise producers that only they read.
+optimizer state, the elementwise ops after them, and the elementwise producers that only they read; each
+writing values of a parameter's or state's shape (or scalars), so that no activation-sized op of the
+backward is taken in.
 :func:`fused_bytes` gives each such op the bytes it moves inside its loop: the values it reads from
 outside the loop (each once per loop), and the values it writes that something outside reads or the
 step returns. The forward and backward stay priced op by op: what XLA fuses there depends on more than
@@ -46,7 +48,11 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
         return []   # inference: no update
     readers = _readers(graph)
     state = {v for v in graph.inputs if graph.vars[v].role in STATE_ROLES}
-    ok = fusable - fwd
+    shapes = {graph.vars[v].shape for v in state}
+
+    def update_shaped(i: str) -> bool:   # the update works on its state's shapes (and scalars)
+        return all(graph.vars[v].numel <= 1 or graph.vars[v].shape in shapes for v in graph.op(i).outputs)
+    ok = {i for i in fusable - fwd if update_shaped(i)}
     region = {i for i in ok if any(v in state for v in graph.op(i).inputs)}
     todo = list(region)
     while todo:   # what the update computes from them

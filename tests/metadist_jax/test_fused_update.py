@@ -52,3 +52,24 @@ def test_the_planner_prices_the_update_at_its_fused_bytes_and_the_rest_op_by_op(
     for op in g.ops:
         own = float(sum(g.vars[v].nbytes for v in op.inputs + op.outputs))
         assert costs[op.id][1] == (fb[op.id] if op.id in fb else own), op.id
+
+
+@pytest.mark.parametrize("name,make,passes", [
+    ("sgd", lambda: optax.sgd(0.1), 3),                          # p, g in; p out
+    ("sgd momentum", lambda: optax.sgd(0.1, momentum=0.9), 5),   # p, g, trace in; p, trace out
+    ("adamw", lambda: optax.adamw(1e-3, weight_decay=0.01), 7),
+])
+def test_other_optimizers_fuse_to_their_passes(name, make, passes):
+    from _jax_models import load_example
+    mlp = load_example("mlp")
+    opt = make()
+    params = mlp.init_params(jax.random.key(0), mlp.TEST_SIZES)
+    fe = JaxFrontend()
+    g = fe.trace(mlp.make_step(opt), (params, opt.init(params), mlp.make_batch(0, **mlp.TEST_BATCH)), {}).graph
+    regions = update_regions(g, fe.fuses)
+    fb = fused_bytes(g, fe.fuses)
+    for p in (v for v in g.inputs if g.vars[v].role == "parameter"):
+        loop = [r for r in regions if any(p in g.op(i).inputs for i in r)]
+        assert len(loop) == 1, (name, p)
+        fused = sum(fb[i] for i in loop[0])
+        assert passes * g.vars[p].nbytes <= fused <= passes * g.vars[p].nbytes + 64, (name, p, fused)
