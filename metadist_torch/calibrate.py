@@ -285,54 +285,62 @@ def refresh_cached_profile() -> MeshProfile:
 KIND_SIZES = (1 << 12, 1 << 18, 1 << 22)
 
 
-def _measure_kinds(group, n: int, dev, work, base: float, iters: int, sync, beta: float) -> tuple[dict, list]:
-    """Alpha/beta of the all_gather, reduce_scatter and all_to_all the lowering runs, each timed between
-    compute as the all_reduces are and fitted on its own ring factors, and the time of a one-element
-    all_reduce (``all_reduce_tiny``: gloo runs an all_reduce of fewer elements than ranks in far fewer steps
-    than a ring: 4 ranks of 2 cores, between matmuls, 3.1 ms for 4 bytes, 6.3 ms for 16 bytes). The same
-    figures on every rank (the slowest rank's)."""
+def _measure_kinds(axes: Sequence[tuple], dev, work, base: float, iters: int, sync) -> list[tuple[dict, list]]:
+    """Per axis ``(group, n, beta)``: alpha/beta of the all_gather, reduce_scatter and all_to_all the lowering
+    runs, each timed between compute as the all_reduces are and fitted on its own ring factors, and the time of
+    a one-element all_reduce (``all_reduce_tiny``: gloo runs an all_reduce of fewer elements than ranks in far
+    fewer steps than a ring: 4 ranks of 2 cores, between matmuls, 3.1 ms for 4 bytes, 6.3 ms for 16 bytes).
+    Size by size, every axis in turn (as the all_reduces are). The same figures on every rank (the slowest
+    rank's). Returns ``(kinds, samples)`` per axis."""
     import torch
     import torch.distributed as dist
     from metadist_core.profile import collective_factors, fit_alpha_beta
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # the newer names first
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    rows: dict[str, list] = {"all_gather": [], "reduce_scatter": [], "all_to_all": []}
+    rows: list[dict[str, list | None]] = [{"all_gather": [], "reduce_scatter": [], "all_to_all": []} for _ in axes]
     for nbytes in KIND_SIZES:
-        numel = max(n, nbytes // 4 // n * n)
-        x = torch.ones(numel, dtype=torch.float32, device=dev)
-        gathered = torch.empty(numel * n, dtype=torch.float32, device=dev)
-        piece = torch.empty(numel // n, dtype=torch.float32, device=dev)
-        out = torch.empty_like(x)
-        calls = {"all_gather": (lambda: gather(gathered, x, group=group), numel * 4 * n),
-                 "reduce_scatter": (lambda: scatter(piece, x, group=group), numel * 4),
-                 "all_to_all": (lambda: dist.all_to_all_single(out, x, group=group), numel * 4)}
-        for kind, (fn, size) in calls.items():
-            try:
-                fn()
-            except (RuntimeError, NotImplementedError, ValueError) as e:   # a backend without it: not priced apart
-                log.debug("calibrate: %s on this backend: %s", kind, e)
-                rows[kind] = None
-                continue
-            if rows[kind] is None:
-                continue
-            both = _time(lambda: (work(), fn()), iters, sync)
-            rows[kind].append((kind, n, size, max(both - base, 1e-7)))
+        for ax, (group, n, _) in enumerate(axes):
+            numel = max(n, nbytes // 4 // n * n)
+            x = torch.ones(numel, dtype=torch.float32, device=dev)
+            gathered = torch.empty(numel * n, dtype=torch.float32, device=dev)
+            piece = torch.empty(numel // n, dtype=torch.float32, device=dev)
+            out = torch.empty_like(x)
+            calls = {"all_gather": (lambda: gather(gathered, x, group=group), numel * 4 * n),
+                     "reduce_scatter": (lambda: scatter(piece, x, group=group), numel * 4),
+                     "all_to_all": (lambda: dist.all_to_all_single(out, x, group=group), numel * 4)}
+            for kind, (fn, size) in calls.items():
+                if rows[ax][kind] is None:
+                    continue
+                try:
+                    fn()
+                except (RuntimeError, NotImplementedError, ValueError) as e:   # a backend without it: not priced apart
+                    log.debug("calibrate: %s on this backend: %s", kind, e)
+                    rows[ax][kind] = None
+                    continue
+                both = _time(lambda: (work(), fn()), iters, sync)
+                rows[ax][kind].append((kind, n, size, max(both - base, 1e-7)))
     one = torch.ones(1, dtype=torch.float32, device=dev)
-    tiny = max(_time(lambda: (work(), dist.all_reduce(one, group=group)), iters, sync) - base, 1e-7)
-    flat = [r for rs in rows.values() if rs for r in rs] + [("all_reduce_tiny", n, 4, tiny)]
-    t = torch.tensor([r[3] for r in flat], dtype=torch.float64, device=dev)
+    tiny = [max(_time(lambda: (work(), dist.all_reduce(one, group=group)), iters, sync) - base, 1e-7)
+            for group, _, _ in axes]
+    flat = [[r for rs in rows[ax].values() if rs for r in rs] + [("all_reduce_tiny", n, 4, tiny[ax])]
+            for ax, (_, n, _) in enumerate(axes)]
+    t = torch.tensor([r[3] for f in flat for r in f], dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)   # every rank prices alike: the slowest rank's timings
-    flat = [(k, nn, b, float(v)) for (k, nn, b, _), v in zip(flat, t.tolist())]
-    kinds = {}
-    for kind in rows:
-        mine = [r for r in flat if r[0] == kind]
-        if mine:
-            a, b = fit_alpha_beta(mine)
-            kinds[kind] = {"alpha": a, "beta": b}
-    steps = collective_factors("all_reduce", n)[0]
-    kinds["all_reduce_tiny"] = {"alpha": flat[-1][3] / steps, "beta": beta}
-    return kinds, [{"kind": k, "n": nn, "nbytes": b, "seconds": v} for k, nn, b, v in flat]
+    it = iter(t.tolist())
+    out_axes = []
+    for ax, (_, n, beta) in enumerate(axes):
+        mine_all = [(k, nn, b, float(next(it))) for k, nn, b, _ in flat[ax]]
+        kinds = {}
+        for kind in rows[ax]:
+            mine = [r for r in mine_all if r[0] == kind]
+            if mine:
+                a, b = fit_alpha_beta(mine)
+                kinds[kind] = {"alpha": a, "beta": b}
+        steps = collective_factors("all_reduce", n)[0]
+        kinds["all_reduce_tiny"] = {"alpha": mine_all[-1][3] / steps, "beta": beta}
+        out_axes.append((kinds, [{"kind": k, "n": nn, "nbytes": b, "seconds": v} for k, nn, b, v in mine_all]))
+    return out_axes
 
 
 #: float32 elements of the all_reduce whose overlap with compute is timed (4 MiB: a gradient bucket's size)
@@ -396,29 +404,36 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     axes, samples = [], []
     a = torch.randn(192, 192, device=dev)
     work = (lambda: [a @ a for _ in range(8)])      # the compute a collective sits between in a step
-    for axis, group in enumerate(groups):
-        n = mesh.shape[axis]
-        rows = []
+    for group in groups:
         for _ in range(3):   # the first collectives of a group set its connections up: not timed
             dist.all_reduce(torch.ones(1, device=dev), group=group)
-        base = _time(work, iters, sync)
-        for nbytes in LIVE_SIZES:
-            x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+    base = _time(work, iters, sync)
+    rows: list[list] = [[] for _ in groups]
+    # size by size, every axis in turn: a slow spell of the shared machine falls on all the axes alike (axis
+    # by axis, the two axes of a (2, 2) mesh of 4 gloo ranks on 2 cores read latencies 0.54 and 1.39 ms in one
+    # calibration and 1.55 and 1.11 in the next)
+    for nbytes in LIVE_SIZES:
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+        for axis, group in enumerate(groups):
+            n = mesh.shape[axis]
             # timed between compute, as in a step: the ranks arrive at the collective as unevenly as they
             # do there (ranks sharing cores are scheduled in turn), which a loop of bare collectives hides
             both = _time(lambda: (work(), dist.all_reduce(x, group=group)), iters, sync)
             t = torch.tensor([max(both - base, 1e-7)], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            rows.append(("all_reduce", n, x.numel() * 4, float(t.item())))
+            rows[axis].append(("all_reduce", n, x.numel() * 4, float(t.item())))
             samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": x.numel() * 4,
                             "seconds": float(t.item())})
-        fa, fb = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
-        entry = {"alpha": fa, "beta": fb}
-        if n > 1:
-            kinds, more = _measure_kinds(group, n, dev, work, base, iters, sync, beta=fb)
-            entry["kinds"] = kinds
-            samples += [{"level": f"axis{axis}", **m} for m in more]
-        axes.append(entry)
+    for axis in range(len(groups)):
+        n = mesh.shape[axis]
+        fa, fb = fit_alpha_beta(rows[axis]) if n > 1 else (0.0, 0.0)
+        axes.append({"alpha": fa, "beta": fb})
+    wide_axes = [ax for ax in range(len(groups)) if mesh.shape[ax] > 1]
+    measured = _measure_kinds([(groups[ax], mesh.shape[ax], axes[ax]["beta"]) for ax in wide_axes], dev, work,
+                              base, iters, sync) if wide_axes else []
+    for ax, (kinds, more) in zip(wide_axes, measured):
+        axes[ax]["kinds"] = kinds
+        samples += [{"level": f"axis{ax}", **m} for m in more]
     # how much of an asynchronous collective the compute beside it hides, on the widest axis
     wide = max(range(len(groups)), key=lambda ax: mesh.shape[ax], default=None)
     hidden = 1.0

@@ -18,8 +18,8 @@ def _worker(rank: int, init: str, out: str) -> None:
         def work():
             return [a @ a for _ in range(2)]
         base = _time(work, 3, lambda: None)
-        kinds, samples = _measure_kinds(dist.group.WORLD, 2, torch.device("cpu"), work, base, 3, lambda: None,
-                                        beta=1e-9)
+        (kinds, samples), = _measure_kinds([(dist.group.WORLD, 2, 1e-9)], torch.device("cpu"), work, base, 3,
+                                           lambda: None)
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"kinds": kinds, "samples": samples}, f)
     finally:
@@ -70,3 +70,32 @@ def test_the_share_of_the_device_is_ranks_per_core_where_ranks_outnumber_cores(t
     got = [json.load(open(f"{out}.{r}")) for r in range(world)]
     assert len(set(got)) == 1, got   # the slowest rank's figure, everywhere
     assert 0.7 * expected <= got[0] <= 1.4 * expected, (got[0], expected, cores)
+
+
+def _live_worker(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        from metadist_torch.calibrate import measure_live
+        from metadist_torch.engine import engine_for
+        eng = engine_for((2,))
+        prof = measure_live(eng, eng.mesh, None, iters=2)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(prof.axis_costs, f)
+        dist.barrier()   # neither rank tears its group down while the other still uses it
+    finally:
+        dist.destroy_process_group()
+
+
+def test_live_profile_measures_every_axis_and_its_kinds_alike_on_every_rank(tmp_path):
+    """measure_live on 2 gloo processes: the axis's all_reduce fit and its gather/scatter/all_to_all figures,
+    the same on both ranks (timed size by size, axis by axis in turn)."""
+    import torch.multiprocessing as mp
+    out = str(tmp_path / "live")
+    mp.spawn(_live_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
+    got = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    assert got[0] == got[1]
+    (axis,) = got[0]["2"]
+    assert axis["alpha"] > 0 and axis["beta"] > 0
+    assert {"all_gather", "reduce_scatter", "all_to_all", "all_reduce_tiny"} <= set(axis["kinds"])
