@@ -73,19 +73,21 @@ def test_the_share_of_the_device_is_ranks_per_core_where_ranks_outnumber_cores(t
 
 
 def _live_worker(rank: int, init: str, out: str) -> None:
+    import os
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    try:
-        from metadist_torch.calibrate import measure_live
-        from metadist_torch.engine import engine_for
-        eng = engine_for((2,))
-        prof = measure_live(eng, eng.mesh, None, iters=2)
-        with open(f"{out}.{rank}", "w") as f:
-            json.dump(prof.axis_costs, f)
-        dist.barrier()   # neither rank tears its group down while the other still uses it
-    finally:
-        dist.destroy_process_group()
+    from metadist_torch.calibrate import measure_live
+    from metadist_torch.engine import engine_for
+    eng = engine_for((2,))
+    prof = measure_live(eng, eng.mesh, None, iters=2)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(prof.axis_costs, f)
+    dist.barrier()
+    # out without tearing the groups down: now and then gloo's teardown of a process that ran functional
+    # collectives aborts ("terminate called without an active exception", 2 in about 15 runs here) after
+    # all the work is done; what is tested is what was written
+    os._exit(0)
 
 
 def test_live_profile_measures_every_axis_and_its_kinds_alike_on_every_rank(tmp_path):
