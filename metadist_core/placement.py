@@ -288,7 +288,7 @@ class Mesh:
             raise ValueError(f"cannot read a mesh shape from {text!r}; write it like 8 or 2x4") from None
 
 
-LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "all_reduce_tiny")
+LINK_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce", "all_reduce_tiny", "local_copy")
 
 
 def _links(value: Sequence[Any] | None, n: int) -> tuple:

@@ -39,6 +39,26 @@ def link_costs(links: tuple, axis: int, kind: str, alpha: float, beta: float, nu
     return alpha, beta
 
 
+#: the ``Mesh.links`` kind that prices a local copy, seconds per byte copied (read and write): a gather or
+#: scatter of a dim behind another of more than one element runs beside a copy of its whole buffer (XLA's CPU
+#: runtime lays the buffer out with that dim outermost and transposes; the torch lowering concatenates the
+#: gathered pieces, or packs the chunks to scatter). Priced only where a profile measured it.
+LOCAL_COPY = "local_copy"
+
+
+def _copy_beta(links: tuple, axis: int) -> float:
+    if links and links[axis]:
+        for k, _, b in links[axis]:
+            if k == LOCAL_COPY:
+                return b
+    return 0.0
+
+
+def _inner(shape_: tuple, d: int) -> bool:
+    """Is dim ``d`` of a buffer of ``shape_`` behind a dim of more than one element (not contiguous pieces)?"""
+    return math.prod(shape_[:d]) > 1
+
+
 def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=()):
     """Every legal one-axis step out of ``state``: (next_state, kind, axis, dims, reduce, nbytes, cost)."""
     local = largest_local_shape(shape, state, mesh_shape)
@@ -49,6 +69,7 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=())
         if n == 1:
             continue
         a, b = alphas[axis], betas[axis]
+        copy = _copy_beta(links, axis)
         if links and links[axis]:
             def ab(kind, numel=None):
                 return link_costs(links, axis, kind, a, b, numel, n)
@@ -68,7 +89,8 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=())
             for d in range(ndim):
                 if can_split(d):
                     yield (nxt(Shard(d)), "reduce_scatter", axis, (d,), p.reduce, local_bytes,
-                           reduce_scatter_cost(local_bytes, n, *ab("reduce_scatter")))
+                           reduce_scatter_cost(local_bytes, n, *ab("reduce_scatter"))
+                           + (copy * local_bytes if _inner(local, d) else 0.0))
         elif isinstance(p, Replicate):
             for d in range(ndim):
                 if can_split(d):
@@ -80,8 +102,10 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=())
             if _inner_splits(state, axis, d):
                 continue
             gathered = nxt(Replicate())
-            g_bytes = math.prod(largest_local_shape(shape, gathered, mesh_shape)) * isz
-            yield gathered, "all_gather", axis, (d,), None, g_bytes, all_gather_cost(g_bytes, n, *ab("all_gather"))
+            g_local = largest_local_shape(shape, gathered, mesh_shape)
+            g_bytes = math.prod(g_local) * isz
+            yield (gathered, "all_gather", axis, (d,), None, g_bytes, all_gather_cost(g_bytes, n, *ab("all_gather"))
+                   + (copy * g_bytes if _inner(g_local, d) else 0.0))
             for e in range(ndim):
                 if e != d and not _inner_splits(state, axis, e):
                     cand = nxt(Shard(e))

@@ -185,6 +185,9 @@ def measure_live(jax_mesh: "jax.sharding.Mesh", mesh_shape: Sequence[int], cache
             a["kinds"] = {k: {"alpha": ka, "beta": kb} for k in ("all_gather", "reduce_scatter")}
     platform = jax.devices()[0].platform
     device = DeviceSpec(f"measured-jax-{platform}", float(vec[0]), float(vec[1]), op_overhead=float(vec[2]))
+    for a in axes:   # a gather/scatter of an inner dim copies its buffer (metadist_core.reshard.LOCAL_COPY)
+        if "kinds" in a:
+            a["kinds"]["local_copy"] = {"alpha": 0.0, "beta": 2.0 / max(device.mem_bandwidth, 1.0)}
     if cached is not None:
         prof = MeshProfile.from_json(cached.to_json())
     else:

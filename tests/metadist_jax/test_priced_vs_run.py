@@ -6,7 +6,8 @@
 * A JAX training step has one reader phase: XLA merges the interpreter's second
   move of a value, so the problem prices one.
 * The first compile with ``measure_links`` on measures the links per mesh axis
-  (all_gather and reduce_scatter apart from the psums) and the device, caches the profile, and the next compile reads it; a new mesh
+  (all_gather and reduce_scatter apart from the psums, and the local copy beside a gather or scatter of an
+  inner dim) and the device, caches the profile, and the next compile reads it; a new mesh
   shape is measured and added.
 * A metadist ``Mesh`` given as ``mesh=`` keeps link costs of its own; one with
   the built-in costs (a shape and axis names) takes the measured ones.
@@ -105,7 +106,9 @@ def test_profile_measured_cached_and_grown(devices8, tmp_path, monkeypatch):
     # gathers and scatters are timed apart from the psums, per axis, and price those kinds
     for axis, a in enumerate(grown.axis_costs["2x4"]):
         k = a["kinds"]
-        assert set(k) == {"all_gather", "reduce_scatter"} and k["all_gather"]["alpha"] > 0
+        assert set(k) == {"all_gather", "reduce_scatter", "local_copy"} and k["all_gather"]["alpha"] > 0
+        # a gather/scatter of an inner dim copies its buffer: a read and a write at the device's memory rate
+        assert k["local_copy"] == {"alpha": 0.0, "beta": pytest.approx(2.0 / grown.device.mem_bandwidth)}
         assert mesh.link(axis, "all_gather") == (k["all_gather"]["alpha"], k["all_gather"]["beta"])
         assert mesh.link(axis, "all_reduce") == (a["alpha"], a["beta"])
 
