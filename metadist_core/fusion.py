@@ -25,17 +25,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .ir import MetaIR, MetaOp
+from .microbatch import UPDATE_ROLES
 from .stages import forward_ops
-
-STATE_ROLES = ("parameter", "optimizer_state")
-
-
-def _readers(graph: MetaIR) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
-    for op in graph.ops:
-        for v in op.inputs:
-            out.setdefault(v, []).append(op.id)
-    return out
 
 
 def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list[list[str]]:
@@ -46,8 +37,8 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
     fwd = set(forward_ops(graph))
     if len(fwd) == len(graph.ops):
         return []   # inference: no update
-    readers = _readers(graph)
-    state = {v for v in graph.inputs if graph.vars[v].role in STATE_ROLES}
+    state = {v for v in graph.inputs if graph.vars[v].role in UPDATE_ROLES}
+    outputs = set(graph.outputs)
     shapes = {graph.vars[v].shape for v in state}
 
     def update_shaped(i: str) -> bool:   # the update works on its state's shapes (and scalars)
@@ -57,7 +48,7 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
     todo = list(region)
     while todo:   # what the update computes from them
         for v in graph.op(todo.pop()).outputs:
-            for r in readers.get(v, ()):
+            for r in graph.vars[v].consumers:
                 if r in ok and r not in region:
                     region.add(r)
                     todo.append(r)
@@ -69,10 +60,8 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
                 p = graph.vars[v].producer
                 if p is None or p in region or p not in ok:
                     continue
-                if v in graph.outputs:
-                    continue
                 outs = graph.op(p).outputs
-                if all(r in region for o in outs for r in readers.get(o, ())) and not any(o in graph.outputs for o in outs):
+                if all(r in region for o in outs for r in graph.vars[o].consumers) and not outputs.intersection(outs):
                     region.add(p)
                     grew = True
     # connected chains: ops joined by a value of more than one element that one writes and another reads
@@ -86,7 +75,7 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
     for i in region:
         for v in graph.op(i).outputs:
             if graph.vars[v].numel > 1:
-                for r in readers.get(v, ()):
+                for r in graph.vars[v].consumers:
                     if r in region:
                         parent[find(r)] = find(i)
     groups: dict[str, list[str]] = {}
@@ -98,7 +87,6 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
 
 def fused_bytes(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> dict[str, float]:
     """Op id -> the bytes it moves inside its fused update loop (only the update's ops are keys)."""
-    readers = _readers(graph)
     outputs = set(graph.outputs)
     out: dict[str, float] = {}
     for loop in update_regions(graph, elementwise):
@@ -114,7 +102,7 @@ def fused_bytes(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> dict[st
                     b += mv.nbytes
             for v in op.outputs:
                 mv = graph.vars[v]
-                if mv.is_tensor and (v in outputs or any(r not in inside for r in readers.get(v, ()))):
+                if mv.is_tensor and (v in outputs or any(r not in inside for r in mv.consumers)):
                     b += mv.nbytes
             out[i] = b
     return out
