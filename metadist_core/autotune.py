@@ -8,9 +8,10 @@ the presets of :data:`PRESETS` on the same problem, asks the frontend for a
 :class:`Trial` of every distinct plan (lowered, run on the step's own
 arguments, nothing kept; a frontend with several lowerings gives one trial
 for each: JAX runs a plan as a manual shard_map or, two ways, through GSPMD), times them
-in interleaved rounds and keeps the fastest. The solver's plan in the
-frontend's first lowering stays unless another is faster by more than
-:data:`MARGIN` (the rounds' noise on shared cores).
+in interleaved rounds, times the near-ties again among themselves
+(:data:`REFINE_WITHIN`, :data:`REFINE_ROUNDS`) and keeps the fastest. The
+solver's plan in the frontend's first lowering stays unless another is faster
+by more than :data:`MARGIN` (the rounds' noise on shared cores).
 
 Only frontends that can run a plan on the planning process alone take part
 (:meth:`~metadist_core.frontend.Frontend.trial`): JAX in one process. The
@@ -39,6 +40,12 @@ MARGIN = 0.05
 ROUNDS = 10
 #: rounds run however long they take (past them, a spent ``autotune_seconds`` stops the timing)
 MIN_ROUNDS = 3
+#: after the rounds, the trials whose median is within this of the fastest's are timed again, alone together
+#: (on the JAX transformer on 8 CPU devices four of twelve programs came within 2.5 % of each other in 10 rounds,
+#: and the one kept ran 5 % slower than another of them in the benchmark's 24 rounds right after)
+REFINE_WITHIN = 0.08
+#: the rounds those near-ties get on top (their medians are then taken over all their rounds)
+REFINE_ROUNDS = 10
 
 
 @dataclass
@@ -60,6 +67,7 @@ class Candidate:
     result: Any                      # the CompileResult of its solve
     trial: Trial | None = None
     seconds: float | None = None
+    runs: int = 0                    # its timed runs (near-ties get more: REFINE_ROUNDS)
 
     @property
     def label(self) -> str:
@@ -91,14 +99,22 @@ def skip_reason(settings: Any, plan: Any, user_constraints: Sequence[Any]) -> st
 
 
 def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
-                clock: Callable[[], float] = time.perf_counter, budget: float | None = None) -> list[float | None]:
+                clock: Callable[[], float] | None = None, budget: float | None = None,
+                refine_rounds: int = 0, refine_within: float = REFINE_WITHIN,
+                counts: list[int] | None = None) -> list[float | None]:
     """Median seconds of one step of each trial: one untimed run each (compiles, warms), then ``rounds``
     rounds that run every trial once, forwards and backwards in turn so none always goes first. A trial that
     raises is left out from then on (None): a lowering the engine refuses is not the user's error.
 
+    ``refine_rounds``: then the trials whose median is within ``refine_within`` (relative) of the fastest's,
+    where there are two or more, run that many rounds more among themselves, and their medians are taken over
+    all their rounds: a choice between near-ties rests on twice the timings, the slower trials cost no more.
+    ``counts``, where given, receives how many timed runs each trial had.
+
     ``budget`` (seconds, from this call): once spent, trials not yet warmed up are left out (the first
     always runs: it is the solver's plan) and no round starts past :data:`MIN_ROUNDS`, so that a model
     whose programs take long to compile is not held up by a dozen of them."""
+    clock = clock or time.perf_counter
     ok = [True] * len(trials)
     start = clock()
 
@@ -124,18 +140,34 @@ def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
             break
         attempt(i)
     times: list[list[float]] = [[] for _ in trials]
-    for r in range(rounds):
-        if r >= MIN_ROUNDS and spent():
-            log.info("autotune: timing stopped after %d of %d rounds (autotune_seconds spent)", r, rounds)
-            break
-        order = range(len(trials)) if r % 2 == 0 else range(len(trials) - 1, -1, -1)
-        for i in order:
-            if not ok[i]:
-                continue
-            t0 = clock()
-            if attempt(i):
-                times[i].append(clock() - t0)
-    return [statistics.median(x) if ok[i] and x else None for i, x in enumerate(times)]
+
+    def run_rounds(which: list[int], n: int) -> None:
+        for r in range(n):
+            if r >= MIN_ROUNDS and spent():
+                log.info("autotune: timing stopped after %d of %d rounds (autotune_seconds spent)", r, n)
+                break
+            for i in (which if r % 2 == 0 else which[::-1]):
+                if not ok[i]:
+                    continue
+                t0 = clock()
+                if attempt(i):
+                    times[i].append(clock() - t0)
+
+    def medians() -> list[float | None]:
+        return [statistics.median(x) if ok[i] and x else None for i, x in enumerate(times)]
+    run_rounds(list(range(len(trials))), rounds)
+    med = medians()
+    timed = [m for m in med if m is not None]
+    if refine_rounds > 0 and timed and not spent():
+        near = [i for i, m in enumerate(med) if m is not None and m <= min(timed) * (1.0 + refine_within)]
+        if len(near) > 1:
+            log.info("autotune: %d programs within %.0f %% of the fastest, timed %d rounds more",
+                     len(near), refine_within * 100, refine_rounds)
+            run_rounds(near, refine_rounds)
+            med = medians()
+    if counts is not None:
+        counts[:] = [len(x) for x in times]
+    return med
 
 
 def _trials_of(make_trial: Callable[[Any], Any], plan: Any, name: str) -> list[Trial]:
@@ -203,16 +235,19 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     if len(cands) == 1:
         return auto, cands[0].trial
     left = None if seconds is None else max(0.0, seconds - (time.perf_counter() - t_start))
-    for c, sec in zip(cands, time_trials([c.trial for c in cands], rounds, budget=left)):
-        c.seconds = sec
+    runs: list[int] = []
+    secs = time_trials([c.trial for c in cands], rounds, budget=left, refine_rounds=REFINE_ROUNDS, counts=runs)
+    for c, sec, n in zip(cands, secs, runs):
+        c.seconds, c.runs = sec, n
     cands = [c for c in cands if c.seconds is not None] or cands[:1]
     if cands[0].seconds is None:   # nothing ran: the driver lowers the solver's plan as it would have
         return auto, None
     chosen = pick(cands, margin)
     figures = {"chosen": chosen.name, "lowering": chosen.trial.lowering, "margin": margin, "rounds": rounds,
+               "refine_rounds": REFINE_ROUNDS, "refine_within": REFINE_WITHIN,
                "seconds": time.perf_counter() - t_start,
                "candidates": [{"strategy": c.name, "lowering": c.trial.lowering, "measured_ms": c.seconds * 1e3,
-                               "predicted_ms": c.result.plan.objective * 1e3} for c in cands]}
+                               "predicted_ms": c.result.plan.objective * 1e3, "runs": c.runs} for c in cands]}
     chosen.result.plan.stats["autotune"] = figures
     log.info("autotune: %s", "; ".join(f"{c.label} {c.seconds * 1e3:.2f} ms measured "
                                        f"({c.result.plan.objective * 1e3:.2f} predicted)" for c in cands)
@@ -256,5 +291,5 @@ def describe(figures: dict) -> str:
     return f"autotuned: {', '.join(parts)}; running {kept}"
 
 
-__all__ = ["Candidate", "MARGIN", "MIN_ROUNDS", "PRESETS", "ROUNDS", "Trial", "autotune_result", "describe", "pick",
+__all__ = ["Candidate", "MARGIN", "MIN_ROUNDS", "PRESETS", "REFINE_ROUNDS", "REFINE_WITHIN", "ROUNDS", "Trial", "autotune_result", "describe", "pick",
            "skip_reason", "time_trials", "tune"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from unittest import mock
+
 import pytest
 
+from metadist_core import autotune
 from metadist_core.autotune import Candidate, Trial, pick, skip_reason, time_trials, tune
 from metadist_core.config import load_settings
 
@@ -86,6 +89,59 @@ def test_rounds_alternate_their_order():
     out = time_trials(trials, rounds=2, clock=lambda: next(ticks))
     assert calls == list("abc") + list("abc") + list("cba")
     assert out == [1, 1, 1]
+
+
+class _Scripted:
+    """Trials on a simulated clock: each run of trial ``name`` advances it by the next of its ``durations``."""
+
+    def __init__(self, durations: dict[str, list[float]]):
+        self.now, self.calls, self.left = 0.0, [], {k: list(v) for k, v in durations.items()}
+
+    def clock(self) -> float:
+        return self.now
+
+    def trial(self, name: str) -> Trial:
+        def run():
+            self.calls.append(name)
+            self.now += self.left[name].pop(0)
+        return Trial(run, runnable=name)
+
+
+def test_near_ties_are_timed_again_and_decided_on_all_their_rounds():
+    """After the rounds, the trials within ``refine_within`` of the fastest run ``refine_rounds`` more among
+    themselves; a trial far behind runs no more. Here b looks 1 % faster than a in the first three rounds
+    and is 4 % slower in the three after: over all six rounds a is the faster."""
+    s = _Scripted({"a": [9.0] + [1.00] * 6, "b": [9.0] + [0.99] * 3 + [1.04] * 3, "c": [9.0] + [2.0] * 3})
+    trials = [s.trial(n) for n in "abc"]
+    runs: list = []
+    out = time_trials(trials, rounds=3, clock=s.clock, refine_rounds=3, refine_within=0.08, counts=runs)
+    assert [s.calls.count(n) for n in "abc"] == [1 + 3 + 3, 1 + 3 + 3, 1 + 3] and runs == [6, 6, 3]
+    assert s.calls[-6:] == list("ab") + list("ba") + list("ab")   # the extra rounds alternate too
+    assert out[0] == pytest.approx(1.00) and out[1] == pytest.approx((0.99 + 1.04) / 2) and out[2] == 2.0
+    assert out[0] < out[1]
+
+    s = _Scripted({"a": [9.0] + [1.0] * 3, "b": [9.0] + [1.2] * 3})   # no near-tie: nothing more is run
+    out = time_trials([s.trial("a"), s.trial("b")], rounds=3, clock=s.clock, refine_rounds=3, refine_within=0.08)
+    assert len(s.calls) == 2 + 6 and out == pytest.approx([1.0, 1.2])
+
+
+def test_tune_times_near_ties_again():
+    """``tune`` refines: the preset timed 2 % behind the solver's plan in the first rounds, and ahead of it
+    by 10 % over all of them, is kept, with the refinement recorded in the figures."""
+    auto = FakeResult(FakePlan("auto"))
+    presets = {"ddp": FakeResult(FakePlan("ddp")), "fsdp": FakeResult(FakePlan("fsdp"))}
+    rounds, more = 10, 10
+    s = _Scripted({"auto": [9.0] + [1.0] * (rounds + more), "ddp": [9.0] + [1.02] * rounds + [0.5] * more,
+                   "fsdp": [9.0] + [3.0] * rounds})
+    with mock.patch.object(autotune.time, "perf_counter", s.clock):
+        chosen, trial = tune(auto, presets.__getitem__, lambda p: s.trial(p.name), lambda p: p.name,
+                             rounds=rounds, seconds=None)
+    assert chosen is presets["ddp"] and trial.runnable == "ddp"
+    fig = chosen.plan.stats["autotune"]
+    assert fig["refine_rounds"] == autotune.REFINE_ROUNDS == more
+    assert s.calls.count("fsdp") == 1 + rounds and s.calls.count("ddp") == 1 + rounds + more
+    assert {c["strategy"]: c["runs"] for c in fig["candidates"]} == {"auto": rounds + more, "ddp": rounds + more,
+                                                                      "fsdp": rounds}
 
 
 def test_a_spent_time_budget_leaves_the_rest_untimed_but_the_solvers_plan():
