@@ -65,85 +65,136 @@ def measure_profile(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 7) -> Mes
 #: bytes per device of the psums timed on each mesh axis
 LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 CHAIN = 4   # collectives timed one after another inside one jitted program (XLA runs a step so)
+#: rounds over all of a live calibration's programs; each round runs every program ``iters // 2 + 1`` times,
+#: in alternating order, and each figure is the median of all its runs. Timed program after program (five
+#: runs each), five calibrations of a (2,4) mesh one after another in one process read the device's FLOP
+#: rate 40-50 GFLOP/s, its memory rate 5.5-8.6 GB/s and axis 1's gather/scatter rate 2.9-5.6 GB/s:
+#: a slow spell of the shared cores fell on whichever figure was being timed
+ROUNDS = 3
+
+
+class _Programs:
+    """Programs to time together: each compiled and run once, then :data:`ROUNDS` rounds that run every
+    program a few times, forwards and backwards in turn, so that a slow spell of the machine falls on all of
+    them alike. ``add`` returns the program's index in what ``run`` returns (median seconds a run)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple] = []
+
+    def add(self, fn, arg) -> int:
+        self.items.append((fn, arg))
+        return len(self.items) - 1
+
+    def run(self, iters: int, rounds: int = ROUNDS) -> list[float]:
+        for fn, arg in self.items:
+            jax.block_until_ready(fn(arg))
+        per_round = max(1, iters // 2 + 1)
+        times: list[list[float]] = [[] for _ in self.items]
+        order = list(range(len(self.items)))
+        for r in range(rounds):
+            for i in (order if r % 2 == 0 else order[::-1]):
+                fn, arg = self.items[i]
+                for _ in range(per_round):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(fn(arg))
+                    times[i].append(time.perf_counter() - t0)
+        return [statistics.median(t) for t in times]
+
+
+def _sharded(jax_mesh, n_elems: int):
+    """An (n_elems,) float32 array of ones split over every device of ``jax_mesh``."""
+    spec = P(tuple(jax_mesh.axis_names))
+    return jax.device_put(np.ones((n_elems,), np.float32), jax.sharding.NamedSharding(jax_mesh, spec))
+
+
+def _chain_program(jax_mesh, step):
+    """``k`` -> a jitted shard_map that applies ``step`` ``k`` times, each waiting for the one before."""
+    spec = P(tuple(jax_mesh.axis_names))
+
+    def chain(k: int):
+        def body(v):
+            for _ in range(k):
+                v = step(v)
+            return v
+        return jax.jit(jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    return chain
+
+
+def _axes_programs(jax_mesh: "jax.sharding.Mesh", progs: _Programs):
+    """Adds the programs that measure every axis of ``jax_mesh`` to ``progs``; returns the function that
+    turns their timings into (per-axis {"alpha", "beta", "kinds"}, raw samples)."""
+    from metadist_core.profile import fit_alpha_beta
+    names = tuple(jax_mesh.axis_names)
+    n_all = int(np.prod(jax_mesh.devices.shape))
+    plans = []   # per axis: (name, n, [(nbytes, i_one, i_many)] for psums, the same for gather/scatter pairs)
+    for name in names:
+        n = int(jax_mesh.shape[name])
+        # psums scaled so that values stay put (nothing to fold away)
+        psum = _chain_program(jax_mesh, lambda v, name=name, n=n: lax.psum(v, name) * (1.0 / n))
+
+        def pair(v, name=name, n=n):
+            w = lax.all_gather(v, name, axis=0, tiled=True)
+            return lax.psum_scatter(w, name, scatter_dimension=0, tiled=True) * (1.0 / n)
+        gs = _chain_program(jax_mesh, pair)
+        ar_rows, gs_rows = [], []
+        for nbytes in LIVE_SIZES:
+            per = max(1, nbytes // 4)
+            x = _sharded(jax_mesh, n_all * per)
+            ar_rows.append((per * 4, progs.add(psum(1), x), progs.add(psum(CHAIN), x)))
+            if n > 1:
+                per_g = max(1, nbytes // 4 // n)   # the gathered buffer is ``nbytes`` a device
+                xg = _sharded(jax_mesh, n_all * per_g)
+                gs_rows.append((per_g * n * 4, progs.add(gs(1), xg), progs.add(gs(CHAIN), xg)))
+        plans.append((n, ar_rows, gs_rows))
+
+    def finish(secs: list[float]) -> tuple[list[dict], list[dict]]:
+        axes, samples = [], []
+        for axis, (n, ar_rows, gs_rows) in enumerate(plans):
+            rows = []
+            for nbytes, one, many in ar_rows:   # the jit call's own dispatch drops out of the difference
+                t = max((secs[many] - secs[one]) / (CHAIN - 1), 1e-7)
+                rows.append(("all_reduce", n, nbytes, t))
+                samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": nbytes, "seconds": t})
+            a, b = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
+            entry = {"alpha": a, "beta": b}
+            if gs_rows:
+                g_rows = []
+                for nbytes, one, many in gs_rows:   # half of a gather-then-scatter pair each
+                    t = max((secs[many] - secs[one]) / (CHAIN - 1) / 2, 1e-7)
+                    for kind in ("all_gather", "reduce_scatter"):   # both priced on the whole (gathered) buffer
+                        g_rows.append((kind, n, nbytes, t))
+                        samples.append({"level": f"axis{axis}", "kind": kind, "n": n, "nbytes": nbytes, "seconds": t})
+                ga, gb = fit_alpha_beta(g_rows)
+                entry["kinds"] = {"all_gather": {"alpha": ga, "beta": gb}, "reduce_scatter": {"alpha": ga, "beta": gb}}
+            axes.append(entry)
+        return axes, samples
+    return finish
 
 
 def measure_axes(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> tuple[list[dict], list[dict]]:
     """Alpha/beta of every axis of ``jax_mesh`` from psums timed inside one jitted shard_map, as a step
-    runs them (``CHAIN`` psums after each other, less one, so that the jit call's own dispatch drops out).
-    Returns (per-axis {"alpha", "beta"}, raw samples)."""
-    from metadist_core.profile import fit_alpha_beta
-    names = tuple(jax_mesh.axis_names)
-    spec = P(names)
-    n_all = int(np.prod(jax_mesh.devices.shape))
-    axes, samples = [], []
-    for axis, name in enumerate(names):
-        n = int(jax_mesh.shape[name])
-        rows = []
-        for nbytes in LIVE_SIZES:
-            per = max(1, nbytes // 4)
-            x = jax.device_put(np.ones((n_all * per,), np.float32), jax.sharding.NamedSharding(jax_mesh, spec))
-
-            def chain(k: int):
-                def body(v):
-                    for _ in range(k):   # scaled so that values stay put: nothing to fold away
-                        v = lax.psum(v, name) * (1.0 / n)
-                    return v
-                return jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False)
-            one = _median_seconds(jax.jit(chain(1)), x, iters)
-            many = _median_seconds(jax.jit(chain(CHAIN)), x, iters)
-            secs = max((many - one) / (CHAIN - 1), 1e-7)
-            rows.append(("all_reduce", n, per * 4, secs))
-            samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": per * 4, "seconds": secs})
-        a, b = fit_alpha_beta(rows) if n > 1 else (0.0, 0.0)
-        entry = {"alpha": a, "beta": b}
-        if n > 1:
-            entry["kinds"], more = _measure_gather_scatter(jax_mesh, name, axis, n, n_all, iters)
-            samples += more
-        axes.append(entry)
-    return axes, samples
+    runs them (``CHAIN`` psums after each other, less one, so that the jit call's own dispatch drops out),
+    and, in ``kinds``, of all_gather and reduce_scatter from chains of gather-then-scatter pairs: XLA's CPU
+    runtime combines independent psums but runs every gather and scatter by itself, a rendezvous of all the
+    devices each (on 8 virtual devices a pair of 4 KB pieces took 331 us where the psums' fit priced each at
+    70 us, measured 2026-11-26). Returns (per-axis {"alpha", "beta", "kinds"}, raw samples)."""
+    progs = _Programs()
+    finish = _axes_programs(jax_mesh, progs)
+    return finish(progs.run(iters))
 
 
-def _measure_gather_scatter(jax_mesh, name: str, axis: int, n: int, n_all: int, iters: int) -> tuple[dict, list]:
-    """Alpha/beta of all_gather and reduce_scatter on axis ``name``, from chains of gather-then-scatter
-    pairs (``CHAIN`` pairs, less one), half of a pair each: XLA's CPU runtime combines independent psums but
-    runs every gather and scatter by itself, a rendezvous of all the devices each; on 8 virtual devices a
-    pair of 4 KB pieces took 331 us where the psums' fit priced each at 70 us (measured 2026-11-26)."""
-    from metadist_core.profile import fit_alpha_beta
-    spec = P(tuple(jax_mesh.axis_names))
-    rows, samples = [], []
-    for nbytes in LIVE_SIZES:
-        per = max(1, nbytes // 4 // n)   # the gathered buffer is ``nbytes`` a device
-        x = jax.device_put(np.ones((n_all * per,), np.float32), jax.sharding.NamedSharding(jax_mesh, spec))
-
-        def chain(k: int):
-            def body(v):
-                for _ in range(k):
-                    w = lax.all_gather(v, name, axis=0, tiled=True)
-                    v = lax.psum_scatter(w, name, scatter_dimension=0, tiled=True) * (1.0 / n)
-                return v
-            return jax.shard_map(body, mesh=jax_mesh, in_specs=spec, out_specs=spec, check_vma=False)
-        one = _median_seconds(jax.jit(chain(1)), x, iters)
-        many = _median_seconds(jax.jit(chain(CHAIN)), x, iters)
-        secs = max((many - one) / (CHAIN - 1) / 2, 1e-7)
-        for kind in ("all_gather", "reduce_scatter"):   # both priced on the whole (gathered) buffer
-            rows.append((kind, n, per * n * 4, secs))
-            samples.append({"level": f"axis{axis}", "kind": kind, "n": n, "nbytes": per * n * 4, "seconds": secs})
-    a, b = fit_alpha_beta(rows)
-    return {"all_gather": {"alpha": a, "beta": b}, "reduce_scatter": {"alpha": a, "beta": b}}, samples
-
-
-def measure_device_rates(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> dict:
-    """Per-device matmul FLOP/s, memory-bound bytes/s and per-op overhead with every device of
-    ``jax_mesh`` computing at once (virtual CPU devices share the host's cores, as in a step)."""
+def _rates_programs(jax_mesh: "jax.sharding.Mesh", progs: _Programs):
+    """Adds the programs that measure the devices' rates to ``progs``; returns the function that turns
+    their timings into :func:`measure_device_rates`' figures."""
     names = tuple(jax_mesh.axis_names)
     n_all = int(np.prod(jax_mesh.devices.shape))
     sh = jax.sharding.NamedSharding(jax_mesh, P(names))
 
-    def run(body, shape):
+    def add(body, shape) -> int:
         x = jax.device_put(np.random.default_rng(0).standard_normal((n_all * shape[0],) + shape[1:]).astype(np.float32)
                            / np.sqrt(shape[-1]), sh)
         f = jax.shard_map(body, mesh=jax_mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
-        return _median_seconds(jax.jit(f), x, iters)
+        return progs.add(jax.jit(f), x)
     n, k_mm, k_tiny = 256, 8, 256
 
     def dots(k):
@@ -152,15 +203,25 @@ def measure_device_rates(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> dict:
                 a = a @ a   # each waits for the one before: no two fuse
             return a
         return body
-    t_mm = (run(dots(1 + k_mm), (n, n)) - run(dots(1), (n, n))) / k_mm
-    # 8x8 dots: what an op costs besides its work
-    t_tiny = (run(dots(1 + k_tiny), (8, 8)) - run(dots(1), (8, 8))) / k_tiny
     big = 1 << 20
-    t_add1 = run(lambda a: a + 1.0, (big,))
-    t_add0 = run(lambda a: a + 1.0, (8,))
-    over = max(t_tiny, 0.0)
-    return {"peak_flops": 2 * n ** 3 / max(t_mm - over, 1e-9),
-            "mem_bandwidth": 2 * big * 4 / max(t_add1 - t_add0, 1e-9), "op_overhead": over}
+    i = {"mm": add(dots(1 + k_mm), (n, n)), "mm1": add(dots(1), (n, n)),
+         "tiny": add(dots(1 + k_tiny), (8, 8)), "tiny1": add(dots(1), (8, 8)),   # 8x8 dots: what an op costs besides its work
+         "add1": add(lambda a: a + 1.0, (big,)), "add0": add(lambda a: a + 1.0, (8,))}
+
+    def finish(secs: list[float]) -> dict:
+        t_mm = (secs[i["mm"]] - secs[i["mm1"]]) / k_mm
+        over = max((secs[i["tiny"]] - secs[i["tiny1"]]) / k_tiny, 0.0)
+        return {"peak_flops": 2 * n ** 3 / max(t_mm - over, 1e-9),
+                "mem_bandwidth": 2 * big * 4 / max(secs[i["add1"]] - secs[i["add0"]], 1e-9), "op_overhead": over}
+    return finish
+
+
+def measure_device_rates(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> dict:
+    """Per-device matmul FLOP/s, memory-bound bytes/s and per-op overhead with every device of
+    ``jax_mesh`` computing at once (virtual CPU devices share the host's cores, as in a step)."""
+    progs = _Programs()
+    finish = _rates_programs(jax_mesh, progs)
+    return finish(progs.run(iters))
 
 
 def measure_live(jax_mesh: "jax.sharding.Mesh", mesh_shape: Sequence[int], cached: MeshProfile | None = None,
@@ -168,8 +229,11 @@ def measure_live(jax_mesh: "jax.sharding.Mesh", mesh_shape: Sequence[int], cache
     """A measured profile for ``jax_mesh`` (``cached`` grows by this mesh shape when given). With several
     processes, process 0's figures are every process's, so that all of them plan alike."""
     from metadist_core.cost import DeviceSpec
-    axes, samples = measure_axes(jax_mesh, iters)
-    rates = measure_device_rates(jax_mesh, iters)
+    progs = _Programs()   # the links' and the device's programs timed in the same rounds
+    axes_of, rates_of = _axes_programs(jax_mesh, progs), _rates_programs(jax_mesh, progs)
+    secs = progs.run(iters)
+    axes, samples = axes_of(secs)
+    rates = rates_of(secs)
     def gs(a: dict) -> tuple[float, float]:
         k = a.get("kinds", {}).get("all_gather")
         return (k["alpha"], k["beta"]) if k else (-1.0, -1.0)

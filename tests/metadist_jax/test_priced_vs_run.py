@@ -133,3 +133,24 @@ def test_a_mesh_of_shape_only_takes_the_measured_costs(devices8, rule_cache, mon
     prof = cached_profile(rule_cache, profile_key(8, JaxFrontend().device_kind()))
     assert prof is not None
     assert list(step.problem.mesh.alpha) == [prof.axis_costs["8"][0]["alpha"]]
+
+
+def test_calibration_times_its_programs_in_interleaved_rounds():
+    """The live calibration compiles every program first, then times all of them in rounds, forwards and
+    backwards in turn, so that a slow spell of the shared cores falls on every figure alike; each figure is
+    the median of all its runs."""
+    import metadist_jax.calibrate as cal
+    calls: list = []
+
+    def prog(name):
+        def run(arg):
+            calls.append(name)
+            return arg
+        return run
+    progs = cal._Programs()
+    assert [progs.add(prog(name), 1) for name in "abc"] == [0, 1, 2]
+    out = progs.run(iters=2, rounds=3)   # 2 // 2 + 1 = 2 runs of each a round
+    assert calls[:3] == list("abc")      # each run once before any timing
+    timed = calls[3:]
+    assert timed == list("aabbcc") + list("ccbbaa") + list("aabbcc")
+    assert len(out) == 3 and all(t >= 0 for t in out)
