@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from .problem import BUDGET_GATHER_SHARE, GATHER_SHARE, Edge, Node, ShardingProb
 from .prune import useful_rules
 from .reshard import reshard, reshard_costs
 from .rules import RuleBook, Strategy, expand_rules
+
+if TYPE_CHECKING:
+    from .localtime import LocalTimer
 
 log = logging.getLogger("metadist.problem")
 
@@ -64,7 +67,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                   bucket_bytes: int | None = None, bucket_copies: int = 0,
                   shard_bucket_bytes: int | None = None, phased: bool = True,
                   first_bucket_bytes: int | None = None, whole_inputs: bool = False,
-                  gather_share: float | None = None) -> ShardingProblem:
+                  gather_share: float | None = None, local_timer: "LocalTimer | None" = None) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them, or (flops, bytes, slowdown)
@@ -82,6 +85,8 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     (:meth:`ShardingProblem.price`).
     ``whole_inputs``: every process receives each user input whole (the torch frontend), so reading one in a
     layout other than the one it is stored in is a local slice: priced at nothing, run without a collective.
+    ``local_timer``: the ops the frontend times at each strategy's local shapes are priced so
+    (:mod:`metadist_core.localtime`).
     """
     from .compression import wire_dtypes
     device = device or DEVICE_PRESETS["cpu"]
@@ -111,6 +116,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     compute: list[np.ndarray] = []
     strat_cache: dict[tuple, tuple[list[Strategy], list[int]]] = {}
     warned: set[str] = set()
+    timed: list = []   # the ops local_timer may price at their local shapes
     sizes = sorted({n for n in mesh.shape if n > 1})
     useful = useful_rules(graph, rulebook, sizes) if prune else {
         op.id: {n: rulebook.rules_for(op, graph, n) for n in sizes} for op in graph.ops}
@@ -140,7 +146,12 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
         flops, nbytes, *slow = (op_costs or {}).get(op.id) or estimate_op_cost(op, graph)
         dt = compute_dtype([graph.vars[v].dtype for v in t_in], [graph.vars[v].dtype for v in op.outputs])
         compute.append(np.array([compute_cost(flops, nbytes, s, device, dt, *slow) for s in splits]))
+        if local_timer is not None:
+            timed.append((len(compute) - 1, op, opts, splits, flops, nbytes, dt))
         nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
+    if timed:
+        from .localtime import apply
+        apply(local_timer, graph, mesh, device, timed, compute)
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
     cons = parse_constraints(constraints or [])
     prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),

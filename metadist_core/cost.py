@@ -284,18 +284,22 @@ def strategy_split(inputs: Sequence[Sharding], outputs: Sequence[Sharding], mesh
 
 # -- memory ----------------------------------------------------------------
 
+def local_shape(shape: Sequence[int], sharding: Sharding, mesh: Mesh) -> tuple[int, ...]:
+    """The largest device's local shape of a tensor under ``sharding`` (the whole shape where some device
+    would get an empty piece)."""
+    local = largest_local_shape(tuple(shape), _normalise(sharding, len(shape), mesh, "memory"), mesh.shape)
+    return tuple(shape) if local is None else local
+
+
 def local_bytes(shape: Sequence[int] | None, dtype: str, sharding: Sharding, mesh: Mesh) -> int:
     """Bytes of the largest local piece of a tensor under ``sharding`` (0 for a non-tensor)."""
     if shape is None:
         return 0
-    local = largest_local_shape(tuple(shape), _normalise(sharding, len(shape), mesh, "memory"), mesh.shape)
-    if local is None:
-        local = tuple(shape)
-    return math.prod(local) * itemsize(dtype)
+    return math.prod(local_shape(shape, sharding, mesh)) * itemsize(dtype)
 
 
 __all__ = [
     "COLLECTIVE_KINDS", "Collective", "DeviceSpec", "DEVICE_PRESETS", "all_gather_cost", "all_reduce_cost",
-    "all_to_all_cost", "collective_cost", "compute_cost", "compute_dtype", "local_bytes", "reduce_scatter_cost",
+    "all_to_all_cost", "collective_cost", "compute_cost", "compute_dtype", "local_bytes", "local_shape", "reduce_scatter_cost",
     "send_recv_cost", "strategy_split", "parse_placement",
 ]

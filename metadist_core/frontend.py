@@ -182,6 +182,22 @@ class Frontend(abc.ABC):
         (:mod:`metadist_core.fusion`). False by default: every op is priced as run by itself."""
         return False
 
+    def times_local(self, op: "MetaOp") -> bool:
+        """Does this frontend time ``op`` at the local input shapes of each strategy the planner offers it
+        (:meth:`local_op_times`, :mod:`metadist_core.localtime`)? False by default."""
+        return False
+
+    def local_op_times(self, requests: "Sequence[tuple[MetaOp, tuple, tuple]]", mesh: "Mesh") \
+            -> "tuple[list[float | None], DeviceSpec]":
+        """Seconds of one run of each requested op (an op :meth:`times_local` takes, its tensor inputs' local
+        shapes and their dtypes) with every device of ``mesh`` running it at once, None where it could not be
+        run; and
+        the device's rates measured in the same run (the roofline the times are divided by). Called on the
+        planner only, with measured costs, with batches of the requests no earlier call answered. Every process of a
+        step must plan alike: a frontend that plans on several processes times nothing there."""
+        from .cost import DEVICE_PRESETS
+        return [None] * len(requests), DEVICE_PRESETS["cpu"]
+
     def op_slowdowns(self, graph: "MetaIR", costs: "dict[str, tuple]", cache_file: str | None) -> dict[str, float]:
         """Per op id, how much slower than its roofline (``costs``: its ``(flops, bytes)``) the op runs on
         this process's device, measured; the cost model multiplies its roofline by it. Called on the

@@ -22,6 +22,7 @@ from .config import Settings, load_settings
 from .constraints import as_constraint_list
 from .frontend import Frontend
 from .ir import MetaIR
+from .localtime import LocalTimer
 from .placement import Mesh
 from .plugins import PluginManager
 from .presets import check_strategy
@@ -125,6 +126,14 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
         return m.size == 1 and s.memory_budget is None and not s.offload
 
     one_device: list = []   # the frontend's measured DeviceSpec of a one-device step (a GPU), asked once
+    # with measured costs, the ops the frontend times at each strategy's local shapes (metadist_core.localtime),
+    # one timer for every plan of this compile
+    local_timer = None
+    if getattr(profile, "measured", False):
+        from .profile import profile_cache_path
+        where = profile_cache_path(s.cache_dir, profile.key) if getattr(profile, "key", None) else None
+        local_timer = LocalTimer(frontend.times_local, frontend.local_op_times,
+                                 cache_file=None if where is None else where.with_name(where.stem + "-local.json"))
 
     def solve_on(m: Mesh, settings: Settings | None = None) -> CompileResult:
         """The plan on ``m`` (``settings``: another preset of the same compile; else the compile's)."""
@@ -142,7 +151,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
                           # measured costs price the ops as measured too (a one-device step's device the
                           # frontend measured: its ops timed on it); the built-in ones at their roofline
                           op_slowdowns=slowdowns if getattr(profile, "measured", False) or own is not None
-                          else None)
+                          else None, local_timer=local_timer if m.size > 1 else None)
 
     book, problem, plan = RuleBook(), None, None
     tuned, tuned_plan = None, None   # the autotune trial of the plan kept, whose lowering is reused

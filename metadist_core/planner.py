@@ -74,7 +74,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                solver_options: dict | None = None, device: Any = None, bucket_copies: int = 0,
                shard_buckets: bool = False, phased: bool = True, whole_inputs: bool = False,
                op_slowdowns: Callable[[MetaIR, dict], Mapping[str, float]] | None = None,
-               **setting_values: Any) -> CompileResult:
+               local_timer: Any = None, **setting_values: Any) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
 
     ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
@@ -85,7 +85,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     the memory model and the prediction; ``whole_inputs``: whether every process holds the user's inputs
     whole (:attr:`~metadist_core.frontend.Frontend.whole_inputs`). ``op_slowdowns(graph, costs)``: each op's
     measured time over its roofline (:meth:`~metadist_core.frontend.Frontend.op_slowdowns`), priced into its
-    compute.
+    compute. ``local_timer`` (:class:`~metadist_core.localtime.LocalTimer`): the ops the frontend times at
+    each strategy's local shapes, priced so.
     """
     from .build import build_problem  # the solve half of the flow
 
@@ -139,7 +140,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                 bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
                                 shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None,
                                 first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
-                                phased=phased, whole_inputs=whole_inputs, gather_share=gather_share[0])
+                                phased=phased, whole_inputs=whole_inputs, gather_share=gather_share[0],
+                                local_timer=local_timer)
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.offload)
             from .offload import apply_offload
@@ -227,6 +229,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                                    "chosen_by": plan.stats.pop("recompute_chosen_by", "?"),
                                    "saved_bytes": sum(seg.saved_bytes for seg in segs)}
     plan.stats.setdefault("strategy", s.strategy)
+    if local_timer is not None and local_timer.slowdowns:
+        plan.stats["local_times"] = local_timer.stats()
     if s.coalesce:
         plan.stats["first_bucket_mb"] = s.first_bucket_mb
     from .memprofile import peak_with_buffers   # the peak with the collectives' buffers, beside the solver's

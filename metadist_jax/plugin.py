@@ -137,6 +137,17 @@ class JaxFrontend(Frontend):
         payload = getattr(op, "payload", None)
         return getattr(payload, "name", None) in XLA_LOOP_FUSED
 
+    def times_local(self, op: Any) -> bool:
+        """Matmuls and convolutions are timed at each strategy's local shapes (:mod:`metadist_jax.localtime`),
+        in one process only (every process must plan alike, and each would time its own devices)."""
+        import jax
+        from .localtime import timed
+        return jax.process_count() == 1 and timed(op)
+
+    def local_op_times(self, requests: Any, mesh: "Mesh") -> tuple:
+        from .localtime import measure_local
+        return measure_local(requests, self.jax_mesh(mesh))
+
     def device_kind(self) -> str | None:
         import jax
         d = jax.devices()[0]
