@@ -119,9 +119,10 @@ def _measure(timer: LocalTimer, kernels: list[str], ask: dict[str, Request], mes
     timer.seconds += spent
     if done < len(kernels):
         timer.left_out += len(kernels) - done
-        (log.warning if not timer.warned else log.info)("timed %d of %d kernels at their local shapes in %.1f s (the rest keep their roofline; "
-                    "their figures are measured on later compiles and kept in %s)", done, len(kernels), spent,
-                    timer.cache_file or "no file")
+        (log.warning if not timer.warned else log.info)(
+            "timed %d of %d kernels at their local shapes in %.1f s, the budget of a compile (the rest are "
+            "priced at the median slowdown of those timed until a later compile times them; kept in %s)",
+            done, len(kernels), spent, timer.cache_file or "no file")
         timer.warned = True
     else:
         log.info("timed %d kernels at their local shapes in %.1f s", done, spent)
