@@ -29,6 +29,7 @@
 | ilp_cache_mb   | METADIST_ILP_CACHE_MB      | ilp_cache_mb    | 512 (MiB of kept ILP answers; the least recently used go first) |
 | autotune       | METADIST_AUTOTUNE          | autotune        | true (with measured costs: the solver's plan timed beside the ddp, zero1 and fsdp presets', the fastest kept; frontends that can time a plan alone: JAX) |
 | autotune_seconds | METADIST_AUTOTUNE_SECONDS | autotune_seconds | 60 (autotune's time: programs not compiled by then are left untimed) |
+| local_time_seconds | METADIST_LOCAL_TIME_SECONDS | local_time_seconds | 10 (with measured costs, time a compile may spend timing matmuls at each strategy's local shapes, metadist_core.localtime; 0: none, every op at its roofline; frontends that time them: JAX) |
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ class Settings:
     ilp_cache_mb: float = 512.0   # disk the ILP's kept answers may take under cache_dir/milp (solvers/_cache.py)
     autotune: bool = True   # with measured costs, time the solver's plan beside the presets' (metadist_core.autotune)
     autotune_seconds: float = 60.0   # autotune's time budget (metadist_core.autotune.time_trials)
+    local_time_seconds: float = 10.0   # time a compile may spend timing ops at local shapes (metadist_core.localtime)
 
     @property
     def bucket_bytes(self) -> int:
@@ -139,7 +141,7 @@ def load_settings(**explicit: Any) -> Settings:
         elif f.name == "first_bucket_mb" and str(value).strip().lower() == "auto":
             value = None
         elif f.name in ("time_limit", "bucket_mb", "first_bucket_mb", "shard_bucket_mb", "ilp_cache_mb",
-                        "autotune_seconds"):
+                        "autotune_seconds", "local_time_seconds"):
             try:
                 value = float(value)
             except ValueError:
@@ -167,6 +169,9 @@ def load_settings(**explicit: Any) -> Settings:
     if s.autotune_seconds <= 0:
         raise ValueError(f"autotune_seconds must be more than 0 (turn autotune off with autotune=False), "
                          f"got {s.autotune_seconds}")
+    if s.local_time_seconds < 0:
+        raise ValueError(f"local_time_seconds must be 0 (time no op at its local shapes) or more, "
+                         f"got {s.local_time_seconds}")
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
     if s.grad_compression is not None:

@@ -38,7 +38,8 @@ log = logging.getLogger("metadist.localtime")
 MIN_SECONDS = 20e-6
 #: measured slowdowns are clamped to this range
 LIMITS = (0.5, 4.0)
-#: seconds a compile may spend timing kernels it has no figure for: the dearest (by roofline) go first, in
+#: seconds a compile may spend timing kernels it has no figure for, by default (the ``local_time_seconds``
+#: setting): the dearest (by roofline) go first, in
 #: batches of :data:`BATCH`, and what is left when it is spent takes the median (the transformer of
 #: examples/jax on (2,4) offers 525 distinct local matmuls, ~60 ms each to compile and time)
 BUDGET_SECONDS = 10.0

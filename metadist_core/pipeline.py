@@ -129,11 +129,12 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     # with measured costs, the ops the frontend times at each strategy's local shapes (metadist_core.localtime),
     # one timer for every plan of this compile
     local_timer = None
-    if getattr(profile, "measured", False):
+    if getattr(profile, "measured", False) and s.local_time_seconds > 0:
         from .profile import profile_cache_path
         where = profile_cache_path(s.cache_dir, profile.key) if getattr(profile, "key", None) else None
         local_timer = LocalTimer(frontend.times_local, frontend.local_op_times,
-                                 cache_file=None if where is None else where.with_name(where.stem + "-local.json"))
+                                 cache_file=None if where is None else where.with_name(where.stem + "-local.json"),
+                                 budget=s.local_time_seconds)
 
     def solve_on(m: Mesh, settings: Settings | None = None) -> CompileResult:
         """The plan on ``m`` (``settings``: another preset of the same compile; else the compile's)."""
