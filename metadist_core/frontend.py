@@ -191,10 +191,9 @@ class Frontend(abc.ABC):
             -> "tuple[list[float | None], DeviceSpec]":
         """Seconds of one run of each requested op (an op :meth:`times_local` takes, its tensor inputs' local
         shapes and their dtypes) with every device of ``mesh`` running it at once, None where it could not be
-        run; and
-        the device's rates measured in the same run (the roofline the times are divided by). Called on the
-        planner only, with measured costs, with batches of the requests no earlier call answered. Every process of a
-        step must plan alike: a frontend that plans on several processes times nothing there."""
+        run; and the device's rates measured in the same run (the roofline the times are divided by). Called
+        on the planner only, with measured costs, with batches of the requests no earlier call answered. Every
+        process of a step must plan alike: a frontend that plans on several processes times nothing there."""
         from .cost import DEVICE_PRESETS
         return [None] * len(requests), DEVICE_PRESETS["cpu"]
 

@@ -41,7 +41,7 @@ LIMITS = (0.5, 4.0)
 #: seconds a compile may spend timing kernels it has no figure for, by default (the ``local_time_seconds``
 #: setting): the dearest (by roofline) go first, in
 #: batches of :data:`BATCH`, and what is left when it is spent takes the median (the transformer of
-#: examples/jax on (2,4) offers 525 distinct local matmuls, ~60 ms each to compile and time)
+#: examples/jax on (2,4) offers 420-525 distinct local matmuls, 60-90 ms each to compile and time)
 BUDGET_SECONDS = 10.0
 BATCH = 32
 #: the cache file's format (:meth:`LocalTimer.save`): a file of another version is measured again
@@ -66,7 +66,7 @@ class LocalTimer:
     slowdowns: list[float] = field(default_factory=list)   # of the strategies priced so, every build
     cache_file: str | os.PathLike | None = None   # this machine's figures, kept between compiles
     budget: float = BUDGET_SECONDS
-    left_out: int = 0                # kernels left at their roofline when the budget was spent
+    left_out: int = 0                # kernels left untimed when the budget was spent (priced at the median)
     warned: bool = False
 
     def __post_init__(self) -> None:
@@ -74,7 +74,7 @@ class LocalTimer:
 
     def stats(self) -> dict:
         return {"kernels_timed": sum(v is not None for v in self.times.values()), "seconds": self.seconds,
-                "left_at_roofline": self.left_out,
+                "left_untimed": self.left_out,
                 "median_slowdown": float(np.median(self.slowdowns)) if self.slowdowns else None}
 
     def _load(self) -> None:

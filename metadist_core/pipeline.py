@@ -112,13 +112,16 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
 
     measured_ops: dict[str, dict[str, float]] = {}
 
+    def beside(suffix: str):
+        """A file kept beside this machine's cached profile (None: the profile is not one kept by key)."""
+        from .profile import beside_profile
+        return beside_profile(s.cache_dir, profile.key, suffix) if getattr(profile, "key", None) else None
+
     def slowdowns(g: MetaIR, costs: dict) -> Mapping[str, float]:
         """The ops' measured slowdowns, timed once per compile (every mesh a pipeline search tries)."""
         if "ops" not in measured_ops:
-            from .profile import profile_cache_path
-            where = profile_cache_path(s.cache_dir, profile.key) if getattr(profile, "key", None) else None
-            measured_ops["ops"] = dict(frontend.op_slowdowns(
-                g, costs, None if where is None else str(where.with_name(where.stem + "-ops.json"))) or {})
+            where = beside("-ops.json")
+            measured_ops["ops"] = dict(frontend.op_slowdowns(g, costs, None if where is None else str(where)) or {})
         return measured_ops["ops"]
 
     def replicated_only(m: Mesh) -> bool:
@@ -130,10 +133,7 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     # one timer for every plan of this compile
     local_timer = None
     if getattr(profile, "measured", False) and s.local_time_seconds > 0:
-        from .profile import profile_cache_path
-        where = profile_cache_path(s.cache_dir, profile.key) if getattr(profile, "key", None) else None
-        local_timer = LocalTimer(frontend.times_local, frontend.local_op_times,
-                                 cache_file=None if where is None else where.with_name(where.stem + "-local.json"),
+        local_timer = LocalTimer(frontend.times_local, frontend.local_op_times, cache_file=beside("-local.json"),
                                  budget=s.local_time_seconds)
 
     def solve_on(m: Mesh, settings: Settings | None = None) -> CompileResult:

@@ -179,6 +179,13 @@ def profile_cache_path(cache_dir: str | os.PathLike | None, key: dict) -> Path:
     return base / "profiles" / f"{safe}.json"
 
 
+def beside_profile(cache_dir: str | os.PathLike | None, key: dict, suffix: str) -> Path:
+    """A file kept beside the cached profile of ``key``: ``<profile file's stem><suffix>`` (``-ops.json``:
+    the ops' slowdowns; ``-local.json``: ops timed at local shapes)."""
+    where = profile_cache_path(cache_dir, key)
+    return where.with_name(where.stem + suffix)
+
+
 def cached_profile(cache_dir: str | os.PathLike | None, key: dict) -> MeshProfile | None:
     """The measured profile cached for ``key``, or None (none yet, unreadable, or measured for another key)."""
     p = profile_cache_path(cache_dir, key)

@@ -212,13 +212,15 @@ def _rates_programs(jax_mesh: "jax.sharding.Mesh", progs: _Programs):
         t_mm = (secs[i["mm"]] - secs[i["mm1"]]) / k_mm
         over = max((secs[i["tiny"]] - secs[i["tiny1"]]) / k_tiny, 0.0)
         return {"peak_flops": 2 * n ** 3 / max(t_mm - over, 1e-9),
-                "mem_bandwidth": 2 * big * 4 / max(secs[i["add1"]] - secs[i["add0"]], 1e-9), "op_overhead": over}
+                "mem_bandwidth": 2 * big * 4 / max(secs[i["add1"]] - secs[i["add0"]], 1e-9), "op_overhead": over,
+                "call_seconds": secs[i["add0"]]}
     return finish
 
 
 def measure_device_rates(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> dict:
     """Per-device matmul FLOP/s, memory-bound bytes/s and per-op overhead with every device of
-    ``jax_mesh`` computing at once (virtual CPU devices share the host's cores, as in a step)."""
+    ``jax_mesh`` computing at once (virtual CPU devices share the host's cores, as in a step), and
+    ``call_seconds``, the time of a trivial program (what a jitted call costs besides its work)."""
     progs = _Programs()
     finish = _rates_programs(jax_mesh, progs)
     return finish(progs.run(iters))

@@ -8,7 +8,7 @@ of 128 or 256 rows ran at 45-49 (2026-11-27).
 
 Each op is bound on arrays of its local shapes inside one jitted ``shard_map`` over the whole mesh (so
 the devices share the host's cores as in a step), timed in the same interleaved rounds as the device's
-rates (:mod:`metadist_jax.calibrate`), less an empty program's time (the call's own dispatch).
+rates (:mod:`metadist_jax.calibrate`), less a trivial program's time timed there (the call's own dispatch).
 """
 from __future__ import annotations
 
@@ -53,9 +53,6 @@ def measure_local(requests: Sequence[tuple[Any, tuple, tuple]], jax_mesh: "jax.s
     rng = np.random.default_rng(0)
     progs = _Programs()
     rates_of = _rates_programs(jax_mesh, progs)
-    empty = progs.add(jax.jit(jax.shard_map(lambda x: x + 1.0, mesh=jax_mesh, in_specs=spec, out_specs=spec,
-                                            check_vma=False)),
-                      jax.device_put(np.zeros((n_all,), np.float32), sharding))
     index: list[int | None] = []
     for op, shapes, dtypes in requests:
         try:
@@ -69,13 +66,13 @@ def measure_local(requests: Sequence[tuple[Any, tuple, tuple]], jax_mesh: "jax.s
                                       check_vma=False))
             jax.block_until_ready(f(*args))
             index.append(progs.add(lambda a, f=f: f(*a), args))
-        except Exception as e:   # a dtype numpy lacks, shapes the op refuses: priced at its roofline
+        except Exception as e:   # a dtype numpy lacks, shapes the op refuses: untimed (metadist_core.localtime)
             log.debug("op %s not timed at local shapes %s: %s: %s", op.id, shapes, type(e).__name__, e)
             index.append(None)
     secs = progs.run(iters)
     rates = rates_of(secs)
     device = DeviceSpec("jax-local-times", rates["peak_flops"], rates["mem_bandwidth"], op_overhead=rates["op_overhead"])
-    base = secs[empty]
+    base = rates["call_seconds"]
     return [None if i is None else max(secs[i] - base, 1e-7) for i in index], device
 
 
