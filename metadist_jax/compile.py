@@ -61,14 +61,14 @@ class JaxStep(CompiledStep):
     def partition_specs(self) -> tuple[Any, Any]:
         """``(in_specs, out_specs)``: PartitionSpec pytrees shaped like the step's arguments and results.
 
-        ``in_specs`` is ``(args, kwargs)``-shaped as the step was called; use
-        ``in_specs[0]`` for positional arguments. With ``jax.jit(step,
+        ``in_specs`` is ``(args, kwargs)``-shaped as the step was called (None at a static leaf, a Python
+        bool or str); use ``in_specs[0]`` for positional arguments. With ``jax.jit(step,
         in_shardings=..., out_shardings=...)`` this is the plan's layout left
         to GSPMD for everything in between.
         """
         run = self.lowered()
         n = len(run.context.input_ids)
-        ins = jax.tree_util.tree_unflatten(run.context.in_tree, run.program.in_specs[:n])
+        ins = jax.tree_util.tree_unflatten(run.context.in_tree, run.context.spread(run.program.in_specs[:n]))
         outs = jax.tree_util.tree_unflatten(run.context.out_tree, run.program.out_specs)
         return ins, outs
 
@@ -76,15 +76,17 @@ class JaxStep(CompiledStep):
         """``(in_shardings, out_shardings)``: the NamedSharding pytrees of :meth:`partition_specs`."""
         run = self.lowered()
         n = len(run.context.input_ids)
-        ins = jax.tree_util.tree_unflatten(run.context.in_tree, run.program.in_shardings[:n])
+        ins = jax.tree_util.tree_unflatten(run.context.in_tree, run.context.spread(run.program.in_shardings[:n]))
         outs = jax.tree_util.tree_unflatten(run.context.out_tree, run.program.out_shardings)
         return ins, outs
 
     def place(self, *args: Any, **kwargs: Any) -> tuple:
-        """The arguments as jax.Arrays laid out as the plan stores them (compiles if needed)."""
+        """The arguments as jax.Arrays laid out as the plan stores them, static ones as given (compiles if
+        needed)."""
         run = self.compile(*args, **kwargs).runnable
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
-        placed = [put(x, s) for x, s in zip(leaves, run.program.in_shardings)]
+        it = iter([put(x, s) for x, s in zip(run.context.dynamic(leaves), run.program.in_shardings)])
+        placed = [x if i in run.context.static else next(it) for i, x in enumerate(leaves)]
         a, _ = jax.tree_util.tree_unflatten(tree, placed)
         return a
 

@@ -299,11 +299,12 @@ class LoweredStep:
         self.consts = [put(context.const_values[v], program.in_shardings[pos[v]]) for v in context.const_ids]
 
     def operands(self, args: tuple, kwargs: dict) -> list:
-        """The program's operands for the user's arguments: each leaf placed as the plan stores it, then
-        the step's constants."""
+        """The program's operands for the user's arguments: each leaf placed as the plan stores it (the
+        static ones left out: the trace fixed them), then the step's constants."""
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         if tree != self.context.in_tree:
             raise TypeError(f"the step was compiled for arguments shaped {self.context.in_tree}, got {tree}")
+        leaves = self.context.dynamic(leaves)
         return [put(x, s) for x, s in zip(leaves, self.program.in_shardings)] + list(self.consts)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -64,6 +64,7 @@ class MicroBatchedStep:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         if tree != self.context.in_tree:
             raise TypeError(f"the step was compiled for arguments shaped {self.context.in_tree}, got {tree}")
+        leaves = self.context.dynamic(leaves)   # static leaves are fixed in the trace
         placed = []
         for i, (x, s) in enumerate(zip(leaves, self.in_shardings)):
             if i in self.batch_idx:

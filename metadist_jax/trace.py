@@ -65,6 +65,16 @@ class TraceContext:
     examples: dict[str, np.ndarray] = field(default_factory=dict)  # concrete integer values seen at trace
     n_params: int = 0
     n_state: int = 0
+    static: dict[int, Any] = field(default_factory=dict)   # leaf index -> static value, fixed in the trace
+
+    def dynamic(self, leaves: Sequence[Any]) -> list[Any]:
+        """The leaves of a call that are graph inputs (in ``input_ids`` order): all but the static ones."""
+        return [x for i, x in enumerate(leaves) if i not in self.static]
+
+    def spread(self, values: Sequence[Any], fill: Any = None) -> list[Any]:
+        """``values`` (one per graph input) laid over every leaf of a call, ``fill`` at the static leaves."""
+        it = iter(values)
+        return [fill if i in self.static else next(it) for i in range(len(self.static) + len(self.input_ids))]
 
 
 def dtype_name(dtype: Any) -> str:
@@ -214,11 +224,38 @@ class GraphBuilder:
         return out[1]
 
 
+def is_state_path(path: Any) -> bool:
+    """Is the leaf at ``path`` (in the ``(args, kwargs)`` pytree) a parameter or optimizer state (args 0, 1)?"""
+    return path[0].idx == 0 and len(path) > 1 and getattr(path[1], "idx", None) in (0, 1)
+
+
+def static_leaves(flat_with_path: Sequence[tuple[Any, Any]]) -> dict[int, Any]:
+    """The static leaves of a call's flat ``(path, leaf)`` list, by index: each Python ``bool`` or ``str``
+    outside the parameters and optimizer state. Such a value steers the step's Python code (a flag, a mode),
+    so it is fixed in the trace and keys the compile, as ``jax.jit``'s ``static_argnames`` would make it; a
+    Python int or float stays a traced input, so that a new value needs no new compile."""
+    return {i: x for i, (path, x) in enumerate(flat_with_path)
+            if isinstance(x, (bool, str)) and not is_state_path(path)}
+
+
 def call_signature(args: tuple, kwargs: dict) -> Any:
-    """The compile-cache key of a call: the pytree structure, and every leaf's shape and dtype."""
-    leaves, tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs)))
-    return tree, tuple((x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray))
-                       else (tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
+    """The compile-cache key of a call: the pytree structure, every leaf's shape and dtype, and the value
+    of every static leaf (:func:`static_leaves`)."""
+    flat, tree = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)))
+    static = static_leaves(flat)
+    return tree, tuple(("static", type(x).__name__, x) if i in static
+                       else (x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray))
+                       else (tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
+                       for i, (_, x) in enumerate(flat))
+
+
+def unplaced(x: Any) -> Any:
+    """``x`` as the trace takes it: a jax.Array by its shape, dtype and weak type alone. Traced on an array
+    placed on a mesh, primitives record that mesh in their params (``broadcast_in_dim``'s ``sharding``),
+    and then cannot bind inside the lowered shard_map, whose mesh is manual."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=jax.typeof(x).weak_type)
+    return x
 
 
 def _leaf_name(prefix: str, path: Any) -> str:
@@ -240,14 +277,16 @@ def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | 
     ``args[0]`` are the parameters and ``args[1]`` the optimizer state; the
     step must return ``(loss, new_params, new_opt_state, ...)`` with the new
     values shaped like the old ones: they become the state aliases. Steps
-    with fewer than two arguments are traced without state.
+    with fewer than two arguments are traced without state. Static leaves
+    (:func:`static_leaves`) are fixed in the trace and are no graph inputs.
     """
     kwargs = dict(kwargs or {})
     flat_with_path, in_tree = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs))
-    leaves = [x for _, x in flat_with_path]
+    static = static_leaves(flat_with_path)
+    leaves = [x for i, (_, x) in enumerate(flat_with_path) if i not in static]
     roles, ids = [], []
     seen: set[str] = set()
-    for path, _ in flat_with_path:
+    for path, _ in (pl for i, pl in enumerate(flat_with_path) if i not in static):
         if path[0].idx == 0 and len(path) > 1 and hasattr(path[1], "idx"):
             pos = path[1].idx
             role = "parameter" if pos == 0 else "optimizer_state" if pos == 1 else "input"
@@ -262,11 +301,13 @@ def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | 
         ids.append(vid)
 
     def flat_fn(*xs):
-        a, k = jax.tree_util.tree_unflatten(in_tree, xs)
+        it = iter(xs)
+        every = [static[i] if i in static else next(it) for i in range(len(flat_with_path))]
+        a, k = jax.tree_util.tree_unflatten(in_tree, every)
         return fn(*a, **k)
 
     try:
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*leaves)
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(unplaced, leaves))
     except Exception as e:
         raise TraceError(f"jax.make_jaxpr could not trace {getattr(fn, '__name__', fn)!r}: "
                          f"{type(e).__name__}: {e}") from e
@@ -308,7 +349,7 @@ def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | 
         n_state = sum(1 for r in roles if r == "optimizer_state")
     b.ir.validate()
     ctx = TraceContext(in_tree, out_tree, ids, b.const_ids, b.const_values, out_ids, b.avals,
-                       n_params=n_params, n_state=n_state)
+                       n_params=n_params, n_state=n_state, static=static)
     ctx.examples = integer_examples(b.ir, ctx, dict(zip(ids, leaves)))
     b.ir.payload = ctx  # frontend-private data for lowering (not serialised)
     log.info("traced %s: %d ops over %d inputs", b.ir.name, len(b.ir.ops), len(b.ir.inputs))
