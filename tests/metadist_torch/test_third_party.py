@@ -123,7 +123,7 @@ def test_transformers_gpt2_and_llama_on_2_gloo_ranks(tmp_path):
         pytest.fail("torchrun failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
     res = json.loads(out.read_text())
     gpt2, llama = res["gpt2"], res["llama"]
-    _check(gpt2)
+    _check(gpt2, sign_flips=1e-4)   # seen: 1 element of 110,054 at 2.0x (scipy 1.17, transformers 5.23-5.24)
     assert gpt2["sharded_inputs"] > 0, "the memory budget should force some state to be stored sharded"
     _check(llama, sign_flips=1e-4)   # seen: 1 element of 89,851 (an o_proj weight) at 3.4x
     # DDP's layout: the batch is split through the whole step, rotary embeddings' slice_backward included
