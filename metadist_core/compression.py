@@ -58,7 +58,8 @@ def gradient_chain(graph: MetaIR) -> set[str]:
             continue
         ins = [u for u in op.inputs if graph.vars[u].is_tensor and graph.vars[u].ndim > 0]
         if len(ins) == 1 and len(op.outputs) == 1 and graph.vars[ins[0]].numel == graph.vars[v].numel \
-                and graph.vars[ins[0]].role not in ("parameter", "optimizer_state", "buffer", "input"):
+                and graph.vars[ins[0]].role not in ("parameter", "optimizer_state", "buffer", "input",
+                                                 "hyperparameter"):
             todo.append(ins[0])
     return out
 

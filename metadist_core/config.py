@@ -30,6 +30,9 @@
 | autotune       | METADIST_AUTOTUNE          | autotune        | true (with measured costs: the solver's plan timed beside the ddp, zero1 and fsdp presets', the fastest kept; frontends that can time a plan alone: JAX) |
 | autotune_seconds | METADIST_AUTOTUNE_SECONDS | autotune_seconds | 60 (autotune's time: programs not compiled by then are left untimed) |
 | local_time_seconds | METADIST_LOCAL_TIME_SECONDS | local_time_seconds | 10 (with measured costs, time a compile may spend timing matmuls at each strategy's local shapes, metadist_core.localtime; 0: none, every op at its roofline; frontends that time them: JAX) |
+| max_replans    | METADIST_MAX_REPLANS       | max_replans     | 8 (re-plans of a step after a failed guard before one warning says the loop re-plans every call) |
+| guard_cache    | METADIST_GUARD_CACHE       | guard_cache     | 8 (compiled programs kept per call signature, for when an earlier state returns) |
+| sync_guards    | METADIST_SYNC_GUARDS       | sync_guards     | true (on many ranks, one small CPU all_reduce per call: every rank takes the same guard decision) |
 """
 from __future__ import annotations
 
@@ -81,6 +84,9 @@ class Settings:
     autotune: bool = True   # with measured costs, time the solver's plan beside the presets' (metadist_core.autotune)
     autotune_seconds: float = 60.0   # autotune's time budget (metadist_core.autotune.time_trials)
     local_time_seconds: float = 10.0   # time a compile may spend timing ops at local shapes (metadist_core.localtime)
+    max_replans: int = 8   # re-plans after failed guards before one warning (metadist_core.pipeline.CompiledStep)
+    guard_cache: int = 8   # compiled programs kept per call signature (an earlier state that returns reuses its own)
+    sync_guards: bool = True   # many ranks agree on every guard decision (one small CPU all_reduce per call)
 
     @property
     def bucket_bytes(self) -> int:
@@ -100,6 +106,15 @@ class Settings:
     def solver_options(self) -> dict[str, Any]:
         """The options every solver receives (unknown keys are ignored by a solver)."""
         return {"time_limit": self.time_limit, "beam_width": self.beam_width, "cache_mb": self.ilp_cache_mb}
+
+
+def check_setting_names(names: Any) -> None:
+    """Raise a ValueError naming each of ``names`` that is no setting, with the settings there are."""
+    known = {f.name for f in fields(Settings)}
+    bad = sorted(set(names) - known)
+    if bad:
+        raise ValueError(f"unknown setting{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; "
+                         f"the settings are: {', '.join(sorted(known))}")
 
 
 def _pyproject_settings(start: Path | None = None) -> dict[str, Any]:
@@ -129,11 +144,12 @@ def load_settings(**explicit: Any) -> Settings:
             value = file_vals.get(f.name)
         if value is None:
             continue
-        if f.name in ("coalesce", "progress", "measure_links", "recompute", "measure_memory", "autotune"):
+        if f.name in ("coalesce", "progress", "measure_links", "recompute", "measure_memory", "autotune",
+                      "sync_guards"):
             value = _bool(f.name, value)
         elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws", "max_real_discovery",
                         "micro_batches", "discovery_workers",
-                        "pipeline_stages"):
+                        "pipeline_stages", "max_replans", "guard_cache"):
             try:
                 value = int(float(value))
             except ValueError:
@@ -172,6 +188,10 @@ def load_settings(**explicit: Any) -> Settings:
     if s.local_time_seconds < 0:
         raise ValueError(f"local_time_seconds must be 0 (time no op at its local shapes) or more, "
                          f"got {s.local_time_seconds}")
+    if s.max_replans < 0:
+        raise ValueError(f"max_replans must be 0 or more (re-plans before the warning), got {s.max_replans}")
+    if s.guard_cache < 1:
+        raise ValueError(f"guard_cache must be at least 1 (compiled programs kept per signature), got {s.guard_cache}")
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
     if s.grad_compression is not None:

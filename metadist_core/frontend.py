@@ -43,6 +43,20 @@ class Traced:
     context: Any = None
 
 
+class Watch(abc.ABC):
+    """What a compiled step depends on beyond its call signature, checked at every call (a frontend's)."""
+
+    @abc.abstractmethod
+    def failed(self, args: tuple, kwargs: dict, returning: bool = True) -> str | None:
+        """What changed since the compile that makes its program wrong, in words; None when nothing did.
+        ``returning``: another program of the step ran since this one did (what only another program can
+        change may have changed)."""
+
+    def agree(self, decision: Sequence[int]) -> None:
+        """Make sure every process took the same ``decision`` (which compiled program runs), or raise the same
+        error on every process; one process alone (the default) has nothing to agree with."""
+
+
 class NotSupported(RuntimeError):
     """A frontend was asked for something it does not offer (names the frontend and the feature)."""
 
@@ -82,6 +96,11 @@ class Frontend(abc.ABC):
     @abc.abstractmethod
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         """The compile-cache key of a call; calls with equal keys reuse one compiled step."""
+
+    def watch(self, result: Any, args: tuple, kwargs: dict) -> "Watch | None":
+        """The guards of a compiled step (:class:`Watch`), read right after ``result`` was lowered for this
+        call; None (the default): the signature alone decides which compiled program runs."""
+        return None
 
     @abc.abstractmethod
     def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:

@@ -17,7 +17,10 @@ DTYPE_BYTES: dict[str, int] = {
     "complex64": 8, "complex128": 16,
 }
 # "gradient": a parameter's gradient as the optimizer reads it (frontends that know it mark it; grad_compression)
-ROLES: tuple[str, ...] = ("input", "parameter", "optimizer_state", "buffer", "intermediate", "output", "gradient")
+# hyperparameter: a number of the optimizer's param groups (a learning rate), a 0-d input fed at every call that
+# lives on the host
+ROLES: tuple[str, ...] = ("input", "parameter", "optimizer_state", "buffer", "intermediate", "output", "gradient",
+                          "hyperparameter")
 
 
 def canonical_dtype(dtype: Any) -> str:

@@ -48,7 +48,7 @@ log = logging.getLogger("metadist.offload")
 
 OFFLOAD_CHOICES = ("optimizer",)
 STATE_ROLE = "optimizer_state"
-HOST_INPUT_ROLES = ("parameter", "optimizer_state")   # inputs a pulled-in host op may read without a new transfer
+HOST_INPUT_ROLES = ("parameter", "optimizer_state", "hyperparameter")   # inputs a pulled-in host op may read without a new transfer
 
 
 def check_offload(value: Any) -> str | None:
@@ -91,6 +91,8 @@ def host_region(graph: MetaIR) -> HostRegion:
     needed_on_device = set(graph.outputs) - state_out    # returned values, new parameters and buffers
     host_ops: set[str] = set()
     host_vals: set[str] = set(state_in)
+    numbers = hyper_values(graph)   # the param groups' numbers and what is computed from them alone: host values
+    host_ops.update(op.id for op in graph.ops if op.outputs and all(v in numbers for v in op.outputs))
     for op in graph.ops:   # forward closure from the optimizer state
         if any(v in host_vals for v in op.inputs):
             host_ops.add(op.id)
@@ -104,7 +106,7 @@ def host_region(graph: MetaIR) -> HostRegion:
             readers = [c for v in op.outputs for c in graph.vars[v].consumers]
             if not readers or any(c not in host_ops for c in readers):
                 continue
-            if all(_on_host_anyway(graph, v, host_ops, host_vals) for v in op.inputs):
+            if all(_on_host_anyway(graph, v, host_ops, host_vals, numbers) for v in op.inputs):
                 host_ops.add(op.id)
                 host_vals.update(op.outputs)
                 changed = True
@@ -113,8 +115,8 @@ def host_region(graph: MetaIR) -> HostRegion:
     for op in graph.ops:
         if op.id not in host_ops:
             continue
-        for v in op.inputs:
-            if v not in host_vals and graph.vars[v].is_tensor and v not in to_host:
+        for v in op.inputs:   # the param groups' numbers live on the host: nothing to copy
+            if v not in host_vals and graph.vars[v].is_tensor and v not in to_host and v not in numbers:
                 to_host.append(v)
     for s in state_in:   # new state made on the device (a rare optimizer): copied to the host store
         out = graph.aliases.get(s)
@@ -131,11 +133,37 @@ def host_region(graph: MetaIR) -> HostRegion:
     return HostRegion(ops, resident, to_host, to_device)
 
 
-def _on_host_anyway(graph: MetaIR, v: str, host_ops: set[str], host_vals: set[str]) -> bool:
+def hyper_values(graph: MetaIR) -> set[str]:
+    """The ``hyperparameter`` inputs (a learning rate: 0-d, on the host) and every value computed from them
+    alone (``1 - lr * weight_decay``)."""
+    out = {v for v in graph.inputs if graph.vars[v].role == "hyperparameter"}
+    if not out:
+        return out
+    scalar = [op for op in graph.ops if op.outputs and all(graph.vars[v].ndim == 0 for v in op.outputs)]
+    changed = True
+    while changed:
+        changed = False
+        for op in scalar:
+            if set(op.outputs) <= out:
+                continue
+            if op.inputs:
+                joins = all(v in out for v in op.inputs)
+            else:   # a 0-d constant (``scalar_tensor(1.0)``) that only meets the numbers
+                readers = [graph.op(c) for v in op.outputs for c in graph.vars[v].consumers]
+                joins = bool(readers) and all(u in out or u in op.outputs for r in readers for u in r.inputs)
+            if joins:
+                out.update(op.outputs)
+                changed = True
+    return out
+
+
+def _on_host_anyway(graph: MetaIR, v: str, host_ops: set[str], host_vals: set[str], numbers: set[str]) -> bool:
     mv = graph.vars[v]
     if v in host_vals or not mv.is_tensor:
         return True
     if mv.producer is None and mv.role in HOST_INPUT_ROLES:
+        return True
+    if v in numbers:
         return True
     return any(c in host_ops for c in mv.consumers)
 

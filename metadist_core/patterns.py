@@ -171,7 +171,7 @@ def _map_attrs(x: Any, fn) -> Any:
     tensor inputs (``{"$in": i}``, ``{"var": name}``) are left alone."""
     if isinstance(x, bool):
         return x
-    if isinstance(x, dict) and len(x) == 1 and next(iter(x)) in ("$in", "var"):
+    if isinstance(x, dict) and len(x) == 1 and next(iter(x)) in ("$in", "$item", "var"):
         return x
     if isinstance(x, int):
         return fn(x)

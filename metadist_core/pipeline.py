@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import time
+import warnings
 from typing import Any, Callable, Hashable, Iterable, Mapping
 
 from .config import Settings, load_settings
@@ -253,20 +254,56 @@ class CompiledStep:
         self.plugins = plugins
         self.settings = load_settings(**settings)
         (plugins or PluginManager()).solver(self.settings.solver)  # an unknown solver fails at decoration
-        self.cache: dict[Hashable, CompileResult] = {}
+        # per call signature: its compiled programs, the one run last first (at most settings.guard_cache)
+        self.cache: dict[Hashable, list[CompileResult]] = {}
         self.last: CompileResult | None = None
+        self.replans = 0   # compiles made because a guard failed (not for a new signature)
+        self.replan_reasons: list[str] = []
 
     def compile(self, *args: Any, **kwargs: Any) -> CompileResult:
-        """Trace, plan and lower the step for these arguments (cached by signature), without running it."""
+        """The compiled program for these arguments, without running it: the one of their signature whose
+        guards hold (every process deciding alike), else a new trace, plan and lowering."""
         key = self.frontend.signature(args, kwargs)
-        hit = self.cache.get(key)
-        if hit is None:
+        entries = self.cache.setdefault(key, [])
+        choice, reason = self._choose(entries, args, kwargs)
+        if choice >= 0:
+            hit = entries.pop(choice)
+        else:
+            if entries:
+                self._replanned(reason or "a guard failed")
             hit = compile_step(self.frontend, self.fn, args, kwargs, self.settings, mesh=self.mesh_arg,
                                plugins=self.plugins, constraints=self.constraints,
                                solver_options=self.solver_options)
-            self.cache[key] = hit
+            hit.watch = self.frontend.watch(hit, args, kwargs)
+        entries.insert(0, hit)
+        del entries[self.settings.guard_cache:]
         self.last = hit
         return hit
+
+    def _choose(self, entries: list[CompileResult], args: tuple, kwargs: dict) -> tuple[int, str | None]:
+        """The index of the first entry whose guards hold (-1: none) and, where one failed, what changed.
+        Every process takes the same decision or raises (``sync_guards``)."""
+        choice, reason = -1, None
+        for i, res in enumerate(entries):
+            why = res.watch.failed(args, kwargs, res is not self.last) if res.watch is not None else None
+            if why is None:
+                choice = i
+                break
+            reason = reason or why
+        if entries and entries[0].watch is not None and self.settings.sync_guards:
+            entries[0].watch.agree((choice, len(entries)))
+        return choice, reason
+
+    def _replanned(self, reason: str) -> None:
+        name = getattr(self.fn, "__name__", "step")
+        self.replans += 1
+        self.replan_reasons.append(reason)
+        log.info("re-planning %s: %s", name, reason)
+        if self.replans == self.settings.max_replans + 1:
+            warnings.warn(f"metadist: {name} has re-planned {self.replans} times (max_replans="
+                          f"{self.settings.max_replans}): the loop changes what the compiled program depends on "
+                          f"between calls, and each change costs a new plan. The guard that failed last: {reason}. "
+                          f"Keep it fixed between calls, or raise max_replans to silence this.", stacklevel=3)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.compile(*args, **kwargs).runnable(*args, **kwargs)
@@ -299,7 +336,8 @@ class CompiledStep:
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__name__", "step")
-        return f"<CompiledStep {name} ({self.frontend.name}), {len(self.cache)} compiled>"
+        n = sum(len(v) for v in self.cache.values())
+        return f"<CompiledStep {name} ({self.frontend.name}), {n} compiled, {self.replans} re-planned>"
 
 
 __all__ = ["CompileResult", "CompiledStep", "compile_step", "plan_graph", "replicated_plan", "op_costs"]

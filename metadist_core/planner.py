@@ -44,6 +44,7 @@ class CompileResult:
     timings: dict[str, float] = field(default_factory=dict)
     traced: Traced | None = None
     mesh: Mesh | None = None
+    watch: Any = None   # the frontend's guards on what the trace read (Frontend.watch); None: the signature only
 
 
 def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, float]]:

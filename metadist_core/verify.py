@@ -144,7 +144,7 @@ def scalars_of(attrs: Any) -> list[float]:
         elif isinstance(x, (list, tuple)):
             for v in x:
                 walk(v)
-        elif isinstance(x, dict) and not (len(x) == 1 and next(iter(x)) in ("$in", "var")):
+        elif isinstance(x, dict) and not (len(x) == 1 and next(iter(x)) in ("$in", "$item", "var")):
             for v in x.values():
                 walk(v)
     walk({k: v for k, v in (attrs or {}).items() if not str(k).startswith("_") and k != "select"})

@@ -1,12 +1,13 @@
 """The aten call encoding of MetaOp attrs, rebuilt around real tensors (see :mod:`metadist_core.recorded`).
 
 An aten MetaOp carries its call in ``attrs``: ``{"args": [...], "kwargs": {...}}``
-with ``{"$in": i}`` where tensor input ``i`` goes, ``{"$dtype": ...}``,
+with ``{"$in": i}`` where tensor input ``i`` goes, ``{"$item": i}`` where it goes as its number
+(a 0-d tensor of the param groups' numbers, :mod:`metadist_torch.hyper`), ``{"$dtype": ...}``,
 ``{"$device": ...}`` and ``{"$torch": ...}`` for torch constants.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -71,15 +72,26 @@ def schema_arg(overload, args: Sequence[Any], kwargs: Mapping[str, Any], name: s
             return a.default_value if a.has_default_value() and a.default_value is not None else default
     return default
 
-def rebuild(template: Any, tensors: Sequence[Any], *, upcast: bool = False, device: Any = None) -> Any:
+def _item(t: Any) -> Any:
+    """A 0-d tensor's number; a meta tensor's (shapes and FLOPs only) stands as 1."""
+    if getattr(t, "device", None) is not None and t.device.type == "meta":
+        return 1.0 if t.dtype.is_floating_point else 1
+    return t.item()
+
+
+def rebuild(template: Any, tensors: Sequence[Any], *, upcast: bool = False, device: Any = None,
+            item: Callable[[Any], Any] = _item) -> Any:
     """Put ``tensors`` and torch constants back where ``template`` marks them.
 
     ``upcast`` turns float32/float16/bfloat16 dtype arguments into float64 (as
-    in discovery); ``device`` replaces every ``{"$device"}`` when given.
+    in discovery); ``device`` replaces every ``{"$device"}`` when given;
+    ``item(x)`` is what ``{"$item": i}`` (tensor ``i`` passed as a number) becomes.
     """
     if isinstance(template, dict):
         if "$in" in template:
             return tensors[template["$in"]]
+        if "$item" in template:   # a tensor input passed as its number
+            return item(tensors[template["$item"]])
         if "$dtype" in template:
             dt = template["$dtype"]
             return TORCH_DTYPES["float64" if upcast and dt in LOW_FLOATS else dt]
@@ -87,16 +99,16 @@ def rebuild(template: Any, tensors: Sequence[Any], *, upcast: bool = False, devi
             return torch.device(device if device is not None else template["$device"])
         if "$torch" in template:
             return getattr(torch, template["$torch"])
-        return {k: rebuild(v, tensors, upcast=upcast, device=device) for k, v in template.items()}
+        return {k: rebuild(v, tensors, upcast=upcast, device=device, item=item) for k, v in template.items()}
     if isinstance(template, (list, tuple)):
-        return [rebuild(v, tensors, upcast=upcast, device=device) for v in template]
+        return [rebuild(v, tensors, upcast=upcast, device=device, item=item) for v in template]
     return template
 
 
 def find_inputs(template: Any, out: list[int]) -> list[int]:
     if isinstance(template, dict):
-        if "$in" in template:
-            out.append(template["$in"])
+        if "$in" in template or "$item" in template:
+            out.append(template.get("$in", template.get("$item")))
         else:
             for v in template.values():
                 find_inputs(v, out)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable
 
+from metadist_core.config import check_setting_names
 from metadist_core.pipeline import CompiledStep
 from metadist_core.plugins import PluginManager
 
@@ -80,7 +81,7 @@ def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget:
                      pipeline_stages: int | None = None, schedule: str | None = None,
                      grad_compression: str | None = None, offload: str | None = None,
                      recompute: bool | None = None,
-                     strategy: str | None = None) -> Callable[[Callable], TorchStep]:
+                     strategy: str | None = None, **settings: Any) -> Callable[[Callable], TorchStep]:
     """Decorate a training step so that it runs split over the devices of ``mesh``.
 
     :param mesh: None (the whole world as one axis), a shape such as ``(2, 2)``,
@@ -107,15 +108,19 @@ def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget:
     :param offload: None or "optimizer": optimizer state lives in host memory (pinned on CUDA) and the
         optimizer update runs on the host CPU; gradients go to the host and new parameters come back every
         step (:mod:`metadist_torch.offload`, priced by :mod:`metadist_core.offload`).
+    :param settings: any other setting of :class:`metadist_core.config.Settings` by name (``max_replans``,
+        ``guard_cache``, ``sync_guards``, ``time_limit``, ...).
     """
     if callable(mesh) and not isinstance(mesh, (tuple, list)) and not hasattr(mesh, "shape"):
         raise TypeError("metadist_compile takes arguments: write @metadist_compile() with parentheses")
+
+    check_setting_names(settings)
 
     def wrap(fn: Callable) -> TorchStep:
         return TorchStep(TorchFrontend(), fn, mesh=mesh, constraints=constraints, plugins=plugins, solver=solver,
                          memory_budget=memory_budget, cache_dir=cache_dir, micro_batches=micro_batches,
                          pipeline_stages=pipeline_stages, schedule=schedule, grad_compression=grad_compression,
-                         strategy=strategy, offload=offload, recompute=recompute)
+                         strategy=strategy, offload=offload, recompute=recompute, **settings)
 
     return wrap
 

@@ -159,7 +159,35 @@ def make_engine(mesh: Any = None) -> Engine:
         if got != coords:
             raise ValueError(f"the DeviceMesh puts rank {rank} at {got}, but MetaDist expects the row-major "
                              f"position {coords}; build the DeviceMesh from torch.arange(world).reshape(shape)")
+    if world > 1:
+        cpu_group()   # made here, where every rank makes its engine: the guards agree on it at every call
     return Engine(rank, world, m, dm, coords, dev)
+
+
+_CPU_GROUP: list[Any] = []
+
+
+def cpu_group() -> Any:
+    """A group of the whole world whose collectives run on the CPU (gloo): the default group when its backend
+    is gloo, else one made on the first call (every rank makes its first call at the same point)."""
+    if torch.distributed.get_backend() == "gloo":
+        return None
+    if not _CPU_GROUP:
+        _CPU_GROUP.append(torch.distributed.new_group(backend="gloo"))
+    return _CPU_GROUP[0]
+
+
+def agree_on(engine: Engine, values: Sequence[int], message: str, names: Sequence[str]) -> None:
+    """Check that every rank holds the same ``values`` (one all_reduce of a few integers on the CPU group);
+    where one differs, every rank raises ``message`` with ``{what}`` the name of the first that differs."""
+    if not engine.distributed:
+        return
+    n = len(values)
+    t = torch.tensor([int(v) for v in values] + [-int(v) for v in values], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=cpu_group())
+    for i in range(n):
+        if int(t[i]) != -int(t[n + i]):
+            raise RuntimeError("metadist: " + message.format(what=names[i] if i < len(names) else f"value {i}"))
 
 
 # one Engine per mesh of this process: (shape, axis names) or the DeviceMesh given -> (its argument, Engine)
@@ -230,4 +258,4 @@ def finish_worker(code: int = 0) -> None:
 
 
 __all__ = ["Engine", "make_engine", "engine_for", "resolve_mesh", "ensure_process_group", "world_info",
-           "default_backend", "measure_device", "finish_worker"]
+           "default_backend", "measure_device", "finish_worker", "cpu_group", "agree_on"]

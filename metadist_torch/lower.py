@@ -152,8 +152,10 @@ md_select = _named("md_select", _select)
 def op_node(g: fx.Graph, graph: MetaIR, op: MetaOp, ins: Sequence[fx.Node], out_sh: Sequence[Sharding],
             mesh: Mesh, coords: Sequence[int], name: str) -> list[fx.Node]:
     """The fx node(s) of one aten op on local tensors: one per op output."""
-    args = rebuild(op.attrs.get("args", []), ins)
-    kwargs = rebuild(op.attrs.get("kwargs", {}), ins)
+    def item(x: fx.Node) -> fx.Node:   # a 0-d tensor input passed as its number
+        return g.call_function(torch.ops.aten._local_scalar_dense.default, (x,))
+    args = rebuild(op.attrs.get("args", []), ins, item=item)
+    kwargs = rebuild(op.attrs.get("kwargs", {}), ins, item=item)
     if op.key.split(".")[1] in SHAPE_ARG_OPS and len(args) >= 2 and isinstance(args[1], (list, tuple)) \
             and len(op.outputs) == 1:
         args[1] = list(shard_shape(graph.vars[op.outputs[0]].shape, out_sh[0], mesh, coords))

@@ -218,10 +218,12 @@ def report(predicted: int | None, m: MemoryMeasurement) -> dict[str, Any]:
 
 
 def step_baseline(traced: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors a compiled step starts from: its state (``traced``: a ``TracedStep``) and the call's tensors."""
+    """The tensors a compiled step starts from: its state (``traced``: a ``TracedStep``) and the call's tensors
+    (with the gradients it reads)."""
     from .program import user_tensors
     slots = getattr(getattr(traced, "state", None), "slots", None) or []
-    return [s.get() for s in slots] + user_tensors(args, kwargs)
+    return [s.get() for s in slots] + (traced.inputs(args, kwargs) if traced is not None
+                                       else user_tensors(args, kwargs))
 
 
 def measure_compiled(result: Any, args: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:

@@ -122,8 +122,8 @@ def offload_graph(g: fx.Graph, is_host: Callable[[fx.Node], bool], host_inputs: 
             if _is_structural(n):
                 src = n.args[0]
                 res[n] = res.get(src) if isinstance(src, fx.Node) else "device"
-            elif _is_wait(n):
-                res[n] = None
+            elif _is_wait(n) or n.target is torch.ops.aten._local_scalar_dense.default:
+                res[n] = None   # a wait, or a number read from a param group's 0-d tensor: used where it is
             elif is_host(n):
                 res[n] = "host"
                 info.host_nodes += 1

@@ -211,7 +211,8 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
         n_s = len(step.state.slots)
         vals = {step.in_names[i]: slot.get().detach().clone().to(dev) for i, slot in enumerate(step.state.slots)}
         vals.update({step.in_names[n_s + j]: t.to(dev) for j, t in enumerate(step.example_inputs)})
-        vals.update({n: t.to(dev) for n, t in zip(step.in_names[n_s + len(step.example_inputs):], step.constants)})
+        vals.update({n: step.constant_on(k, dev)
+                     for k, n in enumerate(step.in_names[n_s + len(step.example_inputs):])})
         args = [vals[v] for v in rg.input_vars]
         with torch.no_grad():
             measured = _time(lambda: rg(*args), iters, sync, pick=min)

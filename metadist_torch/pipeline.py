@@ -21,7 +21,7 @@ from metadist_core.placement import Mesh, Sharding, local_piece
 
 from .engine import Engine
 from .lower import lower_plan
-from .program import input_pieces, local_of, moved_once, user_tensors
+from .program import _TOKENS, claim_layout, input_pieces, local_of, moved_once, user_tensors
 from .stats import CommStats
 from .trace import TracedStep
 
@@ -63,7 +63,7 @@ class MicroBatchProgram:
         n_s = len(traced.state.slots)
         self.slot_of = {traced.in_names[i]: i for i in range(n_s)}
         self.user_in = {traced.in_names[n_s + j]: j for j in range(traced.n_inputs)}
-        self.consts = {name: traced.constants[k]
+        self.consts = {name: traced.constant_on(k, engine.device)
                        for k, name in enumerate(traced.in_names[n_s + traced.n_inputs:])}
         rep = Sharding.replicated(mesh.ndim)
         self.rep = rep
@@ -74,6 +74,8 @@ class MicroBatchProgram:
                              f"(the loss); it returns {', '.join(map(str, missing))}, which the optimizer update "
                              f"or the state holds: return a copy (.clone()) of a forward value instead")
         self.out_pos = [self.grad.output_vars.index(v) for v in out_vars]
+        self.layout = next(_TOKENS)
+        claim_layout(traced, plans[2], engine, self.layout)
 
     def _inputs(self, rank_graph: Any, plan: Any, user: list[torch.Tensor], extra: dict[str, Any]) -> list:
         slots = self.traced.state.slots
@@ -89,7 +91,7 @@ class MicroBatchProgram:
             elif v in self.user_in:
                 local.append(local_piece(whole(v), sh, mesh, coords, zeros_like=torch.zeros_like))
             else:
-                local.append(local_piece(self.consts[v].to(dev), sh, mesh, coords, zeros_like=torch.zeros_like))
+                local.append(local_piece(self.consts[v], sh, mesh, coords, zeros_like=torch.zeros_like))
         return local + input_pieces(rank_graph, whole, self.engine)
 
     def _write(self, rank_graph: Any, outs: tuple) -> dict[str, torch.Tensor]:
@@ -106,6 +108,8 @@ class MicroBatchProgram:
         return grads
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.traced.refresh()
+        claim_layout(self.traced, self.plans[2], self.engine, self.layout)
         parts = split_batch(args, kwargs, self.m)
         dummy = {a: torch.empty(0) for a in self.cut.acc_of}
         sums: dict[str, torch.Tensor] = {}
@@ -130,6 +134,7 @@ def lower_micro_batches(traced: TracedStep, cut: GradientCut, plans: tuple, mesh
                         settings: Any) -> MicroBatchProgram:
     """The :class:`MicroBatchProgram` of a traced step on ``engine`` (state placed as the plan stores it)."""
     from .program import place_state
+    _no_lasting_grads(traced, f"micro_batches={settings.micro_batches}")
     if engine.distributed:
         place_state(traced, plans[2], engine)
     if traced.random_ops:
@@ -137,6 +142,16 @@ def lower_micro_batches(traced: TracedStep, cut: GradientCut, plans: tuple, mesh
     return MicroBatchProgram(traced, cut, plans, mesh, engine, settings.micro_batches, coalesce=settings.coalesce,
                              bucket_bytes=settings.bucket_bytes, shard_bucket_bytes=settings.shard_bucket_bytes,
                              first_bucket_bytes=settings.first_bucket_bytes)
+
+
+def _no_lasting_grads(traced: TracedStep, option: str) -> None:
+    """Gradients that live across calls run in one program, not with ``option`` (a clear error)."""
+    if traced.grad_in or traced.grad_out:
+        from metadist_core.frontend import NotSupported
+        which = traced.state.params[(traced.grad_out or traced.grad_in)[0]].name
+        raise NotSupported(f"{option}: the step leaves or reads parameters' .grad across calls ({which}.grad; "
+                           f"accumulating in the caller's loop); not yet with {option}: call optimizer.zero_grad() "
+                           f"inside the step after optimizer.step(), or use the default of this option")
 
 
 __all__ = ["MicroBatchProgram", "split_batch", "lower_micro_batches"]

@@ -83,6 +83,15 @@ class TorchFrontend(Frontend):
         self._traced_step = step   # op_slowdowns times its program whole (optime.program_factor)
         return Traced(step.graph, context=step)
 
+    def watch(self, result: Any, args: tuple, kwargs: dict) -> Any:
+        """The guards on everything the trace read from Python state (:mod:`metadist_torch.watch`)."""
+        from .watch import StepWatch
+        step = result.traced.context if result.traced is not None else None
+        if step is None:
+            return None
+        return StepWatch(step, self.engine if self.engine is not None and result.mesh is not None
+                         and self.engine.mesh.shape == result.mesh.shape else None)
+
     def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> "Mesh":
         from .engine import engine_for
         self.engine = engine_for(mesh)   # a mesh whose size is not the world size: ValueError quoting both

@@ -10,6 +10,7 @@ placements, so that ``torch.distributed.checkpoint`` can save them.
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -57,6 +58,21 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return lt if lt is not None else t
 
 
+LAYOUT_ATTR = "_metadist_layout"   # on each module and optimizer: the token of the program its state is placed for
+_TOKENS = itertools.count(1)
+
+
+def claim_layout(traced: TracedStep, plan: Any, engine: Engine, token: int) -> None:
+    """Store the step's state as ``plan`` wants it, unless the program of ``token`` placed it last: another
+    compiled program of the same model (another signature, a re-plan after a guard, an eval step) may have
+    stored it in its own layout since."""
+    owners = [*traced.state.modules, *traced.state.optimizers]
+    if engine.distributed and any(getattr(o, LAYOUT_ATTR, None) != token for o in owners):
+        place_state(traced, plan, engine)
+        for o in owners:
+            o.__dict__[LAYOUT_ATTR] = token
+
+
 class LocalProgram:
     """World size 1: the traced functional graph on plain tensors. State updates run in the state's storage
     where they can (:func:`metadist_torch.reinplace.reinplace_updates`, ``reinplace``); any other new state
@@ -81,11 +97,19 @@ class LocalProgram:
         self.stats = CommStats()   # nothing to count on one device
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.traced.refresh()
         vals = [s.get() for s in self.traced.state.slots]
         with torch.no_grad():
-            outs = self.gm(*vals, *user_tensors(args, kwargs))
+            outs = self.gm(*vals, *self.traced.inputs(args, kwargs))
+            # one value written to several slots (step counters read as one), or a slot's own tensor: each
+            # slot keeps storage of its own, else a later program updating one would update them all
+            held = {id(v) for v in vals}
             for k, o in self.writes:
-                vals[k].data = outs[o]
+                new = outs[o]
+                if id(new) in held:
+                    new = new.clone()
+                vals[k].data = new
+                held.add(id(new))
         return self.traced.unflatten_outputs(list(outs[:self.traced.n_tensor_outputs]))
 
 
@@ -103,7 +127,7 @@ class RankProgram:
         self.const_local = {}
         for k, name in enumerate(traced.in_names[n_s + traced.n_inputs:]):
             sh = plan.input_shardings.get(name, rep)
-            self.const_local[name] = local_piece(traced.constants[k].to(engine.device), sh, engine.mesh,
+            self.const_local[name] = local_piece(traced.constant_on(k, engine.device), sh, engine.mesh,
                                                  engine.coords, zeros_like=torch.zeros_like)
         self.in_shardings = [plan.input_shardings.get(v, rep) for v in lowered.input_vars]
         out_index = {v: i for i, v in enumerate(lowered.output_vars)}
@@ -114,11 +138,15 @@ class RankProgram:
         self.out_pos = [out_index[v] for v in traced.out_vars[:traced.n_tensor_outputs]]
         n_out = len(lowered.output_vars)
         self.state_write = [(n_out + i, self.slot_of[s]) for i, s in enumerate(lowered.state_inputs)]
+        self.layout = next(_TOKENS)
+        claim_layout(traced, plan, engine, self.layout)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.traced.refresh()
+        claim_layout(self.traced, self.plan, self.engine, self.layout)
         slots = self.traced.state.slots
         mesh, coords, dev = self.engine.mesh, self.engine.coords, self.engine.device
-        whole = moved_once(user_tensors(args, kwargs), self.user_in, dev)
+        whole = moved_once(self.traced.inputs(args, kwargs), self.user_in, dev)
         local = []
         for v, sh in zip(self.lowered.input_vars, self.in_shardings):
             i = self.slot_of.get(v)
@@ -148,6 +176,20 @@ def _placements(sh: Sharding) -> list:
             out.append(Replicate())
         else:
             raise ValueError(f"state cannot be stored as {p}; only Shard and Replicate")
+    return out
+
+
+def _optimizers_holding(new_param: dict[int, Any], known: list) -> list:
+    """The live optimizers that hold any of the replaced parameters: those of the step, and any the user keeps
+    outside it (a step that only runs the backward, its optimizer stepped in the loop)."""
+    import gc
+    seen = {id(o) for o in known}
+    out = list(known)
+    for o in gc.get_objects():
+        if issubclass(type(o), torch.optim.Optimizer) and id(o) not in seen and any(
+                id(p) in new_param for g in o.param_groups for p in g["params"]):
+            out.append(o)
+            seen.add(id(o))
     return out
 
 
@@ -190,7 +232,7 @@ def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
         old_p = mod._parameters.get(k)
         if old_p is not None and id(old_p) in new_param:
             mod._parameters[k] = new_param[id(old_p)]
-    for opt in st.optimizers:
+    for opt in _optimizers_holding(new_param, st.optimizers):
         for g in opt.param_groups:
             g["params"] = [new_param.get(id(p), p) for p in g["params"]]
         state: defaultdict = defaultdict(dict)
@@ -200,4 +242,4 @@ def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
     st.param_objs = [new_param.get(id(p), p) for p in st.param_objs]
 
 
-__all__ = ["LocalProgram", "RankProgram", "place_state", "user_tensors", "local_of", "input_pieces", "moved_once"]
+__all__ = ["LocalProgram", "RankProgram", "place_state", "claim_layout", "user_tensors", "local_of", "input_pieces", "moved_once"]

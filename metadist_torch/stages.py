@@ -254,6 +254,8 @@ class PipelineProgram:
         if bufs:
             raise NotSupported(f"pipeline_stages: the step updates buffers ({bufs[0]}, BatchNorm's running "
                                f"statistics); not yet with a pipeline: use pipeline_stages=1")
+        from .pipeline import _no_lasting_grads
+        _no_lasting_grads(traced, "pipeline_stages")
         self.traced, self.cut, self.stages, self.engine, self.m = traced, cut, stages, engine, m
         self.schedule_name = schedule
         mesh_shape = engine.mesh.shape
@@ -262,7 +264,7 @@ class PipelineProgram:
         n_s = len(traced.state.slots)
         self.slot_of = {traced.in_names[i]: i for i in range(n_s)}
         self.user_in = [traced.in_names[n_s + j] for j in range(traced.n_inputs)]
-        consts = {name: traced.constants[k].to(engine.device)
+        consts = {name: traced.constant_on(k, engine.device)
                   for k, name in enumerate(traced.in_names[n_s + traced.n_inputs:])}
         dm = engine.device_mesh
         sub = SubMesh(None if dm is None or len(mesh_shape) == 1 else dm[tuple(engine.mesh.axis_names[1:])])
@@ -302,6 +304,7 @@ class PipelineProgram:
         return self.traced.state.slots[self.slot_of[var]].get()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.traced.refresh()
         user = user_tensors(args, kwargs)
         split_batch(args, kwargs, self.m)   # a batch m does not divide: the clear error, before any send
         for mod in self.modules.values():

@@ -175,8 +175,12 @@ def init_optimizer_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                               "so the first update differs from eager torch", stacklevel=3)
         saved_grads = {p: p.grad for g in opt.param_groups for p in g["params"]}
         saved = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in opt.param_groups]
+        # only the parameters without state take this step: the others' state (moments, step counters) stays
+        saved_params = [g["params"] for g in opt.param_groups]
+        no_state = {id(p) for p in missing}
         try:
             for g in opt.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) in no_state]
                 for p in g["params"]:
                     p.grad = torch.zeros_like(p)
                 if "lr" in g:
@@ -194,8 +198,9 @@ def init_optimizer_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
                         # a model built on the meta device (planned, never run): the step counter lives with it
                         st["step"] = torch.zeros((), dtype=s.dtype, device="meta")
         finally:
-            for g, s in zip(opt.param_groups, saved):
+            for g, s, ps in zip(opt.param_groups, saved, saved_params):
                 g.update(s)
+                g["params"] = ps
             for p, gr in saved_grads.items():
                 p.grad = gr
 

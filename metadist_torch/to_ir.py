@@ -18,7 +18,10 @@ import torch.utils._pytree as pytree
 
 from metadist_core.ir import MetaIR, canonical_dtype
 
+from .hyper import ATTR_PREFIX
 from .state import ROLE_BUFFER, ROLE_INPUT, StepState
+
+ROLE_HYPER = "hyperparameter"   # a param group's number, fed at every call (metadist_torch.hyper)
 
 
 class TraceError(RuntimeError):
@@ -116,7 +119,8 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
             val = getattr(gm, n.target)
             if not isinstance(val, torch.Tensor):
                 raise TraceError(f"graph attribute {n.target!r} is not a tensor")
-            g.add_input(n.name, tuple(val.shape), canonical_dtype(val.dtype), ROLE_BUFFER)
+            role = ROLE_HYPER if str(n.target).startswith(ATTR_PREFIX) else ROLE_BUFFER
+            g.add_input(n.name, tuple(val.shape), canonical_dtype(val.dtype), role)
             in_names.append(n.name)
             constants.append(val)
             var_of[n] = n.name
@@ -131,8 +135,13 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
             first = picks[n.args[0]][n.args[1]]
             if first is not n:
                 alias_getitem[n] = first
+    item_of: dict[fx.Node, fx.Node] = {}   # a 0-d tensor's number passed to an op (metadist_torch.hyper)
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        if n.target is torch.ops.aten._local_scalar_dense.default and isinstance(n.args[0], fx.Node) \
+                and n.args[0] in var_of and all(u.op == "call_function" for u in n.users):
+            item_of[n] = n.args[0]   # its readers take the tensor as an input, as a number: {"$item": i}
             continue
         if is_annotation(n.target):   # metadist_torch.annotate: the value itself, pinned (no op of its own)
             src = alias_getitem.get(n.args[0], n.args[0])
@@ -147,6 +156,9 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
         op_inputs: list[str] = []
 
         def enc(x: Any) -> Any:
+            if isinstance(x, fx.Node) and x in item_of:
+                op_inputs.append(var_of[item_of[x]])
+                return {"$item": len(op_inputs) - 1}
             if isinstance(x, fx.Node):
                 x = alias_getitem.get(x, x)
                 if x not in var_of:

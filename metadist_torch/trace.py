@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 from metadist_core.ir import MetaIR
 
 from .amp import amp_decompositions
+from .hyper import Hyperparameters, branch_guards, hyper_slots, lift, swapped_values, symbolic_values
 from .state import (OptimizerParamHolder, StepState, capturable_optimizers, collect_state, init_optimizer_state,
                     optimizers_in, swapped_optimizer)
 from .gradients import capture_gradients, strip_gradients
@@ -62,7 +63,7 @@ class TracedStep:
     gm: fx.GraphModule              # (params, buffers, states, inputs, constants) -> flat outputs
     graph: MetaIR
     state: StepState
-    n_inputs: int                   # user tensor inputs
+    n_inputs: int                   # user tensor inputs, then the .grad of each parameter of ``grad_in``
     out_spec: Any                   # pytree spec of the user's return value
     n_outputs: int                  # flat user outputs (tensors and constants)
     n_tensor_outputs: int           # of which tensors (the graph's first outputs)
@@ -74,9 +75,37 @@ class TracedStep:
     random_ops: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     example_inputs: list[torch.Tensor] = field(default_factory=list)   # the traced call's user tensors
+    hyper: Hyperparameters = field(default_factory=Hyperparameters.none)   # the param groups' numbers, fed
+    grad_in: list[int] = field(default_factory=list)    # parameters whose .grad the step reads (inputs, last)
+    grad_out: list[int] = field(default_factory=list)   # parameters holding a .grad after it (outputs, last)
+    merged_counters: dict[int, int] = field(default_factory=dict)   # optimizer state slot -> the one read for it
+
+    def refresh(self) -> None:
+        """Feed the param groups' numbers now (learning rate, betas, ...) to the program: before every run."""
+        self.hyper.refresh(self.state.optimizers)
+
+    def constant_on(self, k: int, device: Any) -> torch.Tensor:
+        """Graph constant ``k`` on ``device``; the param groups' numbers stay the CPU tensors :meth:`refresh`
+        fills (the program reads them as numbers, or in arithmetic among themselves)."""
+        t = self.constants[k]
+        return t if any(t is h for h in self.hyper.tensors) else t.to(device)
+
+    def inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The program's user inputs for a call: the call's tensors, then the .grad each parameter of
+        ``grad_in`` holds now (whole)."""
+        leaves = pytree.tree_leaves((list(args), dict(kwargs)))
+        user = [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
+        return user + [_whole(self.state.params[i].get().grad) for i in self.grad_in]
 
     def unflatten_outputs(self, outs: Sequence[Any]) -> Any:
-        """The user's return value from the tensor outputs of one run (constants put back in place)."""
+        """The user's return value from the tensor outputs of one run (constants put back in place); the
+        gradients that outlive the step (the outputs after the user's) are stored in the parameters' .grad,
+        as eager torch leaves them."""
+        outs = list(outs)
+        if self.grad_in or self.grad_out:
+            cut = len(outs) - len(self.grad_out)
+            _store_grads(self.state, self.grad_in, self.grad_out, outs[cut:])
+            outs = outs[:cut]
         it = iter(outs)
         leaves = [self.out_consts[i] if i in self.out_consts else next(it) for i in range(self.n_outputs)]
         return pytree.tree_unflatten(leaves, self.out_spec)
@@ -89,23 +118,25 @@ def _flat_user_inputs(args: Sequence[Any], kwargs: dict) -> tuple[list[torch.Ten
     return tensors, spec, leaves
 
 
-def _as_cpu_if_meta(examples: list[Any]) -> list[Any]:
-    """A step whose tensors are on the meta device (a model planned, never run) is traced as if on the CPU.
+def _fake_mode() -> Any:
+    """The fake mode a step is traced in: static shapes; its ShapeEnv holds the param groups' numbers."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    return FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
+
+
+def _as_fake(examples: list[Any], mode: Any) -> list[Any]:
+    """The step's tensors as fake tensors of ``mode``; those on the meta device (a model planned, never run)
+    as if on the CPU.
 
     Tracing on meta itself makes device-dependent choices for a device nothing runs on: scaled dot-product
     attention falls back to its math decomposition (a softmax between two bmm over batch x heads merged
     into one dim, which no head split can pass), where a CPU step calls the fused attention kernel with
     heads as their own dim. Fake CPU tensors over the meta storage allocate nothing.
     """
-    if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in examples):
-        return examples
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
     cpu = torch.device("cpu")
-    return [mode.fake_tensor_converter.from_meta_and_device(mode, t, cpu)
-            if isinstance(t, torch.Tensor) and t.device.type == "meta" else t for t in examples]
+    return [mode.fake_tensor_converter.from_meta_and_device(mode, t, cpu) if t.device.type == "meta"
+            else mode.from_tensor(t) for t in examples]
 
 
 def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, name: str | None = None,
@@ -126,14 +157,24 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     slots = state.slots
     n_p, n_b, n_s = len(state.params), len(state.buffers), len(state.opt_states)
     user_tensors, in_spec, leaves = _flat_user_inputs(args, kwargs)
+    trainable = [bool(s.get().requires_grad) for s in state.params]
+    # gradients that live across calls: the .grad a parameter holds now is an input (backward accumulates into
+    # it, or the step reads it), and the .grad it holds after the step an output
+    grad_in = [i for i, s in enumerate(state.params) if s.get().grad is not None]
+    n_user = len(user_tensors)
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     out_box: dict[str, Any] = {}
 
-    def flat(*values: torch.Tensor):
+    def flat(*values: Any):
         pv, bv, sv = values[:n_p], values[n_p:n_p + n_b], values[n_p + n_b:n_p + n_b + n_s]
-        uv = values[n_p + n_b + n_s:]
-        new_params = [v.detach().requires_grad_(v.dtype.is_floating_point or v.dtype.is_complex) for v in pv]
-        new_params = [p if p.requires_grad else v for p, v in zip(new_params, pv)]
+        uv = values[n_p + n_b + n_s:n_p + n_b + n_s + n_user]
+        gv = values[n_p + n_b + n_s + n_user:len(values) - len(hyper)]
+        hv = values[len(values) - len(hyper):]
+        # a frozen parameter (requires_grad=False) gets no gradient, so the optimizer skips it, as in eager
+        new_params = [v.detach().requires_grad_(v.dtype.is_floating_point or v.dtype.is_complex) if f else v
+                      for v, f in zip(pv, trainable)]
+        for i, g in zip(grad_in, gv):
+            new_params[i].grad = g
         groups: dict[int, tuple[torch.nn.Module, dict]] = {}
         for slot, v in zip(state.params + state.buffers, list(new_params) + list(bv)):
             mod = slot.owner
@@ -156,9 +197,11 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
                     stack.enter_context(_reparametrize_module(mod, dict(d), strict=False))
                 for opt in state.optimizers:
                     stack.enter_context(swapped_optimizer(opt, state.param_objs, new_params))
+                stack.enter_context(swapped_values(hyper, state.optimizers, hv))
                 grads = stack.enter_context(capture_gradients(state.optimizers, new_params))
                 out = fn(*a, **kw)
                 new_state = [s.owner[s.key] for s in state.opt_states]
+                left = [(i, p.grad) for i, p in enumerate(new_params) if isinstance(p.grad, torch.Tensor)]
         finally:
             for owner, k, v in saved_state_vals:
                 owner[k] = v
@@ -166,7 +209,9 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
         out_box["spec"] = spec
         out_box["consts"] = {i: o for i, o in enumerate(flat_out) if not isinstance(o, torch.Tensor)}
         tensors_out = [o for o in flat_out if isinstance(o, torch.Tensor)]
-        out_box["n_tensor_out"] = len(tensors_out)
+        out_box["n_tensor_out"] = len(tensors_out) + len(left)
+        out_box["grad_out"] = [i for i, _ in left]
+        tensors_out += [g for _, g in left]
         out_box["n_grads"] = len(grads)   # the gradients the optimizers read, as extra outputs (stripped below)
         # buffers were updated in place (BatchNorm running stats): functionalization turns that into new values
         return (*[o.detach() for o in tensors_out], *[p.detach() for p in new_params], *bv, *new_state,
@@ -175,17 +220,24 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     if example_state is None:
         example_state = [s.get() for s in slots]
     example_state = [_plain(t) for t in example_state]
-    examples = _as_cpu_if_meta(list(example_state) + [t.detach() for t in user_tensors])
+    mode = _fake_mode()
+    user_tensors = [t.detach() for t in user_tensors] + [_plain(state.params[i].get().grad) for i in grad_in]
+    examples = _as_fake(list(example_state) + user_tensors, mode)
+    hyper = hyper_slots(state.optimizers)   # the param groups' numbers: symbolic while tracing (metadist_torch.hyper)
+    symbols = symbolic_values(hyper, state.optimizers, mode.shape_env)
     with capturable_optimizers(state.optimizers), _quiet():
         try:
-            gm = make_fx(flat, tracing_mode="fake", decomposition_table=_decompositions())(*examples)
+            gm = make_fx(flat, tracing_mode="fake", decomposition_table=_decompositions())(*examples, *symbols)
         except Exception as e:
             raise TraceError(f"metadist could not trace the step {getattr(fn, '__name__', fn)!r}: "
                              f"{type(e).__name__}: {e}") from e
     t1 = time.perf_counter()
-    gm = functionalize_graph(gm, examples, recompile=False)
+    gm = functionalize_graph(gm, examples + symbols, recompile=False)
     grad_names = set(strip_gradients(gm, out_box["n_grads"], recompile=False))
-    gm = merge_step_counters(gm, state)   # in place: names kept, merged duplicates gone
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    lifted = lift(gm, phs[len(phs) - len(hyper):], [s.node.hint for s in symbols])
+    guards, pinned = branch_guards(mode.shape_env, hyper, symbols)
+    merged = merge_step_counters(gm, state)   # in place: names kept, merged duplicates gone
     gm.recompile()   # once: every pass above changed the graph only (Python code for 30k nodes takes 1-2 s)
     grad_names = [n.name for n in gm.graph.nodes if n.name in grad_names]
     t2 = time.perf_counter()
@@ -196,9 +248,13 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
         if v in conv.graph.vars and conv.graph.vars[v].role == "intermediate":
             conv.graph.vars[v].role = "gradient"
     timings = {"make_fx": t1 - t0, "functionalize": t2 - t1, "to_meta_ir": time.perf_counter() - t2}
-    return TracedStep(gm, conv.graph, state, len(user_tensors), spec, n_user_out + len(consts), n_user_out, consts,
-                      conv.in_names, conv.constants, conv.state_out, conv.out_vars, conv.random_ops, timings,
-                      [t.detach() for t in user_tensors])
+    traced = TracedStep(gm, conv.graph, state, len(user_tensors), spec,
+                        n_user_out - len(out_box["grad_out"]) + len(consts), n_user_out,
+                        consts, conv.in_names, conv.constants, conv.state_out, conv.out_vars, conv.random_ops, timings,
+                        user_tensors, Hyperparameters(hyper, lifted.feeds, guards, {**pinned, **lifted.pinned}),
+                        grad_in, out_box["grad_out"], merged)
+    traced.refresh()
+    return traced
 
 
 def _bn_with_stats(input, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -233,6 +289,26 @@ def _decompositions() -> dict:
     # amp: the fused optimizers and GradScaler kernels take lists of tensors; traced per tensor (metadist_torch.amp)
     return {**amp_decompositions(), torch.ops.aten.native_batch_norm.default: _bn_with_stats,
             torch.ops.aten.nll_loss_forward.default: _nll_loss_mean}
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's whole value as a plain tensor (a DTensor's gathered)."""
+    full = getattr(t, "full_tensor", None)
+    return (full() if full is not None else t).detach()
+
+
+def _store_grads(state: StepState, grad_in: Sequence[int], grad_out: Sequence[int], grads: Sequence[Any]) -> None:
+    """Each parameter's .grad after the step: the new whole gradients (as a replicated DTensor where the
+    parameter is a DTensor), None where the step cleared it."""
+    for i in set(grad_in) - set(grad_out):
+        state.params[i].get().grad = None
+    for i, g in zip(grad_out, grads):
+        p = state.params[i].get()
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor, Replicate
+            g = DTensor.from_local(g.to(p.to_local().device), mesh, [Replicate()] * mesh.ndim, run_check=False)
+        p.grad = g
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -300,7 +376,7 @@ def _seed_by_shape(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(n)
 
 
-def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
+def merge_step_counters(gm: fx.GraphModule, state: StepState) -> dict[int, int]:
     """Read one step counter for all parameters whose counters are equal now, then share the work.
 
     Optimizers keep a ``step`` tensor per parameter and compute the same bias
@@ -309,6 +385,8 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
     every merged counter's updated value is then the same graph value (so they
     stay equal after every step); otherwise the graph is left as it was. The
     graph is changed in place and not recompiled (the caller does that once).
+    Returns ``{state slot: the slot it is read as}`` of the counters merged: the program is right only while
+    they stay equal (a guard, :mod:`metadist_torch.watch`).
     """
     n_p, n_b = len(state.params), len(state.buffers)
     first: dict[tuple, int] = {}
@@ -329,7 +407,7 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
         else:
             first[k] = i
     if not merged:
-        return gm
+        return {}
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     rep = _value_numbers(gm.graph, {phs[i]: phs[i0] for i, i0 in merged.items()})
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -338,12 +416,12 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> fx.GraphModule:
     for i, i0 in merged.items():
         if rep.get(outs[i], outs[i]) is not rep.get(outs[i0], outs[i0]):
             log.debug("step counters update differently; not merged")
-            return gm
+            return {}
     for n in gm.graph.nodes:
         if rep[n] is not n:
             n.replace_all_uses_with(rep[n])
     gm.graph.eliminate_dead_code()
-    return gm
+    return {i - n_p - n_b: i0 - n_p - n_b for i, i0 in merged.items()}
 
 
 def _frozen(v: Any) -> Any:
