@@ -4,7 +4,7 @@
 
 Graphs: the numpy reference transformer block at two sizes and, when the
 PyTorch frontend is installed, the recorded 2-layer GPT-2 training step
-(forward, backward, AdamW) from ../shared/graphs. Writes
+(forward, backward, AdamW) from tests/data/graphs. Writes
 benchmarks/results/discovery.{json,md,png}.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from metadist_core.plugins import PluginManager
 from metadist_core.reference import transformer_block
 from metadist_core.rules import RuleBook
 
-GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
+GRAPHS = Path(__file__).resolve().parents[1] / "tests" / "data" / "graphs"
 
 
 def graphs(quick: bool):

@@ -3,11 +3,11 @@
     python -m benchmarks.plan_scale [--quick]
 
 Models are whole training steps (forward, backward, AdamW) of transformers'
-GPT-2 recorded in ../shared/graphs (small: 12 layers, width 768, vocabulary
+GPT-2 recorded in tests/data/graphs (small: 12 layers, width 768, vocabulary
 50,257; XL: 48 layers, width 1,600), planned with the rules ShardCombine
 discovers through the PyTorch op runner at proxy sizes, and transformers' GPT-2
 medium (24 layers, width 1,024) and LLaMA at 8B traced on the meta device (no
-recorded step of them in ../shared). Each case runs in a
+recorded step of them in tests/data/graphs). Each case runs in a
 fresh process (so its peak RSS is its own), first with an empty cache (cold),
 then with the rules the first run left but not its kept ILP answer (warm, the
 MILP solved again), then with both (warm, the same MILP answered from the
@@ -17,8 +17,8 @@ parallel, ZeRO-3, Megatron TP, TP x DP: the layouts pinned, the rest filled in
 by the ILP; pinned from the GPT-2 layout where it reads the graph, else, or where
 those pins do not fit, by MetaDist's presets ddp, zero3, tp and tp+dp; each
 record says which in ``hand_<family>_from``; each hand ILP may take ``--hand-time-limit`` seconds, and its gap is in
-``hand_<family>_gap``). PyTorch AutoParallel's figures, measured on this machine (see
-../shared/NOTES.md), stand in the same table.
+``hand_<family>_gap``). PyTorch AutoParallel's figures, measured on this machine, stand in the same
+table.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from pathlib import Path
 from ._common import RESULTS, write_results
 
 NAME = "plan_scale"
-GRAPHS = Path(__file__).resolve().parents[2] / "shared" / "graphs"
+GRAPHS = Path(__file__).resolve().parents[1] / "tests" / "data" / "graphs"
 CASES = [("gpt2-small-12l", (8,)), ("gpt2-small-12l", (2, 4)), ("gpt2-small-12l", (2, 2, 2)),
          ("gpt2-medium-24l", (8,)), ("gpt2-medium-24l", (2, 4)),
          ("gpt2-xl-48l", (8,)), ("gpt2-xl-48l", (2, 4)), ("gpt2-xl-48l", (8, 8, 16)), ("llama-8b", (8, 8))]
@@ -56,9 +56,9 @@ PRESET_OF = {"DP": "ddp", "ZeRO-3": "zero3", "Megatron-TP": "tp", "TPxDP": "tp+d
 # PyTorch AutoParallel on GPT-2 small (3,468 graph nodes), fake world of 8, measured on this machine (NOTES.md)
 AUTOPARALLEL = [
     {"model": "gpt2-small-12l", "mesh": "8", "system": "PyTorch AutoParallel", "cold": True, "total_s": 24.0,
-     "ilp_vars": 13528, "note": "measured here, ../shared/NOTES.md"},
+     "ilp_vars": 13528, "note": "measured on this machine"},
     {"model": "gpt2-small-12l", "mesh": "2x4", "system": "PyTorch AutoParallel", "cold": True, "total_s": 168.0,
-     "peak_rss_mb": 3000, "ilp_vars": 389470, "note": "measured here, ../shared/NOTES.md"},
+     "peak_rss_mb": 3000, "ilp_vars": 389470, "note": "measured on this machine"},
 ]
 
 
@@ -129,8 +129,8 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
 
 
 def build_gpt2_medium():
-    """transformers' GPT2LMHeadModel at medium size (24 layers, width 1,024, 16 heads, vocabulary 50,257; ../shared
-    holds no recorded medium step), built on the meta device, and a batch of 8 x 128 as the recorded steps."""
+    """transformers' GPT2LMHeadModel at medium size (24 layers, width 1,024, 16 heads, vocabulary 50,257; no recorded
+    medium step is kept), built on the meta device, and a batch of 8 x 128 as the recorded steps."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
@@ -291,7 +291,7 @@ def main(argv=None) -> None:
     cols = ["model", "mesh", "system", "cold", "cached", "total_s", "build_model_s", "trace_s", "discover_s", "build_problem_s", "solve_s",
             "peak_rss_mb", "patterns", "decisions", "decisions_coarse", "solve_method", "gap", "vs_best_hand", "ilp_vars",
             "note"]
-    notes = ("Graphs: the recorded GPT-2 whole steps in ../shared/graphs (batch 8 x 128 tokens; `trace_s` is loading "
+    notes = ("Graphs: the recorded GPT-2 whole steps in tests/data/graphs (batch 8 x 128 tokens; `trace_s` is loading "
              "the recorded graph) and transformers' LlamaForCausalLM at 8B built on the meta device with AdamW, batch "
              "8 x 512 (`trace_s` is the torch frontend's real trace; importing transformers and building the model on the "
              "meta device, `build_model_s`, is the user's own work and not in `total_s`). Rules: ShardCombine through the PyTorch op runner, once per op pattern at two proxy "

@@ -6,7 +6,7 @@ Problems: whole training steps (forward, backward, AdamW) of GPT-2 at 2, 12
 and 48 layers on meshes (8,), (2,4), (2,2,2), priced with an A100-like device
 (fp32 peak) and the default two-level mesh profile. Rules come from
 ``RULE_SOURCES`` (``synthetic``: hand-derived rules on synthetic graphs of the
-same sizes as ../shared/graphs; ``discovered``: the recorded graphs with rules
+same sizes as tests/data/graphs; ``discovered``: the recorded graphs with rules
 from ShardCombine, once the PyTorch op runner exists).
 
 Hand-written plans fix what a person writes by hand (parameter and optimizer
@@ -73,7 +73,7 @@ def discovered_source(model: str):
 
     if model not in DISCOVERABLE:
         raise ValueError(f"--rules discovered runs on {', '.join(DISCOVERABLE)}, not {model}")
-    path = Path(__file__).resolve().parents[2] / "shared" / "graphs" / f"{model}-adamw.json"
+    path = Path(__file__).resolve().parents[1] / "tests" / "data" / "graphs" / f"{model}-adamw.json"
     graph = load_recorded_graph(path)
     pm = PM()
     sizes = sorted({n for m in MESHES for n in m})

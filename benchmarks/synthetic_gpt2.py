@@ -1,6 +1,6 @@
 """Synthetic GPT-2 training steps as MetaIR: forward, backward and an elementwise AdamW.
 
-Same sizes as the recorded graphs in ../shared/graphs (2/12/48 layers, widths
+Same sizes as the recorded graphs in tests/data/graphs (2/12/48 layers, widths
 128/768/1600, vocab 1024/50257, batch 8 x seq 128), written directly with aten
 op keys so that the solver benchmark needs no frontend. Scalars are attributes.
 """

@@ -1,4 +1,4 @@
-"""Read a recorded training-step graph (the JSON files of ``shared/graphs``) into MetaIR.
+"""Read a recorded training-step graph (the JSON files of ``tests/data/graphs``) into MetaIR.
 
 The files hold a whole GPT-2 step (forward, backward, AdamW) traced by torch's
 ``make_fx``: ``inputs`` (parameters, then the two AdamW moment lists, then the
@@ -82,7 +82,7 @@ def recorded_graph_from_json(data: Mapping[str, Any], name: str = "recorded") ->
     """Build a MetaIR from the parsed JSON of a recorded step (see the module docstring)."""
     for k in ("inputs", "nodes", "outputs"):
         if k not in data:
-            raise ValueError(f"recorded graph {name!r} has no {k!r} list; is it one of shared/graphs/*.json?")
+            raise ValueError(f"recorded graph {name!r} has no {k!r} list; is it one of tests/data/graphs/*.json?")
     inputs, nodes, outputs = data["inputs"], data["nodes"], data["outputs"]
     g = MetaIR(name)
 
@@ -222,7 +222,7 @@ def _reaches(g: MetaIR, src: str, dst: str, max_hops: int) -> bool:
 
 
 def load_recorded_graph(path: str | os.PathLike) -> MetaIR:
-    """Load one recorded step (``shared/graphs/*.json``) as a MetaIR named after the file."""
+    """Load one recorded step (``tests/data/graphs/*.json``) as a MetaIR named after the file."""
     p = Path(path)
     try:
         with open(p, encoding="utf-8") as f:

@@ -1,4 +1,4 @@
-"""Loading the recorded GPT-2 training steps (shared/graphs/*.json) into MetaIR."""
+"""Loading the recorded GPT-2 training steps (tests/data/graphs/*.json) into MetaIR."""
 import json
 import os
 from pathlib import Path
@@ -8,7 +8,7 @@ import pytest
 from metadist_core.ir import MetaIR
 from metadist_core.recorded import is_getitem, load_recorded_graph, recorded_graph_from_json
 
-GRAPHS = Path(os.environ.get("METADIST_GRAPHS_DIR", Path(__file__).resolve().parents[3] / "shared" / "graphs"))
+GRAPHS = Path(os.environ.get("METADIST_GRAPHS_DIR", Path(__file__).resolve().parents[1] / "data" / "graphs"))
 FILES = ["gpt2-tiny-2l-adamw.json", "gpt2-small-12l-adamw.json", "gpt2-xl-48l-adamw.json"]
 TINY = GRAPHS / FILES[0]
 

@@ -22,7 +22,7 @@ from metadist_core.shardcombine import Unrunnable, discover_rules  # noqa: E402
 from metadist_torch import rules_for  # noqa: E402
 from metadist_torch.oprunner import op_cost, op_spec  # noqa: E402
 
-GRAPHS = Path(os.environ.get("METADIST_GRAPHS_DIR", Path(__file__).resolve().parents[3] / "shared" / "graphs"))
+GRAPHS = Path(os.environ.get("METADIST_GRAPHS_DIR", Path(__file__).resolve().parents[1] / "data" / "graphs"))
 TINY = GRAPHS / "gpt2-tiny-2l-adamw.json"
 needs_graphs = pytest.mark.skipif(not TINY.exists(), reason=f"no recorded graphs under {GRAPHS}")
 aten = torch.ops.aten

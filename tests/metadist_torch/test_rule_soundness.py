@@ -24,7 +24,7 @@ from metadist_core.plugins import PluginManager  # noqa: E402
 from metadist_core.recorded import load_recorded_graph  # noqa: E402
 from metadist_core.rules import RuleBook, ShardingRule  # noqa: E402
 
-GRAPHS = Path(__file__).resolve().parents[3] / "shared" / "graphs"
+GRAPHS = Path(__file__).resolve().parents[1] / "data" / "graphs"
 TRIALS = 4
 
 
