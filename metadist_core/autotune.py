@@ -29,20 +29,18 @@ from typing import Any, Callable, Sequence
 log = logging.getLogger("metadist.autotune")
 
 #: the presets timed beside the solver's plan (metadist_core.presets): what a user would write by hand.
-#: zero1 (parameters replicated, optimizer state split): on the JAX transformer on 8 CPU devices its GSPMD
-#: program ran 0.95-0.98x jax.jit's data parallelism in four passes of 40 interleaved rounds (the update of
-#: an eighth of the state per device), where the ddp plan can only tie it
+#: zero1 (parameters replicated, optimizer state split): each device updates only its share of the state, so
+#: its program can beat jax.jit's data parallelism, where the ddp plan can only tie it
 PRESETS = ("ddp", "zero1", "fsdp")
 #: a preset replaces the solver's plan only when it is this much faster (relative, medians of the rounds)
 MARGIN = 0.05
-#: timed rounds; each runs every trial once, in alternating order (5 rounds picked a JAX plan 10 % slower than
-#: another in the benchmark's rounds right after)
+#: timed rounds; each runs every trial once, in alternating order (too few rounds let the noise of shared
+#: cores pick a slower plan)
 ROUNDS = 10
 #: rounds run however long they take (past them, a spent ``autotune_seconds`` stops the timing)
 MIN_ROUNDS = 3
 #: after the rounds, the trials whose median is within this of the fastest's are timed again, alone together
-#: (on the JAX transformer on 8 CPU devices four of twelve programs came within 2.5 % of each other in 10 rounds,
-#: and the one kept ran 5 % slower than another of them in the benchmark's 24 rounds right after)
+#: (near-ties within the rounds' noise are decided on more timings)
 REFINE_WITHIN = 0.08
 #: the rounds those near-ties get on top (their medians are then taken over all their rounds)
 REFINE_ROUNDS = 10

@@ -183,12 +183,10 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
         dtype = info.get("comm_dtype", info["dtype"])   # what the collectives move (grad_compression)
         # priced as ShardingProblem.price does: gradients' all_reduces in buckets, and inputs the lowering may
         # gather in buckets (metadist_core.gathers) under a whole latency (their share of a bucket's under a
-        # memory budget, a little under otherwise: ShardingProblem.price); the plain cost table made
+        # memory budget, a little under otherwise: ShardingProblem.price); a plain cost table would make
         # gathering a parameter cost what gathering its transpose does, and the lowering can bucket only the
-        # former (the zero3 plan of the GPT example gathered 27 transposes one by one). Under a budget the
-        # plans so priced overshot it twice in four benchmark runs, 1.06x and 1.10x their prediction: both were
-        # gradient buckets' memory the model missed (a reduce_scatter's concatenation held in flight, and the
-        # copies its chunks were made through), fixed in memprofile and the torch lowering
+        # former. The gradient buckets' memory (a reduce_scatter's concatenation held in flight, the copies
+        # its chunks are made through) is counted by memprofile
         bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var),
                     info.get("gather_share"))
         local = prob.sliced(var)

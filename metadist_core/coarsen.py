@@ -9,8 +9,8 @@ Three passes, each a :func:`terms.contract`:
    a match exists for every producer option, so nothing forces a reshard, and,
    for an op of several inputs, only when that match is the only allowed option
    (else which is best depends on the other inputs' producers: ``gain * x``
-   riding on a replicated gain chose the replicated product and replicated
-   LLaMA's whole forward, 31 % over the optimum).
+   riding on a replicated gain would take the replicated product and could
+   replicate everything computed from it).
 2. **fixed**: a node left with one allowed option is folded into constants and
    into the unary costs of its neighbours.
 3. **tied layers**: nodes with the same structure around them (colour

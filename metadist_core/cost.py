@@ -182,8 +182,8 @@ class DeviceSpec:
     # offload's transfers are free (metadist_core.offload)
     host_link: float | None = None
     # memory bytes/s by the bytes an op moves, measured ((bytes, bytes/s) pairs, ascending): an op whose data
-    # stays in cache runs far faster than one that streams from memory and faults its fresh output's pages in
-    # (an add on this 2-core host: 66 GB/s at 2 MiB, 14 at 32 MiB, 4.3 at 128 MiB); () : ``mem_bandwidth`` alone
+    # stays in cache runs far faster than one that streams from memory and faults its fresh output's pages in;
+    # () : ``mem_bandwidth`` alone
     mem_curve: tuple[tuple[float, float], ...] = ()
     # the fraction of an asynchronous collective's time that compute running beside it hides, measured on the
     # live ranks (metadist_torch.calibrate.measure_overlap): 1 where the link has its own engine (NCCL on a

@@ -229,9 +229,9 @@ def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: 
     return OpRules(op.key, both, n, "ok", "", time.perf_counter() - t0), pattern.key
 
 
-# on larger axes, combinations that shard no input are verified on the proxy of an axis of 2. From 4 on: on GPT-2
-# small's (2,4) the axis of 4's views hold 98k-element proxies (bases 8, 16, 24, 32), their Partial pieces were
-# most of discovery's time; verified on the axis-2 proxies, discovery's summed pattern time went 27.1 -> 24.1 s
+# on larger axes, combinations that shard no input are verified on the proxy of an axis of 2. From 4 on: the
+# proxies of a larger axis are larger (every base at least the axis size), and the whole-size pieces of their
+# Partial inputs grow with them
 UNSHARDED_AT = 3
 
 
@@ -241,8 +241,8 @@ def _unsharded_proxy(op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int,
 
     Inputs whole or Partial give every device the whole shapes, so no size needs to split over ``n``
     devices: the sizes that keep an axis of ``n`` apart (each at least ``n``, remainders mod ``n``) only
-    make the ``n`` whole-size pieces of every Partial input dearer (they were half of discovery's time on
-    GPT-2 XL at axes of 8 and 16). The pieces are still ``n``, the reductions over ``n`` devices. None on
+    make the ``n`` whole-size pieces of every Partial input dearer. The pieces are still ``n``, the
+    reductions over ``n`` devices. None on
     axes of ``UNSHARDED_AT`` devices or fewer, when that proxy cannot stand for the op or holds more than
     half of ``than`` elements (the caller verifies everything on the proxy of ``n``)."""
     if n <= UNSHARDED_AT:
@@ -301,7 +301,7 @@ def _real_size_unsharded(op: MetaOp, graph: MetaIR, ops: Any, n: int) -> list[Op
     op at the two proxy instances of an axis of 2, where its combinations that shard no input are verified
     (:func:`_unsharded_proxy`: their pieces are whole-size, so no size needs to split over ``n``). GPT-2's
     eager attention on an axis of 8: the scores' view (8,16,128,128) -> (128,128,128) keeps batch x heads =
-    sequence only at its real sizes, and its Partial inputs' 8 whole-size pieces took 10-12 s per op. None
+    sequence only at its real sizes, where its Partial inputs' 8 whole-size pieces are dear. None
     when the frontend builds no proxies or either proxy cannot stand for the op."""
     if n <= UNSHARDED_AT or not _proxies_ok(ops, op):
         return None

@@ -62,7 +62,7 @@ def _keep_freed_pages() -> None:
 
     Discovery makes and drops arrays of a few MB thousands of times (the pieces of one op on 16 devices);
     by default glibc maps each afresh and unmaps it when freed, and every page is then faulted in and
-    zeroed again: a third of the time of making Partial pieces on these machines. The child's peak is
+    zeroed again, a large part of the time of making Partial pieces. The child's peak is
     unchanged; it only keeps what it freed until it exits. No-op where glibc is not the C library."""
     try:
         import ctypes

@@ -4,8 +4,8 @@ An optimizer's update is a chain of elementwise ops per parameter (Adam: the new
 corrections, the square root, the step, the new parameter; a dozen ops). Run op by op, as eager torch
 runs it, every intermediate is written to memory and read back. XLA (the JAX frontend) fuses the chain
 into one loop that reads the parameter, its gradient and its state once and writes the new ones once.
-Priced op by op, the data-parallel plan's replicated update on whole parameters read 72-146 % over the
-measured step on the benchmark MLP (benchmarks/results/jax_step.md), and the solver never chose it.
+Priced op by op, the data-parallel plan's replicated update on whole parameters is priced far over what it
+takes, and the solver would not choose it.
 
 :func:`update_regions` finds the update: the elementwise ops after the forward that read a parameter or
 optimizer state, the elementwise ops after them, and the elementwise producers that only they read; each
@@ -14,8 +14,7 @@ backward is taken in.
 :func:`fused_bytes` gives each such op the bytes it moves inside its loop: the values it reads from
 outside the loop (each once per loop), and the values it writes that something outside reads or the
 step returns. The forward and backward stay priced op by op: what XLA fuses there depends on more than
-the op kinds, and op-by-op pricing of them was measured closer to the step than any fused pricing tried
-(README, "what issue 12 still lacks").
+the op kinds, and op-by-op pricing of them comes closer to the step than any fused pricing tried.
 
 The core knows no op kinds: the frontend whose compiler fuses says which of its ops are elementwise
 (:meth:`metadist_core.frontend.Frontend.fuses`).

@@ -135,9 +135,8 @@ def late_reduces(graph: MetaIR, plan: Any, incoming: Mapping, mesh: Mesh,
     replicated, and the op's output left replicated.
 
     Such an edge splits a dim only on the way to replicated, so any dim that divides as evenly serves: the
-    planned dim itself where the output's divides by the whole mesh (XLA's CPU reduce-scatter on a
-    leading dim: the MLP's (2, 4) data-parallel step ran 22 ms so, 68 ms with the dim permuted), else the
-    dim the permutation moves it to."""
+    planned dim itself where the output's divides by the whole mesh (XLA's CPU reduce-scatter runs far
+    faster on a leading dim than on a permuted one), else the dim the permutation moves it to."""
     readers: dict[str, int] = {}
     for op in graph.ops:
         for v in op.inputs:

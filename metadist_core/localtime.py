@@ -2,10 +2,9 @@
 
 The roofline prices a strategy of an op at its FLOPs and bytes divided by the ways the strategy splits
 it: a matmul split by its rows is priced as the whole one, an eighth of the time. On a CPU the kernel's
-rate depends on the local shape: on the 8 virtual devices of this 2-core host, every device computing at
-once, a matmul of 32 local rows ran at 1.5-1.7x its roofline where one of 128 or 256 rows ran at
-1.0-1.1x (2026-11-27, :mod:`metadist_jax.localtime`); the data-parallel MLP's step, whose matmuls have
-32 rows a device, ran 28-36 % over its price. So where a frontend says it times an op
+rate depends on the local shape: with every device computing at once, a matmul of few local rows runs
+further over its roofline than one of many rows (:mod:`metadist_jax.localtime`), so a plan of thin local
+matmuls runs over its price. So where a frontend says it times an op
 (:meth:`~metadist_core.frontend.Frontend.times_local`), :func:`apply` asks it to time the op at the
 local input shapes of every strategy the problem offers (:meth:`~metadist_core.frontend.Frontend.local_op_times`,
 the dearest first, in batches, within :data:`BUDGET_SECONDS` a compile), and multiplies each strategy's
@@ -40,8 +39,8 @@ MIN_SECONDS = 20e-6
 LIMITS = (0.5, 4.0)
 #: seconds a compile may spend timing kernels it has no figure for, by default (the ``local_time_seconds``
 #: setting): the dearest (by roofline) go first, in
-#: batches of :data:`BATCH`, and what is left when it is spent takes the median (the transformer of
-#: examples/jax on (2,4) offers 420-525 distinct local matmuls, 60-90 ms each to compile and time)
+#: batches of :data:`BATCH`, and what is left when it is spent takes the median (a transformer offers
+#: hundreds of distinct local matmuls, each compiled and timed)
 BUDGET_SECONDS = 10.0
 BATCH = 32
 #: the cache file's format (:meth:`LocalTimer.save`): a file of another version is measured again

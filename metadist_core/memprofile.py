@@ -46,7 +46,7 @@ from .reshard import reshard
 log = logging.getLogger("metadist.memprofile")
 
 # the part of a memory budget plans leave free for what the model does not count (a kernel's workspace,
-# allocator rounding, the engine's own buffers): predictions ran 0.93-1.02x the measured peak on GPT-2
+# allocator rounding, the engine's own buffers)
 HEADROOM = 0.03
 
 
@@ -130,12 +130,11 @@ def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> 
     (``copies``: 2; 0 when the lowering makes no copies; an ``avg``'s quotient comes later, at the wait,
     when the concatenation is gone). A reduce_scatter's concatenation is held from there while the collective
     is in flight: until the next bucket of its group is issued, or the program waits for it (the first read
-    of any member's result), whichever comes first (an fsdp-like plan of 8 GPT-2 layers in 48 MiB on 4 gloo
-    ranks peaked at a bucket's reduce_scatter with the concatenation of the bucket before it still held,
-    52.0 MB measured against 48.6 predicted when each was held where it ran alone; held until the wait, 57.4).
+    of any member's result), whichever comes first (a step can peak at a bucket's reduce_scatter with the
+    concatenation of the bucket before it still held).
     The results (whole for an all_reduce, the members' shards for a reduce_scatter) live on
     from there; the partial sums die there. A gradient that is a view holds no bytes of its own until the
-    bucket runs: its base holds its partial sum (counting both had made a bucketed plan 22 % too heavy)."""
+    bucket runs: its base holds its partial sum (counting both would charge it twice)."""
     out = []
     open_: dict[tuple, list] = {}
     opened: dict[tuple, int] = {}   # buckets per key: the first all_reduce bucket is held to first_cap
@@ -153,7 +152,7 @@ def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> 
             out.append((at, at, src_total + total * (copies - 2)))
             return
         # a reduce_scatter's result is a tensor of its own (held as the members): the concatenation is all extra
-        # (charged less the result under one copy, a 4-layer GPT-2 plan on 4 ranks measured 1.06x its prediction)
+        # (charged less the result under one copy, the prediction falls short of what the step holds)
         extra = src_total
         # a reduce_scatter's concatenation is a buffer of its own that the collective holds while in flight:
         # until the next bucket of its group is issued or the program waits for it (before the first read of

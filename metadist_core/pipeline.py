@@ -94,9 +94,9 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     run_mesh = frontend.resolve_mesh(mesh, load_profile(s.mesh_profile))
     profile = None
     # costs measured by default: cached per host, world size and device kind. A metadist Mesh given as
-    # ``mesh`` with link costs of its own keeps them (they had been replaced by the profile's: a mesh built
-    # from a calibrated profile was priced with the built-in costs when the frontend measured none); one
-    # with the built-in costs (``Mesh((2, 2))``: a shape and axis names) takes the measured ones
+    # ``mesh`` with link costs of its own keeps them (a mesh built from a calibrated profile is priced with
+    # that profile's costs, even when the frontend measures none); one with the built-in costs
+    # (``Mesh((2, 2))``: a shape and axis names) takes the measured ones
     if run_mesh.size > 1:
         from .profile import profile_for
         t = time.perf_counter()

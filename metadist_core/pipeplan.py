@@ -166,8 +166,8 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
     budget = settings.memory_budget
     # the sub-mesh's plan is every stage's: the devices of one stage hold a piece of it, so it is solved under
     # the budget of all p stages together and the cut holds each stage to the budget (best_cuts). Under the
-    # budget itself the whole step had to fit one stage's devices: GPT of 2 layers under 2,000,000 bytes on 4
-    # gloo ranks needed 2,037,568 on one device and could not pipeline at all
+    # budget itself the whole step would have to fit one stage's devices, and a step that does not could
+    # not pipeline at all
     res = solve(sub, settings if budget is None else dataclasses.replace(settings, memory_budget=int(budget * p)))
     plan, problem = res.plan, res.problem
     batch_in = [v for v in graph.inputs if graph.vars[v].role == "input" and graph.vars[v].shape]

@@ -64,9 +64,8 @@ def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, fl
 
 
 #: seconds the ILP may take to choose recomputed segments beside the shardings (at most ``time_limit``).
-#: Past it the fewest segments that fit are searched for by count. Transformers' GPT-2 of 8, 12 and 13
-#: layers under 48 MiB a device on 4 devices never had a proposal within the full 60 s: the search
-#: chose every time, and the proposal's 60 s were most of the 91-127 s of planning.
+#: Past it the fewest segments that fit are searched for by count, so that a proposal the ILP does not find
+#: soon does not take most of the planning time.
 PROPOSAL_SECONDS = 10.0
 
 
@@ -211,7 +210,7 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
                 raise
         # the plans that gather parameters in buckets hold each bucket's whole parameters beside the rest,
         # outside the solver's memory terms (memprofile.fit_with_buffers); where none of them fits, the
-        # plans that gather few inputs may (GPT-2 width 256 on 4 ranks in 48 MiB: 12 and 13 layers)
+        # plans that gather few inputs may
         log.info("no plan with its input gathers priced in buckets meets the budget; pricing each gather whole")
         gather_share[0] = GATHER_SHARE
         plain_built.clear()

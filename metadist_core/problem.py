@@ -168,9 +168,9 @@ class ShardingProblem:
         (:mod:`metadist_core.gathers`), pays its latency less a share of the part its
         bucket-mates would pay (:func:`gathers_bucketed`; ``vars[var]["gather_share"]``). Without a
         memory budget that share is :data:`GATHER_SHARE`, small: a plan gathers few inputs or many,
-        and a lone gather pays a whole latency (charged its share, the auto plans of GPT-2 and LLaMA
-        gathered 8 and 10 small inputs one by one, predicted 1.4x and 3.9x what the solver
-        thought), while the small preference makes a parameter's gather, which can be bucketed,
+        and a lone gather pays a whole latency (charged only its share, a plan that gathers a few small
+        inputs one by one would be priced far under what it takes), while the small preference makes a
+        parameter's gather, which can be bucketed,
         win over the same gather of its transpose, which cannot. Under a budget it is
         :data:`BUDGET_GATHER_SHARE`, the whole share, as a gradient's: the plans that meet a tight
         budget gather every layer's parameters, a bucket at a time.
@@ -342,9 +342,8 @@ def _distinct(shardings: Sequence[Sharding]) -> tuple[list[Sharding], np.ndarray
 # the part of the latency a bucketed parameter gather saves that the solver counts on (ShardingProblem.price):
 # GATHER_SHARE without a memory budget, where a plan gathers few inputs and a lone one pays a whole latency;
 # BUDGET_GATHER_SHARE under one, where the plans that meet it gather every layer's parameters, a bucket per
-# layer, as FSDP does (GPT-2 width 256, 11 layers in 48 MiB on 4 gloo ranks: priced whole, each of ~220
-# gathers a latency, the solver kept a tensor-parallel plan, 1.08-1.14x FSDP2 + checkpointing; priced by
-# their bucket share, it gathers, 0.96-0.97x)
+# layer, as FSDP does (priced whole, each of those many gathers a latency, the solver would keep a
+# tensor-parallel plan that runs slower than gathering)
 GATHER_SHARE = 0.01
 BUDGET_GATHER_SHARE = 1.0
 

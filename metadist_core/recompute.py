@@ -373,10 +373,9 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     # for in collectives more than the recomputation saved. Down while the predicted step
     # (metadist_core.overlap.predict) does not grow; where a count does not fit while fewer segments were
     # still faster, the fewest that fit are found by bisection, while each count found is not slower than
-    # the one above it (GPT-2 at 12 layers: 27 segments, 13 not fitting, 20 slower: three solves, not
-    # six). Under a tight budget every segment
-    # recomputed is often fastest, and two solves decide (GPT-2, 11 layers, 48 MiB on 4 devices: 25
-    # segments at 650 ms predicted, 12 at 851); the bisection from none up had solved 7 counts there
+    # the one above it (fewer solves than a bisection over every count). Under a tight budget every segment
+    # recomputed is often fastest, and two solves decide, where a bisection from none up would solve many
+    # more counts
     prev, k = len(segs), len(segs) // 2
     while k >= 1:
         if not attempt(k):

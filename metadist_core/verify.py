@@ -155,7 +155,7 @@ def _pooled(draw: Callable[[int], tuple[np.ndarray, ...]], n: int, size: int, rn
             ) -> tuple[np.ndarray, ...]:
     """``n`` rows of ``size`` random values for each array ``draw(k)`` gives (``k`` values each): for ``n``
     over 2, ``n`` distinct windows of one pool of twice ``size`` values, so an axis of 16 draws 2 values
-    per element, not 16 (the draws were half of discovery's time on GPT-2 XL at axes of 8 and 16). Rows
+    per element, not 16 (drawing per device would make the draws a large part of discovery's time). Rows
     are shifted copies of one pool, every value still independent of the data and of its element's owner."""
     if n <= 2 or size < 2:
         return tuple(a.reshape(n, size) for a in draw(n * size))
@@ -195,7 +195,7 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
         def draw(k: int) -> tuple[np.ndarray, np.ndarray]:
             # one uniform draw per value picks the half (below or above 0.5) and, rescaled, the place in it;
             # a gap is near * max(|value|, 0.5) + far, one of the two zero: arithmetic, not a random mask
-            # (a masked write on a random half of the values mispredicts every other branch: it was 10 ms)
+            # (a masked write on a random half of the values mispredicts every other branch)
             u = rng.random(k)
             far = (u >= 0.5).astype(u.dtype)
             u *= 2.0

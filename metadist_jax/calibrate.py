@@ -66,10 +66,8 @@ def measure_profile(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 7) -> Mes
 LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22)
 CHAIN = 4   # collectives timed one after another inside one jitted program (XLA runs a step so)
 #: rounds over all of a live calibration's programs; each round runs every program ``iters // 2 + 1`` times,
-#: in alternating order, and each figure is the median of all its runs. Timed program after program (five
-#: runs each), five calibrations of a (2,4) mesh one after another in one process read the device's FLOP
-#: rate 40-50 GFLOP/s, its memory rate 5.5-8.6 GB/s and axis 1's gather/scatter rate 2.9-5.6 GB/s:
-#: a slow spell of the shared cores fell on whichever figure was being timed
+#: in alternating order, and each figure is the median of all its runs. Timed program after program, a slow
+#: spell of the shared cores would fall on whichever figure was being timed
 ROUNDS = 3
 
 
@@ -176,8 +174,8 @@ def measure_axes(jax_mesh: "jax.sharding.Mesh", iters: int = 5) -> tuple[list[di
     runs them (``CHAIN`` psums after each other, less one, so that the jit call's own dispatch drops out),
     and, in ``kinds``, of all_gather and reduce_scatter from chains of gather-then-scatter pairs: XLA's CPU
     runtime combines independent psums but runs every gather and scatter by itself, a rendezvous of all the
-    devices each (on 8 virtual devices a pair of 4 KB pieces took 331 us where the psums' fit priced each at
-    70 us, measured 2026-11-26). Returns (per-axis {"alpha", "beta", "kinds"}, raw samples)."""
+    devices each (far dearer than the psums' fit prices them). Returns (per-axis {"alpha", "beta", "kinds"},
+    raw samples)."""
     progs = _Programs()
     finish = _axes_programs(jax_mesh, progs)
     return finish(progs.run(iters))

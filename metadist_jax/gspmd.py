@@ -8,27 +8,24 @@ values, each op's outputs and each collective's result that the plan splits
 are constrained to the plan's layout (``with_sharding_constraint``), and XLA's
 SPMD partitioner inserts the collectives. Replicated and Partial layouts are
 left to XLA's propagation: constraining a replicated gradient makes XLA
-all-reduce it where the constraint stands, one at a time (the transformer's
-data-parallel plan ran 30.5 ms so, 28.1 ms with only the split values held,
-against jax.jit's data parallelism's 28.7 ms in the same rounds).
+all-reduce it where the constraint stands, one at a time, slower than with
+only the split values held.
 
 A third lowering, ``gspmd-io`` (:data:`IO_LOWERING`), holds only the plan's
 input and output layouts and leaves every value in between to XLA's
 propagation: the program jax.jit makes of the step given those layouts. For
 the data-parallel plan it is the hand-written jax.jit data parallelism
-instruction for instruction (the same optimized HLO): holding the split
-activations had made XLA partition the embedding gradient's scatter-add by
-columns (an all-gather of the token ids and three of the [256, 128] table and
-its moments), 1.06-1.09x jax.jit's data parallelism in the same rounds on 8
-CPU devices. For a plan that splits activations or weights XLA may choose
+instruction for instruction (the same optimized HLO), where holding the split
+activations can make XLA partition the embedding gradient's scatter-add by
+columns (an all-gather of the token ids and of the table and its moments),
+slower than jax.jit's data parallelism. For a plan that splits activations or weights XLA may choose
 another layout in between, so both GSPMD lowerings are timed.
 
 Why a second lowering: XLA's partitioner rewrites the local program as it
-partitions it. On the JAX transformer's data-parallel plan it moves the
-weight gradients' transposes into the matmuls (83 fused matmuls against 74 in
-the manual program, which keeps the single-device form) and merges every
-gradient all-reduce into one; jax.jit's data parallelism ran 1.04-1.07x
-faster than the shard_map of the same plan on 8 CPU devices. Autotune
+partitions it. On a data-parallel plan it moves the weight gradients'
+transposes into the matmuls (the manual program keeps the single-device form)
+and merges every gradient all-reduce into one, so jax.jit's data parallelism
+can run faster than the shard_map of the same plan. Autotune
 (:mod:`metadist_core.autotune`) times the three lowerings of each plan and
 keeps the fastest. The collectives of a GSPMD lowering are XLA's, so its bytes are
 read from the compiled HLO (:mod:`metadist_jax.hlo`), not from the plan.

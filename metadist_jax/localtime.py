@@ -2,9 +2,8 @@
 
 What :meth:`metadist_core.frontend.Frontend.local_op_times` asks of the JAX frontend
 (:mod:`metadist_core.localtime` prices the plans with it). The ops timed are the matmuls and convolutions
-(:data:`TIMED`): the kernels whose rate moves with the local shape. On the 8 virtual devices of a 2-core
-host, every device computing at once, a matmul of 32 local rows ran at 28-29 GFLOP/s a device where one
-of 128 or 256 rows ran at 45-49 (2026-11-27).
+(:data:`TIMED`): the kernels whose rate moves with the local shape (on virtual CPU devices computing at
+once, a matmul of few local rows runs at a lower rate than one of many rows).
 
 Each op is bound on arrays of its local shapes inside one jitted ``shard_map`` over the whole mesh (so
 the devices share the host's cores as in a step), timed in the same interleaved rounds as the device's

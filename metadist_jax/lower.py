@@ -230,8 +230,7 @@ def moves_only(op: MetaOp) -> tuple[int, ...] | None:
 
     XLA folds a transpose into the dot before it (a weight gradient's ``dot_general`` then ``transpose``)
     only when no collective stands between them; held apart, the transpose is fused into each of its readers
-    as a strided read. The MLP's data-parallel step on 8 virtual devices ran 53.6 ms with one 1024x1024
-    gradient all-reduced before its transpose, 22 ms after."""
+    as a strided read, which is far slower: a gradient is better all-reduced after its transpose."""
     if op.key != "jax.lax.transpose" or op.payload is None:
         return None
     perm = op.payload.params.get("permutation")

@@ -61,7 +61,7 @@ def _example(aval: Any, rng: np.random.Generator, x64: bool, known: np.ndarray |
 
 
 # Discovery compiles many tiny programs: XLA's CPU fusion emitters and optimization
-# passes make each compile ~5x slower than it needs to be for a one-primitive program.
+# passes make each compile far slower than it needs to be for a one-primitive program.
 FAST_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 0}
 _fast_ok: list[bool] = [True]
 _CACHE: dict[Any, Any] = {}

@@ -131,12 +131,11 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
 # -- measured by default: the first compile on a machine ----------------------------
 
 # bytes per all_reduce timed on each mesh axis: up to 16 MiB, where the bandwidth term outweighs the
-# latency and the ranks' uneven arrival (with 1 MiB at most, gloo on 4 ranks of 2 cores fitted beta to 0
-# while 16 MiB all_reduces took 27-33 ms, i.e. 1.1-1.3 ns/byte)
+# latency and the ranks' uneven arrival (with small messages only, the fit can read beta as 0)
 LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
 SHARE_SECONDS = 0.1   # about how long the mixed compute that measures the ranks' share of the device runs
-#: alone/at-once pairs the share is the median of: one pair read 3.57 for 4 ranks on 2 cores (2.0 expected; the
-#: share test of 2026-11-26 19:35 UTC), the rest 1.89-2.07
+#: alone/at-once pairs the share is the median of (one pair can read far off when a slow spell of the machine
+#: falls on it)
 SHARE_ROUNDS = 3
 
 
@@ -145,9 +144,8 @@ def measure_share(dev, iters: int = 5) -> float:
     at once than while it runs alone (``DeviceSpec`` rates are the alone ones divided by it): at least 1.
     The compute is a mix like a step's (small matmuls, adds, a program of tiny ops) and runs for about
     :data:`SHARE_SECONDS`, several scheduler time slices: ranks that share cores take turns only over
-    such spans (4 gloo ranks on 2 cores: 20 matmuls of 6 ms read 1.27x slower all at once, a 41 ms step
-    of GPT-2 2.07x; rates timed at once over 80 ms windows had read the matmul 2.1x and the add 3.4x
-    slower than alone, and priced that step's compute at 64 ms against the 85 ms it took). Rank 0 times
+    such spans (short kernels timed all at once read less of the share than a step pays, and rates timed
+    at once over short windows do not price a step's compute right). Rank 0 times
     it alone while the others wait, then all time it at once, the slowest rank's median; the figure is
     the median ratio of :data:`SHARE_ROUNDS` such pairs.
     One rank per device (NCCL, one GPU each): about 1."""
@@ -178,9 +176,8 @@ def measure_share(dev, iters: int = 5) -> float:
             unit()
         sync()
     # all at once: from a barrier to the barrier after every rank's work, on each rank, the longest of them. A
-    # rank's own work alone was timed from when the scheduler first ran it, so ranks that took turns on the
-    # cores each read about their alone time (a share of 1.0-1.4 in some runs, for 4 ranks on 2 cores that
-    # take 2x: the benchmark that got 1.0 priced GPT-2's compute at half what it took)
+    # rank's own work timed from when the scheduler first runs it would read about its alone time where the
+    # ranks take turns on the cores, and the share would come out near 1
     def together():
         work()
         dist.barrier()
@@ -217,8 +214,7 @@ DISPATCH_OPS = 100
 def dispatch_program(dev, n: int = DISPATCH_OPS) -> Callable[[], object]:
     """A call that runs ``n`` tiny ops as a lowered step runs its ops: an fx GraphModule calling aten
     overloads one after another. Its time over ``n`` is what every op costs beside its roofline, as the
-    program pays it (a Python loop of ``t.add(1.0)`` calls reads 1.9 us a call on a 2-core CPU, the
-    program 1.6)."""
+    program pays it (a Python loop of ``t.add(1.0)`` calls pays more a call than the program does)."""
     import torch
     import torch.fx as fx
     g = fx.Graph()
@@ -236,10 +232,10 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
                          dev=None) -> dict:
     """This process's matmul FLOP/s, memory-bound bytes/s (also by bytes moved: ``mem_curve``) and per-op
     overhead (medians). ``before``: a barrier, so that the ranks of one machine measure at once and the
-    figures include what they take from each other (4 gloo ranks on 2 cores: 55-61 GFLOP/s each so, 167
-    measured one at a time). ``window``: seconds each timing lasts at least; ranks that share cores need
-    one far longer than a time slice, or the figures depend on which ranks the scheduler ran in it (7 ms
-    timings gave 48 and 78 GFLOP/s in two measurements of the same 4 ranks). ``alone``: the rates of
+    figures include what they take from each other (ranks that share cores read far lower rates so than
+    one at a time). ``window``: seconds each timing lasts at least; ranks that share cores need
+    one far longer than a time slice, or the figures depend on which ranks the scheduler ran in it.
+    ``alone``: the rates of
     this process while it has the device to itself: the fastest of ``iters`` single calls (what
     :mod:`metadist_torch.optime` divides an op's own fastest time by). ``dev``: the device (default: the
     rank's, :func:`metadist_torch.engine.device`)."""
@@ -289,7 +285,7 @@ def _measure_kinds(axes: Sequence[tuple], dev, work, base: float, iters: int, sy
     """Per axis ``(group, n, beta)``: alpha/beta of the all_gather, reduce_scatter and all_to_all the lowering
     runs, each timed between compute as the all_reduces are and fitted on its own ring factors, and the time of
     a one-element all_reduce (``all_reduce_tiny``: gloo runs an all_reduce of fewer elements than ranks in far
-    fewer steps than a ring: 4 ranks of 2 cores, between matmuls, 3.1 ms for 4 bytes, 6.3 ms for 16 bytes).
+    fewer steps than a ring).
     Size by size, every axis in turn (as the all_reduces are). The same figures on every rank (the slowest
     rank's). Returns ``(kinds, samples)`` per axis."""
     import torch
@@ -352,8 +348,8 @@ def measure_overlap(group, dev, work, iters: int, sync) -> float:
     this process group (``DeviceSpec.overlap``): the compute alone, the all_reduce alone, then the
     all_reduce started, the compute run and the all_reduce waited for, as the lowering runs a gradient
     bucket; ``(compute + all_reduce - both) / min(compute, all_reduce)``, clamped to [0, 1], from the
-    slowest rank's medians. On 4 gloo ranks sharing 2 cores both together took as long as one after the
-    other, or longer (the collective needs the cores the compute runs on): 0. NCCL on a GPU runs the
+    slowest rank's medians. Where gloo ranks share cores, both together take about as long as one after
+    the other (the collective needs the cores the compute runs on): about 0. NCCL on a GPU runs the
     collective on its own stream: near 1."""
     import torch
     import torch.distributed as dist
@@ -409,9 +405,8 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
             dist.all_reduce(torch.ones(1, device=dev), group=group)
     base = _time(work, iters, sync)
     rows: list[list] = [[] for _ in groups]
-    # size by size, every axis in turn: a slow spell of the shared machine falls on all the axes alike (axis
-    # by axis, the two axes of a (2, 2) mesh of 4 gloo ranks on 2 cores read latencies 0.54 and 1.39 ms in one
-    # calibration and 1.55 and 1.11 in the next)
+    # size by size, every axis in turn: a slow spell of the shared machine falls on all the axes alike (timed
+    # axis by axis, it would fall on one axis's figures)
     for nbytes in LIVE_SIZES:
         x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
         for axis, group in enumerate(groups):

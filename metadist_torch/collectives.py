@@ -22,7 +22,7 @@ from .stats import CommStats
 
 def _ops():
     """torch's functional collective ops themselves: plain tensors in and out, no ``AsyncCollectiveTensor``
-    subclass (whose Python dispatch on every later op cost ~10 ms a step on the GPT example)."""
+    subclass (whose Python dispatch on every later op costs more than the overlap gains)."""
     return torch.ops._c10d_functional
 
 
@@ -115,11 +115,9 @@ def _flatten(xs: Sequence[torch.Tensor]) -> torch.Tensor:
 def _release(*ts: torch.Tensor) -> None:
     """Free the storage of buffers this rank's program no longer reads, once their collective has been waited
     for (FSDP frees its gather buffers so too). Dropping the last Python reference is not enough: gloo's
-    thread holds a collective's tensors until it gets to run again, so a gather's output lived on after its
-    last reader in some runs of a plan and not in others (the GPT example's fsdp plan on 2 ranks: one
-    131,072-byte output freed at op 455 in one run and at op 526 in the next, across the peak; that one is
-    the program's own value, which this cannot free; freeing the buffers a gather copies out of took
-    test_memory's slow test from 3-6 failures in 15-22 runs to none in 12)."""
+    thread holds a collective's tensors until it gets to run again, so a gather's output may live on after
+    its last reader in some runs of a plan and not in others, and the step's peak with it. The output itself
+    is the program's own value, which this cannot free; the buffers a gather copies out of are freed here."""
     for t in ts:
         t.untyped_storage().resize_(0)
 
@@ -270,8 +268,8 @@ class AxisComm:
             shapes.append(torch.Size(shape))
             keep.append((d, sizes[self.coord], c))
         # each member's chunks copied straight into the flat buffer, rank by rank: no contiguous copy of each
-        # chunk first (reshaping a chunk along a dim other than 0 copies it, and those copies were alive beside
-        # the buffer when it was made: 2.1 MB over the predicted peak of a 4-layer GPT-2 plan on 4 ranks)
+        # chunk first (reshaping a chunk along a dim other than 0 copies it, and those copies would be alive
+        # beside the buffer when it is made, over the predicted peak)
         numels = [math.prod(s) for s in shapes]
         flat = xs[0].new_empty(n * sum(numels))
         rows, off = flat.view(n, -1), 0

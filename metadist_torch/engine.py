@@ -239,8 +239,8 @@ def finish_worker(code: int = 0) -> None:
     """End a torchrun worker: tear the process group down, flush output, and exit without running
     C++ static destructors.
 
-    On this CPU build a gloo rank has been seen to abort at interpreter teardown ("terminate called
-    without an active exception", std::terminate in a torch/gloo thread) after all its work was done
+    On a CPU build of torch a gloo rank can abort at interpreter teardown ("terminate called
+    without an active exception", std::terminate in a torch/gloo thread) after all its work is done
     and its process group destroyed; torchrun then reports the whole job as failed. ``os._exit``
     skips that teardown. Call it last, in place of ``sys.exit``.
     """

@@ -7,7 +7,7 @@ parameters in place (``mul_``, ``add_``, ``lerp_``, ``addcmul_``, ``addcdiv_`` o
 ``mul_``; ``foo_functional`` for an op writing other arguments, whose extra results are the new
 values) and every later reader of the mutated tensor reads the newest value instead. Re-tracing the
 graph under ``torch.func.functionalize`` gives the same ops, but it runs every op of the step again
-(LLaMA-8B's step: 23 s of a 47 s trace).
+(for a large model, a large part of the trace's time).
 
 The pass declines (returns None, and the caller re-traces) wherever aliasing could make the rename
 wrong: a mutated tensor that is a view of another (not its ``detach``), a view of a mutated tensor read

@@ -77,8 +77,7 @@ def pool_backward_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, 
 def batch_norm_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]):
     """The CPU batch-norm kernels (forward and backward) trust that every per-channel tensor (weight,
     bias, running stats, saved mean/invstd) has one entry per channel of the input; a shorter piece
-    corrupts the heap (seen: "double free or corruption"). Check that before calling them.
-    (Added by the metadist_compile helper.)"""
+    corrupts the heap (seen: "double free or corruption"). Check that before calling them."""
     if "batch_norm" not in overload._schema.name:
         return None
     names = [a.name for a in overload._schema.arguments]

@@ -174,7 +174,7 @@ def measure_peak(fn: Callable[[], Any], baseline: Iterable[Any] = (), device: to
         torch.cuda.reset_peak_memory_stats(dev)
         start = torch.cuda.memory_allocated(dev)
         # what the allocator holds before the call besides the baseline's storages is not the step's: the
-        # cuBLAS workspace (on an H200, 65 MiB of a 103 MiB start beside a 38 MiB state), other models in the
+        # cuBLAS workspace (which can be larger than a small model's state), other models in the
         # process. It is left out, as the live_storages count leaves it out on CPU.
         seen: dict[int, int] = {}
         for t in pytree.tree_leaves(base):

@@ -39,7 +39,7 @@ def _counted_flops(key: str, shapes: tuple, dtypes: tuple, attrs_json: str, out_
 
     The formula gets the call's arguments and its outputs (meta tensors of the traced output shapes) as
     FlopCounterMode would give them, but the op is not run: running addmm's meta kernel (a Python
-    decomposition) imports torch._dynamo, 1.4 s on this machine, that planning a recorded graph needs
+    decomposition) imports torch._dynamo, which takes seconds and which planning a recorded graph needs
     nowhere else."""
     from torch.utils.flop_counter import flop_registry
     overload = resolve_overload(key)

@@ -2,9 +2,9 @@
 
 The cost model prices an op as ``max(flops / FLOP rate, bytes / memory rate)`` with the rates of a
 matmul and of an ``add`` (:func:`metadist_torch.calibrate.measure_device_rates`). Most other ops run
-far slower than that on a CPU: in the step of transformers' GPT-2 (4 layers, width 256) ``tanh`` took
-30x its roofline, ``_log_softmax`` 25x, ``native_layer_norm`` 6x, while ``mm`` took 1.1x; the step's
-roofline came to 118 ms against 166 ms measured. Here each distinct op of the step (its key, input
+far slower than that on a CPU (``tanh``, ``_log_softmax``, ``native_layer_norm`` run many times their
+roofline, where ``mm`` runs close to it), so the roofline prices a step under what it takes. Here each
+distinct op of the step (its key, input
 shapes, dtypes and static arguments: ``MetaOp.signature``) is run at its real shapes on this process's
 device, once, and its time less that of a tiny op timed the same way (what this call path adds to
 any op; the profile's ``op_overhead``, what the lowered program adds, is priced on top), divided by its
@@ -12,9 +12,8 @@ roofline at the rates measured in the same process just before, is its slowdown:
 (:func:`metadist_core.cost.compute_cost`). Being a ratio it carries over to the rates of the live mesh
 profile (which include what ranks sharing a machine take from each other). Both the op and the rates
 are the fastest of several timings: the speed of this process when it has the device to itself, however
-busy the other ranks are meanwhile (medians had read the op at whatever share of a core the rank got:
-GPT-2's predicted step moved from 100 to 184 ms between two runs of the same code on 4 ranks sharing
-2 cores, as the other ranks were compiling or waiting while rank 0 timed). The cache holds
+busy the other ranks are meanwhile (medians would read the op at whatever share of a core the rank got,
+which depends on whether the other ranks are compiling or waiting while rank 0 times). The cache holds
 :data:`VERSION`; a cache of another version is measured again. An op whose inputs are too
 large to run in a few milliseconds takes the slowdown measured on the largest op of the same key and
 dtype, and none (1) when there is none. Slowdowns are cached in a JSON file beside the mesh profile.
@@ -127,8 +126,8 @@ def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | 
                 r = rates_of()
                 # the op's time beyond its roofline is its time less a tiny op's timed the same way (this
                 # call path dispatches slower than the lowered program, whose own per-op cost the profile's
-                # op_overhead adds back: on an H200, ops' times less the program's dispatch priced GPT-2's
-                # step 26 % over its measured time)
+                # op_overhead adds back: less the program's dispatch instead, the ops would be priced over
+                # what the step takes)
                 tiny = torch.randn(8, device=dev)
                 harness = _timed(lambda: torch.ops.aten.add.Tensor(tiny, tiny), sync)
                 spec = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], op_overhead=harness,
@@ -182,9 +181,8 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
     """How many times longer the whole step's program runs, alone on this device at its traced shapes,
     than its ops' alone times say (their rooflines times ``slowdowns``, plus the per-op dispatch of a
     lowered program): each op is timed again and again on its own inputs, hot in the caches, while the
-    program reads what the op before it wrote and writes fresh outputs (one process, batch 2, ops priced
-    so: transformers' GPT-2 32.6 ms against 39.6 measured, the GPT example 4.7 against 6.7, a LLaMA-style
-    model 4.7 against 7.2). The fastest of ``iters`` runs of the replicated program, lowered as every
+    program reads what the op before it wrote and writes fresh outputs (so the ops' times alone price a
+    step under what it takes). The fastest of ``iters`` runs of the replicated program, lowered as every
     plan is (``step``: the :class:`~metadist_torch.trace.TracedStep` whose graph is ``graph``), on copies
     of the state; None where its one-device peak is over :data:`PROGRAM_BYTES` (a model that needs the
     mesh to fit) or it cannot run. Clamped to :data:`PROGRAM_FACTOR`. ``rates``: as for

@@ -49,7 +49,7 @@ class TorchFrontend(Frontend):
     @contextlib.contextmanager
     def discovering(self) -> Iterator[None]:
         """One intra-op thread while ShardCombine runs thousands of tiny ops (a pool costs more than it
-        gives there: the attention backward ran 9x slower on 2 cores); the user's setting is restored."""
+        gives there); the user's setting is restored."""
         import torch
         before = torch.get_num_threads()
         torch.set_num_threads(1)

@@ -2,8 +2,8 @@
 
 A traced step is functional: AdamW's update of a parameter is ``p2 = mul(p, 1 - lr*wd)``,
 ``p3 = addcdiv(p2, m, d)``, each a fresh tensor, and the program then copies ``p3`` back into ``p``.
-On a CPU that is an allocation, a write to cold memory and a copy per op and state tensor: the
-per-rank AdamW update ran 1.2-1.3x slower than torch's own (README, issue 12).
+On a CPU that is an allocation, a write to cold memory and a copy per op and state tensor, which makes
+the per-rank AdamW update slower than torch's own.
 
 :func:`reinplace_updates` finds, for each state input, the *update chain*: the ops from the input to its
 new value where each op's first argument is the previous value and nothing else reads that value. When

@@ -238,7 +238,7 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     lifted = lift(gm, phs[len(phs) - len(hyper):], [s.node.hint for s in symbols])
     guards, pinned = branch_guards(mode.shape_env, hyper, symbols)
     merged = merge_step_counters(gm, state)   # in place: names kept, merged duplicates gone
-    gm.recompile()   # once: every pass above changed the graph only (Python code for 30k nodes takes 1-2 s)
+    gm.recompile()   # once: every pass above changed the graph only (a large graph's Python code is slow to make)
     grad_names = [n.name for n in gm.graph.nodes if n.name in grad_names]
     t2 = time.perf_counter()
     n_user_out = out_box["n_tensor_out"]
@@ -270,7 +270,7 @@ def _bn_with_stats(input, weight, bias, running_mean, running_var, training, mom
 def _nll_loss_mean(self, target, weight, reduction, ignore_index):
     """A mean ``nll_loss_forward`` without class weights as its sum over the count of kept targets.
 
-    Bit for bit the kernel's own mean (checked on 200 random shapes with and without ignored targets), but
+    Bit for bit the kernel's own mean (with and without ignored targets), but
     split so that a batch split needs no gathering: the count depends on the targets alone, so its one
     scalar all_reduce starts with the step and is long done when the loss needs it, and the sum is a
     partial sum. As one op the mean is not a partial mean when ignored targets fall unevenly on the

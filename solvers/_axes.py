@@ -2,8 +2,8 @@
 
 A node's option fixes its placements on every mesh axis at once, so a 3-axis
 mesh multiplies the options of a one-axis mesh three times over and the edge
-tables with them (GPT-2 small's step on (2,2,2): 385k ILP variables, where HiGHS
-had not closed the gap after 60 s). Here each round frees the placements on one
+tables with them (an ILP that HiGHS may not close the gap of within its time
+limit). Here each round frees the placements on one
 block of mesh axes and keeps every node's placements on the other axes where the
 current plan has them; that slice is an ILP of one-axis size, solved exactly,
 and its optimum never costs more than the plan it started from. Rounds go

@@ -26,7 +26,7 @@ log = logging.getLogger("metadist.solve")
 
 KEPT = (0, 2)   # HiGHS statuses that are proofs: optimal within the gap, infeasible
 SUBDIR = "milp"
-DEFAULT_MB = 512.0   # the ilp_cache_mb setting's default; an answer of GPT-2 XL on (8,8,16) takes ~0.2 MB
+DEFAULT_MB = 512.0   # the ilp_cache_mb setting's default; one answer takes a small fraction of a MB
 
 
 def milp_key(parts: Sequence[Any]) -> str:

@@ -194,12 +194,10 @@ class _Model:
         self.mem_rows: dict[int, tuple[np.ndarray, float]] = {}
 
     _pending: list = []
-    # HiGHS through highspy 1.16 instead (tried 2026-11-23): one thread solved GPT-2 small's (2,4) MILP in the same
-    # time as scipy's HiGHS (4.7 s against 4.6 s) and a MIP start did not speed up the axis descent; two threads
-    # took 3.6 s, but its process-wide thread pool does not survive a fork (forked gloo ranks that solved again
-    # hung), so scipy stays
-    # HiGHS presolve: the ILP solver sets it (solvers/ilp.py: wants_presolve). On GPT-2 small's whole step on
-    # (2,4) at 30,768 variables it made the solve 5.6-6.3 s against 3.4-4.0 s without (same optimum)
+    # scipy's HiGHS, not highspy: highspy's process-wide thread pool does not survive a fork (forked gloo ranks
+    # that solve again hang)
+    # HiGHS presolve: the ILP solver sets it (solvers/ilp.py: wants_presolve); on an unconstrained problem it
+    # slows the solve down and finds the same optimum
     presolve: bool = False
     cache_dir: str | None = None   # where proven answers are kept (solvers/_cache.py); None: not kept
     cache_mb: float = _cache.DEFAULT_MB   # the most disk they take (the ilp_cache_mb setting)
