@@ -1,44 +1,16 @@
-"""Settings: explicit argument > environment variable > ``[tool.metadist]`` in pyproject.toml > default.
+"""Settings: explicit argument > environment variable ``METADIST_<NAME>`` > ``[tool.metadist]`` in
+pyproject.toml > default.
 
-| setting        | environment                | pyproject key   | default            |
-|----------------|----------------------------|-----------------|--------------------|
-| solver         | METADIST_SOLVER            | solver          | ilp                |
-| memory_budget  | METADIST_MEMORY_BUDGET     | memory_budget   | none (bytes/device)|
-| cache_dir      | METADIST_CACHE_DIR         | cache_dir       | user cache dir     |
-| mesh_profile   | METADIST_MESH_PROFILE      | mesh_profile    | built-in defaults  |
-| axis_size      | METADIST_AXIS_SIZE         | axis_size       | 2 (discovery)      |
-| time_limit     | METADIST_TIME_LIMIT        | time_limit      | 60 (solver, s)     |
-| coalesce       | METADIST_COALESCE          | coalesce        | true (bucket all-reduces) |
-| bucket_mb      | METADIST_BUCKET_MB         | bucket_mb       | 25 (MiB per bucket)|
-| first_bucket_mb | METADIST_FIRST_BUCKET_MB  | first_bucket_mb | auto (MiB of the first gradient bucket: DDP's 1 where the device overlaps communication, else bucket_mb; 0: bucket_mb) |
-| shard_bucket_mb | METADIST_SHARD_BUCKET_MB | shard_bucket_mb | 4 (MiB per bucket of parameter all_gathers and gradient reduce_scatters; 0: off) |
-| beam_width     | METADIST_BEAM_WIDTH        | beam_width      | 8 (beam solver)    |
-| verify_draws   | METADIST_VERIFY_DRAWS      | verify_draws    | 2 (random draws per rule) |
-| progress       | METADIST_PROGRESS          | progress        | on a terminal      |
-| max_real_discovery | METADIST_MAX_REAL_DISCOVERY | max_real_discovery | 2**24 elements |
-| discovery_workers | METADIST_DISCOVERY_WORKERS | discovery_workers | 0 (one process per core, forked, for 12+ patterns; 1: none) |
-| measure_links  | METADIST_MEASURE_LINKS     | measure_links   | true (measure on first compile) |
-| strategy       | METADIST_STRATEGY          | strategy        | auto (or a preset: ddp, zero1..3, fsdp, tp, tp+dp) |
-| micro_batches  | METADIST_MICRO_BATCHES     | micro_batches   | 1 (no accumulation)|
-| pipeline_stages| METADIST_PIPELINE_STAGES   | pipeline_stages | none (planner; k: k stages on axis 0)|
-| schedule       | METADIST_SCHEDULE          | schedule        | 1f1b               |
-| grad_compression | METADIST_GRAD_COMPRESSION | grad_compression | none (bf16, fp16) |
-| measure_memory | METADIST_MEASURE_MEMORY    | measure_memory  | true (the first call after each compile: step.memory) |
-| recompute      | METADIST_RECOMPUTE         | recompute       | true (only when a memory budget needs it) |
-| offload        | METADIST_OFFLOAD           | offload         | none ("optimizer": state and update on the host) |
-| ilp_cache_mb   | METADIST_ILP_CACHE_MB      | ilp_cache_mb    | 512 (MiB of kept ILP answers; the least recently used go first) |
-| autotune       | METADIST_AUTOTUNE          | autotune        | true (with measured costs: the solver's plan timed beside the ddp, zero1 and fsdp presets', the fastest kept; frontends that can time a plan alone: JAX) |
-| autotune_seconds | METADIST_AUTOTUNE_SECONDS | autotune_seconds | 60 (autotune's time: programs not compiled by then are left untimed) |
-| local_time_seconds | METADIST_LOCAL_TIME_SECONDS | local_time_seconds | 10 (with measured costs, time a compile may spend timing matmuls at each strategy's local shapes, metadist_core.localtime; 0: none, every op at its roofline; frontends that time them: JAX) |
-| max_replans    | METADIST_MAX_REPLANS       | max_replans     | 8 (re-plans of a step after a failed guard before one warning says the loop re-plans every call) |
-| guard_cache    | METADIST_GUARD_CACHE       | guard_cache     | 8 (compiled programs kept per call signature, for when an earlier state returns) |
-| sync_guards    | METADIST_SYNC_GUARDS       | sync_guards     | true (on many ranks, one small CPU all_reduce per call: every rank takes the same guard decision) |
+Every setting is a field of :class:`Settings` that carries its own documentation (field metadata
+``help``, and ``default`` where the default reads better in words than as a value). The table of all
+settings, their environment variables, pyproject keys and defaults is generated from those fields into
+docs/configuration.md by ``python scripts/gen_docs.py``; read it there.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -52,41 +24,104 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved")   # torch.distributed.pipelining's 
 DDP_FIRST_BUCKET_MB = 1.0   # DDP's first gradient bucket: it closes early so that its all_reduce overlaps the backward
 # a device whose measured overlap (DeviceSpec.overlap) is below this hides nothing behind the backward
 NO_OVERLAP = 0.05
+ENV_PREFIX = "METADIST_"
+
+
+def _setting(default: Any, help: str, *, shown: str | None = None) -> Any:
+    """A field of :class:`Settings`: its ``default``, what it does (``help``) and, where the value alone
+    would mislead, the default as a user reads it (``shown``)."""
+    meta = {"help": help}
+    if shown is not None:
+        meta["default"] = shown
+    return field(default=default, metadata=meta)
 
 
 @dataclass
 class Settings:
-    solver: str = DEFAULT_SOLVER
-    memory_budget: int | None = None
-    cache_dir: str | None = None
-    mesh_profile: str | None = None
-    axis_size: int = 2
-    time_limit: float = 60.0
-    coalesce: bool = True
-    bucket_mb: float = 25.0
-    first_bucket_mb: float | None = None   # the first gradient all_reduce bucket; None: auto (resolve_first_bucket); 0: bucket_mb
-    shard_bucket_mb: float = 4.0   # parameter all_gathers (metadist_core.gathers) and gradient reduce_scatters per bucket; 0: off
-    beam_width: int = 8
-    verify_draws: int = 2
-    measure_links: bool = True   # measure links and device, time the ops, on the first compile (else defaults)
-    max_real_discovery: int = 2 ** 24   # elements: an op no proxy can stand for is discovered at real size below this
-    discovery_workers: int = 0   # processes discovering patterns side by side (0: one per core; 1: this one only)
-    progress: bool | None = None
-    strategy: str = "auto"   # "auto" or a preset of metadist_core.presets (constraints on the same problem)
-    grad_compression: str | None = None   # None | "bf16" | "fp16": gradients travel compressed
-    micro_batches: int = 1
-    pipeline_stages: int | None = None
-    schedule: str = "1f1b"
-    measure_memory: bool = True   # measure the peak tensor bytes of the first call after each compile
-    recompute: bool = True   # recompute forward segments when no plan meets memory_budget without it
-    offload: str | None = None   # None | "optimizer": optimizer state and its update on the host (metadist_core.offload)
-    ilp_cache_mb: float = 512.0   # disk the ILP's kept answers may take under cache_dir/milp (solvers/_cache.py)
-    autotune: bool = True   # with measured costs, time the solver's plan beside the presets' (metadist_core.autotune)
-    autotune_seconds: float = 60.0   # autotune's time budget (metadist_core.autotune.time_trials)
-    local_time_seconds: float = 10.0   # time a compile may spend timing ops at local shapes (metadist_core.localtime)
-    max_replans: int = 8   # re-plans after failed guards before one warning (metadist_core.pipeline.CompiledStep)
-    guard_cache: int = 8   # compiled programs kept per call signature (an earlier state that returns reuses its own)
-    sync_guards: bool = True   # many ranks agree on every guard decision (one small CPU all_reduce per call)
+    solver: str = _setting(
+        DEFAULT_SOLVER, "The solver that picks the plan: `ilp` (exact: scipy's MILP, HiGHS), `beam` or "
+        "`greedy`, or any solver plugin installed (`metadist plugins` lists them).")
+    memory_budget: int | None = _setting(
+        None, "Bytes per device the plan must fit in.", shown="none (no limit)")
+    cache_dir: str | None = _setting(
+        None, "Where the rule cache, measured mesh profiles and the ILP's kept answers live.",
+        shown="the user cache dir (platformdirs)")
+    mesh_profile: str | None = _setting(
+        None, "A mesh profile file (written by `metadist calibrate`) that prices the links between devices.",
+        shown="none (built-in defaults, or measured)")
+    axis_size: int = _setting(
+        2, "The axis size `metadist rules` discovers rules on (planning discovers on the mesh's own axis "
+        "sizes); at least 2.")
+    time_limit: float = _setting(60.0, "Seconds the solver may take.", shown="60 (seconds)")
+    coalesce: bool = _setting(
+        True, "Bucket the gradient all-reduces (as DDP does) instead of one collective per gradient.")
+    bucket_mb: float = _setting(25.0, "MiB per gradient all-reduce bucket.", shown="25 (MiB)")
+    first_bucket_mb: float | None = _setting(
+        None, "MiB of the first gradient bucket, which closes early so that its all-reduce overlaps the rest "
+        "of the backward. auto: DDP's 1 MiB where the device is measured to overlap communication with "
+        "compute, else `bucket_mb`; 0: the same as `bucket_mb`.", shown="auto")
+    shard_bucket_mb: float = _setting(
+        4.0, "MiB per bucket of the parameter all_gathers and gradient reduce_scatters of sharded layouts; "
+        "0 turns bucketing them off.", shown="4 (MiB)")
+    beam_width: int = _setting(8, "Width of the `beam` solver's beam.")
+    verify_draws: int = _setting(2, "Random draws that verify each discovered sharding rule; at least 1.")
+    measure_links: bool = _setting(
+        True, "On the first multi-rank compile, measure the links and the device and time the step's ops, "
+        "and cache them; off prices with the built-in defaults (plans then do not change with the machine's "
+        "load).")
+    max_real_discovery: int = _setting(
+        2 ** 24, "Elements below which an op that no smaller proxy can stand for is discovered at its real "
+        "size.", shown="16777216 (2**24)")
+    discovery_workers: int = _setting(
+        0, "Processes that discover op patterns side by side. 0: one forked process per CPU core (at most 8) "
+        "when 12 or more patterns are new and every frontend involved can fork; 1: this process only.",
+        shown="0 (one per core)")
+    progress: bool | None = _setting(
+        None, "Show progress bars (tqdm) on stderr: true forces them, false hides them.",
+        shown="auto (when stderr is a terminal)")
+    strategy: str = _setting(
+        "auto", "`auto` (the solver plans freely) or a preset: ddp, zero1, zero2, zero3, fsdp (= zero3), tp, "
+        "tp+dp -- constraints on the same plan search.")
+    grad_compression: str | None = _setting(
+        None, "Send the collectives on gradients compressed: `bf16` or `fp16`.", shown="none (uncompressed)")
+    micro_batches: int = _setting(
+        1, "Cut the batch (dim 0 of every tensor input) into this many equal parts; gradients accumulate "
+        "over them within one call.", shown="1 (no accumulation)")
+    pipeline_stages: int | None = _setting(
+        None, "Pipeline stages along mesh axis 0: none lets the planner decide, 1 is no pipeline, k > 1 is "
+        "k stages (axis 0 must have size k).", shown="none (the planner decides)")
+    schedule: str = _setting("1f1b", "The pipeline schedule: `1f1b`, `gpipe` or `interleaved`.")
+    measure_memory: bool = _setting(
+        True, "Measure the peak tensor bytes of the first call after each compile (`step.memory`), beside "
+        "the plan's prediction.")
+    recompute: bool = _setting(
+        True, "Recompute forward segments in the backward when no plan meets `memory_budget` without it "
+        "(only then).")
+    offload: str | None = _setting(
+        None, "`optimizer`: keep the optimizer state in host memory and run its update on the host CPU.",
+        shown="none (everything on the device)")
+    ilp_cache_mb: float = _setting(
+        512.0, "MiB of disk the ILP's kept answers may take under `cache_dir`/milp; the least recently used "
+        "go first.", shown="512 (MiB)")
+    autotune: bool = _setting(
+        True, "With measured costs, time the solver's plan beside the ddp, zero1 and fsdp presets' plans on "
+        "the live devices at the first call and keep the fastest (unless a strategy or constraints were "
+        "chosen; frontends that can time a plan alone, such as JAX).")
+    autotune_seconds: float = _setting(
+        60.0, "Autotune's time budget: programs not compiled when it is spent are left untimed (never the "
+        "solver's plan); more than 0.", shown="60 (seconds)")
+    local_time_seconds: float = _setting(
+        10.0, "With measured costs, the time a compile may spend timing matmuls at each strategy's local "
+        "shapes, the dearest first; 0 times none and prices every op at its roofline (frontends that time "
+        "them: JAX).", shown="10 (seconds)")
+    max_replans: int = _setting(
+        8, "Re-plans of a compiled step after failed guards before one warning says that the loop re-plans "
+        "every call.")
+    guard_cache: int = _setting(
+        8, "Compiled programs kept per call signature, so that an earlier state that returns reuses its "
+        "own; at least 1.")
+    sync_guards: bool = _setting(
+        True, "On many ranks, every rank takes the same guard decision (one small CPU all_reduce per call).")
 
     @property
     def bucket_bytes(self) -> int:
@@ -117,6 +152,29 @@ def check_setting_names(names: Any) -> None:
                          f"the settings are: {', '.join(sorted(known))}")
 
 
+def env_var(name: str) -> str:
+    """The environment variable of setting ``name``: ``METADIST_<NAME>``."""
+    return f"{ENV_PREFIX}{name.upper()}"
+
+
+def plain_default(value: Any) -> str:
+    """``value`` as one would write it in pyproject.toml or the environment (None: ``none``)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def default_text(f: dataclasses.Field) -> str:
+    """The default of the Settings field ``f`` as a user reads it: its ``default`` metadata (which starts
+    with the plain value where there is one), else the plain value."""
+    shown = f.metadata.get("default")
+    return plain_default(f.default) if shown is None else shown
+
+
 def _pyproject_settings(start: Path | None = None) -> dict[str, Any]:
     if tomllib is None:
         return {}
@@ -139,7 +197,7 @@ def load_settings(**explicit: Any) -> Settings:
     for f in fields(Settings):
         value = explicit.get(f.name)
         if value is None:
-            value = os.environ.get(f"METADIST_{f.name.upper()}")
+            value = os.environ.get(env_var(f.name))
         if value is None:
             value = file_vals.get(f.name)
         if value is None:
