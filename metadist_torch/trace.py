@@ -93,8 +93,7 @@ class TracedStep:
     def inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         """The program's user inputs for a call: the call's tensors, then the .grad each parameter of
         ``grad_in`` holds now (whole)."""
-        leaves = pytree.tree_leaves((list(args), dict(kwargs)))
-        user = [x.detach() for x in leaves if isinstance(x, torch.Tensor)]
+        user = [t.detach() for t in _flat_user_inputs(args, kwargs)[0]]
         return user + [_whole(self.state.params[i].get().grad) for i in self.grad_in]
 
     def unflatten_outputs(self, outs: Sequence[Any]) -> Any:
