@@ -57,6 +57,7 @@ def _share_worker(rank: int, init: str, out: str, world: int) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow   # a timed ratio: 4 processes on 2 shared cores read it outside its band now and then
 def test_the_share_of_the_device_is_ranks_per_core_where_ranks_outnumber_cores(tmp_path):
     """4 ranks: on a machine of 2 cores each gets half of one while all compute (2x as slow as alone); on
     4 cores or more, each its own (1x). The figure the live profile divides the alone rates by."""
