@@ -66,6 +66,11 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def is_fed(v: Any) -> bool:
+    """Is this param-group entry fed as run-time numbers: a number, or a tuple of numbers (``betas``)?"""
+    return _is_number(v) or (isinstance(v, (tuple, list)) and bool(v) and all(_is_number(x) for x in v))
+
+
 def hyper_slots(optimizers: Sequence[torch.optim.Optimizer]) -> list[HyperSlot]:
     """Every number (int or float, not bool) of every param group, tuples of numbers element by element."""
     out: list[HyperSlot] = []
@@ -77,7 +82,7 @@ def hyper_slots(optimizers: Sequence[torch.optim.Optimizer]) -> list[HyperSlot]:
                     continue
                 if _is_number(v):
                     out.append(HyperSlot(oi, gi, key, None, type(v).__name__))
-                elif isinstance(v, (tuple, list)) and v and all(_is_number(x) for x in v):
+                elif is_fed(v):
                     out.extend(HyperSlot(oi, gi, key, i, type(x).__name__) for i, x in enumerate(v))
     return out
 
@@ -314,5 +319,5 @@ def branch_guards(shape_env: Any, slots: Sequence[HyperSlot], symbols: Sequence[
     return out, pinned
 
 
-__all__ = ["HyperSlot", "Hyperparameters", "hyper_slots", "symbolic_values", "swapped_values", "lift",
+__all__ = ["HyperSlot", "Hyperparameters", "hyper_slots", "is_fed", "symbolic_values", "swapped_values", "lift",
            "branch_guards", "ITEM", "ATTR_PREFIX"]

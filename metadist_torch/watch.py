@@ -40,6 +40,7 @@ import torch
 
 from metadist_core.frontend import Watch
 
+from .hyper import is_fed
 from .trace import TracedStep
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -88,14 +89,12 @@ class StepWatch(Watch):
                      for opt in self.traced.state.optimizers)
 
     def _group_flags(self) -> tuple:
-        from .hyper import _is_number
         out = []
         for opt in self.traced.state.optimizers:
             for g in opt.param_groups:
                 for k in sorted(g):
                     v = g[k]
-                    if k == "params" or _is_number(v) or (isinstance(v, (tuple, list)) and v
-                                                          and all(_is_number(x) for x in v)):
+                    if k == "params" or is_fed(v):   # the numbers are inputs (metadist_torch.hyper)
                         continue
                     out.append((k, id(v) if isinstance(v, torch.Tensor) else v))
         return tuple(out)
