@@ -279,15 +279,5 @@ def autotune_result(res: Any, frontend: Any, traced: Any, mesh: Any, s: Any, use
     return chosen, trial
 
 
-def describe(figures: dict) -> str:
-    """One line: the plans timed and the one kept (for ``str(plan)`` and the CLI)."""
-    def label(d: dict) -> str:
-        return f"{d['strategy']} ({d['lowering']})" if d.get("lowering") else str(d["strategy"])
-    parts = [f"{label(c)} {c['measured_ms']:.1f} ms (predicted {c['predicted_ms']:.1f})"
-             for c in figures.get("candidates", [])]
-    kept = label({"strategy": figures.get("chosen"), "lowering": figures.get("lowering")})
-    return f"autotuned: {', '.join(parts)}; running {kept}"
-
-
-__all__ = ["Candidate", "MARGIN", "MIN_ROUNDS", "PRESETS", "REFINE_ROUNDS", "REFINE_WITHIN", "ROUNDS", "Trial", "autotune_result", "describe", "pick",
+__all__ = ["Candidate", "MARGIN", "MIN_ROUNDS", "PRESETS", "REFINE_ROUNDS", "REFINE_WITHIN", "ROUNDS", "Trial", "autotune_result", "pick",
            "skip_reason", "time_trials", "tune"]

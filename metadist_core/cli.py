@@ -176,7 +176,7 @@ def cmd_plan(args) -> int:
 
     settings, pm = _settings(args)
     if args.strategy:
-        from .presets import check_strategy
+        from .config import check_strategy
         settings.strategy = check_strategy(args.strategy)
     if args.target.endswith(".py"):
         return _plan_script(args)

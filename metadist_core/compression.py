@@ -23,25 +23,9 @@ rounded gradients, not the rounded sum (see the README for the measured drift).
 from __future__ import annotations
 
 from .ir import DTYPE_BYTES, MetaIR
+from .config import compression_dtype
 
-GRAD_COMPRESSION: dict[str, str] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
-                                    "float16": "float16"}
 ROLE_GRADIENT = "gradient"
-
-
-def compression_dtype(mode: str | None) -> str | None:
-    """The canonical wire dtype of a ``grad_compression`` setting (None: no compression).
-
-    Raises ValueError for a name that is not one of None, "none", "bf16", "fp16".
-    """
-    if mode is None:
-        return None
-    key = str(mode).strip().lower()
-    if key in ("", "none", "off", "false", "0"):
-        return None
-    if key not in GRAD_COMPRESSION:
-        raise ValueError(f"grad_compression must be None, 'bf16' or 'fp16', got {mode!r}")
-    return GRAD_COMPRESSION[key]
 
 
 def gradient_chain(graph: MetaIR) -> set[str]:
@@ -74,4 +58,4 @@ def wire_dtypes(graph: MetaIR, mode: str | None) -> dict[str, str]:
             if graph.vars[v].dtype.startswith("float") and DTYPE_BYTES.get(graph.vars[v].dtype, 4) > size}
 
 
-__all__ = ["GRAD_COMPRESSION", "ROLE_GRADIENT", "compression_dtype", "gradient_chain", "wire_dtypes"]
+__all__ = ["ROLE_GRADIENT", "gradient_chain", "wire_dtypes"]

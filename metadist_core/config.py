@@ -36,6 +36,56 @@ def _setting(default: Any, help: str, *, shown: str | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
+PRESETS: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "tp+dp")
+ALIASES = {"fsdp": "zero3"}
+STRATEGIES: tuple[str, ...] = ("auto",) + PRESETS
+
+
+def check_strategy(name: str) -> str:
+    """``name`` as a strategy setting ("auto" or a preset); an unknown name is a ValueError listing them."""
+    key = str(name).strip().lower()
+    if key not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)} "
+                         f"(fsdp is zero3; a preset is a set of constraints on the same plan search)")
+    return key
+
+
+OFFLOAD_CHOICES = ("optimizer",)
+
+
+def check_offload(value: Any) -> str | None:
+    """``None`` / "none" / "" -> None; "optimizer" -> "optimizer"; anything else: ValueError naming the choices."""
+    if value is None or value is False:
+        return None
+    text = str(value).strip().lower()
+    if text in ("", "none", "false", "0", "off"):
+        return None
+    if text not in OFFLOAD_CHOICES:
+        raise ValueError(f"unknown offload {value!r}; choose None (keep everything on the device) or "
+                         f"{' | '.join(repr(c) for c in OFFLOAD_CHOICES)} (optimizer state and update on the host)")
+    return text
+
+
+GRAD_COMPRESSION: dict[str, str] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
+                                    "float16": "float16"}
+
+
+def compression_dtype(mode: str | None) -> str | None:
+    """The canonical wire dtype of a ``grad_compression`` setting (None: no compression).
+
+    Raises ValueError for a name that is not one of None, "none", "bf16", "fp16".
+    """
+    if mode is None:
+        return None
+    key = str(mode).strip().lower()
+    if key in ("", "none", "off", "false", "0"):
+        return None
+    if key not in GRAD_COMPRESSION:
+        raise ValueError(f"grad_compression must be None, 'bf16' or 'fp16', got {mode!r}")
+    return GRAD_COMPRESSION[key]
+
+
+
 @dataclass
 class Settings:
     solver: str = _setting(
@@ -234,7 +284,6 @@ def load_settings(**explicit: Any) -> Settings:
     if s.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {s.schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if s.strategy != "auto":
-        from .presets import check_strategy
         s.strategy = check_strategy(s.strategy)   # an unknown name: ValueError listing the presets
     if s.first_bucket_mb is not None and s.first_bucket_mb < 0:
         raise ValueError(f"first_bucket_mb must be 0 (the same as bucket_mb) or more, got {s.first_bucket_mb}")
@@ -253,11 +302,9 @@ def load_settings(**explicit: Any) -> Settings:
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
     if s.grad_compression is not None:
-        from .compression import compression_dtype
         wire = compression_dtype(s.grad_compression)   # an unknown name: ValueError naming the choices
         s.grad_compression = None if wire is None else {"bfloat16": "bf16", "float16": "fp16"}[wire]
     if s.offload is not None:
-        from .offload import check_offload
         s.offload = check_offload(s.offload)   # an unknown name: ValueError naming the choices
         if s.offload and (s.micro_batches > 1 or (s.pipeline_stages or 1) > 1):
             raise ValueError(f"offload={s.offload!r} does not combine with micro_batches={s.micro_batches} or "

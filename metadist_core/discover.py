@@ -27,6 +27,7 @@ from .progress import Progress
 from .rules import OpRules, RuleBook, ShardingRule
 from .shardcombine import DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
 from .verify import scalars_of
+from .forkpool import discover_forked
 
 log = logging.getLogger("metadist.discover")
 
@@ -86,8 +87,8 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
                      if (s := seed_combos(book, op, graph, [m for m in sizes if m < n])) is not None}
             k = min(n_workers, worker_count(workers, len(jobs), list(fronts.values()))) if n_workers > 1 else 1
             if k > 1:
-                from .forkpool import discover_forked
-                done = discover_forked(jobs, graph, ops, k, warned, bar, draws=draws, max_real=max_real,
+                done = discover_forked(jobs, graph, ops, k, warned, bar, discover=discover_pattern, draws=draws,
+                                       max_real=max_real,
                                        seeds=seeds)
             else:
                 done = {}

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from .cost import local_bytes
-from .presets import PRESETS, GraphView, constrain, preset_constraints
+from .config import PRESETS
+from .presets import GraphView, constrain, preset_constraints
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import ShardingPlan

@@ -2,7 +2,7 @@
 
 The parent sets the work aside in a module global and forks; each child
 inherits the graph, the frontends and their ``discovering()`` state (one
-compute thread each), runs :func:`~metadist_core.discover.discover_pattern` on
+compute thread each), runs the ``discover`` function it is given on
 the patterns it is handed, and sends back the rules (small, picklable) and the
 log records it made. The parent re-emits those records once per op (the
 serial run's "one warning naming the op"), so a user sees the same messages
@@ -13,10 +13,11 @@ takes the next pattern: the compile goes on where an in-process run would die.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .ir import MetaIR, MetaOp
 from .patterns import Pattern, op_numel, proxy_numel
+from .rules import OpRules, ShardingRule
 
 log = logging.getLogger("metadist.discover")
 
@@ -34,7 +35,6 @@ class _Collect(logging.Handler):
 
 def _run(i: int) -> tuple[int, Any, str, list[tuple[str, int, str]]]:
     """In a child: discover pattern ``i``; its rules, RuleBook key and the log records it made."""
-    from .discover import discover_pattern
     w = _WORK
     op, pat = w["jobs"][i]
     root = logging.getLogger("metadist")
@@ -42,7 +42,7 @@ def _run(i: int) -> tuple[int, Any, str, list[tuple[str, int, str]]]:
     root.addHandler(handler)
     propagate, root.propagate = root.propagate, False   # the parent prints them, once
     try:
-        entry, used = discover_pattern(op, w["graph"], w["ops"], pat, set(), draws=w["draws"],
+        entry, used = w["discover"](op, w["graph"], w["ops"], pat, set(), draws=w["draws"],
                                        max_real=w["max_real"], seed=w["seeds"].get(i))
     finally:
         root.removeHandler(handler)
@@ -110,7 +110,6 @@ class _Worker:
 def _crashed(op: MetaOp, pat: Pattern, exitcode: int | None) -> Any:
     """The rules of an op whose discovery killed its process: it runs replicated."""
     import signal
-    from .rules import OpRules, ShardingRule
     how = (f"signal {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0
            else f"exit code {exitcode}")
     where = "at proxy sizes" if pat.proxied else "at its real shapes"
@@ -120,16 +119,16 @@ def _crashed(op: MetaOp, pat: Pattern, exitcode: int | None) -> Any:
 
 
 def discover_forked(jobs: Sequence[tuple[MetaOp, Pattern]], graph: MetaIR, ops: Any, workers: int,
-                    warned: set[str], bar: Any, *, draws: int, max_real: int,
-                    seeds: dict[int, Any] | None = None) -> dict[int, tuple[Any, str]]:
+                    warned: set[str], bar: Any, *, discover: Callable[..., tuple[Any, str]], draws: int,
+                    max_real: int, seeds: dict[int, Any] | None = None) -> dict[int, tuple[Any, str]]:
     """``{job index: (OpRules, RuleBook key)}`` for every job, run by ``workers`` forked processes, the
-    largest first. A job that kills its process (a framework kernel that traps) runs replicated, with
+    largest first; ``discover`` finds one pattern's rules in a child. A job that kills its process (a framework kernel that traps) runs replicated, with
     one warning naming the op; a fresh process takes the next job."""
     import multiprocessing
     from multiprocessing.connection import wait
     ctx = multiprocessing.get_context("fork")
     pending = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i][0], graph, jobs[i][1]))
-    _WORK.update(jobs=list(jobs), graph=graph, ops=ops, draws=draws, max_real=max_real, seeds=dict(seeds or {}))
+    _WORK.update(discover=discover, jobs=list(jobs), graph=graph, ops=ops, draws=draws, max_real=max_real, seeds=dict(seeds or {}))
     done: dict[int, tuple[Any, str]] = {}
 
     def finish(i: int, entry: Any, used: str, records: Sequence[tuple[str, int, str]]) -> None:

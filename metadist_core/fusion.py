@@ -23,9 +23,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .ir import MetaIR, MetaOp
-from .microbatch import UPDATE_ROLES
-from .stages import forward_ops
+from .ir import UPDATE_ROLES, MetaIR, MetaOp, forward_ops
 
 
 def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list[list[str]]:

@@ -10,6 +10,10 @@ from typing import Any, Iterable, Mapping, Sequence
 # Canonical dtype strings and their sizes in bytes.
 #: Suffix of the ids of ops and values recomputed for the backward (metadist_core.recompute).
 RECOMPUTED_SUFFIX = "@rc"
+ACC_SUFFIX = ".acc"
+BATCH_ROLES = ("input",)
+UPDATE_ROLES = ("parameter", "optimizer_state")
+STATE_ROLES = ("parameter", "optimizer_state", "buffer")
 
 DTYPE_BYTES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -318,3 +322,16 @@ class MetaIR:
         if missing:
             raise ValueError(f"MetaIR JSON has vars that are neither inputs nor produced: {missing[:5]}")
         return g
+
+
+def new_buffers(graph: MetaIR) -> list[str]:
+    """New values of real buffers (not the gradients that micro-batching keeps as pseudo state)."""
+    return [o for s, o in graph.aliases.items() if graph.vars[s].role == "buffer" and not s.endswith(ACC_SUFFIX)]
+
+
+def forward_ops(graph: MetaIR) -> list[str]:
+    """Op ids computing the non-state outputs (the loss) and the new buffers, in graph order."""
+    state_outs = set(graph.aliases.values())
+    targets = [o for o in graph.outputs if o not in state_outs]
+    targets += new_buffers(graph)
+    return graph.ops_computing(targets)

@@ -30,14 +30,12 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
-from .ir import RECOMPUTED_SUFFIX, MetaIR
+from .ir import ACC_SUFFIX, BATCH_ROLES, RECOMPUTED_SUFFIX, UPDATE_ROLES, MetaIR
 from .placement import Sharding
 
 log = logging.getLogger("metadist.microbatch")
 
-ACC_SUFFIX = ".acc"
-BATCH_ROLES = ("input",)
-UPDATE_ROLES = ("parameter", "optimizer_state")
+
 
 
 class MicroBatchError(ValueError):
@@ -310,4 +308,4 @@ def lower_micro_batches(frontend: Any, traced: Any, plan: Any, mesh: Any, settin
 
 __all__ = ["GradientCut", "MicroBatchError", "cut_at_gradients", "part_plan", "micro_batch_size", "combine",
            "lower_micro_batches",
-           "loss_reduction", "warn_batch_stats", "ACC_SUFFIX"]
+           "loss_reduction", "warn_batch_stats"]

@@ -46,22 +46,8 @@ from .ir import MetaIR
 
 log = logging.getLogger("metadist.offload")
 
-OFFLOAD_CHOICES = ("optimizer",)
 STATE_ROLE = "optimizer_state"
 HOST_INPUT_ROLES = ("parameter", "optimizer_state", "hyperparameter")   # inputs a pulled-in host op may read without a new transfer
-
-
-def check_offload(value: Any) -> str | None:
-    """``None`` / "none" / "" -> None; "optimizer" -> "optimizer"; anything else: ValueError naming the choices."""
-    if value is None or value is False:
-        return None
-    text = str(value).strip().lower()
-    if text in ("", "none", "false", "0", "off"):
-        return None
-    if text not in OFFLOAD_CHOICES:
-        raise ValueError(f"unknown offload {value!r}; choose None (keep everything on the device) or "
-                         f"{' | '.join(repr(c) for c in OFFLOAD_CHOICES)} (optimizer state and update on the host)")
-    return text
 
 
 @dataclass
@@ -247,5 +233,5 @@ def offload_stats(region: HostRegion, problem: Any, plan: Any) -> dict:
             "transfer_seconds": transfer_seconds(d2h, problem.device) + transfer_seconds(h2d, problem.device)}
 
 
-__all__ = ["offload_stats", "OFFLOAD_CHOICES", "HostRegion", "host_region", "apply_offload", "check_offload", "host_spec",
+__all__ = ["offload_stats", "HostRegion", "host_region", "apply_offload", "host_spec",
            "transfer_seconds"]

@@ -23,9 +23,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .ir import MetaIR
+from .ir import MetaIR, forward_ops
 from .placement import Sharding
-from .stages import forward_ops
 
 FORWARD, LATER = 0, 1
 

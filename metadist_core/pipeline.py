@@ -26,7 +26,7 @@ from .ir import MetaIR
 from .localtime import LocalTimer
 from .placement import Mesh
 from .plugins import PluginManager
-from .presets import check_strategy
+from .config import check_strategy
 from .rules import RuleBook
 # planning a traced graph (re-exported: tools, benchmarks and tests import these from here)
 from .planner import CompileResult, lowering_traits, op_costs, plan_graph, replicated_plan

@@ -21,8 +21,9 @@ from .ir import MetaIR
 from .microbatch import cut_at_gradients
 from .placement import Mesh
 from .ir import DTYPE_BYTES
-from .stages import (STATE_ROLES, CutChoice, StageError, best_cuts, build_stages, crossing_bytes, describe,
-                     forward_ops, owner_positions, positions, stage_devices)
+from .ir import STATE_ROLES, forward_ops
+from .stage import StageError, describe
+from .stages import CutChoice, best_cuts, build_stages, crossing_bytes, owner_positions, positions, stage_devices
 
 log = logging.getLogger("metadist.pipeplan")
 

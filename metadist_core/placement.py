@@ -187,6 +187,20 @@ def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
     return start, min(size, start + c)
 
 
+
+def link_costs(links: tuple, axis: int, kind: str, alpha: float, beta: float, numel: int | None = None,
+               n: int = 0) -> tuple[float, float]:
+    """``(alpha, beta)`` of a ``kind`` collective on ``axis`` from a mesh's ``links`` (see
+    :meth:`~metadist_core.placement.Mesh.link`), else the axis's own ``alpha``/``beta``."""
+    if links and links[axis]:
+        own = {k: (a, b) for k, a, b in links[axis]}
+        if kind == "all_reduce" and numel is not None and numel < n and "all_reduce_tiny" in own:
+            return own["all_reduce_tiny"]
+        if kind in own:
+            return own[kind]
+    return alpha, beta
+
+
 @dataclass(frozen=True)
 class Mesh:
     """The logical device mesh: shape, axis names and per-axis link cost.
@@ -235,7 +249,6 @@ class Mesh:
     def link(self, axis: int, kind: str, numel: int | None = None) -> tuple[float, float]:
         """``(alpha, beta)`` that price a ``kind`` collective on ``axis``; ``numel``: the elements of an
         all_reduce's buffer (fewer than the axis's devices: the ``all_reduce_tiny`` figures, when measured)."""
-        from .reshard import link_costs   # one rule, the one the reshard search prices with
         return link_costs(self.links, axis, kind, self.alpha[axis], self.beta[axis], numel, self.shape[axis])
     @property
     def ndim(self) -> int:

@@ -19,6 +19,8 @@ from .placement import Sharding
 from .phases import reshard_key
 from .problem import OUTPUT, ShardingProblem
 from .rules import Strategy
+from .explain import explain_plan
+from .stage import Stage, describe
 
 
 @dataclass
@@ -69,7 +71,7 @@ class ShardingPlan:
     stats: dict = field(default_factory=dict)      # solver-specific figures (sizes, status...)
     labels: dict[str, str] = field(default_factory=dict)   # parameter var -> the user's name of it
     problem: ShardingProblem | None = field(default=None, repr=False, compare=False)  # not serialised
-    stages: list = field(default_factory=list)     # pipeline stages (metadist_core.stages.Stage); empty: none
+    stages: list = field(default_factory=list)     # pipeline stages (metadist_core.stage.Stage); empty: none
     recompute: list[str] = field(default_factory=list)   # forward op ids recomputed for the backward (recompute.py)
 
     @property
@@ -217,10 +219,8 @@ class ShardingPlan:
                          + (f" in {segs} segments" if segs else "") + ": " + ", ".join(self.recompute[:12])
                          + (" ..." if len(self.recompute) > 12 else ""))
         if self.stats.get("autotune"):
-            from .autotune import describe as tuned
-            lines.append(tuned(self.stats["autotune"]))
+            lines.append(describe_autotune(self.stats["autotune"]))
         if self.stages:
-            from .stages import describe
             pl = self.stats.get("pipeline", {})
             lines.append(describe(self.stages, pl.get("schedule", "1f1b"), pl.get("micro_batches", 1)))
         return "\n".join(lines)
@@ -235,7 +235,6 @@ class ShardingPlan:
         """Per parameter its placement, bytes per device and why (against the best alternative), per
         collective its kind, axis, bytes and time, the totals, and the presets' prices beside this plan's
         (see :mod:`metadist_core.explain`)."""
-        from .explain import explain_plan
         return explain_plan(self, presets=presets, solver=solver)
 
     # -- JSON ---------------------------------------------------------------
@@ -274,8 +273,17 @@ class ShardingPlan:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
 
+def describe_autotune(figures: dict) -> str:
+    """One line: the plans timed and the one kept (for ``str(plan)`` and the CLI)."""
+    def label(d: dict) -> str:
+        return f"{d['strategy']} ({d['lowering']})" if d.get("lowering") else str(d["strategy"])
+    parts = [f"{label(c)} {c['measured_ms']:.1f} ms (predicted {c['predicted_ms']:.1f})"
+             for c in figures.get("candidates", [])]
+    kept = label({"strategy": figures.get("chosen"), "lowering": figures.get("lowering")})
+    return f"autotuned: {', '.join(parts)}; running {kept}"
+
+
 def _stages_from_json(items: list) -> list:
     if not items:
         return []
-    from .stages import Stage
     return [Stage.from_json(d) for d in items]

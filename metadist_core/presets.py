@@ -40,23 +40,10 @@ from .constraints import Constraint, Forbid, Pin, annotation_pins, apply_constra
 from .placement import Partial, Placement, Replicate, Shard, Sharding
 from .presetgraph import GraphView, Pins, PresetConstraints, op_name, split_on
 from .tensor_parallel import tensor_parallel
+from .config import ALIASES, check_strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     from .problem import ShardingProblem
-
-PRESETS: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "tp+dp")
-ALIASES = {"fsdp": "zero3"}
-STRATEGIES: tuple[str, ...] = ("auto",) + PRESETS
-
-
-def check_strategy(name: str) -> str:
-    """``name`` as a strategy setting ("auto" or a preset); an unknown name is a ValueError listing them."""
-    key = str(name).strip().lower()
-    if key not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)} "
-                         f"(fsdp is zero3; a preset is a set of constraints on the same plan search)")
-    return key
-
 
 def gathers_parameters(strategy: str) -> bool:
     """Does every plan of ``strategy`` gather the parameters where they are read (zero3/fsdp pins them split)?
@@ -186,5 +173,5 @@ def steer(prob: "ShardingProblem", strategy: str = "auto", named: Mapping[str, A
     return constrain(prob, extra)
 
 
-__all__ = ["PRESETS", "STRATEGIES", "PresetConstraints", "GraphView", "check_strategy", "preset_constraints",
+__all__ = ["PresetConstraints", "GraphView", "preset_constraints",
            "constrain", "steer", "split_on", "op_name"]

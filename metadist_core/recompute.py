@@ -41,7 +41,8 @@ from typing import Any, Callable, Sequence
 
 from .ir import RECOMPUTED_SUFFIX, MetaIR
 from .problem import InfeasibleBudgetError
-from .stages import forward_ops, positions
+from .ir import forward_ops
+from .stages import positions
 
 log = logging.getLogger("metadist.recompute")
 

@@ -18,25 +18,12 @@ import numpy as np
 
 from .cost import (Collective, _normalise, all_gather_cost, all_reduce_cost, all_to_all_cost, itemsize,
                    reduce_scatter_cost)
-from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, largest_local_shape
+from .placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, largest_local_shape, link_costs
 
 
 def _inner_splits(state: tuple[Placement, ...], axis: int, dim: int) -> bool:
     """Does an axis behind ``axis`` split tensor ``dim``?"""
     return any(isinstance(p, Shard) and p.dim == dim for p in state[axis + 1:])
-
-
-def link_costs(links: tuple, axis: int, kind: str, alpha: float, beta: float, numel: int | None = None,
-               n: int = 0) -> tuple[float, float]:
-    """``(alpha, beta)`` of a ``kind`` collective on ``axis`` from a mesh's ``links`` (see
-    :meth:`~metadist_core.placement.Mesh.link`), else the axis's own ``alpha``/``beta``."""
-    if links and links[axis]:
-        own = {k: (a, b) for k, a, b in links[axis]}
-        if kind == "all_reduce" and numel is not None and numel < n and "all_reduce_tiny" in own:
-            return own["all_reduce_tiny"]
-        if kind in own:
-            return own[kind]
-    return alpha, beta
 
 
 #: the ``Mesh.links`` kind that prices a local copy, seconds per byte copied (read and write): a gather or
@@ -276,4 +263,4 @@ def reshard_cost(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: str,
     return sum(c.cost for c in reshard(src, dst, shape, dtype, mesh))
 
 
-__all__ = ["link_costs", "reshard", "reshard_cost", "reshard_costs"]
+__all__ = ["reshard", "reshard_cost", "reshard_costs"]

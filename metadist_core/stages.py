@@ -26,56 +26,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from .ir import MetaIR
-from .microbatch import ACC_SUFFIX
+from .ir import STATE_ROLES, MetaIR, forward_ops, new_buffers
+from .stage import Stage, StageError, bubble_fraction
 
-STATE_ROLES = ("parameter", "optimizer_state", "buffer")
-
-
-class StageError(ValueError):
-    """A pipeline cannot be built as asked (names the numbers and what to do)."""
-
-
-@dataclass
-class Stage:
-    """One pipeline stage: a contiguous run of forward ops on one slice of mesh axis 0."""
-
-    index: int
-    ops: list[str]                      # op ids of the forward, in graph order (free ops included)
-    params: list[str]                   # parameter/buffer input vars this stage owns (first reader)
-    inputs: list[str]                   # values received from the previous stage (stage 0: the batch inputs)
-    outputs: list[str]                  # values sent to the next stage (the last stage: the step's outputs)
-    devices: list[int] = field(default_factory=list)   # global ranks of this stage
-    cost: float = 0.0                   # seconds per micro-batch (forward + backward + send), cost model
-    memory: int = 0                     # bytes per device, cost model
-
-    def to_json(self) -> dict:
-        return {"index": self.index, "ops": list(self.ops), "params": list(self.params),
-                "inputs": list(self.inputs), "outputs": list(self.outputs), "devices": list(self.devices),
-                "cost": self.cost, "memory": self.memory}
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Stage":
-        return cls(int(d["index"]), list(d["ops"]), list(d["params"]), list(d["inputs"]), list(d["outputs"]),
-                   list(d.get("devices", [])), float(d.get("cost", 0.0)), int(d.get("memory", 0)))
-
-    def __str__(self) -> str:
-        return (f"stage {self.index} on devices {self.devices}: {len(self.ops)} ops, {len(self.params)} "
-                f"parameters, receives {len(self.inputs)} values, sends {len(self.outputs)}; "
-                f"{self.cost * 1e3:.3f} ms/micro-batch, {self.memory / 2**20:.1f} MiB/device")
-
-
-def new_buffers(graph: MetaIR) -> list[str]:
-    """New values of real buffers (not the gradients that micro-batching keeps as pseudo state)."""
-    return [o for s, o in graph.aliases.items() if graph.vars[s].role == "buffer" and not s.endswith(ACC_SUFFIX)]
-
-
-def forward_ops(graph: MetaIR) -> list[str]:
-    """Op ids computing the non-state outputs (the loss) and the new buffers, in graph order."""
-    state_outs = set(graph.aliases.values())
-    targets = [o for o in graph.outputs if o not in state_outs]
-    targets += new_buffers(graph)
-    return graph.ops_computing(targets)
 
 
 def free_values(graph: MetaIR, ops: Iterable[str]) -> set[str]:
@@ -229,11 +182,6 @@ def in_flight(schedule: str, m: int, p: int, s: int) -> int:
     return max(1, min(m, p - s))
 
 
-def bubble_fraction(m: int, p: int) -> float:
-    """The idle share of a synchronous schedule with balanced stages: ``(p-1)/(m+p-1)``."""
-    return (p - 1) / (m + p - 1)
-
-
 def best_cuts(op_time: Sequence[float], cut_cost: Sequence[float], p: int, m: int, *,
               op_memory: Sequence[float] | None = None, act_memory: Sequence[float] | None = None,
               budget: float | None = None, schedule: str = "1f1b") -> CutChoice | None:
@@ -346,17 +294,5 @@ def stage_devices(mesh_shape: Sequence[int], s: int) -> list[int]:
     return list(range(s * rest, (s + 1) * rest))
 
 
-def describe(stages: Sequence[Stage], schedule: str, m: int) -> str:
-    """The lines ``str(plan)`` shows for a pipeline."""
-    if not stages:
-        return ""
-    p = len(stages)
-    lines = [f"pipeline: {p} stages along mesh axis 0, schedule {schedule}, {m} micro-batches "
-             f"(bubble {bubble_fraction(m, p):.0%} = (p-1)/(m+p-1))"]
-    lines += ["  " + str(s) for s in stages]
-    return "\n".join(lines)
-
-
-__all__ = ["Stage", "StageError", "CutChoice", "forward_ops", "free_values",
-           "build_stages", "crossing_bytes", "best_cuts", "brute_force_cuts", "evaluate_cuts", "positions",
-           "owner_positions", "in_flight", "bubble_fraction", "stage_devices", "describe"]
+__all__ = ["CutChoice", "free_values", "build_stages", "crossing_bytes", "best_cuts", "brute_force_cuts",
+           "evaluate_cuts", "positions", "owner_positions", "in_flight", "stage_devices"]

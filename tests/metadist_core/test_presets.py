@@ -8,7 +8,8 @@ import pytest
 from metadist_core.config import load_settings
 from metadist_core.pipeline import CompiledStep, plan_graph
 from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
-from metadist_core.presets import STRATEGIES, preset_constraints
+from metadist_core.config import STRATEGIES
+from metadist_core.presets import preset_constraints
 from metadist_core.reference import GraphBuilder, ReferenceFrontend, run_graph, run_local
 from metadist_core.simulate import simulate
 

@@ -10,8 +10,9 @@ import pytest
 from metadist_core.ir import MetaIR
 from metadist_core.pipeplan import check_stages
 from metadist_core.placement import Mesh
-from metadist_core.stages import (Stage, StageError, best_cuts, bubble_fraction, brute_force_cuts, build_stages,
-                                  crossing_bytes, evaluate_cuts, forward_ops)
+from metadist_core.ir import forward_ops
+from metadist_core.stage import Stage, StageError, bubble_fraction
+from metadist_core.stages import best_cuts, brute_force_cuts, build_stages, crossing_bytes, evaluate_cuts
 
 
 def mlp_step(layers: int = 4, b: int = 8, w: int = 4) -> MetaIR:

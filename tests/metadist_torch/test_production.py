@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlp  # noqa: E402
 import production_worker as W  # noqa: E402
 
-from metadist_core.compression import compression_dtype, wire_dtypes  # noqa: E402
+from metadist_core.compression import wire_dtypes  # noqa: E402
+from metadist_core.config import compression_dtype  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.pipeline import plan_graph  # noqa: E402
 from metadist_core.placement import Mesh  # noqa: E402
