@@ -9,7 +9,7 @@ runs the same code here, for its tests). A machine with one GPU cannot run NCCL 
 
 - ``eager``: the plain step; ``metadist``: ``metadist_compile()`` of the same step, timed interleaved
   with eager (one step of each per round, the device synchronised around each), medians after warm-up;
-- ``predicted_ms``: ``metadist_core.overlap.predict`` of the plan priced on this device's measured rates
+- ``predicted_ms``: ``metadist_core.plan.overlap.predict`` of the plan priced on this device's measured rates
   (``Frontend.device_spec``: matmul FLOP/s, copy bandwidth, per-op dispatch). At world size 1 a step with
   nothing to plan is priced on the built-in CPU rates, so the benchmark compiles with a memory budget of
   1 TiB, which no step here comes near: the one device is then planned, on its own measured rates, and
@@ -38,7 +38,7 @@ def _to(dev, batch):
 def run_model(name: str, rounds: int, warmup: int, dev: str, cache: str) -> list[dict]:
     """Eager and MetaDist for one model, interleaved; one record each."""
     import torch
-    from metadist_core.overlap import predict
+    from metadist_core.plan.overlap import predict
     from metadist_torch import metadist_compile
     m = MODELS[name](False, rounds + warmup)
     sync = (lambda: torch.cuda.synchronize()) if dev == "cuda" else (lambda: None)

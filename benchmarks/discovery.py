@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 from benchmarks._common import RESULTS, write_results
-from metadist_core.discover import discover
+from metadist_core.discovery.discover import discover
 from metadist_core.plugins import PluginManager
-from metadist_core.reference import transformer_block
-from metadist_core.rules import RuleBook
+from metadist_core.reference.plugin import transformer_block
+from metadist_core.discovery.rules import RuleBook
 
 GRAPHS = Path(__file__).resolve().parents[1] / "tests" / "data" / "graphs"
 
@@ -34,7 +34,7 @@ def graphs(quick: bool):
         except ImportError:
             logging.warning("metadist_torch is not importable; skipping the recorded GPT-2 graph")
             return
-        from metadist_core.recorded import load_recorded_graph
+        from metadist_core.ir.recorded import load_recorded_graph
         yield "GPT-2 2-layer step (recorded)", load_recorded_graph(tiny)
 
 

@@ -11,7 +11,7 @@ same step on the same 8 devices:
   solver's plan is timed beside the ddp, zero1 and fsdp presets' at the first call, each
   lowered as a shard_map and twice through GSPMD (:mod:`metadist_jax.gspmd`: the
   plan's layouts held, or only its input and output layouts: ``gspmd-io``), and the
-  fastest kept (``autotune``, :mod:`metadist_core.autotune`);
+  fastest kept (``autotune``, :mod:`metadist_core.driver.autotune`);
 * ``metadist-model``: the same with ``autotune=False``: the solver's plan as the
   cost model ranks it;
 * ``hand-dp``: ``jax.jit`` with hand-written data-parallel shardings
@@ -111,7 +111,7 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from metadist_core.overlap import predict
+    from metadist_core.plan.overlap import predict
     from metadist_jax.hlo import counted_bytes
 
     if jax.device_count() != 8:
@@ -209,7 +209,7 @@ def main(argv=None) -> None:
              "pinned to data parallelism (`strategy=\"ddp\"`), whose price stands as hand-dp's prediction; "
              "`hand-dp`: jax.jit with replicated parameters and the batch split over every device; `gspmd`: "
              "jax.jit given metadist-model's in/out shardings, GSPMD choosing the rest (no prediction). "
-             "`predicted_ms`: metadist_core.overlap.predict of the plan; `comm_bytes_predicted`: the bytes per "
+             "`predicted_ms`: metadist_core.plan.overlap.predict of the plan; `comm_bytes_predicted`: the bytes per "
              "device its collectives move as priced; `comm_bytes_counted`: the same read from the optimized HLO "
              "XLA compiled (metadist_jax.hlo). `vs_best_hand` < 1 means faster than the better of hand-dp and "
              "gspmd. Virtual devices share the host's 2 cores, so these measure program structure, not links.")

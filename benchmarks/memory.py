@@ -103,7 +103,7 @@ def _run_metadist(layers: int, sh: dict, budget: int, cache: str) -> dict:
     plan = step.plan
     pred = None
     if plan.problem is not None:   # rank 0 holds the problem: the cost model's step time for this plan
-        from metadist_core.overlap import predict
+        from metadist_core.plan.overlap import predict
         pred = predict(plan).step * 1e3
     return {"measured_peak": mem["measured_peak_bytes"], "predicted_peak": mem["predicted_peak_bytes"],
             "predicted_solver_mb": plan.memory_per_device / MB, "step_ms": ms, "predicted_step_ms": pred,

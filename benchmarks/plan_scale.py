@@ -72,11 +72,11 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
     import torch
     torch.set_num_threads(1)
     from metadist_core.config import load_settings
-    from metadist_core.cost import DEVICE_PRESETS
-    from metadist_core.pipeline import plan_graph
+    from metadist_core.cost.model import DEVICE_PRESETS
+    from metadist_core.driver.compile import plan_graph
     from metadist_core.plugins import PluginManager
-    from metadist_core.profile import load_profile
-    from metadist_core.recorded import load_recorded_graph
+    from metadist_core.cost.profile import load_profile
+    from metadist_core.ir.recorded import load_recorded_graph
 
     t0 = time.perf_counter()
     built = TRACED[model]() if model in TRACED else None   # the transformers import and the model on meta
@@ -101,7 +101,7 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
            "ilp_vars": plan.stats.get("variables"), "peak_rss_mb": _peak_rss_mb(),
            "solve_method": "axis descent" if "descent" in str(plan.stats.get("status", "")) else "one ILP"}
     if hand:
-        from metadist_core.presets import steer
+        from metadist_core.problem.presets import steer
         from .solvers import constrained, discovered_info, hand_pins
         try:   # the recorded GPT-2 graphs: pins written from its layout (benchmarks/solvers.py)
             info = discovered_info(graph, {}) if model.startswith("gpt2") else None

@@ -26,15 +26,15 @@ import time
 from pathlib import Path
 
 
-from metadist_core.coarsen import coarsen
-from metadist_core.constraints import Pin, apply_constraints
-from metadist_core.cost import DEVICE_PRESETS
-from metadist_core.placement import largest_local_shape
-from metadist_core.placement import Replicate, Shard, Sharding
+from metadist_core.problem.coarsen import coarsen
+from metadist_core.problem.constraints import Pin, apply_constraints
+from metadist_core.cost.model import DEVICE_PRESETS
+from metadist_core.ir.placement import largest_local_shape
+from metadist_core.ir.placement import Replicate, Shard, Sharding
 from metadist_core.plugins import PluginManager
-from metadist_core.build import build_problem
-from metadist_core.pipeline import op_costs
-from metadist_core.profile import load_profile
+from metadist_core.problem.build import build_problem
+from metadist_core.driver.compile import op_costs
+from metadist_core.cost.profile import load_profile
 
 from ._common import RESULTS, timed, write_results
 from .synthetic_gpt2 import Gpt2Graph, build_gpt2
@@ -66,10 +66,10 @@ DISCOVERABLE = ("gpt2-tiny-2l", "gpt2-small-12l", "gpt2-xl-48l")  # rules per op
 
 def discovered_source(model: str):
     """The recorded graph with rules found by ShardCombine through the PyTorch op runner (rule cache used)."""
-    from metadist_core.discover import discover
+    from metadist_core.discovery.discover import discover
     from metadist_core.plugins import PluginManager as PM
-    from metadist_core.recorded import load_recorded_graph
-    from metadist_core.rules import RuleBook
+    from metadist_core.ir.recorded import load_recorded_graph
+    from metadist_core.discovery.rules import RuleBook
 
     if model not in DISCOVERABLE:
         raise ValueError(f"--rules discovered runs on {', '.join(DISCOVERABLE)}, not {model}")

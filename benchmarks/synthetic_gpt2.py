@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from metadist_core.ir import MetaIR
+from metadist_core.ir.ir import MetaIR
 
 CONFIGS = {
     "gpt2-tiny-2l": dict(layers=2, width=128, heads=4, vocab=1024),

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from metadist_core.ir import MetaIR, MetaOp
-from metadist_core.placement import Partial, Replicate, Shard
-from metadist_core.rules import OpRules, RuleBook, ShardingRule
+from metadist_core.ir.ir import MetaIR, MetaOp
+from metadist_core.ir.placement import Partial, Replicate, Shard
+from metadist_core.discovery.rules import OpRules, RuleBook, ShardingRule
 
 R, P, PA = Replicate(), Partial("sum"), Partial("avg")
 S = Shard

@@ -17,7 +17,7 @@ every system runs in every position and right after every other system equally o
 shared machine's slow spells, and what one step leaves to the next, fall on all of them alike. For every system: the median step time,
 its time over DDP's in each round, the cost model's prediction for that same plan
 (MetaDist's plan, or MetaDist's lowering of the hand plan's layout, priced by
-``metadist_core.overlap.predict``), the communication bytes per step that plan
+``metadist_core.plan.overlap.predict``), the communication bytes per step that plan
 prices and those counted (MetaDist: at its collectives; DDP: in a comm hook;
 FSDP2 and the TP plans: at the dispatcher in one more, untimed step),
 and the peak RSS. Results: results/torch_step.json (one record per model and
@@ -231,7 +231,7 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
             run(i)
 
     def metadist(strategy="auto", mesh=None):
-        from metadist_core.overlap import predict
+        from metadist_core.plan.overlap import predict
         from metadist_torch import metadist_compile
         model, opt = m.build()
         pins = m.tp_pins if strategy.startswith("tp") else None
@@ -500,7 +500,7 @@ def main(argv=None) -> int:
              f"rounds (one step of each per round, Williams orders: each system in each position and after each other "
              f"system equally often). step_ms: median over ranks of "
              "each rank's median step; vs_ddp_by_round: median over ranks of each rank's median, over rounds, of "
-             "the step over DDP's step in the same round; predicted_ms: metadist_core.overlap.predict of MetaDist's plan, or of "
+             "the step over DDP's step in the same round; predicted_ms: metadist_core.plan.overlap.predict of MetaDist's plan, or of "
              "MetaDist's lowering of the hand plan's layout (the metadist_<layout> row, its strategy preset); comm bytes per rank per step.")
     cols = ["model", "system", "mesh", "step_ms", "predicted_ms", "pred_error", "ratio_vs_best_hand",
             "ratio_vs_ddp_by_round",

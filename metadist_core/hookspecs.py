@@ -19,12 +19,12 @@ hookimpl = pluggy.HookimplMarker("metadist")
 def metadist_frontend():
     """Return this plugin's frontend adapter.
 
-    Return an instance of a ``metadist_core.frontend.Frontend`` subclass: its
+    Return an instance of a ``metadist_core.driver.frontend.Frontend`` subclass: its
     ``name`` is what users pass and what the entry point is called; its
     ``op_prefixes`` are the op keys it runs for discovery (``op_spec``) and
     prices (``op_cost``); ``trace``, ``resolve_mesh``, ``constraints``,
     ``is_planner``, ``share`` and ``lower`` are the steps the driver
-    (``metadist_core.pipeline.compile_step``) calls in order; ``demo`` and
+    (``metadist_core.driver.compile.compile_step``) calls in order; ``demo`` and
     ``calibrate`` are optional. Importing the plugin module must not import
     the framework: do that inside the adapter's methods.
     """
@@ -45,9 +45,9 @@ def metadist_solve(problem, options):
     Only the solver the user chose is called (the pipeline calls this hook on
     that one plugin), so an implementation never needs to check a name.
 
-    :param problem: a ``metadist_core.problem.ShardingProblem``.
+    :param problem: a ``metadist_core.problem.problem.ShardingProblem``.
     :param options: dict of solver options (``time_limit`` seconds,
         ``beam_width``...; unknown keys are ignored).
-    Return a ``metadist_core.plan.ShardingPlan``, built with
+    Return a ``metadist_core.plan.plan.ShardingPlan``, built with
     ``ShardingPlan.replicated(problem)`` or ``ShardingPlan.from_choices(problem, choices)``.
     """

@@ -8,7 +8,7 @@ from typing import Any
 
 import pluggy
 
-from . import hookspecs
+from metadist_core import hookspecs
 
 log = logging.getLogger("metadist.plugins")
 

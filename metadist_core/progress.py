@@ -16,7 +16,7 @@ def progress_enabled(enabled: bool | None = None) -> bool:
     """``enabled`` if given, else the ``progress`` setting, else whether stderr is a terminal."""
     if enabled is not None:
         return bool(enabled)
-    from .config import load_settings
+    from metadist_core.config import load_settings
     setting = load_settings().progress
     return sys.stderr.isatty() if setting is None else setting
 

@@ -1,11 +1,11 @@
 """Time real JAX collectives on the local devices and fit a mesh profile (alpha, beta per link level).
 
 ``measure_live`` (what a compile uses by default, through
-:func:`metadist_core.profile.profile_for`) times psums on each axis of the mesh
+:func:`metadist_core.cost.profile.profile_for`) times psums on each axis of the mesh
 the step runs on, inside one jitted shard_map as a step runs them, and the
 devices' compute rates; ``measure_profile()`` (``metadist calibrate``) runs
 ``psum`` and ``all_gather`` over every device as one axis. Both fit alpha/beta
-with :func:`metadist_core.profile.fit_alpha_beta`.
+with :func:`metadist_core.cost.profile.fit_alpha_beta`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import jax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from metadist_core.profile import MeshProfile, profile_from_samples
+from metadist_core.cost.profile import MeshProfile, profile_from_samples
 
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)   # bytes per device
 
@@ -121,7 +121,7 @@ def _chain_program(jax_mesh, step):
 def _axes_programs(jax_mesh: "jax.sharding.Mesh", progs: _Programs):
     """Adds the programs that measure every axis of ``jax_mesh`` to ``progs``; returns the function that
     turns their timings into (per-axis {"alpha", "beta", "kinds"}, raw samples)."""
-    from metadist_core.profile import fit_alpha_beta
+    from metadist_core.cost.profile import fit_alpha_beta
     names = tuple(jax_mesh.axis_names)
     n_all = int(np.prod(jax_mesh.devices.shape))
     plans = []   # per axis: (name, n, [(nbytes, i_one, i_many)] for psums, the same for gather/scatter pairs)
@@ -228,7 +228,7 @@ def measure_live(jax_mesh: "jax.sharding.Mesh", mesh_shape: Sequence[int], cache
                  iters: int = 5) -> MeshProfile:
     """A measured profile for ``jax_mesh`` (``cached`` grows by this mesh shape when given). With several
     processes, process 0's figures are every process's, so that all of them plan alike."""
-    from metadist_core.cost import DeviceSpec
+    from metadist_core.cost.model import DeviceSpec
     progs = _Programs()   # the links' and the device's programs timed in the same rounds
     axes_of, rates_of = _axes_programs(jax_mesh, progs), _rates_programs(jax_mesh, progs)
     secs = progs.run(iters)
@@ -249,7 +249,7 @@ def measure_live(jax_mesh: "jax.sharding.Mesh", mesh_shape: Sequence[int], cache
             a["kinds"] = {k: {"alpha": ka, "beta": kb} for k in ("all_gather", "reduce_scatter")}
     platform = jax.devices()[0].platform
     device = DeviceSpec(f"measured-jax-{platform}", float(vec[0]), float(vec[1]), op_overhead=float(vec[2]))
-    for a in axes:   # a gather/scatter of an inner dim copies its buffer (metadist_core.reshard.LOCAL_COPY)
+    for a in axes:   # a gather/scatter of an inner dim copies its buffer (metadist_core.cost.reshard.LOCAL_COPY)
         if "kinds" in a:
             a["kinds"]["local_copy"] = {"alpha": 0.0, "beta": 2.0 / max(device.mem_bandwidth, 1.0)}
     if cached is not None:

@@ -7,7 +7,7 @@
 ...     return loss, optax.apply_updates(params, updates), opt_state
 >>> loss, params, opt_state = train_step(params, opt_state, batch)   # doctest: +SKIP
 
-The step is compiled (by the one driver, :mod:`metadist_core.pipeline`) on its
+The step is compiled (by the one driver, :mod:`metadist_core.driver.compile`) on its
 first call and again whenever the structure, shapes or dtypes of its arguments
 change. Parameters and optimizer state come back as jax.Arrays with the plan's
 NamedShardings; feed them to the next call as they are.
@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from metadist_core.pipeline import CompiledStep
+from metadist_core.driver.compile import CompiledStep
 from metadist_core.plugins import PluginManager
 
 from .engine import put
@@ -29,7 +29,7 @@ from .plugin import JaxFrontend
 class JaxStep(CompiledStep):
     """A JAX step compiled by MetaDist. Call it like the step; ``.plan`` is the plan of its last compile.
 
-    Beyond :class:`~metadist_core.pipeline.CompiledStep` it exports the plan as
+    Beyond :class:`~metadist_core.driver.compile.CompiledStep` it exports the plan as
     PartitionSpecs and NamedShardings, and places arguments as the plan stores them.
     """
 
@@ -120,12 +120,12 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
     :param pipeline_stages: None or 1; more stages are not implemented yet (an error).
     :param schedule: validated only (pipelines are not implemented yet).
     :param strategy: "auto" (default) or a preset ("ddp", "zero1", "zero2", "zero3"/"fsdp", "tp", "tp+dp"):
-        constraints on the same plan search (:mod:`metadist_core.presets`).
+        constraints on the same plan search (:mod:`metadist_core.problem.presets`).
     :param recompute: True (default): recompute forward segments when no plan meets ``memory_budget``
         without it (copies fenced by ``optimization_barrier`` so XLA keeps them); False: never.
     :param autotune: True (default): with measured costs, the solver's plan is timed beside the ddp, zero1
         and fsdp presets' on these devices at the first call (seconds) and the fastest kept
-        (:mod:`metadist_core.autotune`; ``plan.stats["autotune"]``); False: the solver's plan as priced.
+        (:mod:`metadist_core.driver.autotune`; ``plan.stats["autotune"]``); False: the solver's plan as priced.
 
     Use as ``@metadist_compile`` or ``@metadist_compile(mesh=(2, 4))``; returns a :class:`JaxStep`.
     """

@@ -18,10 +18,10 @@ import numpy as np
 import jax
 from jax.sharding import NamedSharding
 
-from metadist_core.constraints import Forbid
-from metadist_core.ir import MetaIR
-from metadist_core.placement import Mesh, Shard
-from metadist_core.profile import MeshProfile
+from metadist_core.problem.constraints import Forbid
+from metadist_core.ir.ir import MetaIR
+from metadist_core.ir.placement import Mesh, Shard
+from metadist_core.cost.profile import MeshProfile
 
 log = logging.getLogger("metadist.jax.engine")
 
@@ -110,7 +110,7 @@ def to_host(x: jax.Array) -> np.ndarray:
 
 
 def plan_digest(plan: Any) -> str:
-    """A digest of what a plan does (:meth:`~metadist_core.plan.ShardingPlan.digest`)."""
+    """A digest of what a plan does (:meth:`~metadist_core.plan.plan.ShardingPlan.digest`)."""
     return plan.digest()
 
 
@@ -120,7 +120,7 @@ def agree_on_plan(plan: Any) -> Any:
         return plan
     from jax.experimental import multihost_utils
 
-    from metadist_core.plan import ShardingPlan
+    from metadist_core.plan.plan import ShardingPlan
 
     digest = plan_digest(plan)
     words = np.frombuffer(bytes.fromhex(digest)[:16], dtype=np.int32)

@@ -26,7 +26,7 @@ partitions it. On a data-parallel plan it moves the weight gradients'
 transposes into the matmuls (the manual program keeps the single-device form)
 and merges every gradient all-reduce into one, so jax.jit's data parallelism
 can run faster than the shard_map of the same plan. Autotune
-(:mod:`metadist_core.autotune`) times the three lowerings of each plan and
+(:mod:`metadist_core.driver.autotune`) times the three lowerings of each plan and
 keeps the fastest. The collectives of a GSPMD lowering are XLA's, so its bytes are
 read from the compiled HLO (:mod:`metadist_jax.hlo`), not from the plan.
 """
@@ -37,10 +37,10 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import NamedSharding
 
-from metadist_core.cost import Collective
-from metadist_core.interpret import Collectives
-from metadist_core.ir import MetaIR, MetaOp
-from metadist_core.placement import Mesh, Sharding
+from metadist_core.cost.model import Collective
+from metadist_core.plan.interpret import Collectives
+from metadist_core.ir.ir import MetaIR, MetaOp
+from metadist_core.ir.placement import Mesh, Sharding
 
 from .lower import Program, build_body, op_payload, partition_spec, program_ends
 from .payload import bind_payload

@@ -3,7 +3,7 @@
 What the benchmark sets beside the cost model's priced bytes (``comm_bytes_counted``
 against ``comm_bytes_predicted``): XLA may combine, split or drop collectives the
 plan placed, and GSPMD places its own. Bytes follow the cost model's conventions
-(:mod:`metadist_core.cost`): an all-reduce or all-to-all its local buffer, an
+(:mod:`metadist_core.cost.model`): an all-reduce or all-to-all its local buffer, an
 all-gather its gathered output, a reduce-scatter its input (the result times the
 group size). Shapes in a partitioned module are per device already.
 """

@@ -1,7 +1,7 @@
 """JAX ops timed at a strategy's local shapes, every device of the mesh running them at once.
 
-What :meth:`metadist_core.frontend.Frontend.local_op_times` asks of the JAX frontend
-(:mod:`metadist_core.localtime` prices the plans with it). The ops timed are the matmuls and convolutions
+What :meth:`metadist_core.driver.frontend.Frontend.local_op_times` asks of the JAX frontend
+(:mod:`metadist_core.cost.localtime` prices the plans with it). The ops timed are the matmuls and convolutions
 (:data:`TIMED`): the kernels whose rate moves with the local shape (on virtual CPU devices computing at
 once, a matmul of few local rows runs at a lower rate than one of many rows).
 
@@ -19,7 +19,7 @@ import numpy as np
 import jax
 from jax.sharding import PartitionSpec as P
 
-from metadist_core.cost import DeviceSpec
+from metadist_core.cost.model import DeviceSpec
 
 from .calibrate import _Programs, _rates_programs
 from .payload import bind_payload
@@ -65,7 +65,7 @@ def measure_local(requests: Sequence[tuple[Any, tuple, tuple]], jax_mesh: "jax.s
                                       check_vma=False))
             jax.block_until_ready(f(*args))
             index.append(progs.add(lambda a, f=f: f(*a), args))
-        except Exception as e:   # a dtype numpy lacks, shapes the op refuses: untimed (metadist_core.localtime)
+        except Exception as e:   # a dtype numpy lacks, shapes the op refuses: untimed (metadist_core.cost.localtime)
             log.debug("op %s not timed at local shapes %s: %s: %s", op.id, shapes, type(e).__name__, e)
             index.append(None)
     secs = progs.run(iters)

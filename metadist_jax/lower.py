@@ -1,7 +1,7 @@
 """Lower a ShardingPlan to ``jax.shard_map`` with explicit collectives.
 
 Inside the shard_map body every device walks the plan with the one plan
-interpreter, :func:`metadist_core.interpret.interpret`, exactly as the numpy
+interpreter, :func:`metadist_core.plan.interpret.interpret`, exactly as the numpy
 simulator does: before an op reads a value, the collectives the plan priced on
 that edge run (:class:`JaxCollectives`: ``psum``/``pmax``/``pmin``,
 ``all_gather``, ``psum_scatter``, ``all_to_all``, a local slice, a local
@@ -23,11 +23,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from metadist_core.cost import Collective
-from metadist_core.interpret import COLLECTIVE_KINDS, Collectives, check_plan_ends, interpret
-from metadist_core.ir import MetaIR, MetaOp
-from metadist_core.placement import IndivisibleError, Mesh, Sharding, shard_shape
-from metadist_core.recompute import SUFFIX as RECOMPUTED
+from metadist_core.cost.model import Collective
+from metadist_core.plan.interpret import COLLECTIVE_KINDS, Collectives, check_plan_ends, interpret
+from metadist_core.ir.ir import MetaIR, MetaOp
+from metadist_core.ir.placement import IndivisibleError, Mesh, Sharding, shard_shape
+from metadist_core.levers.recompute import SUFFIX as RECOMPUTED
 
 from .engine import put
 from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload
@@ -104,7 +104,7 @@ def _reduce(x: Any, reduce: str, name: str, n: int) -> Any:
 
 
 class JaxCollectives(Collectives):
-    """The plan's collectives on local values inside shard_map (the semantics of metadist_core.simulate)."""
+    """The plan's collectives on local values inside shard_map (the semantics of metadist_core.plan.simulate)."""
 
     def __init__(self, mesh: Mesh) -> None:
         self.mesh = mesh    # axis names are the jax mesh's
@@ -172,7 +172,7 @@ def op_payload(op: MetaOp) -> OpPayload:
 
 
 def local_op_runner(graph: MetaIR, mesh: Mesh) -> Any:
-    """``run_op(op, local inputs, output shardings)`` for :func:`~metadist_core.interpret.interpret`.
+    """``run_op(op, local inputs, output shardings)`` for :func:`~metadist_core.plan.interpret.interpret`.
 
     Binds the op's primitive on the local pieces (shape params localized) and
     checks every local output against the shape its sharding gives.
@@ -242,7 +242,7 @@ def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str], 
                reduce_after: Callable[[MetaOp], tuple[int, ...] | None] | None = moves_only) -> Any:
     """The per-device function: local graph inputs -> local outputs in ``output_ids`` order (``run_op`` and
     ``collectives``: another view of the same walk, :mod:`metadist_jax.gspmd`'s whole values;
-    ``reduce_after``: :func:`metadist_core.interpret.interpret`'s)."""
+    ``reduce_after``: :func:`metadist_core.plan.interpret.interpret`'s)."""
     state_of = {out: s_in for s_in, out in graph.aliases.items()}
     run_op = run_op or local_op_runner(graph, mesh)
     collectives = collectives or JaxCollectives(mesh)
@@ -315,10 +315,10 @@ class LoweredStep:
         return self.program.fn.lower(*self.operands(args, kwargs)).compile().as_text()
 
     def trial(self, args: tuple, kwargs: dict, lowering: str = "", operands: list | None = None) -> Any:
-        """A :class:`metadist_core.autotune.Trial` of this step on ``args`` (``lowering``: its name): placed
+        """A :class:`metadist_core.driver.autotune.Trial` of this step on ``args`` (``lowering``: its name): placed
         once (or given ``operands``, placed already: another lowering of the same plan takes the same), each
         ``run()`` runs the program and waits for it. Nothing is donated, so the arguments stay as they were."""
-        from metadist_core.autotune import Trial
+        from metadist_core.driver.autotune import Trial
         if operands is None:
             operands = self.operands(args, kwargs)
         return Trial(lambda: jax.block_until_ready(self.program.fn(*operands)), self, lowering)

@@ -3,7 +3,7 @@
 The batch leaves enter stacked as ``(m, micro-batch, ...)`` (a leading
 unsplit dim before the plan's layout), so that ``x[i]`` in the body is this
 device's piece of micro-batch ``i``. The body walks the gradient part of
-:func:`metadist_core.microbatch.cut_at_gradients` once per micro-batch with the
+:func:`metadist_core.levers.microbatch.cut_at_gradients` once per micro-batch with the
 core's interpreter, sums or averages the gradients in the plan's layout (a
 Partial gradient stays Partial until the update reads it, so its all-reduce
 runs once), then walks the update part once. Outputs leave as the whole
@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from metadist_core.interpret import interpret
-from metadist_core.microbatch import GradientCut, combine, micro_batch_size
-from metadist_core.placement import Mesh, Sharding
+from metadist_core.plan.interpret import interpret
+from metadist_core.levers.microbatch import GradientCut, combine, micro_batch_size
+from metadist_core.ir.placement import Mesh, Sharding
 
 from .engine import put
 from .lower import JaxCollectives, check_even, local_op_runner, moves_only, output_shardings, partition_spec

@@ -26,8 +26,8 @@ import numpy as np
 import jax
 from jax.extend import core as jcore
 
-from metadist_core.patterns import NoProxy, proxy_int
-from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
+from metadist_core.discovery.patterns import NoProxy, proxy_int
+from metadist_core.discovery.shardcombine import OpSpec, Unrunnable, discover_rules
 
 from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload, is_float_dtype
 from .trace import GraphBuilder
@@ -138,7 +138,7 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
                                      ("rng_bit_generator", "rng_uniform", "threefry2x32")):
         raise Unrunnable(f"{op.key} draws random numbers")
     hint = getattr(graph, "proxy_sizes", None)
-    if hint:   # the op at proxy sizes (metadist_core.patterns.proxy_op): its params follow
+    if hint:   # the op at proxy sizes (metadist_core.discovery.patterns.proxy_op): its params follow
         payload = proxied_payload(payload, hint["map"], hint["small"])
     avals = getattr(ctx, "avals", {}) or {}
     examples_known = getattr(ctx, "examples", {}) or {}

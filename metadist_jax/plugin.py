@@ -1,7 +1,7 @@
 """The JAX frontend adapter (entry point ``jax`` in group ``metadist.frontends``).
 
 Importing this module does not import jax; each method does, when it is
-called. The driver (:func:`metadist_core.pipeline.compile_step`) traces with
+called. The driver (:func:`metadist_core.driver.compile.compile_step`) traces with
 ``jax.make_jaxpr``, plans on every process (each reaches the same plan;
 :meth:`JaxFrontend.share` checks it), and lowers the plan to one jitted
 ``jax.shard_map`` whose body walks the plan with the core's interpreter.
@@ -10,19 +10,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Hashable
 
-from metadist_core.frontend import Frontend, NotSupported, Traced
+from metadist_core.driver.frontend import Frontend, NotSupported, Traced
 from metadist_core.hookspecs import hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from metadist_core.config import Settings
-    from metadist_core.ir import MetaIR
-    from metadist_core.placement import Mesh
-    from metadist_core.plan import ShardingPlan
-    from metadist_core.profile import MeshProfile
+    from metadist_core.ir.ir import MetaIR
+    from metadist_core.ir.placement import Mesh
+    from metadist_core.plan.plan import ShardingPlan
+    from metadist_core.cost.profile import MeshProfile
 
 
 #: jaxpr primitives XLA's loop fusion runs inside one loop (priced so in the optimizer update,
-#: :mod:`metadist_core.fusion`)
+#: :mod:`metadist_core.cost.fusion`)
 XLA_LOOP_FUSED = frozenset({
     "add", "sub", "mul", "div", "neg", "sqrt", "rsqrt", "integer_pow", "pow", "max", "min", "abs", "sign",
     "square", "exp", "log", "log1p", "expm1", "tanh", "logistic", "select_n", "convert_element_type",

@@ -24,7 +24,7 @@ import numpy as np
 import jax
 from jax.extend import core as jcore
 
-from metadist_core.ir import MetaIR, canonical_dtype
+from metadist_core.ir.ir import MetaIR, canonical_dtype
 
 from .payload import COPY_KEY, KEY_PREFIX, OpPayload, bind_payload
 

@@ -10,7 +10,7 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2):
     ``example_inputs`` are the op's positional arguments, tensors and others
     alike; each tensor, also each tensor inside a list argument (as for
     ``cat``), is one input of the rules, in order. Floats run in float64 during
-    discovery. Raises ``metadist_core.shardcombine.Unrunnable`` for an op that
+    discovery. Raises ``metadist_core.discovery.shardcombine.Unrunnable`` for an op that
     cannot be run in isolation (random, data-dependent).
 
     >>> rules_for(torch.ops.aten.mm.default, torch.randn(8, 4), torch.randn(4, 6))  # doctest: +SKIP

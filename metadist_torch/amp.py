@@ -15,7 +15,7 @@ while tracing they are replaced by the same arithmetic per tensor
 - ``_amp_foreach_non_finite_check_and_unscale_``: ``found_inf`` is 1 when
   ``any(not isfinite(g_i))`` for some gradient. The one step from floats to
   booleans is a predicate, which discovery verifies on draws holding inf and
-  NaN in one device's piece only (``metadist_core.verify``, family
+  NaN in one device's piece only (``metadist_core.discovery.verify``, family
   ``nonfinite``); a rule that took each device's own answer for the whole
   (Replicate) fails there, so the planner combines the pieces' answers (an
   all-reduce max) and every device skips the same steps. (A partial sum whose

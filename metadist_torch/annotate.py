@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from metadist_core.placement import Partial, Placement, Replicate, Shard, parse_placement
+from metadist_core.ir.placement import Partial, Placement, Replicate, Shard, parse_placement
 
 if TYPE_CHECKING:  # pragma: no cover
-    from metadist_core.plan import ShardingPlan
+    from metadist_core.plan.plan import ShardingPlan
 
 
 @torch.library.custom_op("metadist::annotate", mutates_args=())
@@ -49,7 +49,7 @@ def _encode(placements: tuple) -> str:
         if isinstance(p, str):
             p = parse_placement(p)
         if not isinstance(p, Placement):
-            raise TypeError(f"annotate: {p!r} is not a placement; use metadist_core.placement's Shard(dim), "
+            raise TypeError(f"annotate: {p!r} is not a placement; use metadist_core.ir.placement's Shard(dim), "
                             f"Replicate() or Partial(reduce)")
         out.append(str(p))
     return ",".join(out)

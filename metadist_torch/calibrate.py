@@ -3,7 +3,7 @@
 Runs inside an existing process group (under torchrun), or spawns ``nprocs``
 local processes itself (gloo on CPU, NCCL when CUDA is there). Timings are
 medians after a warm-up; alpha and beta per link level are fitted with
-:func:`metadist_core.profile.fit_alpha_beta`.
+:func:`metadist_core.cost.profile.fit_alpha_beta`.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from metadist_core.profile import MeshProfile, profile_from_samples
+from metadist_core.cost.profile import MeshProfile, profile_from_samples
 
 log = logging.getLogger("metadist.calibrate")
 
@@ -124,7 +124,7 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
         raise ValueError(f"calibrate needs at least 2 processes to time collectives; got nprocs={n}")
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(n, os.path.join(d, "init"), str(out), tuple(sizes), iters), nprocs=n, join=True)
-    from metadist_core.profile import load_profile
+    from metadist_core.cost.profile import load_profile
     return load_profile(out)
 
 
@@ -270,7 +270,7 @@ def refresh_cached_profile() -> MeshProfile:
     """Measure the profile a compile on the whole world as one axis would use, and cache it (what
     ``metadist calibrate`` forces; later compiles on this machine read it)."""
     from metadist_core.config import load_settings
-    from metadist_core.profile import profile_for
+    from metadist_core.cost.profile import profile_for
     from .plugin import TorchFrontend
     fe = TorchFrontend()
     mesh = fe.resolve_mesh(None, MeshProfile())
@@ -290,7 +290,7 @@ def _measure_kinds(axes: Sequence[tuple], dev, work, base: float, iters: int, sy
     rank's). Returns ``(kinds, samples)`` per axis."""
     import torch
     import torch.distributed as dist
-    from metadist_core.profile import collective_factors, fit_alpha_beta
+    from metadist_core.cost.profile import collective_factors, fit_alpha_beta
 
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # the newer names first
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -391,8 +391,8 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     the same figures (the slowest rank's timings)."""
     import torch
     import torch.distributed as dist
-    from metadist_core.cost import DeviceSpec
-    from metadist_core.profile import fit_alpha_beta
+    from metadist_core.cost.model import DeviceSpec
+    from metadist_core.cost.profile import fit_alpha_beta
 
     dev = engine.device
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)

@@ -1,4 +1,4 @@
-"""The aten call encoding of MetaOp attrs, rebuilt around real tensors (see :mod:`metadist_core.recorded`).
+"""The aten call encoding of MetaOp attrs, rebuilt around real tensors (see :mod:`metadist_core.ir.recorded`).
 
 An aten MetaOp carries its call in ``attrs``: ``{"args": [...], "kwargs": {...}}``
 with ``{"$in": i}`` where tensor input ``i`` goes, ``{"$item": i}`` where it goes as its number
@@ -11,7 +11,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from metadist_core.shardcombine import Unrunnable
+from metadist_core.discovery.shardcombine import Unrunnable
 
 LOW_FLOATS = ("float32", "float16", "bfloat16")
 FLOATS = LOW_FLOATS + ("float64",)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from metadist_core.placement import chunk_bounds, chunk_sizes
+from metadist_core.ir.placement import chunk_bounds, chunk_sizes
 
 from .compression import compressed
 from .stats import CommStats

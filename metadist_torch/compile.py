@@ -9,7 +9,7 @@
 On each call the step's signature (tensor shapes, dtypes and devices, the
 other arguments by value, modules and optimizers by identity) picks a compiled
 entry; a new signature is traced, planned and lowered once by the one driver
-(:func:`metadist_core.pipeline.compile_step`) through :class:`TorchFrontend`:
+(:func:`metadist_core.driver.compile.compile_step`) through :class:`TorchFrontend`:
 every rank traces, rank 0 discovers and solves, the plan is shared, every
 rank lowers.
 
@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from metadist_core.config import check_setting_names
-from metadist_core.pipeline import CompiledStep
+from metadist_core.driver.compile import CompiledStep
 from metadist_core.plugins import PluginManager
 
 from .plugin import TorchFrontend
@@ -92,22 +92,22 @@ def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget:
     :param constraints: ``{parameter name or glob: Placement or tuple of Placements, one per axis}``
         (``{"head.weight": Replicate(), "*.fc.weight": Shard(0)}``) and/or ``Pin``/``Forbid`` constraints.
     :param strategy: "auto" (default) or a preset: "ddp", "zero1", "zero2", "zero3" (= "fsdp"), "tp",
-        "tp+dp" -- constraints on the same plan search (:mod:`metadist_core.presets`).
+        "tp+dp" -- constraints on the same plan search (:mod:`metadist_core.problem.presets`).
     :param plugins: the PluginManager to find solvers in (default: the installed plugins).
     :param micro_batches: cut the batch (dim 0 of every tensor input) into this many equal parts; gradients
         accumulate over them within one call (a mean-reduced loss gives the whole batch's numbers).
     :param pipeline_stages: 1: no pipeline; k > 1: k stages along mesh axis 0 (its size must be k), each
         split by its own plan on the other axes, run on torch.distributed.pipelining; None: the planner may
-        pipeline when a ``memory_budget`` is set (:mod:`metadist_core.pipeplan`).
+        pipeline when a ``memory_budget`` is set (:mod:`metadist_core.driver.pipeplan`).
     :param schedule: "1f1b" | "gpipe" | "interleaved" (2 stages per device): the pipelining schedule.
     :param recompute: True (default): under a ``memory_budget`` no plan meets as it is, forward segments
         (a transformer block's halves) are recomputed for the backward, the fewest that make a plan fit
-        (``plan.recompute`` lists the ops; :mod:`metadist_core.recompute`); False: never.
+        (``plan.recompute`` lists the ops; :mod:`metadist_core.levers.recompute`); False: never.
     :param grad_compression: None, "bf16" or "fp16": gradient collectives travel in that dtype and are
         decompressed before the optimizer (approximate; see :mod:`metadist_torch.compression`).
     :param offload: None or "optimizer": optimizer state lives in host memory (pinned on CUDA) and the
         optimizer update runs on the host CPU; gradients go to the host and new parameters come back every
-        step (:mod:`metadist_torch.offload`, priced by :mod:`metadist_core.offload`).
+        step (:mod:`metadist_torch.offload`, priced by :mod:`metadist_core.levers.offload`).
     :param settings: any other setting of :class:`metadist_core.config.Settings` by name (``max_replans``,
         ``guard_cache``, ``sync_guards``, ``time_limit``, ...).
     """

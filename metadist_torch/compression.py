@@ -3,7 +3,7 @@
     step = metadist_compile(grad_compression="bf16")(train_step)
 
 Which values are gradients is decided once, in the core
-(:func:`metadist_core.compression.wire_dtypes`, from the MetaIR role
+(:func:`metadist_core.cost.compression.wire_dtypes`, from the MetaIR role
 ``"gradient"`` the tracer sets); the cost model prices those values'
 collectives at the compressed itemsize and the lowering
 (:class:`metadist_torch.collectives.AxisComm`) runs them through :func:`compressed`:
@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from metadist_core.compression import wire_dtypes
-from metadist_core.ir import MetaIR
+from metadist_core.cost.compression import wire_dtypes
+from metadist_core.ir.ir import MetaIR
 
 TORCH_WIRE: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -126,7 +126,7 @@ def run_example(name: str, build: Callable[[], tuple], make_batch: Callable[[int
         msg += f"; single-device eager {statistics.median(ref_times[1:] or ref_times) * 1e3:.1f} ms"
     say(msg)
     if cstep.problem is not None:
-        from metadist_core.overlap import predict
+        from metadist_core.plan.overlap import predict
         pr = predict(plan, cstep.problem)
         say(f"cost model's prediction for this plan: {pr.step * 1e3:.1f} ms (compute {pr.compute * 1e3:.1f}, "
             f"communication {pr.comm * 1e3:.1f} of which {pr.exposed_comm * 1e3:.1f} not overlapped)")

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from metadist_core.placement import Mesh
+from metadist_core.ir.placement import Mesh
 
 log = logging.getLogger("metadist.torch.engine")
 
@@ -213,11 +213,11 @@ def measure_device(seconds: float = 0.5, on: "torch.device | None" = None):
     :mod:`metadist_torch.optime` divides each op's time by) and, on a GPU, the host link (pinned host to
     device copies of 64 MiB, the fastest over about ``seconds / 2``)."""
     import time as _time
-    from metadist_core.cost import DeviceSpec
+    from metadist_core.cost.model import DeviceSpec
     from .calibrate import measure_device_rates
     dev = on if on is not None else device()
     r = measure_device_rates(iters=7, alone=True, dev=dev)
-    link = None   # a CPU is its own host (metadist_core.offload): no link to price
+    link = None   # a CPU is its own host (metadist_core.levers.offload): no link to price
     if dev.type == "cuda":
         h = torch.empty(1 << 24, pin_memory=True)
         x = torch.empty(h.shape, device=dev)

@@ -1,8 +1,8 @@
 """Lower a ShardingPlan to a per-rank torch.fx program with torch's functional collectives.
 
 The program is built by the one plan interpreter
-(:func:`metadist_core.interpret.interpret`) with fx Nodes as its values, so a
-plan means here exactly what it means in :mod:`metadist_core.simulate`:
+(:func:`metadist_core.plan.interpret.interpret`) with fx Nodes as its values, so a
+plan means here exactly what it means in :mod:`metadist_core.plan.simulate`:
 
 - graph inputs are placeholders holding this rank's local pieces under
   ``plan.input_shardings``;
@@ -17,13 +17,13 @@ plan means here exactly what it means in :mod:`metadist_core.simulate`:
 
 Uneven splits follow ``torch.chunk``: gathers and reduce-scatters pad to the
 chunk size and cut the padding off again (each member's extent from
-:func:`metadist_core.placement.group_extents`). gloo has no AVG reduction:
+:func:`metadist_core.ir.placement.group_extents`). gloo has no AVG reduction:
 ``avg`` is the sum divided by the axis size, as in every engine. Every
 collective adds its bytes to a :class:`~metadist_torch.stats.CommStats`.
 Independent all_reduces of one axis are then merged into buckets
 (``settings.coalesce``, up to ``settings.bucket_bytes`` each), and so are the
 all_gathers of graph inputs (parameters), up to ``settings.shard_bucket_bytes``
-each, by the rule of :mod:`metadist_core.gathers` (:func:`coalesce_all_gathers`).
+each, by the rule of :mod:`metadist_core.cost.gathers` (:func:`coalesce_all_gathers`).
 """
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from metadist_core.compression import gradient_chain
-from metadist_core.cost import Collective
-from metadist_core.gathers import bucket_cap, bucket_in_order
-from metadist_core.interpret import Collectives, interpret
-from metadist_core.ir import DTYPE_BYTES, MetaIR, MetaOp
-from metadist_core.placement import Mesh, Sharding, group_extents, shard_shape
+from metadist_core.cost.compression import gradient_chain
+from metadist_core.cost.model import Collective
+from metadist_core.cost.gathers import bucket_cap, bucket_in_order
+from metadist_core.plan.interpret import Collectives, interpret
+from metadist_core.ir.ir import DTYPE_BYTES, MetaIR, MetaOp
+from metadist_core.ir.placement import Mesh, Sharding, group_extents, shard_shape
 
 from .calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
@@ -202,14 +202,14 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, i
     The collectives are taken in the order their inputs are computed (a gradient's all_reduce in the
     order the backward makes the gradients) and each joins the open bucket of its kind, axis, reduce op
     and dtype while the bucket stays within its cap (``caps[kind]``; the first all_reduce bucket of a group
-    ``first_cap``, :func:`metadist_core.gathers.bucket_cap`) and no member's input is computed after
+    ``first_cap``, :func:`metadist_core.cost.gathers.bucket_cap`) and no member's input is computed after
     another member's place in the program; else it opens the next bucket. A kind without a cap, and a
     collective ``only`` rejects, is not bucketed. A bucket runs at its earliest member's place, as one
     collective of the concatenated inputs (:func:`metadist_torch.schedule.issue_early` then moves it to
-    right after its last input): the buckets :func:`metadist_core.overlap.predict` and
-    :mod:`metadist_core.memprofile` price. A collective whose input is an earlier collective of the same
+    right after its last input): the buckets :func:`metadist_core.plan.overlap.predict` and
+    :mod:`metadist_core.plan.memprofile` price. A collective whose input is an earlier collective of the same
     reshard never meets that condition with another gradient's, so only the first of a reshard joins a
-    bucket (:func:`metadist_core.buckets.bucketed_step`, the rule the pricers follow). Values and bytes are unchanged. Returns the values (``VAR_META``)
+    bucket (:func:`metadist_core.cost.buckets.bucketed_step`, the rule the pricers follow). Values and bytes are unchanged. Returns the values (``VAR_META``)
     of each bucket of two or more members, in the order the buckets were opened.
     """
     order = {n: i for i, n in enumerate(g.nodes)}
@@ -252,10 +252,10 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, i
 
 def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], Callable], cap: int
                          ) -> list[list[fx.Node]]:
-    """Merge the all_gathers of graph inputs into buckets by :func:`metadist_core.gathers.bucket_in_order`.
+    """Merge the all_gathers of graph inputs into buckets by :func:`metadist_core.cost.gathers.bucket_in_order`.
 
     A gather counts when its input is a placeholder and only ops read its result (an edge of exactly one
-    all_gather, what :func:`metadist_core.gathers.gathers` finds in the plan). Each bucket of two or more
+    all_gather, what :func:`metadist_core.cost.gathers.gathers` finds in the plan). Each bucket of two or more
     runs as one :meth:`AxisComm.start_all_gather_bucket` where its first member was, each member's value an
     ``md_done`` of it (:func:`metadist_torch.schedule.prefetch_gathers` then issues each bucket while the one
     before it is read). Returns the buckets made (the members' values).
@@ -293,13 +293,13 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
     first of each group up to ``first_bucket_bytes``; 0: ``bucket_bytes``), and
     the all_gathers of inputs and the reduce_scatters into buckets of up to ``shard_bucket_bytes`` (0: each
     on its own). Only gradients and what they are views, casts or copies of
-    (:func:`metadist_core.compression.gradient_chain`, the values ``build_problem`` marks ``bucketed``) are
+    (:func:`metadist_core.cost.compression.gradient_chain`, the values ``build_problem`` marks ``bucketed``) are
     bucketed, so the program runs the buckets the prediction prices.
     ``wire`` (value id -> torch dtype, :func:`metadist_torch.compression.wire_map`): the values whose
     collectives travel compressed. ``inplace_state``: each state update runs in its input's storage where
     it can (:func:`metadist_torch.reinplace.reinplace_updates`), and each other new state value is copied into
     its input's storage as soon as the old value's last reader has run, so the new one dies there (what the memory
-    model prices, :func:`metadist_core.aliasing.inplace_state_liveness`); the program then returns the
+    model prices, :func:`metadist_core.ir.aliasing.inplace_state_liveness`); the program then returns the
     updated inputs themselves.
     """
     stats = stats if stats is not None else CommStats()

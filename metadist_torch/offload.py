@@ -1,6 +1,6 @@
 """``offload="optimizer"`` in the torch lowering: the optimizer state in host memory, the update on the host CPU.
 
-:func:`metadist_core.offload.host_region` names the ops that run on the host
+:func:`metadist_core.levers.offload.host_region` names the ops that run on the host
 (the optimizer update) and the values that cross the host link; this module
 makes a per-rank fx program do exactly that (:func:`offload_graph`):
 
@@ -40,8 +40,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from metadist_core.ir import MetaIR
-from metadist_core.offload import HostRegion, host_region
+from metadist_core.ir.ir import MetaIR
+from metadist_core.levers.offload import HostRegion, host_region
 
 from .lower import DTYPE_META, VAR_META
 from .state import ROLE_STATE, StepState

@@ -7,8 +7,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from metadist_core.ir import MetaIR, MetaOp
-from metadist_core.shardcombine import Unrunnable
+from metadist_core.ir.ir import MetaIR, MetaOp
+from metadist_core.discovery.shardcombine import Unrunnable
 
 from .calls import TORCH_DTYPES, rebuild, resolve_overload
 

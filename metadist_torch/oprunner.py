@@ -20,10 +20,10 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from metadist_core.ir import MetaIR, MetaOp, canonical_dtype
-from metadist_core.rules import ShardingRule
-from metadist_core.verify import scalars_of
-from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
+from metadist_core.ir.ir import MetaIR, MetaOp, canonical_dtype
+from metadist_core.discovery.rules import ShardingRule
+from metadist_core.discovery.verify import scalars_of
+from metadist_core.discovery.shardcombine import OpSpec, Unrunnable, discover_rules
 
 from .calls import FLOATS, LOW_FLOATS, find_inputs, in_index, rebuild, resolve_overload, schema_arg
 from .guards import checked_call, shape_guard

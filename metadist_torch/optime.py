@@ -9,7 +9,7 @@ shapes, dtypes and static arguments: ``MetaOp.signature``) is run at its real sh
 device, once, and its time less that of a tiny op timed the same way (what this call path adds to
 any op; the profile's ``op_overhead``, what the lowered program adds, is priced on top), divided by its
 roofline at the rates measured in the same process just before, is its slowdown: the cost model multiplies its roofline by it
-(:func:`metadist_core.cost.compute_cost`). Being a ratio it carries over to the rates of the live mesh
+(:func:`metadist_core.cost.model.compute_cost`). Being a ratio it carries over to the rates of the live mesh
 profile (which include what ranks sharing a machine take from each other). Both the op and the rates
 are the fastest of several timings: the speed of this process when it has the device to itself, however
 busy the other ranks are meanwhile (medians would read the op at whatever share of a core the rank got,
@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from metadist_core.cost import DeviceSpec, compute_cost, compute_dtype
-from metadist_core.ir import MetaIR, MetaOp
+from metadist_core.cost.model import DeviceSpec, compute_cost, compute_dtype
+from metadist_core.ir.ir import MetaIR, MetaOp
 
 from .calls import TORCH_DTYPES, rebuild, resolve_overload
 
@@ -188,8 +188,8 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
     mesh to fit) or it cannot run. Clamped to :data:`PROGRAM_FACTOR`. ``rates``: as for
     :func:`measure_slowdowns`. A step with dropout draws from the random generators here: the caller keeps
     them (:meth:`metadist_torch.plugin.TorchFrontend.op_slowdowns`)."""
-    from metadist_core.pipeline import replicated_plan
-    from metadist_core.placement import Mesh
+    from metadist_core.driver.compile import replicated_plan
+    from metadist_core.ir.placement import Mesh
     from .calibrate import _time
     from .engine import device as engine_device
     from .lower import lower_plan

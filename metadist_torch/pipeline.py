@@ -1,7 +1,7 @@
 """Micro-batched steps for torch: the gradient part per micro-batch, the optimizer update once.
 
 :func:`split_batch` cuts a call's tensors along dim 0; :class:`MicroBatchProgram`
-runs the two parts of :func:`metadist_core.microbatch.cut_at_gradients`, each
+runs the two parts of :func:`metadist_core.levers.microbatch.cut_at_gradients`, each
 lowered to this rank's fx program by :func:`metadist_torch.lower.lower_plan`
 under the one plan of the whole step (so a micro-batch runs exactly the
 collectives the plan priced, and gradients stay in the plan's layout, Partial
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from metadist_core.microbatch import GradientCut, combine, micro_batch_size
-from metadist_core.placement import Mesh, Sharding, local_piece
+from metadist_core.levers.microbatch import GradientCut, combine, micro_batch_size
+from metadist_core.ir.placement import Mesh, Sharding, local_piece
 
 from .engine import Engine
 from .lower import lower_plan
@@ -147,7 +147,7 @@ def lower_micro_batches(traced: TracedStep, cut: GradientCut, plans: tuple, mesh
 def _no_lasting_grads(traced: TracedStep, option: str) -> None:
     """Gradients that live across calls run in one program, not with ``option`` (a clear error)."""
     if traced.grad_in or traced.grad_out:
-        from metadist_core.frontend import NotSupported
+        from metadist_core.driver.frontend import NotSupported
         which = traced.state.params[(traced.grad_out or traced.grad_in)[0]].name
         raise NotSupported(f"{option}: the step leaves or reads parameters' .grad across calls ({which}.grad; "
                            f"accumulating in the caller's loop); not yet with {option}: call optimizer.zero_grad() "

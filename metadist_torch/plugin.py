@@ -1,6 +1,6 @@
 """The torch frontend adapter (entry point ``torch`` in group ``metadist.frontends``).
 
-The driver (:func:`metadist_core.pipeline.compile_step`) calls, on every rank:
+The driver (:func:`metadist_core.driver.compile.compile_step`) calls, on every rank:
 ``trace`` (every rank traces: tracing is deterministic), ``resolve_mesh`` (the
 process group and DeviceMesh of this job), ``is_planner`` (rank 0), ``share``
 (rank 0's plan, checked against each rank's own graph) and ``lower`` (this
@@ -13,14 +13,14 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 
-from metadist_core.frontend import Frontend, Traced
+from metadist_core.driver.frontend import Frontend, Traced
 from metadist_core.hookspecs import hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from metadist_core.config import Settings
-    from metadist_core.placement import Mesh
-    from metadist_core.plan import ShardingPlan
-    from metadist_core.profile import MeshProfile
+    from metadist_core.ir.placement import Mesh
+    from metadist_core.plan.plan import ShardingPlan
+    from metadist_core.cost.profile import MeshProfile
 
     from .engine import Engine
 
@@ -171,7 +171,7 @@ class TorchFrontend(Frontend):
         return True
 
     def lower_stages(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
-        from metadist_core.microbatch import cut_at_gradients
+        from metadist_core.levers.microbatch import cut_at_gradients
         from .engine import engine_for
         from .stages import lower_stages
         eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from metadist_core.placement import Sharding, local_piece
+from metadist_core.ir.placement import Sharding, local_piece
 
 from .engine import Engine
 from .lower import RankGraph

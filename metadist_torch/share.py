@@ -12,8 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from metadist_core.ir import MetaIR
-from metadist_core.plan import ShardingPlan
+from metadist_core.ir.ir import MetaIR
+from metadist_core.plan.plan import ShardingPlan
 
 from .engine import Engine
 

@@ -2,8 +2,8 @@
 ScheduleInterleaved1F1B): MetaDist builds the stage programs, torch runs the schedule and its P2P.
 
 Design (stage modules, autograd through them): the per-micro-batch part of the
-traced step (:func:`metadist_core.microbatch.cut_at_gradients`) has its
-*forward* cut into contiguous stages (:mod:`metadist_core.stages`). Each stage
+traced step (:func:`metadist_core.levers.microbatch.cut_at_gradients`) has its
+*forward* cut into contiguous stages (:mod:`metadist_core.levers.stages`). Each stage
 is an ``nn.Module`` whose ``forward`` runs that stage's aten ops eagerly, with
 autograd, so that the schedule's backward (``stage_backward``) differentiates
 it: there is no hand-cut backward graph to keep consistent with the forward
@@ -25,10 +25,11 @@ from typing import Any, Sequence
 
 import torch
 
-from metadist_core.frontend import NotSupported
-from metadist_core.ir import MetaIR
-from metadist_core.microbatch import GradientCut, combine, descendants
-from metadist_core.stages import Stage, stage_devices
+from metadist_core.driver.frontend import NotSupported
+from metadist_core.ir.ir import MetaIR
+from metadist_core.levers.microbatch import GradientCut, combine, descendants
+from metadist_core.plan.stage import Stage
+from metadist_core.levers.stages import stage_devices
 
 from .calls import STRIDE_FREE, rebuild, resolve_target
 from .engine import Engine

@@ -1,4 +1,4 @@
-"""An fx graph of a traced step -> MetaIR, with the attrs encoding of :mod:`metadist_core.recorded`.
+"""An fx graph of a traced step -> MetaIR, with the attrs encoding of :mod:`metadist_core.ir.recorded`.
 
 Roles are parameter / buffer / optimizer_state / input (tensor constants of
 the graph become buffer inputs fed after the user's inputs); each state input
@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from metadist_core.ir import MetaIR, canonical_dtype
+from metadist_core.ir.ir import MetaIR, canonical_dtype
 
 from .hyper import ATTR_PREFIX
 from .state import ROLE_BUFFER, ROLE_INPUT, StepState
@@ -86,7 +86,7 @@ def is_annotation(target: Any) -> bool:
 
 def decode_placements(text: str) -> tuple:
     """The placements ``metadist::annotate`` carries, from their short forms (``"S(0),R"``)."""
-    from metadist_core.placement import parse_placement
+    from metadist_core.ir.placement import parse_placement
     return tuple(parse_placement(p) for p in str(text).split(","))
 
 

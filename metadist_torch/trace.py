@@ -21,7 +21,7 @@ How (torch 2.13):
    the trailing ``copy_`` into placeholders are dropped (the updated values are
    returned anyway).
 4. The fx graph becomes MetaIR (:mod:`metadist_torch.to_ir`) with the attrs encoding of
-   :mod:`metadist_core.recorded`, roles parameter / buffer / optimizer_state /
+   :mod:`metadist_core.ir.recorded`, roles parameter / buffer / optimizer_state /
    input, and aliases from each state input to its updated value.
 
 Caveat: SGD with ``dampening != 0`` starts its momentum buffer by a clone of
@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from metadist_core.ir import MetaIR
+from metadist_core.ir.ir import MetaIR
 
 from .amp import amp_decompositions
 from .hyper import Hyperparameters, branch_guards, hyper_slots, lift, swapped_values, symbolic_values
@@ -243,7 +243,7 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     n_user_out = out_box["n_tensor_out"]
     spec, consts = out_box["spec"], out_box["consts"]
     conv = to_meta_ir(gm, state, len(user_tensors), n_user_out, name or getattr(fn, "__name__", "step"))
-    for v in grad_names:   # role "gradient": what grad_compression compresses (metadist_core.compression)
+    for v in grad_names:   # role "gradient": what grad_compression compresses (metadist_core.cost.compression)
         if v in conv.graph.vars and conv.graph.vars[v].role == "intermediate":
             conv.graph.vars[v].role = "gradient"
     timings = {"make_fx": t1 - t0, "functionalize": t2 - t1, "to_meta_ir": time.perf_counter() - t2}

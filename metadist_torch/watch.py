@@ -9,7 +9,7 @@ Inputs, fed at every call (a change never re-plans):
   buffers, optimizer state, a GradScaler's scale), as always.
 
 Guards, checked at every call by :class:`StepWatch` (a change re-plans, see
-:class:`metadist_core.pipeline.CompiledStep`):
+:class:`metadist_core.driver.compile.CompiledStep`):
 
 - the signature of the call (:func:`metadist_torch.state.signature`): tensor
   shapes, dtypes, devices and requires_grad; other arguments by value (a
@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from metadist_core.frontend import Watch
+from metadist_core.driver.frontend import Watch
 
 from .hyper import is_fed
 from .trace import TracedStep

@@ -4,11 +4,11 @@ One process per device (``torchrun --nproc_per_node=N``); rank ``r`` plays
 mesh device ``mesh.coordinates(r)``. Values live as torch CPU tensors; a
 kernel reads them as TVM tensors with ``tvm.runtime.from_dlpack`` and its
 outputs come back with ``torch.from_dlpack``, so no copy is made between the
-two. Every rank walks the plan with :func:`metadist_core.interpret.interpret`
+two. Every rank walks the plan with :func:`metadist_core.plan.interpret.interpret`
 and issues the same collectives in the same order, each on the process group
 of its mesh axis (:class:`TorchCollectives`).
 
-The collectives do what :class:`metadist_core.simulate.SimCollectives` does,
+The collectives do what :class:`metadist_core.plan.simulate.SimCollectives` does,
 with what gloo offers: all_reduce (avg as a sum divided by the group size),
 all_gather (pieces padded to the largest chunk, so uneven splits work),
 reduce_scatter as an all_reduce followed by taking this rank's chunk, and
@@ -25,11 +25,11 @@ import torch
 import torch.distributed as dist
 import tvm
 
-from metadist_core.cost import Collective
-from metadist_core.interpret import Collectives, interpret
-from metadist_core.ir import MetaOp
-from metadist_core.placement import Mesh, Sharding, chunk_bounds, group_extents, local_piece, shard_shape
-from metadist_core.simulate import axis_groups
+from metadist_core.cost.model import Collective
+from metadist_core.plan.interpret import Collectives, interpret
+from metadist_core.ir.ir import MetaOp
+from metadist_core.ir.placement import Mesh, Sharding, chunk_bounds, group_extents, local_piece, shard_shape
+from metadist_core.plan.simulate import axis_groups
 
 log = logging.getLogger("metadist.tvm")
 

@@ -1,6 +1,6 @@
 """``parallelize``: trace a TE graph, plan it on a mesh, and lower it, through the one driver.
 
-:func:`parallelize` is :func:`metadist_core.pipeline.compile_step` with the
+:func:`parallelize` is :func:`metadist_core.driver.compile.compile_step` with the
 TVM adapter (:class:`metadist_tvm.plugin.TvmFrontend`): tracing, discovery,
 solving, sharing the plan between torchrun ranks, plan-only runs
 (``metadist plan script.py``) and mesh profiles are the driver's. The result
@@ -35,14 +35,14 @@ def parallelize(inputs: Sequence[Any], outputs: Any, mesh: Any = None, *, solver
 
     ``outputs`` is one te.Tensor (the callable then returns one array) or a
     list of them. ``mesh`` is a shape such as ``(4,)`` or ``(2, 2)``, a
-    :class:`~metadist_core.placement.Mesh`, or None for one axis over the
+    :class:`~metadist_core.ir.placement.Mesh`, or None for one axis over the
     torch world (or 2 simulated devices without one). ``engine`` is
     ``auto``, ``simulate`` (every device in this process) or ``torch`` (one
     process per device under torchrun, gloo on CPU). The returned program has
     ``.plan``, ``.graph``, ``.mesh``, ``.timings`` and ``.result``.
     """
     from metadist_core.config import load_settings
-    from metadist_core.pipeline import compile_step
+    from metadist_core.driver.compile import compile_step
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")

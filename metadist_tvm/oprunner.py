@@ -22,10 +22,10 @@ import numpy as np
 import tvm
 from tvm import te
 
-from metadist_core.ir import MetaIR, MetaOp
-from metadist_core.patterns import NoProxy, proxy_int
-from metadist_core.rules import ShardingRule
-from metadist_core.shardcombine import OpSpec, Unrunnable, discover_rules
+from metadist_core.ir.ir import MetaIR, MetaOp
+from metadist_core.discovery.patterns import NoProxy, proxy_int
+from metadist_core.discovery.rules import ShardingRule
+from metadist_core.discovery.shardcombine import OpSpec, Unrunnable, discover_rules
 
 from .plain import plain_call
 from .rebuild import ComputeRebuilder
@@ -206,7 +206,7 @@ def op_spec(op: MetaOp, graph: MetaIR, seed: int = 0) -> OpSpec:
     if call.opaque:
         raise Unrunnable(f"{op.key} cannot be rebuilt at shard shapes: {call.opaque}")
     hint = getattr(graph, "proxy_sizes", None)
-    if hint:   # the op at proxy sizes (metadist_core.patterns.proxy_op): its static arguments follow
+    if hint:   # the op at proxy sizes (metadist_core.discovery.patterns.proxy_op): its static arguments follow
         call = proxied_call(call, hint["map"], hint["small"])
     rng = np.random.default_rng(seed)
     examples = [_example(graph.vars[v].shape, graph.vars[v].dtype, rng) for v in op.inputs]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Hashable
 
-from metadist_core.frontend import Frontend, Traced
+from metadist_core.driver.frontend import Frontend, Traced
 from metadist_core.hookspecs import hookimpl
-from metadist_core.placement import Mesh
+from metadist_core.ir.placement import Mesh
 
 ENGINES = ("auto", "simulate", "torch")
 
@@ -115,7 +115,7 @@ class TvmFrontend(Frontend):
     def share(self, plan: Any, traced: Traced) -> Any:
         if self.engine != "torch":
             return super().share(plan, traced)
-        from metadist_core.plan import ShardingPlan
+        from metadist_core.plan.plan import ShardingPlan
 
         from .engine_torch import broadcast_from_rank0
         msg = broadcast_from_rank0({"plan": plan.to_json()} if plan is not None else None)

@@ -1,9 +1,9 @@
 """The split program of a TE graph: :class:`Parallelized`, what the TVM frontend's ``lower`` returns.
 
-Two engines run the same plan, both through :func:`metadist_core.interpret.interpret`:
+Two engines run the same plan, both through :func:`metadist_core.plan.interpret.interpret`:
 
 - ``simulate``: one process plays every device of the mesh
-  (:func:`metadist_core.simulate.simulate` with :class:`LocalRunner`). Each
+  (:func:`metadist_core.plan.simulate.simulate` with :class:`LocalRunner`). Each
   device's kernels are the ops rebuilt at its shard shapes (TVM, llvm).
 - ``torch``: one process per device, launched with ``torchrun``; kernels
   exchange buffers with torch through DLPack and the collectives run on
@@ -15,9 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from metadist_core.ir import MetaOp
-from metadist_core.placement import Mesh
-from metadist_core.simulate import simulate
+from metadist_core.ir.ir import MetaOp
+from metadist_core.ir.placement import Mesh
+from metadist_core.plan.simulate import simulate
 
 from .oprunner import Kernel, KernelCache, kernel_cache, run_call, run_reshape
 from .trace import Traced

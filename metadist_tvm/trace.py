@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from tvm import te
 
-from metadist_core.ir import MetaIR
+from metadist_core.ir.ir import MetaIR
 
 from .plain import plain_call
 from .record import Call

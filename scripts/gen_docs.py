@@ -6,7 +6,7 @@
 
 docs/configuration.md comes from the fields of ``metadist_core.config.Settings`` (each carries its ``help``
 and, where it reads better, its ``default`` as metadata); docs/cli.md from
-``metadist_core.cli.build_parser()``. The output does not depend on the terminal: help is formatted at a
+``metadist_core.driver.cli.build_parser()``. The output does not depend on the terminal: help is formatted at a
 fixed width, without colour.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from metadist_core import cli  # noqa: E402
+from metadist_core.driver import cli  # noqa: E402
 from metadist_core.config import Settings, check_setting_names, default_text, env_var  # noqa: E402
 
 CONFIG_MD = ROOT / "docs" / "configuration.md"
@@ -124,7 +124,7 @@ def render_cli() -> str:
     lines = [
         "# The `metadist` command",
         "",
-        GENERATED.format(src="`build_parser()` in metadist_core/cli.py"),
+        GENERATED.format(src="`build_parser()` in metadist_core/driver/cli.py"),
         "",
         "| command | what it does |",
         "|---|---|",

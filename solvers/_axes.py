@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from metadist_core.terms import Terms, contract
+from metadist_core.problem.terms import Terms, contract
 
 
 def axis_codes(problem, co) -> list[np.ndarray | None]:

@@ -7,10 +7,10 @@ from typing import Callable
 
 import numpy as np
 
-from metadist_core.coarsen import coarsen
-from metadist_core.plan import ShardingPlan
-from metadist_core.problem import InfeasibleBudgetError, ShardingProblem
-from metadist_core.terms import Terms
+from metadist_core.problem.coarsen import coarsen
+from metadist_core.plan.plan import ShardingPlan
+from metadist_core.problem.problem import InfeasibleBudgetError, ShardingProblem
+from metadist_core.problem.terms import Terms
 
 log = logging.getLogger("metadist.solvers")
 

@@ -11,7 +11,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from metadist_core.terms import Terms
+from metadist_core.problem.terms import Terms
 
 from . import _cache
 from ._common import MemIndex

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from metadist_core.hookspecs import hookimpl
-from metadist_core.terms import Terms
+from metadist_core.problem.terms import Terms
 
 from ._common import enforce_budget, multi_sweep, solve_problem
 

@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from metadist_core.hookspecs import hookimpl
-from metadist_core.problem import InfeasibleBudgetError
-from metadist_core.terms import Terms
+from metadist_core.problem.problem import InfeasibleBudgetError
+from metadist_core.problem.terms import Terms
 
 from ._common import MemIndex, enforce_budget, min_memory_choice, over_budget, solve_problem
 from . import _cache

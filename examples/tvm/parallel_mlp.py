@@ -14,8 +14,8 @@ import numpy as np
 from tvm import te
 
 import metadist_tvm
-from metadist_core.constraints import Pin
-from metadist_core.placement import Shard, Sharding
+from metadist_core.problem.constraints import Pin
+from metadist_core.ir.placement import Shard, Sharding
 from metadist_tvm import topi
 
 

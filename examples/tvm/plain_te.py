@@ -13,8 +13,8 @@ import tvm.topi as topi
 from tvm import te
 
 import metadist_tvm
-from metadist_core.constraints import Pin
-from metadist_core.placement import Shard, Sharding
+from metadist_core.problem.constraints import Pin
+from metadist_core.ir.placement import Shard, Sharding
 
 
 def main() -> None:

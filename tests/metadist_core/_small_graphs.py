@@ -1,13 +1,13 @@
 """Small MetaIR graphs with hand-derived rules, for problem and solver tests."""
-from metadist_core.ir import MetaIR
-from metadist_core.rules import OpRules, RuleBook
+from metadist_core.ir.ir import MetaIR
+from metadist_core.discovery.rules import OpRules, RuleBook
 
 
 def reference_pm():
     """A PluginManager with the numpy reference frontend only (no entry points)."""
     from metadist_core.hookspecs import hookimpl
     from metadist_core.plugins import PluginManager
-    from metadist_core.reference import ReferenceFrontend
+    from metadist_core.reference.plugin import ReferenceFrontend
 
     class _Plugin:
         @hookimpl

@@ -1,4 +1,4 @@
-"""metadist_core.autotune: plans timed side by side, the solver's kept unless another is clearly faster."""
+"""metadist_core.driver.autotune: plans timed side by side, the solver's kept unless another is clearly faster."""
 from __future__ import annotations
 
 import time
@@ -8,8 +8,8 @@ from unittest import mock
 
 import pytest
 
-from metadist_core import autotune
-from metadist_core.autotune import Candidate, Trial, pick, skip_reason, time_trials, tune
+from metadist_core.driver import autotune
+from metadist_core.driver.autotune import Candidate, Trial, pick, skip_reason, time_trials, tune
 from metadist_core.config import load_settings
 
 

@@ -4,9 +4,9 @@ import itertools
 import numpy as np
 import pytest
 
-from metadist_core.cost import Collective, all_gather_cost, all_reduce_cost, compute_cost, local_bytes
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds, largest_local_shape
-from metadist_core.reshard import reshard, reshard_cost
+from metadist_core.cost.model import Collective, all_gather_cost, all_reduce_cost, compute_cost, local_bytes
+from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds, largest_local_shape
+from metadist_core.cost.reshard import reshard, reshard_cost
 
 R, P = Replicate(), Partial("sum")
 
@@ -159,7 +159,7 @@ def test_collective_json_round_trip():
 def test_table_costs_equal_the_priced_step_lists_for_every_pair(mesh_shape, shape):
     """The compiled all-pairs search the problem's edge tables read agrees with the step list reshard
     returns (what the lowering runs), pair by pair, and refuses what reshard refuses."""
-    from metadist_core.reshard import reshard_costs
+    from metadist_core.cost.reshard import reshard_costs
     mesh = Mesh(mesh_shape, alpha=(1e-6, 3e-6, 5e-6)[:len(mesh_shape)], beta=(1e-9, 2e-9, 4e-9)[:len(mesh_shape)])
     opts = [Replicate(), Partial("sum"), Partial("max")] + [Shard(d) for d in range(len(shape))]
     states = [Sharding(c) for c in itertools.product(opts, repeat=len(mesh_shape))

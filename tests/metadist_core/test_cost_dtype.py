@@ -6,11 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from metadist_core.cost import DEVICE_PRESETS, DeviceSpec, compute_cost, compute_dtype
-from metadist_core.ir import MetaIR
-from metadist_core.placement import Mesh
-from metadist_core.build import build_problem
-from metadist_core.rules import RuleBook
+from metadist_core.cost.model import DEVICE_PRESETS, DeviceSpec, compute_cost, compute_dtype
+from metadist_core.ir.ir import MetaIR
+from metadist_core.ir.placement import Mesh
+from metadist_core.problem.build import build_problem
+from metadist_core.discovery.rules import RuleBook
 
 
 def matmul_graph(dtype: str, m: int = 4096, k: int = 4096, n: int = 4096) -> MetaIR:

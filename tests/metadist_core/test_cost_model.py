@@ -6,17 +6,17 @@ import numpy as np
 import pytest
 
 from metadist_core.config import load_settings
-from metadist_core.constraints import Pin
-from metadist_core.cost import all_reduce_cost
-from metadist_core.interpret import interpret
-from metadist_core.ir import MetaIR
-from metadist_core.overlap import buckets_latency, predict, priced_collectives
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
-from metadist_core.plan import ShardingPlan
-from metadist_core.build import build_problem
-from metadist_core.profile import MeshProfile, cached_profile, profile_cache_path, profile_for, profile_key
+from metadist_core.problem.constraints import Pin
+from metadist_core.cost.model import all_reduce_cost
+from metadist_core.plan.interpret import interpret
+from metadist_core.ir.ir import MetaIR
+from metadist_core.plan.overlap import buckets_latency, predict, priced_collectives
+from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.plan.plan import ShardingPlan
+from metadist_core.problem.build import build_problem
+from metadist_core.cost.profile import MeshProfile, cached_profile, profile_cache_path, profile_for, profile_key
 from metadist_core.plugins import PluginManager
-from metadist_core.reference import ReferenceFrontend
+from metadist_core.reference.plugin import ReferenceFrontend
 
 from _small_graphs import rulebook
 
@@ -111,7 +111,7 @@ def transposed_params(n=4, width=32, batch=16) -> MetaIR:
 
 @pytest.mark.parametrize("coarsen", [False, True])
 def test_parameters_are_gathered_in_buckets_not_their_transposes(pm, coarsen):
-    """A parameter's gather can be bucketed (metadist_core.gathers), its transpose's cannot: the solver
+    """A parameter's gather can be bucketed (metadist_core.cost.gathers), its transpose's cannot: the solver
     prefers the former (ShardingProblem.price, GATHER_SHARE), so a layout with parameters split on dim 0
     gathers the parameters, in one bucket, and transposes them whole."""
     g = transposed_params()
@@ -124,7 +124,7 @@ def test_parameters_are_gathered_in_buckets_not_their_transposes(pm, coarsen):
     plan = pm.solve("ilp", p, {"coarsen": coarsen, "mip_rel_gap": 1e-9})
     moved = [(v, c.kind) for v, c in priced_collectives(plan) if not c.is_free and v != "y3"]   # y3: returned whole
     assert sorted(moved) == [(f"w{i}", "all_gather") for i in range(4)], moved
-    from metadist_core.gathers import gather_buckets
+    from metadist_core.cost.gathers import gather_buckets
     assert [len(b) for b in gather_buckets(p, plan.choices)] == [4]
     # a parameter's gather is priced a little under the same gather of another value; the plan pays that
     one = p.price("w0", [c for v, c in priced_collectives(plan) if v == "w0"])
@@ -133,7 +133,7 @@ def test_parameters_are_gathered_in_buckets_not_their_transposes(pm, coarsen):
     assert whole * 0.99 < one < whole and plan.comm_seconds == pytest.approx(4 * one + y3, rel=1e-9)
     # under a memory budget a gather pays only its bytes' share of the bucket's latency, as a gradient's
     # all_reduce does: the plans that meet a tight budget gather every layer's parameters, bucket by bucket
-    from metadist_core.problem import gathers_bucketed
+    from metadist_core.problem.problem import gathers_bucketed
     tight = build_problem(g, rulebook(g), mesh, constraints=pins, shard_bucket_bytes=1 << 22, memory_budget=1 << 30)
     assert gathers_bucketed(p, "w0") and gathers_bucketed(tight, "w0") and tight.vars["w0"]["gather_bucketed"]
     gather = next(c for v, c in priced_collectives(plan) if v == "w0")
@@ -226,8 +226,8 @@ def test_profile_measured_once_reused_and_rebuilt_for_another_world_size(tmp_pat
 
 def test_compile_prices_with_the_measured_profile(tmp_path, monkeypatch):
     monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")
-    from metadist_core.pipeline import compile_step
-    from metadist_core.reference import transformer_block
+    from metadist_core.driver.compile import compile_step
+    from metadist_core.reference.plugin import transformer_block
     fe = _Measuring()
     s = load_settings(cache_dir=str(tmp_path), progress=False)
     for _ in range(2):
@@ -250,8 +250,8 @@ class _Timing(_Measuring):
 
 
 def test_measured_ops_price_their_slowdown_and_builtin_costs_do_not(tmp_path, monkeypatch):
-    from metadist_core.pipeline import compile_step
-    from metadist_core.reference import transformer_block
+    from metadist_core.driver.compile import compile_step
+    from metadist_core.reference.plugin import transformer_block
     kw = {"batch": 4, "seq": 8, "width": 16, "hidden": 32}
     monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")
     s = load_settings(cache_dir=str(tmp_path), progress=False)
@@ -273,7 +273,7 @@ def test_measured_ops_price_their_slowdown_and_builtin_costs_do_not(tmp_path, mo
 
 
 def test_memory_rate_follows_the_measured_curve():
-    from metadist_core.cost import DeviceSpec, compute_cost
+    from metadist_core.cost.model import DeviceSpec, compute_cost
     dev = DeviceSpec("toy", 1e12, 5e9, op_overhead=1e-6, mem_curve=[(1e6, 1e9), (1e3, 1e10)])
     assert dev.mem_curve == ((1e3, 1e10), (1e6, 1e9))                 # kept sorted by bytes
     assert dev.bandwidth_for(10) == 1e10 and dev.bandwidth_for(1e9) == 1e9   # its ends beyond its range
@@ -292,9 +292,9 @@ def test_memory_rate_follows_the_measured_curve():
 # -- collective kinds priced apart (Mesh.links, measured by metadist_torch.calibrate) ------------------
 
 def test_links_price_each_kind_and_tiny_all_reduces_apart():
-    from metadist_core.cost import all_gather_cost, all_reduce_cost
-    from metadist_core.reshard import reshard, reshard_cost
-    from metadist_core.placement import Partial, Replicate, Shard, Sharding
+    from metadist_core.cost.model import all_gather_cost, all_reduce_cost
+    from metadist_core.cost.reshard import reshard, reshard_cost
+    from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
     plain = Mesh((4,), alpha=1e-3, beta=1e-9)
     mesh = Mesh((4,), alpha=1e-3, beta=1e-9,
                 links=[{"all_gather": (2e-3, 3e-9), "all_reduce_tiny": (1e-4, 1e-9)}])

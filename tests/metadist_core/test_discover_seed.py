@@ -1,10 +1,10 @@
-"""Discovery on a larger axis is seeded by the rules of the smaller one (metadist_core.discover.seed_combos):
+"""Discovery on a larger axis is seeded by the rules of the smaller one (metadist_core.discovery.discover.seed_combos):
 every rule is still verified on the larger axis, so seeding never admits a rule; on the reference
 transformer block it finds exactly the rules the unseeded search finds, in fewer candidate runs."""
-import metadist_core.discover as disc
-from metadist_core.discover import discover
-from metadist_core.reference import transformer_block
-from metadist_core.rules import RuleBook
+import metadist_core.discovery.discover as disc
+from metadist_core.discovery.discover import discover
+from metadist_core.reference.plugin import transformer_block
+from metadist_core.discovery.rules import RuleBook
 
 from _small_graphs import reference_pm as _pm, rules_by_op as _rules
 
@@ -32,8 +32,8 @@ def test_seeded_rules_on_the_larger_axis_equal_the_unseeded_search(monkeypatch):
 def test_a_seed_that_holds_nowhere_falls_back_to_the_whole_search():
     graph = transformer_block()
     op = next(o for o in graph.ops if o.key == "np.matmul")
-    from metadist_core.patterns import op_pattern
-    from metadist_core.placement import Partial
+    from metadist_core.discovery.patterns import op_pattern
+    from metadist_core.ir.placement import Partial
     pat = op_pattern(op, graph, 4, True)
     bogus = [tuple(Partial("max") for _ in op.inputs)]   # max-partial inputs of a matmul: never a rule
     got, _ = disc.discover_pattern(op, graph, _pm(), pat, set(), seed=bogus)

@@ -1,14 +1,14 @@
 """On axes of more than 3 devices, the input combinations that shard no input (Replicate and Partial) are
-verified on the smaller proxy of an axis of 2 (metadist_core.discover._unsharded_proxy): their pieces
+verified on the smaller proxy of an axis of 2 (metadist_core.discovery.discover._unsharded_proxy): their pieces
 are whole-size on every device, so only the sharded combinations need sizes that split over n. The
 rules are the same as verifying everything on the proxy of n, in fewer element-runs."""
 import pytest
 
-import metadist_core.discover as disc
-from metadist_core.discover import discover
-from metadist_core.placement import Shard
-from metadist_core.reference import transformer_block
-from metadist_core.rules import RuleBook
+import metadist_core.discovery.discover as disc
+from metadist_core.discovery.discover import discover
+from metadist_core.ir.placement import Shard
+from metadist_core.reference.plugin import transformer_block
+from metadist_core.discovery.rules import RuleBook
 
 from _small_graphs import reference_pm as _pm, rules_by_op as _rules
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from metadist_core import cli
+from metadist_core.driver import cli
 from metadist_core.config import Settings, default_text, env_var, plain_default
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,12 +84,12 @@ def test_help_lists_every_subcommand_with_examples():
 
 
 def test_console_help_names_every_subcommand():
-    out = subprocess.run([sys.executable, "-m", "metadist_core.cli", "--help"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "metadist_core.driver.cli", "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0
     for name in SUBCOMMANDS:
         assert f"\n    {name} " in out.stdout, name
     for name in SUBCOMMANDS:
-        sub = subprocess.run([sys.executable, "-m", "metadist_core.cli", name, "--help"], cwd=ROOT,
+        sub = subprocess.run([sys.executable, "-m", "metadist_core.driver.cli", name, "--help"], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
         assert sub.returncode == 0 and "example" in sub.stdout and f"\n  metadist {name}" in sub.stdout, name

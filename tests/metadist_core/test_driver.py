@@ -3,13 +3,13 @@ torch, JAX and TVM, compiled through compile_step / CompiledStep, and checked ag
 import numpy as np
 import pytest
 
-from metadist_core import cli, planonly
-from metadist_core.frontend import Frontend
+from metadist_core.driver import cli, planonly
+from metadist_core.driver.frontend import Frontend
 from metadist_core.hookspecs import hookimpl
-from metadist_core.pipeline import CompiledStep, compile_step
+from metadist_core.driver.compile import CompiledStep, compile_step
 from metadist_core.config import load_settings
 from metadist_core.plugins import PluginManager, UnknownSolverError
-from metadist_core.reference import ReferenceFrontend, run_graph, transformer_block
+from metadist_core.reference.plugin import ReferenceFrontend, run_graph, transformer_block
 
 
 class ToyPlugin:
@@ -107,8 +107,8 @@ def test_cli_unknown_solver_is_one_line_and_launches_nothing(capsys, argv):
 def test_an_adapter_that_runs_no_ops_is_refused_when_defined():
     import pytest as _pytest
 
-    from metadist_core.frontend import Frontend
-    from metadist_core.reference import ReferenceFrontend
+    from metadist_core.driver.frontend import Frontend
+    from metadist_core.reference.plugin import ReferenceFrontend
 
     with _pytest.raises(TypeError, match="runs no ops for discovery"):
         class NoRunner(ReferenceFrontend):   # noqa: F841 - concrete, neither runner_module nor op_spec
@@ -143,10 +143,10 @@ def test_the_fsdp_preset_prices_its_parameter_gathers_as_bucketed_without_a_budg
     (overlap.predict). Priced each at a whole latency, the objective was several times the prediction and the
     solver traded FSDP's reduce-scatters for all-reduces (the GPT example on 4 gloo ranks: 163 ms priced,
     30 predicted, 35 measured). ``auto`` keeps the small share (a plan there may gather one input alone)."""
-    from metadist_core.overlap import predict
-    from metadist_core.pipeline import plan_graph
-    from metadist_core.placement import Mesh
-    from metadist_core.problem import BUDGET_GATHER_SHARE, GATHER_SHARE
+    from metadist_core.plan.overlap import predict
+    from metadist_core.driver.compile import plan_graph
+    from metadist_core.ir.placement import Mesh
+    from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE
     pm = _pm()
     graph = pm.frontend("toy").trace(transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}).graph
     mesh = Mesh((4,), alpha=[1e-3], beta=[1e-9])   # latency-bound, as gloo on small models
@@ -170,10 +170,10 @@ def test_under_a_budget_that_no_bucket_priced_plan_meets_the_gathers_are_priced_
     which hold each bucket's gathered parameters outside the solver's memory terms). Where no plan so priced
     meets the budget, the driver plans once more with every gather priced whole, as plans that gather few
     inputs may fit where bucketed ones do not; a budget nothing meets is still the error it was."""
-    from metadist_core import recompute
-    from metadist_core.pipeline import plan_graph
-    from metadist_core.placement import Mesh
-    from metadist_core.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, InfeasibleBudgetError
+    from metadist_core.levers import recompute
+    from metadist_core.driver.compile import plan_graph
+    from metadist_core.ir.placement import Mesh
+    from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, InfeasibleBudgetError
     pm = _pm()
     graph = pm.frontend("toy").trace(transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}).graph
     s = load_settings(cache_dir=str(tmp_path), progress=False, memory_budget=1 << 30)

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from metadist_core.discover import discover, worker_count
+from metadist_core.discovery.discover import discover, worker_count
 from metadist_core.hookspecs import hookimpl
 from metadist_core.plugins import PluginManager
-from metadist_core.reference import ReferenceFrontend, transformer_block
-from metadist_core.rules import RuleBook
+from metadist_core.reference.plugin import ReferenceFrontend, transformer_block
+from metadist_core.discovery.rules import RuleBook
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="forked discovery workers are a Linux path")
 

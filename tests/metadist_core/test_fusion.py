@@ -1,8 +1,8 @@
-"""The optimizer update priced as one fused loop per parameter (metadist_core.fusion), on a hand-built step."""
+"""The optimizer update priced as one fused loop per parameter (metadist_core.cost.fusion), on a hand-built step."""
 from __future__ import annotations
 
-from metadist_core.fusion import fused_bytes, update_regions
-from metadist_core.ir import MetaIR
+from metadist_core.cost.fusion import fused_bytes, update_regions
+from metadist_core.ir.ir import MetaIR
 
 ELEMENTWISE = {"mul", "add", "sub"}
 

@@ -3,13 +3,13 @@ mixed-Partial reduce convention is the simulator's."""
 import numpy as np
 import pytest
 
-from metadist_core.interpret import Collectives, PlanError, interpret
-from metadist_core.placement import Mesh, Partial, Shard, Sharding
-from metadist_core.plan import ShardingPlan
-from metadist_core.build import build_problem
-from metadist_core.reference import GraphBuilder, run_graph, run_local
-from metadist_core.rules import RuleBook
-from metadist_core.simulate import SimCollectives, assemble, devices, distribute
+from metadist_core.plan.interpret import Collectives, PlanError, interpret
+from metadist_core.ir.placement import Mesh, Partial, Shard, Sharding
+from metadist_core.plan.plan import ShardingPlan
+from metadist_core.problem.build import build_problem
+from metadist_core.reference.plugin import GraphBuilder, run_graph, run_local
+from metadist_core.discovery.rules import RuleBook
+from metadist_core.plan.simulate import SimCollectives, assemble, devices, distribute
 
 
 class Counting(SimCollectives):
@@ -37,7 +37,7 @@ def test_a_reshard_read_by_three_ops_runs_once():
     plan = ShardingPlan.replicated(problem)
     x_sh = Sharding([Shard(0)])
     plan.input_shardings["x"] = x_sh                   # x stored split: each reader needs it gathered
-    from metadist_core.reshard import reshard
+    from metadist_core.cost.reshard import reshard
     for e in plan.edges:
         if e.var == "x":
             e.src_sharding = x_sh
@@ -84,8 +84,8 @@ def test_mixed_partial_reduces_last_axis_first():
 def _late_reduce_case(mesh_shape, n_rows, cols):
     """y = x @ w split on the contraction (a Partial y), then transpose(y) read whole and tanh'd: the plan
     reduces y before the transpose. Returns the graph, the plan and the inputs' full values."""
-    from metadist_core.reshard import reshard
-    from metadist_core.rules import Strategy
+    from metadist_core.cost.reshard import reshard
+    from metadist_core.discovery.rules import Strategy
     g = GraphBuilder("late_reduce")
     x, w = g.input("x", (n_rows, 16)), g.input("w", (16, cols))
     y = g.op("np.matmul", x, w)
@@ -118,7 +118,7 @@ def test_a_transpose_runs_before_the_reduce_planned_ahead_of_it(mesh_shape, n_ro
     mesh a reduce-scatter, an all-reduce and an all-gather) on its result: the same numbers, the same list
     of collectives. On (2, 2) the planned dim 0 of y (8 or 12 rows) is dim 1 of the transposed (6, n) value:
     6 does not split 4 ways, so the dims move with the permutation; a square y keeps the planned dim."""
-    from metadist_core.interpret import late_reduces
+    from metadist_core.plan.interpret import late_reduces
     ir, plan, mesh, full = _late_reduce_case(mesh_shape, n_rows, cols)
     inc, _ = plan.edge_index()
     tr = next(op for op in ir.ops if op.key == "np.transpose")

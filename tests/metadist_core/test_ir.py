@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from metadist_core.ir import MetaIR, canonical_dtype
-from metadist_core.reference import transformer_block
+from metadist_core.ir.ir import MetaIR, canonical_dtype
+from metadist_core.reference.plugin import transformer_block
 
 
 def small_graph():

@@ -1,4 +1,4 @@
-"""metadist_core.localtime: strategies priced at the time their op takes at their local shapes, as measured.
+"""metadist_core.cost.localtime: strategies priced at the time their op takes at their local shapes, as measured.
 
 A fake frontend "measures" a matmul split by its rows at twice its roofline and any other at its roofline;
 the problem's compute must carry exactly those ratios, each kernel is measured once per compile and kept
@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from metadist_core.build import build_problem, estimate_op_cost
-from metadist_core.cost import DeviceSpec, compute_cost, local_shape, strategy_split
-from metadist_core.discover import discover
-from metadist_core.localtime import LocalTimer
-from metadist_core.placement import Mesh
+from metadist_core.problem.build import build_problem, estimate_op_cost
+from metadist_core.cost.model import DeviceSpec, compute_cost, local_shape, strategy_split
+from metadist_core.discovery.discover import discover
+from metadist_core.cost.localtime import LocalTimer
+from metadist_core.ir.placement import Mesh
 from metadist_core.plugins import PluginManager
-from metadist_core.reference import GraphBuilder
-from metadist_core.rules import RuleBook
+from metadist_core.reference.plugin import GraphBuilder
+from metadist_core.discovery.rules import RuleBook
 
 #: slow enough that every matmul here is over localtime.MIN_SECONDS at its roofline
 DEV = DeviceSpec("slow", 1e8, 1e8, op_overhead=0.0)

@@ -1,15 +1,15 @@
-"""The memory model's views (metadist_core.aliasing) and the plan's peak with collective buffers (memprofile)."""
+"""The memory model's views (metadist_core.ir.aliasing) and the plan's peak with collective buffers (memprofile)."""
 from __future__ import annotations
 
 import numpy as np
 
-from metadist_core.aliasing import alias_liveness, is_view
-from metadist_core.ir import MetaIR
-from metadist_core.memprofile import peak_with_buffers
-from metadist_core.placement import Mesh
-from metadist_core.plan import ShardingPlan
-from metadist_core.build import build_problem
-from metadist_core.rules import RuleBook
+from metadist_core.ir.aliasing import alias_liveness, is_view
+from metadist_core.ir.ir import MetaIR
+from metadist_core.plan.memprofile import peak_with_buffers
+from metadist_core.ir.placement import Mesh
+from metadist_core.plan.plan import ShardingPlan
+from metadist_core.problem.build import build_problem
+from metadist_core.discovery.rules import RuleBook
 
 from _small_graphs import linear_step, rulebook
 
@@ -72,8 +72,8 @@ def test_fitting_the_buffers_cuts_below_the_plans_own_terms_not_the_budget(monke
     own terms, and further when the overshoot does not shrink."""
     import types
 
-    from metadist_core import memprofile
-    from metadist_core.problem import InfeasibleBudgetError
+    from metadist_core.plan import memprofile
+    from metadist_core.problem.problem import InfeasibleBudgetError
 
     mib = 2 ** 20
     budget = 48 * mib
@@ -107,7 +107,7 @@ def test_a_reduce_scatter_buckets_concatenation_is_held_while_it_is_in_flight():
     it is in flight: until the next bucket of its group is issued, or until the program waits for it (the
     first read of a member's result), whichever comes first. An all_reduce bucket reduces its
     concatenation in place, which is its result: the extra copy exists only where it runs."""
-    from metadist_core.memprofile import _buckets
+    from metadist_core.plan.memprofile import _buckets
     rs, ar = ("reduce_scatter", 0, "sum", "float32"), ("all_reduce", 0, "sum", "float32")
     # (issue, last read, result bytes, group, copies, partial-sum bytes, held, first read)
     reduced = [(1, 20, 10.0, rs, 2, 40.0, 40.0, 18), (2, 20, 10.0, rs, 2, 40.0, 40.0, 18),

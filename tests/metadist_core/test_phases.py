@@ -1,4 +1,4 @@
-"""A value read in the forward and again after it is moved once per reader phase (metadist_core.phases):
+"""A value read in the forward and again after it is moved once per reader phase (metadist_core.cost.phases):
 the interpreter runs it so, the plan, the exact Terms, the ILP and the memory profile price it so, and a
 Partial source's one early all_reduce still serves both phases."""
 import itertools
@@ -6,19 +6,19 @@ import itertools
 import numpy as np
 import pytest
 
-from metadist_core.constraints import Pin
-from metadist_core.cost import all_reduce_cost
-from metadist_core.interpret import interpret
-from metadist_core.ir import MetaIR
-from metadist_core.memprofile import peak_with_buffers
-from metadist_core.overlap import predict, priced_collectives
-from metadist_core.phases import FORWARD, LATER, reader_phases
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
-from metadist_core.plan import ShardingPlan
+from metadist_core.problem.constraints import Pin
+from metadist_core.cost.model import all_reduce_cost
+from metadist_core.plan.interpret import interpret
+from metadist_core.ir.ir import MetaIR
+from metadist_core.plan.memprofile import peak_with_buffers
+from metadist_core.plan.overlap import predict, priced_collectives
+from metadist_core.cost.phases import FORWARD, LATER, reader_phases
+from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.plan.plan import ShardingPlan
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import ShardingProblem
-from metadist_core.build import build_problem
-from metadist_core.simulate import simulate
+from metadist_core.problem.problem import ShardingProblem
+from metadist_core.problem.build import build_problem
+from metadist_core.plan.simulate import simulate
 
 from _small_graphs import rulebook
 

@@ -1,6 +1,6 @@
 import pytest
 
-from metadist_core.placement import (IndivisibleError, Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds,
+from metadist_core.ir.placement import (IndivisibleError, Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds,
                                      chunk_sizes, parse_placement, shard_shape)
 
 

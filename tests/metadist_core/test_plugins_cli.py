@@ -5,7 +5,7 @@ from importlib import metadata
 
 import pytest
 
-from metadist_core import cli
+from metadist_core.driver import cli
 from metadist_core.plugins import PluginManager, UnknownSolverError
 
 
@@ -13,7 +13,7 @@ def test_entry_point_plugins_load():
     pm = PluginManager()
     assert "reference" in pm.names("frontend")
     rec = next(r for r in pm.records if r.name == "reference")
-    assert rec.distribution == "metadist" and rec.module == "metadist_core.reference"
+    assert rec.distribution == "metadist" and rec.module == "metadist_core.reference.plugin"
 
 
 def test_broken_plugin_is_named_and_skipped(monkeypatch, caplog):

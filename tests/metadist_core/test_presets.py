@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from metadist_core.config import load_settings
-from metadist_core.pipeline import CompiledStep, plan_graph
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.driver.compile import CompiledStep, plan_graph
+from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
 from metadist_core.config import STRATEGIES
-from metadist_core.presets import preset_constraints
-from metadist_core.reference import GraphBuilder, ReferenceFrontend, run_graph, run_local
-from metadist_core.simulate import simulate
+from metadist_core.problem.presets import preset_constraints
+from metadist_core.reference.plugin import GraphBuilder, ReferenceFrontend, run_graph, run_local
+from metadist_core.plan.simulate import simulate
 
 
 def mlp_step():

@@ -4,13 +4,13 @@ import json
 import numpy as np
 import pytest
 
-from metadist_core.coarsen import coarsen
-from metadist_core.constraints import Forbid, Pin
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
-from metadist_core.plan import ShardingPlan
-from metadist_core.problem import OUTPUT, ShardingProblem
-from metadist_core.build import build_problem
-from metadist_core.rules import RuleBook
+from metadist_core.problem.coarsen import coarsen
+from metadist_core.problem.constraints import Forbid, Pin
+from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.plan.plan import ShardingPlan
+from metadist_core.problem.problem import OUTPUT, ShardingProblem
+from metadist_core.problem.build import build_problem
+from metadist_core.discovery.rules import RuleBook
 
 from _small_graphs import linear_step, mm_only, rulebook
 

@@ -1,7 +1,7 @@
 """Mesh profiles: defaults, per-axis link levels, loading by path or environment, alpha-beta fitting."""
 import pytest
 
-from metadist_core.profile import PROFILE_ENV, MeshProfile, fit_alpha_beta, load_profile, profile_from_samples
+from metadist_core.cost.profile import PROFILE_ENV, MeshProfile, fit_alpha_beta, load_profile, profile_from_samples
 
 
 def test_axis_levels_follow_nodes():

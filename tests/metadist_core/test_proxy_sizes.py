@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from metadist_core.patterns import SMALL, proxy_sizes, size_basis
-from metadist_core.placement import Mesh, Shard, Sharding, chunk_sizes, splits_nonempty
-from metadist_core.rules import _tensor_ok
+from metadist_core.discovery.patterns import SMALL, proxy_sizes, size_basis
+from metadist_core.ir.placement import Mesh, Shard, Sharding, chunk_sizes, splits_nonempty
+from metadist_core.discovery.rules import _tensor_ok
 
 ATTENTION = [(8, 12, 128, 64)] * 3 + [(8, 12, 128)]
 VIEW = [(8, 128, 768), (8, 128, 12, 64)]
@@ -51,7 +51,7 @@ def test_a_split_that_leaves_a_device_empty_is_never_planned():
 
 
 def _one_op(shape):
-    from metadist_core.ir import MetaIR
+    from metadist_core.ir.ir import MetaIR
     g = MetaIR("one")
     g.add_input("x", shape, "float32", "input")
     g.add_op("aten.relu.default", ["x"], [("y", shape, "float32")], id="relu")
@@ -59,7 +59,7 @@ def _one_op(shape):
 
 
 def test_a_pattern_tells_apart_sizes_whose_split_leaves_a_device_empty():
-    from metadist_core.patterns import op_pattern
+    from metadist_core.discovery.patterns import op_pattern
     key = {s: op_pattern(*_one_op((s, 6)), 8).key for s in (20, 28, 36)}
     assert not splits_nonempty(20, 8) and not splits_nonempty(28, 8) and splits_nonempty(36, 8)
     assert key[20] == key[28] != key[36]      # all three are 4 mod 8; 36 gives every device a piece
@@ -69,7 +69,7 @@ def test_sizes_below_the_axis_size_stay_exact_so_a_proxy_is_never_larger_than_th
     """GPT-2 XL's attention on an axis of 16 (batch 8, 25 heads): proxies used to come out larger than the
     real tensors (every size pushed to at least 16), past the proxy budget, and discovery then ran the op at
     its real shapes with 16 pieces of each (6 GB)."""
-    from metadist_core.patterns import exact_below, op_pattern, proxy_op
+    from metadist_core.discovery.patterns import exact_below, op_pattern, proxy_op
     op, g = _one_op((8, 25, 128, 64))
     assert exact_below(16) == 15 and exact_below(2) == SMALL
     for inst in (0, 1):

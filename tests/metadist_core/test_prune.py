@@ -1,14 +1,14 @@
 """Pruning dominated Partial-input rules shrinks the problem and never changes the optimum."""
 import pytest
 
-from metadist_core.cost import strategy_split
-from metadist_core.discover import discover
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.cost.model import strategy_split
+from metadist_core.discovery.discover import discover
+from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
 from metadist_core.plugins import PluginManager
-from metadist_core.build import build_problem
-from metadist_core.prune import useful_rules
-from metadist_core.reference import transformer_block
-from metadist_core.rules import RuleBook
+from metadist_core.problem.build import build_problem
+from metadist_core.problem.prune import useful_rules
+from metadist_core.reference.plugin import transformer_block
+from metadist_core.discovery.rules import RuleBook
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from metadist_core.ir import MetaIR
-from metadist_core.recorded import is_getitem, load_recorded_graph, recorded_graph_from_json
+from metadist_core.ir.ir import MetaIR
+from metadist_core.ir.recorded import is_getitem, load_recorded_graph, recorded_graph_from_json
 
 GRAPHS = Path(os.environ.get("METADIST_GRAPHS_DIR", Path(__file__).resolve().parents[1] / "data" / "graphs"))
 FILES = ["gpt2-tiny-2l-adamw.json", "gpt2-small-12l-adamw.json", "gpt2-xl-48l-adamw.json"]

@@ -3,11 +3,11 @@ import logging
 
 import pytest
 
-from metadist_core.discover import discover
-from metadist_core.placement import Mesh, Partial, Replicate, Shard
+from metadist_core.discovery.discover import discover
+from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard
 from metadist_core.plugins import PluginManager
-from metadist_core.reference import transformer_block
-from metadist_core.rules import CACHE_FILE, CACHE_VERSION, OpRules, RuleBook, ShardingRule, expand_rules
+from metadist_core.reference.plugin import transformer_block
+from metadist_core.discovery.rules import CACHE_FILE, CACHE_VERSION, OpRules, RuleBook, ShardingRule, expand_rules
 
 
 class CountingFrontend:
@@ -16,7 +16,7 @@ class CountingFrontend:
     from metadist_core.hookspecs import hookimpl
 
     def __init__(self):
-        from metadist_core.reference import ReferenceFrontend
+        from metadist_core.reference.plugin import ReferenceFrontend
 
         outer = self
         self.calls = 0
@@ -88,7 +88,7 @@ def test_cache_dir_from_environment(tmp_path, monkeypatch):
 
 
 def test_op_without_runner_runs_replicated_with_one_warning(caplog):
-    from metadist_core.ir import MetaIR
+    from metadist_core.ir.ir import MetaIR
     g = MetaIR()
     g.add_input("x", (4, 4), "float32")
     g.add_op("custom.thing", ["x"], [("y", (4, 4), "float32")])
@@ -121,7 +121,7 @@ def test_expand_rules_to_2d_mesh():
 
 def test_a_rule_cached_at_one_axis_size_is_never_used_at_another(tmp_path):
     """Rules are verified per axis size: discovery on an axis of 2 serves meshes of 2 only."""
-    from metadist_core.build import build_problem
+    from metadist_core.problem.build import build_problem
 
     ir = transformer_block()
     pm, front = _pm()
@@ -140,7 +140,7 @@ def test_a_rule_cached_at_one_axis_size_is_never_used_at_another(tmp_path):
 
 def test_patterns_do_not_grow_with_width_or_depth():
     """One pattern serves every size: a block twice as wide and a step twice as deep add no pattern."""
-    from metadist_core.patterns import op_pattern
+    from metadist_core.discovery.patterns import op_pattern
 
     def keys(g, n=2):
         return {op_pattern(op, g, n).key for op in g.ops}

@@ -1,8 +1,8 @@
 """An op with a Python scalar keeps that scalar in its pattern: ``x * 0``, ``x * -1`` and ``x * 0.5`` differ."""
 from __future__ import annotations
 
-from metadist_core.ir import MetaIR
-from metadist_core.patterns import op_pattern
+from metadist_core.ir.ir import MetaIR
+from metadist_core.discovery.patterns import op_pattern
 
 
 def _mul(scalar: float | None) -> tuple[MetaIR, str]:

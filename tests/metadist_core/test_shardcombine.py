@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from metadist_core.placement import Partial, Replicate, Shard
-from metadist_core.reference import OPS, rules_for
-from metadist_core.rules import ShardingRule
-from metadist_core.shardcombine import DiscoveryStats, OpSpec, Unrunnable, discover_rules
+from metadist_core.ir.placement import Partial, Replicate, Shard
+from metadist_core.reference.plugin import OPS, rules_for
+from metadist_core.discovery.rules import ShardingRule
+from metadist_core.discovery.shardcombine import DiscoveryStats, OpSpec, Unrunnable, discover_rules
 
 N = 2
 
@@ -228,7 +228,7 @@ def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype, n):
     """The pieces of a Partial input reduce back to the value; for max/min one device holds each element
     and the others lie strictly below (above), some close to the value and some far past its scale.
     On more than 2 devices the random values are windows of one pool: no two pieces are the same."""
-    from metadist_core.verify import partial_pieces
+    from metadist_core.discovery.verify import partial_pieces
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((6, 7, 5)) * 3).astype(dtype)
     pieces = np.stack(partial_pieces(x, reduce, n, rng, False))
@@ -257,7 +257,7 @@ def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype, n):
 
 
 def test_replicated_inputs_run_the_op_once_not_on_every_device():
-    from metadist_core.shardcombine import _Runner
+    from metadist_core.discovery.shardcombine import _Runner
     spec = OpSpec(lambda a: np.tanh(a), [np.ones((6, 5))], "tanh")
     stats = DiscoveryStats()
     runner = _Runner(spec, 16, stats)

@@ -3,14 +3,14 @@ on 1-D, 2-D and 3-D meshes, with the collectives the cost model chose. A wrong r
 import numpy as np
 import pytest
 
-from metadist_core.discover import discover
-from metadist_core.placement import Mesh, Partial, Shard
-from metadist_core.plan import ShardingPlan
+from metadist_core.discovery.discover import discover
+from metadist_core.ir.placement import Mesh, Partial, Shard
+from metadist_core.plan.plan import ShardingPlan
 from metadist_core.plugins import PluginManager
-from metadist_core.build import build_problem
-from metadist_core.reference import run_graph, run_local, transformer_block
-from metadist_core.rules import OpRules, RuleBook, ShardingRule
-from metadist_core.simulate import assemble, distribute, simulate
+from metadist_core.problem.build import build_problem
+from metadist_core.reference.plugin import run_graph, run_local, transformer_block
+from metadist_core.discovery.rules import OpRules, RuleBook, ShardingRule
+from metadist_core.plan.simulate import assemble, distribute, simulate
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_distribute_and_assemble_are_inverse():
     mesh = Mesh((2, 3))
     x = np.arange(7 * 6, dtype=float).reshape(7, 6)
     for sh in ([Shard(0), Shard(1)], [Shard(1), Shard(0)], [Partial("sum"), Shard(0)], [Shard(0), Shard(0)]):
-        from metadist_core.placement import Sharding
+        from metadist_core.ir.placement import Sharding
         s = Sharding(sh)
         if sh == [Shard(0), Shard(0)]:
             x2 = np.arange(12 * 2, dtype=float).reshape(12, 2)
@@ -70,10 +70,10 @@ def test_distribute_and_assemble_are_inverse():
 
 
 def test_a_step_no_reshard_emits_is_a_clear_error():
-    from metadist_core.cost import RESHARD_KINDS, Collective, UnknownCollectiveError
-    from metadist_core.reshard import reshard
-    from metadist_core.placement import Replicate, Sharding
-    from metadist_core.simulate import apply_collective
+    from metadist_core.cost.model import RESHARD_KINDS, Collective, UnknownCollectiveError
+    from metadist_core.cost.reshard import reshard
+    from metadist_core.ir.placement import Replicate, Sharding
+    from metadist_core.plan.simulate import apply_collective
 
     mesh = Mesh((2,))
     s, r = Sharding([Shard(0)]), Sharding([Replicate()])
@@ -111,7 +111,7 @@ def test_inputs_every_device_holds_whole_are_sliced_not_moved(block, shape):
 
 
 def test_a_sliced_input_on_an_engine_without_whole_inputs_is_a_clear_error(block):
-    from metadist_core.interpret import PlanError, interpret
+    from metadist_core.plan.interpret import PlanError, interpret
     ir, book, inputs, _ = block
     mesh = Mesh((2,))
     problem = build_problem(ir, book, mesh, whole_inputs=True)

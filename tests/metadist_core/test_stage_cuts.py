@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from metadist_core.ir import MetaIR
-from metadist_core.pipeplan import check_stages
-from metadist_core.placement import Mesh
-from metadist_core.ir import forward_ops
-from metadist_core.stage import Stage, StageError, bubble_fraction
-from metadist_core.stages import best_cuts, brute_force_cuts, build_stages, crossing_bytes, evaluate_cuts
+from metadist_core.ir.ir import MetaIR
+from metadist_core.driver.pipeplan import check_stages
+from metadist_core.ir.placement import Mesh
+from metadist_core.ir.ir import forward_ops
+from metadist_core.plan.stage import Stage, StageError, bubble_fraction
+from metadist_core.levers.stages import best_cuts, brute_force_cuts, build_stages, crossing_bytes, evaluate_cuts
 
 
 def mlp_step(layers: int = 4, b: int = 8, w: int = 4) -> MetaIR:
@@ -132,8 +132,8 @@ def test_bad_combinations_are_clear_errors():
 
 
 def test_plan_records_its_stages_in_json_and_str():
-    from metadist_core.pipeline import replicated_plan
-    from metadist_core.plan import ShardingPlan
+    from metadist_core.driver.compile import replicated_plan
+    from metadist_core.plan.plan import ShardingPlan
     g = mlp_step()
     plan, _ = replicated_plan(g, Mesh((1,)))
     assert plan.stages == []

@@ -6,7 +6,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from metadist_core.autotune import MARGIN  # noqa: E402
+from metadist_core.driver.autotune import MARGIN  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 
 from _jax_models import assert_trees_close, mlp_case, side_by_side  # noqa: E402

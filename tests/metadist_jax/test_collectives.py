@@ -1,4 +1,4 @@
-"""Every cost-model collective lowered to lax inside shard_map moves data exactly as metadist_core.simulate does."""
+"""Every cost-model collective lowered to lax inside shard_map moves data exactly as metadist_core.plan.simulate does."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,9 +7,9 @@ import pytest
 jax = pytest.importorskip("jax")
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from metadist_core.cost import Collective  # noqa: E402
-from metadist_core.placement import Partial, Replicate, Shard, Sharding  # noqa: E402
-from metadist_core.simulate import apply_collective as sim_apply, devices  # noqa: E402
+from metadist_core.cost.model import Collective  # noqa: E402
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding  # noqa: E402
+from metadist_core.plan.simulate import apply_collective as sim_apply, devices  # noqa: E402
 from metadist_jax.engine import resolve_mesh  # noqa: E402
 from metadist_jax.lower import apply_collective, partition_spec  # noqa: E402
 

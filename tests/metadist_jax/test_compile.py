@@ -8,7 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
-from metadist_core.placement import Mesh  # noqa: E402
+from metadist_core.ir.placement import Mesh  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.engine import MeshMismatchError, resolve_mesh  # noqa: E402
 
@@ -67,8 +67,8 @@ def test_flax_transformer_adam_matches_single_device(devices8, rule_cache, mesh)
     step_fn = T.make_step(model, opt)
     # the MLP's up-projection stored split on mesh axis 0 (a constraint, so that the sharded lowering is
     # exercised whatever the cost model prefers for a model this small); the rest is the solver's choice
-    from metadist_core.constraints import Pin
-    from metadist_core.placement import Replicate, Shard, Sharding
+    from metadist_core.problem.constraints import Pin
+    from metadist_core.ir.placement import Replicate, Shard, Sharding
     pin = Pin("params/params/block0/up/kernel", Sharding([Shard(1)] + [Replicate()] * (len(mesh) - 1)))
     step = metadist_compile(step_fn, mesh=mesh, cache_dir=rule_cache, memory_budget=TRANSFORMER_BUDGET[mesh],
                             constraints=[pin])

@@ -12,10 +12,10 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
-from metadist_core.fusion import fused_bytes, update_regions  # noqa: E402
-from metadist_core.planner import op_costs  # noqa: E402
+from metadist_core.cost.fusion import fused_bytes, update_regions  # noqa: E402
+from metadist_core.driver.planner import op_costs  # noqa: E402
 from metadist_core.plugins import PluginManager  # noqa: E402
-from metadist_core.ir import forward_ops  # noqa: E402
+from metadist_core.ir.ir import forward_ops  # noqa: E402
 from metadist_jax.plugin import JaxFrontend  # noqa: E402
 
 from _jax_models import mlp_case  # noqa: E402

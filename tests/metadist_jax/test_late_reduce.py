@@ -15,9 +15,9 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from metadist_core.interpret import late_reduces  # noqa: E402
-from metadist_core.overlap import priced_collectives  # noqa: E402
-from metadist_core.plan import ShardingPlan  # noqa: E402
+from metadist_core.plan.interpret import late_reduces  # noqa: E402
+from metadist_core.plan.overlap import priced_collectives  # noqa: E402
+from metadist_core.plan.plan import ShardingPlan  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.hlo import collectives  # noqa: E402
 from metadist_jax.lower import build_body, lower_plan, moves_only  # noqa: E402

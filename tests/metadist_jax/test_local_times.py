@@ -1,5 +1,5 @@
 """The JAX frontend times its matmuls at a strategy's local shapes, every device of the mesh at once
-(:mod:`metadist_jax.localtime`), for :mod:`metadist_core.localtime` to price them.
+(:mod:`metadist_jax.localtime`), for :mod:`metadist_core.cost.localtime` to price them.
 
 On a traced MLP step: the frontend takes its dot_generals and no elementwise op; timed on the 8 devices,
 a matmul of a quarter of the rows takes less than the whole one and more than a tenth of it (the work is
@@ -15,7 +15,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
 from metadist_core.config import load_settings  # noqa: E402
-from metadist_core.placement import Mesh  # noqa: E402
+from metadist_core.ir.placement import Mesh  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.plugin import JaxFrontend  # noqa: E402
 

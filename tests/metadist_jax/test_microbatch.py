@@ -8,7 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
-from metadist_core.microbatch import MicroBatchError  # noqa: E402
+from metadist_core.levers.microbatch import MicroBatchError  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 
 from _jax_models import assert_trees_close, load_example, side_by_side  # noqa: E402

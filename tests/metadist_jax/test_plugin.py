@@ -1,5 +1,5 @@
 """The JAX frontend adapter: loads without jax, prices meshes with the profile it is given, and runs
-through the one driver (metadist_core.pipeline) on any mesh, one device included."""
+through the one driver (metadist_core.driver.compile) on any mesh, one device included."""
 from __future__ import annotations
 
 import subprocess
@@ -10,8 +10,8 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from metadist_core.placement import Mesh  # noqa: E402
-from metadist_core.profile import MeshProfile  # noqa: E402
+from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.cost.profile import MeshProfile  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.compile import JaxStep  # noqa: E402
 from metadist_jax.engine import MeshMismatchError  # noqa: E402

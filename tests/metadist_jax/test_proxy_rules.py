@@ -1,5 +1,5 @@
 """JAX ops are discovered at proxy sizes: size-bearing params of a primitive (a broadcast's shape, a
-reshape's new sizes, slice bounds and sizes) are rewritten by value as metadist_core.patterns.proxy_op
+reshape's new sizes, slice bounds and sizes) are rewritten by value as metadist_core.discovery.patterns.proxy_op
 rewrites the op's attrs (metadist_jax.oprunner.proxied_payload); an op carrying a jaxpr, a literal with a
 large dim or a large param that is no size of its tensors is discovered at its real shapes. Every rule
 the transformer example's step gets is re-checked by the independent checker of the torch tests."""
@@ -13,10 +13,10 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
-from metadist_core.discover import discover  # noqa: E402
-from metadist_core.patterns import NoProxy  # noqa: E402
+from metadist_core.discovery.discover import discover  # noqa: E402
+from metadist_core.discovery.patterns import NoProxy  # noqa: E402
 from metadist_core.plugins import PluginManager  # noqa: E402
-from metadist_core.rules import RuleBook  # noqa: E402
+from metadist_core.discovery.rules import RuleBook  # noqa: E402
 from metadist_jax.oprunner import proxied_payload  # noqa: E402
 from metadist_jax.payload import OpPayload  # noqa: E402
 

@@ -8,7 +8,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from metadist_core.placement import Partial, Replicate, Shard  # noqa: E402
+from metadist_core.ir.placement import Partial, Replicate, Shard  # noqa: E402
 from metadist_jax import rules_for  # noqa: E402
 from metadist_jax.oprunner import eqn_flops  # noqa: E402
 

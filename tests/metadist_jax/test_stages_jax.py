@@ -9,8 +9,8 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
-from metadist_core import planonly  # noqa: E402
-from metadist_core.frontend import NotSupported  # noqa: E402
+from metadist_core.driver import planonly  # noqa: E402
+from metadist_core.driver.frontend import NotSupported  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 
 from _jax_models import mlp_case  # noqa: E402

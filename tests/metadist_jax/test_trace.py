@@ -83,7 +83,7 @@ def test_mismatched_state_structure_is_a_clear_error():
 
 
 def test_plugin_adapter_is_registered():
-    from metadist_core.frontend import Traced
+    from metadist_core.driver.frontend import Traced
     from metadist_core.plugins import UnknownFrontendError
 
     pm = PluginManager()

@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO / "examples" / "torch"))
 
 import mlp  # noqa: E402
 
-from metadist_core.constraints import Pin  # noqa: E402
-from metadist_core.placement import Shard, Sharding  # noqa: E402
+from metadist_core.problem.constraints import Pin  # noqa: E402
+from metadist_core.ir.placement import Shard, Sharding  # noqa: E402
 
 RTOL = 1e-4
 BF16_TOL = 2e-2          # bf16 has 8 bits of mantissa: ~4e-3 per rounding, a few roundings per value
@@ -124,7 +124,7 @@ def graph_of(fn, *objects_and_batch):
 
 def slow_link_profile(out_dir: Path) -> str:
     """A mesh profile whose links are slow enough that all-reducing gradients beats gathering the batch."""
-    from metadist_core.profile import MeshProfile
+    from metadist_core.cost.profile import MeshProfile
     path = out_dir / "slow-links.json"
     if dist.get_rank() == 0:
         path.write_text(json.dumps(MeshProfile(levels={"intra": SLOW_LINKS, "inter": SLOW_LINKS}).to_json()))
@@ -217,7 +217,7 @@ def check_autocast(mesh, profile, errors, report):
 
 
 def check_compression(mesh, errors, report, steps=50):
-    from metadist_core.compression import wire_dtypes
+    from metadist_core.cost.compression import wire_dtypes
     from metadist_torch import metadist_compile
     batches = [mlp.batch(DDP_CFG, s) for s in range(steps)]
     m0, o0 = mlp.build(DDP_CFG)

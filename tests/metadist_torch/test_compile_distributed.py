@@ -82,7 +82,7 @@ class RandomSolver:
     @hookimpl
     def metadist_solve(self, problem, options):
         import numpy as np
-        from metadist_core.plan import ShardingPlan
+        from metadist_core.plan.plan import ShardingPlan
         rng = np.random.default_rng(self.seed)
         return ShardingPlan.from_choices(problem, [int(rng.integers(len(n.options))) for n in problem.nodes],
                                          solver="random")

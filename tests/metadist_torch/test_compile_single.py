@@ -86,7 +86,7 @@ def test_a_memory_budget_on_one_device_is_planned_not_ignored():
     planned: met as traced, the traced step runs; met only by recomputing, the rewritten graph runs as the
     only rank of a one-device mesh, gives the eager numbers and holds less; not met at all, the error
     gives both byte counts."""
-    from metadist_core.recompute import RecomputeBudgetError
+    from metadist_core.levers.recompute import RecomputeBudgetError
     c = gpt.GPTConfig(vocab=97, seq=16, width=32, heads=2, layers=2, batch=4)
     batches = [gpt.batch(c, s) for s in range(3)]
     plain = _run_and_compare(lambda: gpt.build(c), batches, gpt.train_step)
@@ -179,9 +179,9 @@ def test_decorator_needs_parentheses():
 
 def test_torch_adapter_traces_and_lowers():
     from metadist_core.config import load_settings
-    from metadist_core.pipeline import replicated_plan
+    from metadist_core.driver.compile import replicated_plan
     from metadist_core.plugins import PluginManager
-    from metadist_core.profile import load_profile
+    from metadist_core.cost.profile import load_profile
     fe = PluginManager().frontend("torch")
     assert fe.runner_module == "metadist_torch.oprunner"
     c = mlp.MLPConfig(hidden=8, batch=4, layers=1)
@@ -208,7 +208,7 @@ def test_torch_adapter_traces_and_lowers():
 
 def test_compiled_step_uses_a_solver_plugin_passed_in():
     from metadist_core.hookspecs import hookimpl
-    from metadist_core.plan import ShardingPlan
+    from metadist_core.plan.plan import ShardingPlan
     from metadist_core.plugins import PluginManager, UnknownSolverError
 
     class Replicating:

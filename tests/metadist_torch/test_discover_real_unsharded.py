@@ -1,12 +1,12 @@
 """An op discovered at its real shapes on an axis of more than 3 devices verifies the input combinations that
-shard nothing on the two proxies of an axis of 2 (metadist_core.discover._real_size_unsharded): the same rules
+shard nothing on the two proxies of an axis of 2 (metadist_core.discovery.discover._real_size_unsharded): the same rules
 as verifying everything at the real shapes, with the Partial inputs' whole-size pieces made on smaller tensors."""
 import pytest
 
 torch = pytest.importorskip("torch")
 
-import metadist_core.discover as disc  # noqa: E402
-from metadist_core.placement import Partial, Shard  # noqa: E402
+import metadist_core.discovery.discover as disc  # noqa: E402
+from metadist_core.ir.placement import Partial, Shard  # noqa: E402
 from metadist_core.plugins import PluginManager  # noqa: E402
 
 

@@ -77,9 +77,9 @@ def _worker(rank: int, store: str, rules: str, q) -> None:
     try:
         import torch.distributed as dist
         from metadist_core.config import load_settings
-        from metadist_core.constraints import Pin
-        from metadist_core.pipeline import plan_graph
-        from metadist_core.placement import Mesh, Partial, Sharding, Shard
+        from metadist_core.problem.constraints import Pin
+        from metadist_core.driver.compile import plan_graph
+        from metadist_core.ir.placement import Mesh, Partial, Sharding, Shard
         from metadist_torch.lower import lower_plan
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -91,7 +91,7 @@ def test_measure_memory_off_leaves_step_memory_empty(monkeypatch):
 # -- 2 gloo ranks: three plans --------------------------------------------------------------
 
 # Measured on this machine (2 ranks, the GPT example at width 64), measured / predicted: ddp 0.85,
-# fsdp 1.10, tp 1.03 with the collectives' buffers in the prediction (metadist_core.memprofile); the
+# fsdp 1.10, tp 1.03 with the collectives' buffers in the prediction (metadist_core.plan.memprofile); the
 # solver's own figure (plan.memory_per_device, no buffers) gave 1.16, 1.18-1.25 and 1.0007. The issue's
 # target is 15 %. ddp sits at the low edge: the model puts its gradient bucket's transient copies (the
 # test below) where the last gradient is made, and the rank's measured peak does not show them there.

@@ -13,9 +13,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from benchmarks.plan_scale import llama_on_meta  # noqa: E402
-from metadist_core.discover import discover_pattern  # noqa: E402
-from metadist_core.patterns import op_pattern  # noqa: E402
-from metadist_core.placement import Replicate, Shard  # noqa: E402
+from metadist_core.discovery.discover import discover_pattern  # noqa: E402
+from metadist_core.discovery.patterns import op_pattern  # noqa: E402
+from metadist_core.ir.placement import Replicate, Shard  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 from test_third_party import step  # noqa: E402
 

@@ -33,7 +33,7 @@ def _data():
 
 
 def test_offloaded_step_gives_the_single_device_numbers_and_keeps_state_on_the_host():
-    from metadist_core.offload import host_region
+    from metadist_core.levers.offload import host_region
     from metadist_torch import metadist_compile
     from metadist_torch.offload import count_transfers, host_tensors
     data = _data()
@@ -91,7 +91,7 @@ def test_offload_setting_is_checked():
 
 
 def test_device_spec_host_link_round_trips_and_presets_have_one():
-    from metadist_core.cost import DEVICE_PRESETS, DeviceSpec
+    from metadist_core.cost.model import DEVICE_PRESETS, DeviceSpec
     d = DeviceSpec("x", 1e12, 1e11, host_link=32e9)
     assert DeviceSpec.from_json(d.to_json()) == d
     assert DeviceSpec.from_json(DeviceSpec().to_json()).host_link is None
@@ -103,9 +103,9 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
     """Same plan (the ddp preset pins it) with and without offload, priced for an A100: the offloaded plan's
     peak device memory is lower by at least the optimizer state's bytes, its compute higher by at least the
     host-link transfer time; on a CPU device transfers are free."""
-    from metadist_core.cost import DEVICE_PRESETS
-    from metadist_core.pipeline import plan_graph
-    from metadist_core.placement import Mesh
+    from metadist_core.cost.model import DEVICE_PRESETS
+    from metadist_core.driver.compile import plan_graph
+    from metadist_core.ir.placement import Mesh
     from metadist_torch.trace import trace_step
     m, o = _build()
     x, y = _data()[0]
@@ -131,9 +131,9 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
 
 def test_a_frontend_that_cannot_offload_says_so():
     from metadist_core.config import load_settings
-    from metadist_core.frontend import NotSupported
-    from metadist_core.pipeline import compile_step
-    from metadist_core.reference import ReferenceFrontend
+    from metadist_core.driver.frontend import NotSupported
+    from metadist_core.driver.compile import compile_step
+    from metadist_core.reference.plugin import ReferenceFrontend
     with pytest.raises(NotSupported, match="offload='optimizer' is not yet for the reference frontend"):
         compile_step(ReferenceFrontend(), lambda: None, (), {}, load_settings(offload="optimizer"))
 
@@ -148,7 +148,7 @@ def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_o
     priced a GPU step 11-34 % under (H200, 2026-11-26, benchmarks/cuda_step.py)."""
     import statistics
     import time
-    from metadist_core.overlap import predict
+    from metadist_core.plan.overlap import predict
     from metadist_torch import metadist_compile, plugin
     timed_on = []
 

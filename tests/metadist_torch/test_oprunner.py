@@ -15,10 +15,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from metadist_core.placement import Partial, Replicate, Shard  # noqa: E402
+from metadist_core.ir.placement import Partial, Replicate, Shard  # noqa: E402
 from metadist_core.plugins import PluginManager  # noqa: E402
-from metadist_core.recorded import load_recorded_graph  # noqa: E402
-from metadist_core.shardcombine import Unrunnable, discover_rules  # noqa: E402
+from metadist_core.ir.recorded import load_recorded_graph  # noqa: E402
+from metadist_core.discovery.shardcombine import Unrunnable, discover_rules  # noqa: E402
 from metadist_torch import rules_for  # noqa: E402
 from metadist_torch.oprunner import op_cost, op_spec  # noqa: E402
 
@@ -461,8 +461,8 @@ def test_an_op_no_proxy_stands_for_is_named_with_the_reason(caplog):
     keeps its op at real shapes; discovery says which op and why."""
     import logging
 
-    from metadist_core.discover import discover
-    from metadist_core.rules import RuleBook
+    from metadist_core.discovery.discover import discover
+    from metadist_core.discovery.rules import RuleBook
     from metadist_torch.plugin import TorchFrontend
 
     def step(x):

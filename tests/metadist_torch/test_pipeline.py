@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from metadist_core.microbatch import MicroBatchError, cut_at_gradients  # noqa: E402
+from metadist_core.levers.microbatch import MicroBatchError, cut_at_gradients  # noqa: E402
 from metadist_torch import metadist_compile  # noqa: E402
 
 from test_compile_single import _run_and_compare, cnn, gpt, mlp  # noqa: E402

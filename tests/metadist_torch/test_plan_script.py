@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from metadist_core import cli  # noqa: E402
-from metadist_core.plan import ShardingPlan  # noqa: E402
+from metadist_core.driver import cli  # noqa: E402
+from metadist_core.plan.plan import ShardingPlan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 

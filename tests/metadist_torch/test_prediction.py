@@ -16,11 +16,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from metadist_core.buckets import bucketed_step  # noqa: E402
+from metadist_core.cost.buckets import bucketed_step  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
-from metadist_core.overlap import predict, priced_collectives  # noqa: E402
-from metadist_core.pipeline import plan_graph  # noqa: E402
-from metadist_core.placement import Mesh  # noqa: E402
+from metadist_core.plan.overlap import predict, priced_collectives  # noqa: E402
+from metadist_core.driver.compile import plan_graph  # noqa: E402
+from metadist_core.ir.placement import Mesh  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 from metadist_torch.schedule import is_async, is_done, is_gather_bucket  # noqa: E402
@@ -77,9 +77,9 @@ def test_lowered_collectives_are_the_priced_ones(traced, strategy, tmp_path_fact
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
 def test_lowered_gather_buckets_are_the_planned_ones(traced, mesh_shape):
     """Under the zero3 preset every parameter is all-gathered; with small gather buckets the lowering makes
-    the buckets metadist_core.gathers plans (same members, same order), and the prediction pays one
+    the buckets metadist_core.cost.gathers plans (same members, same order), and the prediction pays one
     collective per bucket."""
-    from metadist_core.gathers import gather_buckets, gathers
+    from metadist_core.cost.gathers import gather_buckets, gathers
     fe, tr = traced
     mesh = Mesh(mesh_shape, alpha=[2e-4] * len(mesh_shape), beta=[1e-9] * len(mesh_shape))
     s = load_settings(progress=False, strategy="zero3", shard_bucket_mb=0.01)   # 10 KiB: several buckets
@@ -172,7 +172,7 @@ def test_gradients_reduced_then_split_are_priced_in_the_lowerings_buckets(traced
 def test_a_gradient_reduced_over_two_axes_is_bucketed_as_the_lowering_buckets_it(traced):
     """On a (2, 2) mesh DDP's layout makes each gradient whole as a reduce_scatter on axis 0, an all_reduce on
     axis 1 and an all_gather on axis 0. Only the first reads the gradient itself, so only it can join a bucket
-    (metadist_core.buckets); the all_reduce reads that gradient's own reduce_scatter and runs alone. The
+    (metadist_core.cost.buckets); the all_reduce reads that gradient's own reduce_scatter and runs alone. The
     solver charged it a bucket's share of the latency, which the lowering never runs."""
     fe, tr = traced
     mesh = Mesh((2, 2), alpha=[1e-5, 1e-5], beta=[1e-9, 1e-9])

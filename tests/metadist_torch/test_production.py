@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlp  # noqa: E402
 import production_worker as W  # noqa: E402
 
-from metadist_core.compression import wire_dtypes  # noqa: E402
+from metadist_core.cost.compression import wire_dtypes  # noqa: E402
 from metadist_core.config import compression_dtype  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
-from metadist_core.pipeline import plan_graph  # noqa: E402
-from metadist_core.placement import Mesh  # noqa: E402
+from metadist_core.driver.compile import plan_graph  # noqa: E402
+from metadist_core.ir.placement import Mesh  # noqa: E402
 from metadist_torch import load_checkpoint, metadist_compile, save_checkpoint  # noqa: E402
 
 
@@ -128,7 +128,7 @@ def test_grad_scaler_with_a_plain_optimizer_names_the_fix():
 def test_finiteness_tests_never_take_one_piece_for_the_whole(op, shape):
     """found_inf: a rule that made each device's own answer the replicated one passes on finite data
     (False everywhere); the nonfinite draws (inf/NaN in one piece) must reject it."""
-    from metadist_core.placement import Partial, Replicate
+    from metadist_core.ir.placement import Partial, Replicate
     from metadist_torch import rules_for
     rules = rules_for(getattr(torch.ops.aten, op).default, torch.randn(shape), axis_size=2)
     assert rules

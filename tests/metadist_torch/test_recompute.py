@@ -1,4 +1,4 @@
-"""Activation recomputation (metadist_core.recompute) on traced torch steps.
+"""Activation recomputation (metadist_core.levers.recompute) on traced torch steps.
 
 - the rewritten graph computes exactly what the original does (both lowered and run on one device), dropout
   included (random ops are kept, never recomputed);
@@ -22,9 +22,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from metadist_core.config import load_settings  # noqa: E402
-from metadist_core.pipeline import plan_graph, replicated_plan  # noqa: E402
-from metadist_core.placement import Mesh  # noqa: E402
-from metadist_core.recompute import SUFFIX, RecomputeBudgetError, is_random, order, rewrite, segments  # noqa: E402
+from metadist_core.driver.compile import plan_graph, replicated_plan  # noqa: E402
+from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.levers.recompute import SUFFIX, RecomputeBudgetError, is_random, order, rewrite, segments  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
@@ -111,8 +111,8 @@ def test_segment_search_goes_down_from_all_and_stops_where_fewer_cost_more(shape
     while the predicted step does not grow: where every segment recomputed is fastest (a tight budget,
     the sharding paying in collectives for memory) two counts decide; where fewer are faster it bisects
     down to the fewest that fit. Each time the count predicted fastest is taken."""
-    from metadist_core.problem import InfeasibleBudgetError
-    from metadist_core.recompute import choose
+    from metadist_core.problem.problem import InfeasibleBudgetError
+    from metadist_core.levers.recompute import choose
     tr, _ = _traced(layers=4)
     g = tr.graph
     n = len(order(segments(g)))
@@ -148,11 +148,11 @@ def test_toggles_price_the_rewritten_graph_exactly():
     under the 4-device plan."""
     import numpy as np
 
-    from metadist_core.pipeline import op_costs
-    from metadist_core.plan import ShardingPlan
+    from metadist_core.driver.compile import op_costs
+    from metadist_core.plan.plan import ShardingPlan
     from metadist_core.plugins import PluginManager
-    from metadist_core.build import build_problem
-    from metadist_core.recompute import price_segments
+    from metadist_core.problem.build import build_problem
+    from metadist_core.levers.recompute import price_segments
 
     tr, _ = _traced(layers=2)
     g = tr.graph
@@ -204,7 +204,7 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
     assert not free.plan.recompute and free.plan.objective <= res.plan.objective
     # the search over segment counts (what a solver without toggles gets) finds no cheaper plan (1 %: the
     # search picks by overlap.predict, the ILP by its objective)
-    import metadist_core.recompute as rc
+    import metadist_core.levers.recompute as rc
     monkeypatch.setattr(rc, "price_segments", lambda problem, *a: problem)
     searched = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
     assert searched.plan.stats["recompute"]["chosen_by"].startswith("search")

@@ -17,12 +17,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from metadist_core.discover import discover  # noqa: E402
-from metadist_core.patterns import NoProxy, op_pattern, proxy_op  # noqa: E402
-from metadist_core.placement import Partial, Replicate, Shard  # noqa: E402
+from metadist_core.discovery.discover import discover  # noqa: E402
+from metadist_core.discovery.patterns import NoProxy, op_pattern, proxy_op  # noqa: E402
+from metadist_core.ir.placement import Partial, Replicate, Shard  # noqa: E402
 from metadist_core.plugins import PluginManager  # noqa: E402
-from metadist_core.recorded import load_recorded_graph  # noqa: E402
-from metadist_core.rules import RuleBook, ShardingRule  # noqa: E402
+from metadist_core.ir.recorded import load_recorded_graph  # noqa: E402
+from metadist_core.discovery.rules import RuleBook, ShardingRule  # noqa: E402
 
 GRAPHS = Path(__file__).resolve().parents[1] / "data" / "graphs"
 TRIALS = 4
@@ -201,7 +201,7 @@ def test_every_rule_of_the_recorded_gpt2_step_is_right():
 @pytest.mark.parametrize("n", [4, 8])
 def test_every_rule_of_the_recorded_gpt2_step_on_larger_axes_is_right(n):
     """On axes of 4 and more the unsharded combinations are verified on the proxies of an axis of 2 and,
-    above 2, the Partial pieces come from windows of one pool (metadist_core.discover,
+    above 2, the Partial pieces come from windows of one pool (metadist_core.discovery.discover,
     verify.partial_pieces): every rule is re-checked here with n devices at a third proxy size of the axis."""
     graph = load_recorded_graph(GRAPHS / "gpt2-tiny-2l-adamw.json")
     pm = PluginManager()

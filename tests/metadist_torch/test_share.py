@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from metadist_core.pipeline import replicated_plan  # noqa: E402
-from metadist_core.placement import Mesh  # noqa: E402
-from metadist_core.reference import transformer_block  # noqa: E402
+from metadist_core.driver.compile import replicated_plan  # noqa: E402
+from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.reference.plugin import transformer_block  # noqa: E402
 from metadist_torch.share import PlanShareError, graph_digest, share_error, share_plan  # noqa: E402
 
 

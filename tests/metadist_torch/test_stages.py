@@ -35,11 +35,11 @@ def test_stages_meet_a_budget_that_the_whole_step_on_one_device_misses(tmp_path)
     together and holds each stage to the budget by the cut. It had solved the sub-mesh under the budget
     itself, so a step pipelined because it does not fit could only pipeline when it fit one device whole."""
     from metadist_core.config import load_settings
-    from metadist_core.pipeplan import pipeline_plan
-    from metadist_core.placement import Mesh
-    from metadist_core.planner import plan_graph
+    from metadist_core.driver.pipeplan import pipeline_plan
+    from metadist_core.ir.placement import Mesh
+    from metadist_core.driver.planner import plan_graph
     from metadist_core.plugins import PluginManager
-    from metadist_core.problem import InfeasibleBudgetError
+    from metadist_core.problem.problem import InfeasibleBudgetError
     c = gpt.GPTConfig(vocab=96, seq=16, width=64, heads=2, layers=2, batch=8)
     model, opt = gpt.build(c)
     pm = PluginManager()

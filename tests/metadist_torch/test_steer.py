@@ -58,8 +58,8 @@ def _same(name, gpt, cfg, step_fn, compiled_fn, errors):
 
 def _layout(name, step, errors, report):
     """Check the parameter layout a preset promises."""
-    from metadist_core.placement import Partial, Replicate, Shard, Sharding
-    from metadist_core.presets import preset_constraints
+    from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
+    from metadist_core.problem.presets import preset_constraints
     plan, graph, prob = step.plan, step.graph, step.problem
     R2, S0 = Sharding((Replicate(), Replicate())), Sharding((Shard(0), Shard(0)))
     params = [v for v in graph.inputs if graph.vars[v].role == "parameter"]
@@ -108,7 +108,7 @@ def worker() -> int:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from metadist_core.placement import Replicate, Shard, Sharding
+    from metadist_core.ir.placement import Replicate, Shard, Sharding
     from metadist_torch import annotate, metadist_compile, to_dtensor_placements
     torch.set_num_threads(1)
     gpt = _load_gpt()
@@ -158,7 +158,7 @@ def worker() -> int:
             if missing or "strategy presets" not in text or "zero3" not in text:
                 errors.append(f"explain misses {missing[:5]} or the presets:\n{text[:2000]}")
             (out.parent / "explain.txt").write_text(text)
-            from metadist_core.explain import draw_plan
+            from metadist_core.plan.explain import draw_plan
             draw_plan(plan, str(out.parent / "plan.png"))
     except Exception as e:  # pragma: no cover - reported by the test
         import traceback
@@ -209,7 +209,7 @@ def test_presets_constraints_annotate_and_explain_on_4_gloo_ranks(tmp_path, caps
     assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 200
     assert "blocks.0.fc.weight" in (tmp_path / "explain.txt").read_text()
     # metadist plan --compare on the GPT example, with the rules the launch found
-    from metadist_core import cli
+    from metadist_core.driver import cli
     plan_out = tmp_path / "gpt.plan.json"
     assert cli.main(["plan", str(REPO / "examples/torch/gpt.py"), "--mesh", "2x2", "--compare", "--cache-dir",
                      str(cache), "--out", str(plan_out), "--", "--steps", "1", "--vocab", "96", "--width", "32",

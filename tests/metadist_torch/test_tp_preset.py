@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from metadist_core.config import load_settings  # noqa: E402
-from metadist_core.pipeline import plan_graph  # noqa: E402
-from metadist_core.placement import Mesh, Replicate, Shard, Sharding  # noqa: E402
-from metadist_core.presets import preset_constraints  # noqa: E402
+from metadist_core.driver.compile import plan_graph  # noqa: E402
+from metadist_core.ir.placement import Mesh, Replicate, Shard, Sharding  # noqa: E402
+from metadist_core.problem.presets import preset_constraints  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
 
@@ -80,8 +80,8 @@ def test_tp_preset_leaves_an_attention_whole_whose_weights_the_user_keeps_whole(
         assert by[f"blocks.{i}.fc.weight"] == col and by[f"blocks.{i}.fc.bias"] == col
         assert by[f"blocks.{i}.out.weight"] == row
         assert by[f"blocks.{i}.qkv.weight"] == rep and by[f"blocks.{i}.proj.weight"] == rep
-    from metadist_core.presets import preset_constraints
-    from metadist_core.constraints import pins_by_name
+    from metadist_core.problem.presets import preset_constraints
+    from metadist_core.problem.constraints import pins_by_name
     user = {p.var: p.sharding for p in pins_by_name(res.problem.unsteered, whole)}
     pc = preset_constraints(res.problem.unsteered, "tp", user)
     assert not [p for p in pc.pairs if p[0] == "<attention>"], pc.pairs

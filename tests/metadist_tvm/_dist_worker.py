@@ -11,10 +11,10 @@ import torch.distributed as dist  # noqa: E402
 from tvm import te  # noqa: E402
 
 import metadist_tvm  # noqa: E402
-from metadist_core.constraints import Pin  # noqa: E402
-from metadist_core.placement import Partial, Shard, Sharding  # noqa: E402
-from metadist_core.plan import ShardingPlan  # noqa: E402
-from metadist_core.build import build_problem  # noqa: E402
+from metadist_core.problem.constraints import Pin  # noqa: E402
+from metadist_core.ir.placement import Partial, Shard, Sharding  # noqa: E402
+from metadist_core.plan.plan import ShardingPlan  # noqa: E402
+from metadist_core.problem.build import build_problem  # noqa: E402
 from metadist_tvm import topi  # noqa: E402
 from metadist_tvm.execute import Parallelized  # noqa: E402
 from _tvm_graphs import conv_ref, convnet, draw, mlp, mlp_ref, plain_mlp, plain_mlp_ref  # noqa: E402

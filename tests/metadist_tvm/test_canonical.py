@@ -6,11 +6,11 @@ import tvm
 from tvm import te
 
 import metadist_tvm
-from metadist_core.canonical import canonical_name
-from metadist_core.placement import Partial, Replicate, Shard
-from metadist_core.reference import rules_for as reference_rules_for
-from metadist_core.rules import ShardingRule
-from metadist_core.shardcombine import OpSpec, discover_rules
+from metadist_core.discovery.canonical import canonical_name
+from metadist_core.ir.placement import Partial, Replicate, Shard
+from metadist_core.reference.plugin import rules_for as reference_rules_for
+from metadist_core.discovery.rules import ShardingRule
+from metadist_core.discovery.shardcombine import OpSpec, discover_rules
 from metadist_tvm.trace import trace
 
 A_SHAPE, B_SHAPE = (8, 6), (6, 4)

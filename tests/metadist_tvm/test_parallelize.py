@@ -7,11 +7,11 @@ import pytest
 from tvm import te
 
 import metadist_tvm
-from metadist_core.constraints import Pin
-from metadist_core.placement import Mesh, Shard, Sharding, shard_shape
-from metadist_core.plan import ShardingPlan
-from metadist_core.build import build_problem
-from metadist_core.simulate import devices, simulate
+from metadist_core.problem.constraints import Pin
+from metadist_core.ir.placement import Mesh, Shard, Sharding, shard_shape
+from metadist_core.plan.plan import ShardingPlan
+from metadist_core.problem.build import build_problem
+from metadist_core.plan.simulate import devices, simulate
 from metadist_tvm.execute import LocalRunner
 
 from _tvm_graphs import conv_ref, convnet, draw, mlp, mlp_ref
@@ -165,7 +165,7 @@ def test_uneven_splits():
 
 
 def test_the_driver_traces_plans_and_lowers_through_the_adapter():
-    from metadist_core.pipeline import compile_step
+    from metadist_core.driver.compile import compile_step
     from metadist_core.plugins import PluginManager
     from metadist_tvm.plugin import TvmFrontend
 

@@ -7,10 +7,10 @@ import pytest
 from tvm import te, topi
 
 import metadist_tvm
-from metadist_core.constraints import Pin
-from metadist_core.placement import Mesh, Partial, Replicate, Shard, Sharding
-from metadist_core.rules import ShardingRule
-from metadist_core.simulate import assemble, devices, distribute
+from metadist_core.problem.constraints import Pin
+from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.discovery.rules import ShardingRule
+from metadist_core.plan.simulate import assemble, devices, distribute
 from metadist_tvm.oprunner import run_call
 from metadist_tvm.plain import plain_call
 from metadist_tvm.rebuild import ComputeRebuilder, NotRebuildable

@@ -19,11 +19,11 @@ pytest.importorskip("torch")   # the independent checker lives with the torch te
 
 from tvm import te  # noqa: E402
 
-from metadist_core.discover import discover  # noqa: E402
-from metadist_core.patterns import op_pattern  # noqa: E402
+from metadist_core.discovery.discover import discover  # noqa: E402
+from metadist_core.discovery.patterns import op_pattern  # noqa: E402
 from metadist_core.plugins import PluginManager  # noqa: E402
-from metadist_core.rules import RuleBook  # noqa: E402
-from metadist_core.shardcombine import discover_rules  # noqa: E402
+from metadist_core.discovery.rules import RuleBook  # noqa: E402
+from metadist_core.discovery.shardcombine import discover_rules  # noqa: E402
 from metadist_tvm import topi  # noqa: E402
 from metadist_tvm.plugin import TvmFrontend  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_torch"))

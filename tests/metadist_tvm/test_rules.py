@@ -6,8 +6,8 @@ import tvm
 from tvm import te
 
 import metadist_tvm
-from metadist_core.placement import Partial, Replicate, Shard
-from metadist_core.rules import ShardingRule
+from metadist_core.ir.placement import Partial, Replicate, Shard
+from metadist_core.discovery.rules import ShardingRule
 
 R = Replicate()
 

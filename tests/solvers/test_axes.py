@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metadist_core.coarsen import coarsen
-from metadist_core.placement import Mesh
+from metadist_core.problem.coarsen import coarsen
+from metadist_core.ir.placement import Mesh
 from metadist_core.plugins import PluginManager
-from metadist_core.build import build_problem
-from metadist_core.terms import contract
+from metadist_core.problem.build import build_problem
+from metadist_core.problem.terms import contract
 from metadist_solvers._axes import _key, axis_codes, descend
 from metadist_solvers.ilp import ilp_terms
 
@@ -98,7 +98,7 @@ def test_the_ilp_plugin_takes_the_descent_when_asked_or_when_the_one_ilp_is_too_
 
 
 def test_the_descent_keeps_a_memory_budget_that_binds():
-    from metadist_core.problem import InfeasibleBudgetError
+    from metadist_core.problem.problem import InfeasibleBudgetError
     pm = PluginManager()
     p = _problem(lambda: linear_step(16, 8, 16))
     free = pm.solve("ilp", p, {"method": "whole"})

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from scipy.optimize import OptimizeResult
 
-from metadist_core.placement import Mesh
+from metadist_core.ir.placement import Mesh
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import InfeasibleBudgetError
-from metadist_core.build import build_problem
+from metadist_core.problem.problem import InfeasibleBudgetError
+from metadist_core.problem.build import build_problem
 from metadist_solvers import _cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_core"))
@@ -116,8 +116,8 @@ def test_a_recompute_proposal_that_ran_out_of_time_is_not_waited_for_again(pm, t
 
 
 def test_the_planner_keeps_answers_beside_its_rules(tmp_path):
-    from metadist_core.pipeline import plan_graph
-    from metadist_core.reference import transformer_block
+    from metadist_core.driver.compile import plan_graph
+    from metadist_core.reference.plugin import transformer_block
     g = transformer_block()
     one = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)
     two = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)

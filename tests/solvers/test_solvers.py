@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metadist_core.placement import Mesh
+from metadist_core.ir.placement import Mesh
 from metadist_core.plugins import PluginManager, UnknownSolverError
-from metadist_core.problem import InfeasibleBudgetError
-from metadist_core.build import build_problem
+from metadist_core.problem.problem import InfeasibleBudgetError
+from metadist_core.problem.build import build_problem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_core"))
 from _small_graphs import linear_step, mm_only, rulebook, scaled_by_param  # noqa: E402
@@ -168,8 +168,8 @@ def test_gpt2_tiny_heuristics_not_better_than_ilp(pm):
 def test_presolve_on_constrained_problems_keeps_the_brute_force_optimum(pm, make, mesh):
     """Presolve turns on by itself where constraints leave options out, and the ILP still finds brute force's
     optimum there, as it does with presolve off and, unconstrained, with presolve left off."""
-    from metadist_core.constraints import Forbid
-    from metadist_core.placement import Partial, Replicate
+    from metadist_core.problem.constraints import Forbid
+    from metadist_core.ir.placement import Partial, Replicate
     g = make()
     free = build_problem(g, rulebook(g), Mesh(mesh, alpha=1e-7, beta=1e-9))
     plan = pm.solve("ilp", free, {"coarsen": False})

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metadist_core.placement import Mesh
+from metadist_core.ir.placement import Mesh
 from metadist_core.plugins import PluginManager
-from metadist_core.problem import InfeasibleBudgetError
-from metadist_core.build import build_problem
-from metadist_core.terms import EdgeTerm, MemTerm, Toggle, contract
+from metadist_core.problem.problem import InfeasibleBudgetError
+from metadist_core.problem.build import build_problem
+from metadist_core.problem.terms import EdgeTerm, MemTerm, Toggle, contract
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_core"))
 from _small_graphs import linear_step, rulebook  # noqa: E402

@@ -1,0 +1,283 @@
+"""Measured choice of plan: the solver's plan timed beside the strategy presets' plans on the live mesh.
+
+The cost model ranks plans by their price. Where the price is wrong (JAX on
+virtual CPU devices: XLA fuses what the model prices op by op), the solver's
+plan can run slower than a preset the user would have picked. With
+``autotune`` on and costs measured (``measure_links``), the driver also solves
+the presets of :data:`PRESETS` on the same problem, asks the frontend for a
+:class:`Trial` of every distinct plan (lowered, run on the step's own
+arguments, nothing kept; a frontend with several lowerings gives one trial
+for each: JAX runs a plan as a manual shard_map or, two ways, through GSPMD), times them
+in interleaved rounds, times the near-ties again among themselves
+(:data:`REFINE_WITHIN`, :data:`REFINE_ROUNDS`) and keeps the fastest. The
+solver's plan in the frontend's first lowering stays unless another is faster
+by more than :data:`MARGIN` (the rounds' noise on shared cores).
+
+Only frontends that can run a plan on the planning process alone take part
+(:meth:`~metadist_core.driver.frontend.Frontend.trial`): JAX in one process. The
+figures are kept in ``plan.stats["autotune"]`` and shown by ``str(plan)``'s
+summary line.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+log = logging.getLogger("metadist.autotune")
+
+#: the presets timed beside the solver's plan (metadist_core.problem.presets): what a user would write by hand.
+#: zero1 (parameters replicated, optimizer state split): each device updates only its share of the state, so
+#: its program can beat jax.jit's data parallelism, where the ddp plan can only tie it
+PRESETS = ("ddp", "zero1", "fsdp")
+#: a preset replaces the solver's plan only when it is this much faster (relative, medians of the rounds)
+MARGIN = 0.05
+#: timed rounds; each runs every trial once, in alternating order (too few rounds let the noise of shared
+#: cores pick a slower plan)
+ROUNDS = 10
+#: rounds run however long they take (past them, a spent ``autotune_seconds`` stops the timing)
+MIN_ROUNDS = 3
+#: after the rounds, the trials whose median is within this of the fastest's are timed again, alone together
+#: (near-ties within the rounds' noise are decided on more timings)
+REFINE_WITHIN = 0.08
+#: the rounds those near-ties get on top (their medians are then taken over all their rounds)
+REFINE_ROUNDS = 10
+
+
+@dataclass
+class Trial:
+    """One plan made runnable for timing: ``run()`` runs one step and returns when it is done, leaving the
+    user's arguments as they were; ``runnable`` is what the frontend's ``lower`` gives for the plan (the
+    driver keeps it when the plan wins, so the winner is not lowered twice), or None."""
+
+    run: Callable[[], Any]
+    runnable: Callable | None = None
+    lowering: str = ""               # which of the frontend's lowerings of the plan (JAX: shard_map, gspmd)
+
+
+@dataclass
+class Candidate:
+    """A plan in the running: where it came from (``"auto"`` or a preset) and, once timed, its step."""
+
+    name: str
+    result: Any                      # the CompileResult of its solve
+    trial: Trial | None = None
+    seconds: float | None = None
+    runs: int = 0                    # its timed runs (near-ties get more: REFINE_ROUNDS)
+
+    @property
+    def label(self) -> str:
+        low = self.trial.lowering if self.trial is not None else ""
+        return f"{self.name} ({low})" if low else self.name
+
+
+def _as_trials(made: Any) -> list[Trial]:
+    """What ``make_trial`` gave, as a list: a Trial, several (one per lowering of the plan), or None."""
+    if made is None:
+        return []
+    return list(made) if isinstance(made, (list, tuple)) else [made]
+
+
+def skip_reason(settings: Any, plan: Any, user_constraints: Sequence[Any]) -> str | None:
+    """Why the plans are not timed for this compile (None: they are)."""
+    s = settings
+    if not s.autotune:
+        return "autotune=False"
+    if not s.measure_links:
+        return "costs are not measured (measure_links=False)"
+    if s.strategy != "auto":
+        return f"the user chose strategy={s.strategy!r}"
+    if user_constraints:
+        return f"the user gave {len(user_constraints)} constraints"
+    if s.micro_batches > 1 or getattr(plan, "stages", None) or getattr(plan, "recompute", None) or s.offload:
+        return "the plan accumulates micro-batches, pipelines, recomputes or offloads"
+    return None
+
+
+def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
+                clock: Callable[[], float] | None = None, budget: float | None = None,
+                refine_rounds: int = 0, refine_within: float = REFINE_WITHIN,
+                counts: list[int] | None = None) -> list[float | None]:
+    """Median seconds of one step of each trial: one untimed run each (compiles, warms), then ``rounds``
+    rounds that run every trial once, forwards and backwards in turn so none always goes first. A trial that
+    raises is left out from then on (None): a lowering the engine refuses is not the user's error.
+
+    ``refine_rounds``: then the trials whose median is within ``refine_within`` (relative) of the fastest's,
+    where there are two or more, run that many rounds more among themselves, and their medians are taken over
+    all their rounds: a choice between near-ties rests on twice the timings, the slower trials cost no more.
+    ``counts``, where given, receives how many timed runs each trial had.
+
+    ``budget`` (seconds, from this call): once spent, trials not yet warmed up are left out (the first
+    always runs: it is the solver's plan) and no round starts past :data:`MIN_ROUNDS`, so that a model
+    whose programs take long to compile is not held up by a dozen of them."""
+    clock = clock or time.perf_counter
+    ok = [True] * len(trials)
+    start = clock()
+
+    def spent() -> bool:
+        return budget is not None and clock() - start > budget
+
+    def attempt(i: int) -> bool:
+        try:
+            trials[i].run()
+            return True
+        except Exception as e:
+            log.warning("autotune: a trial (%s) failed and is left out: %s: %s", trials[i].lowering or "plan",
+                        type(e).__name__, e)
+            ok[i] = False
+            return False
+
+    for i in range(len(trials)):
+        if i > 0 and spent():
+            log.warning("autotune: %d of %d programs left untimed: autotune_seconds ran out (%.0f s of it were "
+                        "left for compiling and timing them once the other plans were solved and lowered; raise "
+                        "autotune_seconds to time them all)", len(trials) - i, len(trials), budget)
+            ok[i:] = [False] * (len(trials) - i)
+            break
+        attempt(i)
+    times: list[list[float]] = [[] for _ in trials]
+
+    def run_rounds(which: list[int], n: int) -> None:
+        for r in range(n):
+            if r >= MIN_ROUNDS and spent():
+                log.info("autotune: timing stopped after %d of %d rounds (autotune_seconds spent)", r, n)
+                break
+            for i in (which if r % 2 == 0 else which[::-1]):
+                if not ok[i]:
+                    continue
+                t0 = clock()
+                if attempt(i):
+                    times[i].append(clock() - t0)
+
+    def medians() -> list[float | None]:
+        return [statistics.median(x) if ok[i] and x else None for i, x in enumerate(times)]
+    run_rounds(list(range(len(trials))), rounds)
+    med = medians()
+    timed = [m for m in med if m is not None]
+    if refine_rounds > 0 and timed and not spent():
+        near = [i for i, m in enumerate(med) if m is not None and m <= min(timed) * (1.0 + refine_within)]
+        if len(near) > 1:
+            log.info("autotune: %d programs within %.0f %% of the fastest, timed %d rounds more",
+                     len(near), refine_within * 100, refine_rounds)
+            run_rounds(near, refine_rounds)
+            med = medians()
+    if counts is not None:
+        counts[:] = [len(x) for x in times]
+    return med
+
+
+def _trials_of(make_trial: Callable[[Any], Any], plan: Any, name: str) -> list[Trial]:
+    """The trials of ``plan``; none where the frontend cannot make them (logged: the plan is left out)."""
+    try:
+        return _as_trials(make_trial(plan))
+    except Exception as e:
+        log.warning("autotune: plan %r could not be made runnable and is left out: %s: %s", name,
+                    type(e).__name__, e)
+        return []
+
+
+def pick(candidates: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
+    """The solver's plan in the frontend's first lowering (the first candidate) unless a timed one is faster
+    than it by more than ``margin``."""
+    timed = [c for c in candidates if c.seconds is not None]
+    if not timed:
+        return candidates[0]
+    best = min(timed, key=lambda c: c.seconds)
+    first = candidates[0]
+    if first.seconds is None or best is first or best.seconds < first.seconds * (1.0 - margin):
+        return best
+    return first
+
+
+def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[Any], Trial | None],
+         digest: Callable[[Any], str], presets: Sequence[str] = PRESETS, rounds: int = ROUNDS,
+         margin: float = MARGIN, seconds: float | None = None) -> tuple[Any, Trial | None]:
+    """The CompileResult to run, among the solver's (``auto``) and the presets', and its trial.
+
+    ``solve_preset(name)`` solves the same problem under a preset (an exception: that preset is left out);
+    ``make_trial(plan)`` gives the plan's Trial or None (the frontend cannot time it: nothing is tuned);
+    ``digest(plan)`` says which plans are the same. ``seconds``: the time autotune may take in all (the
+    presets' solves included; see :func:`time_trials`). The figures go to ``plan.stats["autotune"]`` of the
+    plan kept.
+    """
+    t_start = time.perf_counter()
+    first = _trials_of(make_trial, auto.plan, "auto")
+    if not first:   # asked first, so that no preset is solved for nothing
+        log.info("autotune: the frontend cannot time a plan here; keeping the solver's plan")
+        return auto, None
+    cands = [Candidate("auto", auto, t) for t in first]
+    seen = {digest(auto.plan)}
+    plans = [Candidate("auto", auto)]
+    for name in presets:
+        try:
+            res = solve_preset(name)
+        except Exception as e:   # a preset that does not fit the budget, or has no plan on this mesh
+            log.info("autotune: preset %r left out: %s", name, e)
+            continue
+        if res.plan.stages or res.plan.recompute:
+            log.info("autotune: preset %r left out: its plan pipelines or recomputes", name)
+            continue
+        d = digest(res.plan)
+        if d in seen:
+            log.info("autotune: preset %r gives the solver's plan (or an earlier preset's)", name)
+            continue
+        seen.add(d)
+        plans.append(Candidate(name, res))
+    for c in plans[1:]:
+        made = _trials_of(make_trial, c.result.plan, c.name)
+        if not made:
+            log.info("autotune: the frontend cannot time plan %r here; left out", c.name)
+        cands += [Candidate(c.name, c.result, t) for t in made]
+    if len(cands) == 1:
+        return auto, cands[0].trial
+    left = None if seconds is None else max(0.0, seconds - (time.perf_counter() - t_start))
+    runs: list[int] = []
+    secs = time_trials([c.trial for c in cands], rounds, budget=left, refine_rounds=REFINE_ROUNDS, counts=runs)
+    for c, sec, n in zip(cands, secs, runs):
+        c.seconds, c.runs = sec, n
+    cands = [c for c in cands if c.seconds is not None] or cands[:1]
+    if cands[0].seconds is None:   # nothing ran: the driver lowers the solver's plan as it would have
+        return auto, None
+    chosen = pick(cands, margin)
+    figures = {"chosen": chosen.name, "lowering": chosen.trial.lowering, "margin": margin, "rounds": rounds,
+               "refine_rounds": REFINE_ROUNDS, "refine_within": REFINE_WITHIN,
+               "seconds": time.perf_counter() - t_start,
+               "candidates": [{"strategy": c.name, "lowering": c.trial.lowering, "measured_ms": c.seconds * 1e3,
+                               "predicted_ms": c.result.plan.objective * 1e3, "runs": c.runs} for c in cands]}
+    chosen.result.plan.stats["autotune"] = figures
+    log.info("autotune: %s", "; ".join(f"{c.label} {c.seconds * 1e3:.2f} ms measured "
+                                       f"({c.result.plan.objective * 1e3:.2f} predicted)" for c in cands)
+             + f"; running {chosen.label!r}")
+    return chosen.result, chosen.trial
+
+
+def autotune_result(res: Any, frontend: Any, traced: Any, mesh: Any, s: Any, user_constraints: Sequence[Any],
+                    solve_on: Callable[..., Any], args: tuple, kwargs: dict,
+                    timings: dict[str, float]) -> tuple[Any, Trial | None]:
+    """For the driver (:func:`metadist_core.driver.compile.compile_step`): the solver's CompileResult ``res``, or a
+    preset's that ran faster when both were timed, and the kept plan's trial (None when nothing was timed).
+    ``solve_on(mesh, settings)`` solves the compile's problem under other settings; ``frontend.trial`` makes
+    the trials."""
+    import dataclasses
+
+    from metadist_core.progress import Ticker
+    why = skip_reason(s, res.plan, user_constraints) if mesh.size > 1 else "one device"
+    if why is not None:
+        log.debug("autotune: not timing plans: %s", why)
+        return res, None
+    t = time.perf_counter()
+    # a preset that only fits the budget by recomputing is left out (autotune skips recomputing plans), so it
+    # is solved without the segment search
+    with Ticker("autotune (solving the presets, timing the plans)", enabled=s.progress):
+        chosen, trial = tune(res,
+                             lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
+                             lambda p: frontend.trial(traced, p, mesh, s, tuple(args), dict(kwargs)),
+                             lambda p: p.digest(), seconds=s.autotune_seconds)
+    timings["autotune"] = time.perf_counter() - t
+    return chosen, trial
+
+
+__all__ = ["Candidate", "MARGIN", "MIN_ROUNDS", "PRESETS", "REFINE_ROUNDS", "REFINE_WITHIN", "ROUNDS", "Trial", "autotune_result", "pick",
+           "skip_reason", "time_trials", "tune"]

@@ -1,0 +1,254 @@
+"""Planning a traced graph: discover its rules, build the ShardingProblem on a mesh and solve it.
+
+:func:`plan_graph` is the discover -> solve half of the flow, with the memory
+budget's recomputation and the collectives' buffers; the driver
+(:mod:`metadist_core.driver.compile`) calls it for every frontend, and tools,
+benchmarks and tests call it on a graph already traced. :class:`CompileResult`
+is what one compile produced.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from metadist_core.config import Settings, load_settings, resolve_first_bucket
+from metadist_core.problem.constraints import split_constraints
+from metadist_core.discovery.discover import discover
+from metadist_core.driver.frontend import Frontend, Traced
+from metadist_core.cost.fusion import fused_bytes
+from metadist_core.ir.ir import RECOMPUTED_SUFFIX, MetaIR
+from metadist_core.plan.memprofile import HEADROOM, leanest_with_buffers
+from metadist_core.ir.placement import Mesh
+from metadist_core.plugins import PluginManager
+from metadist_core.problem.presets import gathers_parameters, steer
+from metadist_core.progress import Ticker
+from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, InfeasibleBudgetError
+from metadist_core.levers.recompute import needed
+from metadist_core.discovery.rules import RuleBook
+
+log = logging.getLogger("metadist.planner")
+
+@dataclass
+class CompileResult:
+    """Everything one compile produced: the graph, its rules, problem and plan, and the runnable step."""
+
+    graph: MetaIR
+    rulebook: RuleBook
+    problem: Any = None
+    plan: Any = None
+    runnable: Callable | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    traced: Traced | None = None
+    mesh: Mesh | None = None
+    watch: Any = None   # the frontend's guards on what the trace read (Frontend.watch); None: the signature only
+
+
+def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, float]]:
+    """``(flops, bytes)`` per op id, from the frontend that owns each op (missing: the core estimates); the
+    optimizer update's ops at the bytes of their fused loop where the frontend's compiler fuses them
+    (:mod:`metadist_core.cost.fusion`)."""
+    out = {}
+    for op in graph.ops:
+        c = plugins.op_cost(op, graph)
+        if c is not None:
+            out[op.id] = tuple(c)
+    from metadist_core.problem.build import estimate_op_cost
+    for i, nbytes in fused_bytes(graph, plugins.fuses).items():
+        flops, _, *rest = out.get(i) or estimate_op_cost(graph.op(i), graph)
+        out[i] = (flops, nbytes, *rest)
+    return out
+
+
+#: seconds the ILP may take to choose recomputed segments beside the shardings (at most ``time_limit``).
+#: Past it the fewest segments that fit are searched for by count, so that a proposal the ILP does not find
+#: soon does not take most of the planning time.
+PROPOSAL_SECONDS = 10.0
+
+
+def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
+               settings: Settings | None = None, constraints: Iterable[Any] | None = None,
+               solver_options: dict | None = None, device: Any = None, bucket_copies: int = 0,
+               shard_buckets: bool = False, phased: bool = True, whole_inputs: bool = False,
+               op_slowdowns: Callable[[MetaIR, dict], Mapping[str, float]] | None = None,
+               local_timer: Any = None, **setting_values: Any) -> CompileResult:
+    """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
+
+    ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
+    cache_dir, progress...) says how. ``device`` is the cost model's DeviceSpec;
+    by default the one of the mesh profile (``mesh_profile`` setting), else the
+    CPU preset. ``bucket_copies`` / ``shard_buckets`` / ``phased``: what the frontend's lowering makes of
+    buckets and of a value moved again after the forward (:class:`~metadist_core.driver.frontend.Frontend`), priced by
+    the memory model and the prediction; ``whole_inputs``: whether every process holds the user's inputs
+    whole (:attr:`~metadist_core.driver.frontend.Frontend.whole_inputs`). ``op_slowdowns(graph, costs)``: each op's
+    measured time over its roofline (:meth:`~metadist_core.driver.frontend.Frontend.op_slowdowns`), priced into its
+    compute. ``local_timer`` (:class:`~metadist_core.cost.localtime.LocalTimer`): the ops the frontend times at
+    each strategy's local shapes, priced so.
+    """
+    from metadist_core.problem.build import build_problem  # the solve half of the flow
+
+    s = settings or load_settings(**setting_values)
+    pm = plugins or PluginManager()
+    pm.solver(s.solver)  # fail fast on an unknown solver name, before any discovery
+    timings: dict[str, float] = {}
+
+    t = time.perf_counter()
+    book = discover(graph, pm, RuleBook.load(s.cache_dir), axis_sizes=mesh.shape, progress=s.progress,
+                    draws=s.verify_draws, max_real=s.max_real_discovery, workers=s.discovery_workers)
+    timings["discover"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    if device is None and s.mesh_profile:
+        from metadist_core.cost.profile import load_profile
+        device = load_profile(s.mesh_profile).device
+    # DDP's small first gradient bucket only where the device hides a collective behind compute; the plan
+    # records the size it was priced with, and every rank lowers that (compile_step)
+    s = resolve_first_bucket(s, getattr(device, "overlap", None))
+    plain, named = split_constraints(constraints)
+    # proven ILP answers are kept beside the rules (solvers/_cache.py): a re-run of the same problem is not re-solved
+    cache = getattr(book, "cache_dir", None)
+    options = {"cache_dir": None if cache is None else str(cache), **s.solver_options(), **(solver_options or {})}
+    timings["build_problem"] = timings["solve"] = 0.0
+
+    t = time.perf_counter()
+    costs = op_costs(graph, pm)   # once: a recomputed copy costs what its original does
+    timings["build_problem"] += time.perf_counter() - t   # the ops' costs are part of the problem
+    if op_slowdowns is not None:   # each op timed on this device (cached per machine)
+        t = time.perf_counter()
+        slow = op_slowdowns(graph, costs)
+        costs = {k: (*c[:2], slow[k]) if k in slow else c for k, c in costs.items()}
+        timings["op_times"] = time.perf_counter() - t
+
+    plain_built: list = []   # the plain graph's problem: built once, for its solve and the recompute proposals
+    # under a budget, and for a preset whose every plan gathers the parameters (presets.gathers_parameters),
+    # input gathers priced by their bucket share (FSDP-like plans); else, or once plan_under_budget gives up on
+    # those, each gather nearly whole
+    gather_share = [BUDGET_GATHER_SHARE if s.memory_budget is not None or gathers_parameters(s.strategy)
+                    else GATHER_SHARE]
+
+    def build(g: MetaIR) -> tuple[Any, Any, dict]:
+        if g is graph and plain_built:   # a shallow copy: a proposal sets toggles on it, not on the original
+            problem, region, g_costs = plain_built[0]
+            return copy.copy(problem), region, g_costs
+        g_costs = costs if g is graph else {op.id: costs[op.id.removesuffix(RECOMPUTED_SUFFIX)] for op in g.ops
+                                            if op.id.removesuffix(RECOMPUTED_SUFFIX) in costs}
+        problem = build_problem(g, book, mesh, op_costs=g_costs, constraints=plain,
+                                memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
+                                bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
+                                shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None,
+                                first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
+                                phased=phased, whole_inputs=whole_inputs, gather_share=gather_share[0],
+                                local_timer=local_timer)
+        region = None
+        if s.offload:   # optimizer state and update on the host, priced (metadist_core.levers.offload)
+            from metadist_core.levers.offload import apply_offload
+            region = apply_offload(problem, g, g_costs)
+        # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.problem.presets)
+        problem = steer(problem, s.strategy, named, getattr(g, "annotations", None))
+        if g is graph:
+            plain_built.append((problem, region, g_costs))
+        return problem, region, g_costs
+
+    def solve(g: MetaIR) -> tuple[Any, Any]:
+        t0 = time.perf_counter()
+        problem, region, g_costs = build(g)
+        t1 = time.perf_counter()
+        timings["build_problem"] += t1 - t0
+        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
+            try:   # finally: a graph with no plan under the budget took solver time too
+                try:
+                    plan = pm.solve(s.solver, problem, options)
+                except InfeasibleBudgetError as e:   # the solver's figure lacks the buffers: priced when asked
+                    e.need_with_buffers = functools.partial(leanest_with_buffers, problem, e.needed,
+                                                            lambda p: pm.solve(s.solver, p, options))
+                    raise
+                if s.memory_budget is not None:   # the budget holds with the collectives' buffers (memprofile)
+                    from metadist_core.plan.memprofile import fit_with_buffers
+                    plan = fit_with_buffers(problem, plan, lambda p: pm.solve(s.solver, p, options))
+            finally:
+                timings["solve"] += time.perf_counter() - t1
+        if region is not None:
+            from metadist_core.levers.offload import offload_stats
+            plan.stats["offload"] = offload_stats(region, problem, plan)
+        return problem, plan
+
+    # under a memory budget no plan meets, recompute forward segments (metadist_core.levers.recompute)
+    from metadist_core.levers.recompute import choose
+    flops = {i: c[0] for i, c in costs.items()} if s.memory_budget is not None else None
+
+    def propose(segs: list, cut: int) -> list | None:
+        """The segments the solver recomputes when it prices them beside the shardings (the ILP), or None."""
+        if s.solver != "ilp":
+            return None
+        from metadist_core.levers.recompute import price_segments
+        t0 = time.perf_counter()
+        problem, _, _ = build(graph)
+        price_segments(problem, graph, segs)
+        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions, {len(segs)} recompute segments)",
+                    enabled=s.progress):
+            try:   # under the headroom, less what an earlier proposal overshot with its buffers
+                plan = pm.solve(s.solver, problem.with_budget(int(s.memory_budget * (1.0 - HEADROOM)) - cut),
+                                {**options, "least_peak": False,
+                                 "time_limit": min(float(options.get("time_limit") or PROPOSAL_SECONDS),
+                                                   PROPOSAL_SECONDS)})
+            except (InfeasibleBudgetError, RuntimeError) as e:
+                log.info("no plan with recomputation priced in the ILP (%s); searching segment counts", e)
+                return None
+            finally:
+                timings["solve"] += time.perf_counter() - t0
+        on = plan.stats.get("toggles_on")
+        return None if on is None else [segs[j] for j in on]
+
+    def plan_under_budget() -> tuple[MetaIR, tuple[Any, Any], list]:
+        try:
+            return choose(graph, s.memory_budget, solve, flops, enabled=s.recompute, propose=propose)
+        except InfeasibleBudgetError:
+            if s.memory_budget is None or not (s.coalesce and shard_buckets and s.shard_bucket_bytes):
+                raise
+        # the plans that gather parameters in buckets hold each bucket's whole parameters beside the rest,
+        # outside the solver's memory terms (memprofile.fit_with_buffers); where none of them fits, the
+        # plans that gather few inputs may
+        log.info("no plan with its input gathers priced in buckets meets the budget; pricing each gather whole")
+        gather_share[0] = GATHER_SHARE
+        plain_built.clear()
+        return choose(graph, s.memory_budget, solve, flops, enabled=s.recompute, propose=propose)
+
+    try:
+        graph, (problem, plan), segs = plan_under_budget()
+    except InfeasibleBudgetError as e:
+        if getattr(e, "need_with_buffers", None) is None:
+            raise
+        raise InfeasibleBudgetError(e.budget, needed(e), mesh,
+                                    f"needs, with its collectives' buffers and {HEADROOM:.0%} headroom,") from e
+    if segs:
+        plan.recompute = [i for seg in segs for i in seg.recompute]
+        plan.stats["recompute"] = {"segments": len(segs), "ops": len(plan.recompute),
+                                   "chosen_by": plan.stats.pop("recompute_chosen_by", "?"),
+                                   "saved_bytes": sum(seg.saved_bytes for seg in segs)}
+    plan.stats.setdefault("strategy", s.strategy)
+    if local_timer is not None and local_timer.slowdowns:
+        plan.stats["local_times"] = local_timer.stats()
+    if s.coalesce:
+        plan.stats["first_bucket_mb"] = s.first_bucket_mb
+    from metadist_core.plan.memprofile import peak_with_buffers   # the peak with the collectives' buffers, beside the solver's
+    plan.stats["peak_with_buffers"] = peak_with_buffers(problem, plan)
+    log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
+    return CompileResult(graph, book, problem, plan, None, timings)
+
+
+def lowering_traits(frontend: Frontend) -> dict[str, Any]:
+    """What ``frontend``'s lowering makes of buckets, of values moved again after the forward and of the
+    user's inputs: the keyword arguments of :func:`plan_graph` that price them so."""
+    return {"bucket_copies": frontend.bucket_copies, "shard_buckets": frontend.shard_buckets,
+            "phased": frontend.phased_reshards, "whole_inputs": frontend.whole_inputs}
+
+
+def replicated_plan(graph: MetaIR, mesh: Mesh) -> tuple[Any, Any]:
+    """The all-replicated plan and its problem (a mesh of one device: nothing to discover or solve)."""
+    from metadist_core.plan.plan import ShardingPlan
+    from metadist_core.problem.build import build_problem
+    problem = build_problem(graph, RuleBook(), mesh)
+    return ShardingPlan.replicated(problem), problem

@@ -1,0 +1,1 @@
+"""What rewrites the graph, the problem or the plan: recomputation, offload, micro-batches, pipeline stages."""

@@ -1,0 +1,1 @@
+"""The solver's input: ShardingProblem, its terms, how it is built, constraints, pruning, coarsening, presets."""

@@ -1,0 +1,1 @@
+"""The numpy reference frontend and the framework-free demo."""

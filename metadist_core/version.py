@@ -1,0 +1,2 @@
+"""The version of the metadist distribution."""
+__version__ = "0.1.0"
