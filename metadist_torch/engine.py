@@ -206,35 +206,6 @@ def engine_for(mesh: Any = None) -> Engine:
     return hit[1]
 
 
-def measure_device(seconds: float = 0.5, on: "torch.device | None" = None):
-    """This process's rates on device ``on`` (default: the rank's, :func:`device`) as the cost model's
-    DeviceSpec: matmul FLOP/s, memory rate by bytes moved, per-op dispatch
-    (:func:`metadist_torch.calibrate.measure_device_rates`, alone: the rates
-    :mod:`metadist_torch.optime` divides each op's time by) and, on a GPU, the host link (pinned host to
-    device copies of 64 MiB, the fastest over about ``seconds / 2``)."""
-    import time as _time
-    from metadist_core.cost.model import DeviceSpec
-    from .calibrate import measure_device_rates
-    dev = on if on is not None else device()
-    r = measure_device_rates(iters=7, alone=True, dev=dev)
-    link = None   # a CPU is its own host (metadist_core.levers.offload): no link to price
-    if dev.type == "cuda":
-        h = torch.empty(1 << 24, pin_memory=True)
-        x = torch.empty(h.shape, device=dev)
-        x.copy_(h, non_blocking=True)
-        torch.cuda.synchronize(dev)
-        best, t_end = float("inf"), _time.perf_counter() + seconds / 2
-        while _time.perf_counter() < t_end:
-            t = _time.perf_counter()
-            x.copy_(h, non_blocking=True)
-            torch.cuda.synchronize(dev)
-            best = min(best, _time.perf_counter() - t)
-        link = h.numel() * 4 / best
-    return DeviceSpec(f"measured-{dev.type}", float(r["peak_flops"]), float(r["mem_bandwidth"]), host_link=link,
-                      op_overhead=float(r["op_overhead"]), flops_by_dtype=r["flops_by_dtype"],
-                      mem_curve=r["mem_curve"])
-
-
 def finish_worker(code: int = 0) -> None:
     """End a torchrun worker: tear the process group down, flush output, and exit without running
     C++ static destructors.
@@ -258,4 +229,4 @@ def finish_worker(code: int = 0) -> None:
 
 
 __all__ = ["Engine", "make_engine", "engine_for", "resolve_mesh", "ensure_process_group", "world_info",
-           "default_backend", "measure_device", "finish_worker", "cpu_group", "agree_on"]
+           "default_backend", "finish_worker", "cpu_group", "agree_on"]
