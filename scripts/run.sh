@@ -5,6 +5,7 @@
 #   bash scripts/run.sh test [ARGS...]   the lean suite CI runs: every test not marked slow, plus the
 #                                        slow ones marked ci (the 2- and 4-rank torchrun equivalence test)
 #   bash scripts/run.sh test-all [ARGS...]  everything, slow multi-process cases included
+#   bash scripts/run.sh typecheck [ARGS...] mypy over metadist_core ([tool.mypy] in pyproject.toml)
 # torch comes pinned as torch==2.13.0 (a CPU build on these machines); never an
 # unpinned torch, which would pull gigabytes of CUDA packages.
 set -euo pipefail
@@ -46,5 +47,6 @@ case "$cmd" in
     demo) exec metadist demo "$@" ;;
     test) exec python -m pytest -q -m "not slow or ci" "$@" ;;
     test-all) exec python -m pytest -q "$@" ;;
-    *) echo "usage: bash scripts/run.sh demo|test|test-all [ARGS...]" >&2; exit 2 ;;
+    typecheck) exec mypy "$@" ;;
+    *) echo "usage: bash scripts/run.sh demo|test|test-all|typecheck [ARGS...]" >&2; exit 2 ;;
 esac
