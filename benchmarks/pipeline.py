@@ -61,7 +61,7 @@ def _busy_timer(runnable):
     sched = getattr(runnable, "sched", None)
     if sched is None:
         return box
-    stages = getattr(sched, "_stages", None) or [getattr(sched, "_stage")]
+    stages = getattr(sched, "_stages", None) or [sched._stage]
     for st in stages:
         for meth in ("forward_one_chunk", "backward_one_chunk"):
             f = getattr(st, meth)

@@ -360,7 +360,7 @@ class PipelineProgram:
         out_vars = tr.out_vars[:tr.n_tensor_outputs]
         mod = self.modules.get(len(self.stages) - 1)
         vals = []
-        for j, v in enumerate(out_vars):
+        for v in out_vars:
             k = self.cut.user_outputs.index(v)
             if mod is not None:
                 x = combine([o[k] for o in mod.kept], self.cut.combine_mode(v), lambda xs: torch.cat(xs, dim=0))

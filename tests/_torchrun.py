@@ -60,7 +60,7 @@ def run_torchrun(worker: str | os.PathLike, nproc: int, args: Sequence[str] = ()
         if ok or attempt == 2 or not native:
             return proc
         warnings.warn("a torchrun rank died in native code; relaunching once:\n"
-                      + "\n".join(line for line in text.splitlines() if "terminate" in line or "Signal" in line))
+                      + "\n".join(line for line in text.splitlines() if "terminate" in line or "Signal" in line), stacklevel=2)
     return proc
 
 
