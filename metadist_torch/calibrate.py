@@ -28,21 +28,8 @@ def _time(fn, iters: int, sync, before=None, reps: int = 1, window: float = 0.0,
     """Median (``pick``) seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()``
     runs untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time).
     ``window``: more calls per timing, until one timing lasts about that many seconds."""
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    if window > 0:
-        reps = max(reps, min(10000, int(window / max(time.perf_counter() - t0, 1e-7))))
-    ts = []
-    for _ in range(iters):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        ts.append((time.perf_counter() - t0) / reps)
-    return pick(ts)
+    from metadist_core.cost.timing import time_call
+    return time_call(fn, iters, sync=sync, before=before, reps=reps, window=window, pick=pick)
 
 
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5) -> list[dict]:
@@ -161,12 +148,13 @@ def measure_share(dev, iters: int = 5) -> float:
             a @ a
         x.add(1.0)
         prog()
+    from metadist_core.cost.timing import calls_per_window
     unit()
     sync()
     t0 = time.perf_counter()
     unit()
     sync()
-    reps = max(1, min(10000, int(SHARE_SECONDS / max(time.perf_counter() - t0, 1e-7))))
+    reps = calls_per_window(time.perf_counter() - t0, SHARE_SECONDS)
     t = torch.tensor([reps], dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)   # every rank runs the same work
     reps = int(t.item())

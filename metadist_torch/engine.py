@@ -212,8 +212,8 @@ def measure_device(seconds: float = 0.5, on: "torch.device | None" = None):
     (:func:`metadist_torch.calibrate.measure_device_rates`, alone: the rates
     :mod:`metadist_torch.optime` divides each op's time by) and, on a GPU, the host link (pinned host to
     device copies of 64 MiB, the fastest over about ``seconds / 2``)."""
-    import time as _time
     from metadist_core.cost.model import DeviceSpec
+    from metadist_core.cost.timing import time_call
     from .calibrate import measure_device_rates
     dev = on if on is not None else device()
     r = measure_device_rates(iters=7, alone=True, dev=dev)
@@ -221,14 +221,8 @@ def measure_device(seconds: float = 0.5, on: "torch.device | None" = None):
     if dev.type == "cuda":
         h = torch.empty(1 << 24, pin_memory=True)
         x = torch.empty(h.shape, device=dev)
-        x.copy_(h, non_blocking=True)
-        torch.cuda.synchronize(dev)
-        best, t_end = float("inf"), _time.perf_counter() + seconds / 2
-        while _time.perf_counter() < t_end:
-            t = _time.perf_counter()
-            x.copy_(h, non_blocking=True)
-            torch.cuda.synchronize(dev)
-            best = min(best, _time.perf_counter() - t)
+        best = time_call(lambda: x.copy_(h, non_blocking=True), None, sync=lambda: torch.cuda.synchronize(dev),
+                         budget=seconds / 2, pick=min)
         link = h.numel() * 4 / best
     return DeviceSpec(f"measured-{dev.type}", float(r["peak_flops"]), float(r["mem_bandwidth"]), host_link=link,
                       op_overhead=float(r["op_overhead"]), flops_by_dtype=r["flops_by_dtype"],

@@ -68,8 +68,8 @@ def _inputs(op: MetaOp, graph: MetaIR, dev: torch.device) -> list[torch.Tensor]:
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None], iters: int = 7) -> float:
     """The fastest of ``iters`` timings of one call (each long enough, >= 50 us, to be read on a clock)."""
-    from .calibrate import _time
-    return _time(fn, iters, sync, window=5e-5, pick=min)
+    from metadist_core.cost.timing import time_call
+    return time_call(fn, iters, sync=sync, window=5e-5, pick=min)
 
 
 def _roofline(op: MetaOp, graph: MetaIR, cost: tuple, dev: DeviceSpec) -> float:
