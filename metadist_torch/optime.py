@@ -189,7 +189,7 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
     :func:`measure_slowdowns`. A step with dropout draws from the random generators here: the caller keeps
     them (:meth:`metadist_torch.plugin.TorchFrontend.op_slowdowns`)."""
     from metadist_core.driver.compile import replicated_plan
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.ir.mesh import Mesh
     from .calibrate import _time
     from .engine import device as engine_device
     from .lower import lower_plan

@@ -28,7 +28,8 @@ import tvm
 from metadist_core.cost.model import Collective
 from metadist_core.plan.interpret import Collectives, interpret
 from metadist_core.ir.ir import MetaOp
-from metadist_core.ir.placement import Mesh, Sharding, chunk_bounds, group_extents, local_piece, shard_shape
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding, chunk_bounds, group_extents, local_piece, shard_shape
 from metadist_core.plan.simulate import axis_groups
 
 log = logging.getLogger("metadist.tvm")

@@ -26,7 +26,8 @@ from metadist_core.cost.buckets import bucketed_step
 from metadist_core.problem.constraints import Constraint, parse_constraints
 from metadist_core.cost.model import DeviceSpec, local_bytes
 from metadist_core.cost.phases import FORWARD, phase_of, share_phase
-from metadist_core.ir.placement import Mesh, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding
 from metadist_core.discovery.rules import Strategy
 from metadist_core.problem.terms import EdgeTerm, MemTerm, SharedTerm, Terms
 
