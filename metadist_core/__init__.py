@@ -9,7 +9,8 @@ from metadist_core.driver.frontend import Frontend, NotSupported, Traced, Watch
 from metadist_core.driver.planner import plan_graph
 from metadist_core.hookspecs import hookimpl
 from metadist_core.ir.ir import MetaIR, MetaOp, MetaVar
-from metadist_core.ir.placement import Mesh, Partial, Placement, Replicate, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Placement, Replicate, Shard, Sharding
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.plan.stage import Stage
 from metadist_core.plugins import PluginManager

@@ -9,8 +9,6 @@ with :func:`metadist_core.cost.profile.fit_alpha_beta`.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Sequence
 
 import numpy as np
@@ -20,18 +18,14 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from metadist_core.cost.profile import MeshProfile, profile_from_samples
+from metadist_core.cost.timing import time_call, time_rounds
 
 DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)   # bytes per device
 
 
 def _median_seconds(fn, arg, iters: int) -> float:
-    jax.block_until_ready(fn(arg))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(arg))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median seconds of ``fn(arg)`` to its result, after one untimed call."""
+    return time_call(lambda: jax.block_until_ready(fn(arg)), iters)
 
 
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 7) -> list[dict]:
@@ -84,19 +78,8 @@ class _Programs:
         return len(self.items) - 1
 
     def run(self, iters: int, rounds: int = ROUNDS) -> list[float]:
-        for fn, arg in self.items:
-            jax.block_until_ready(fn(arg))
-        per_round = max(1, iters // 2 + 1)
-        times: list[list[float]] = [[] for _ in self.items]
-        order = list(range(len(self.items)))
-        for r in range(rounds):
-            for i in (order if r % 2 == 0 else order[::-1]):
-                fn, arg = self.items[i]
-                for _ in range(per_round):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(fn(arg))
-                    times[i].append(time.perf_counter() - t0)
-        return [statistics.median(t) for t in times]
+        calls = [lambda fn=fn, arg=arg: jax.block_until_ready(fn(arg)) for fn, arg in self.items]
+        return time_rounds(calls, rounds, per_round=max(1, iters // 2 + 1))
 
 
 def _sharded(jax_mesh, n_elems: int):

@@ -20,7 +20,8 @@ from jax.sharding import NamedSharding
 
 from metadist_core.problem.constraints import Forbid
 from metadist_core.ir.ir import MetaIR
-from metadist_core.ir.placement import Mesh, Shard
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Shard
 from metadist_core.cost.profile import MeshProfile
 
 log = logging.getLogger("metadist.jax.engine")

@@ -40,7 +40,8 @@ from jax.sharding import NamedSharding
 from metadist_core.cost.model import Collective
 from metadist_core.plan.interpret import Collectives
 from metadist_core.ir.ir import MetaIR, MetaOp
-from metadist_core.ir.placement import Mesh, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding
 
 from .lower import Program, build_body, op_payload, partition_spec, program_ends
 from .payload import bind_payload

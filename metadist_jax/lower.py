@@ -26,8 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from metadist_core.cost.model import Collective
 from metadist_core.plan.interpret import COLLECTIVE_KINDS, Collectives, check_plan_ends, interpret
 from metadist_core.ir.ir import MetaIR, MetaOp
-from metadist_core.ir.placement import IndivisibleError, Mesh, Sharding, shard_shape
-from metadist_core.levers.recompute import SUFFIX as RECOMPUTED
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import IndivisibleError, Sharding, shard_shape
+from metadist_core.levers.recompute_segments import SUFFIX as RECOMPUTED
 
 from .engine import put
 from .payload import COPY_KEY, IDENTITY, OpPayload, bind_payload

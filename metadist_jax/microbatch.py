@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from metadist_core.plan.interpret import interpret
 from metadist_core.levers.microbatch import GradientCut, combine, micro_batch_size
-from metadist_core.ir.placement import Mesh, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding
 
 from .engine import put
 from .lower import JaxCollectives, check_even, local_op_runner, moves_only, output_shardings, partition_spec

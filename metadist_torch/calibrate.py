@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from metadist_core.cost.profile import MeshProfile, profile_from_samples
+from metadist_core.cost.timing import time_call
 
 from .collectives import _group_name, _ops
 from .engine import device
@@ -36,21 +37,7 @@ def _time(fn, iters: int, sync, before=None, reps: int = 1, window: float = 0.0,
     """Median (``pick``) seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()``
     runs untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time).
     ``window``: more calls per timing, until one timing lasts about that many seconds."""
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    if window > 0:
-        reps = max(reps, min(10000, int(window / max(time.perf_counter() - t0, 1e-7))))
-    ts = []
-    for _ in range(iters):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        ts.append((time.perf_counter() - t0) / reps)
-    return pick(ts)
+    return time_call(fn, iters, sync=sync, before=before, reps=reps, window=window, pick=pick)
 
 
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5) -> list[dict]:
@@ -177,12 +164,13 @@ def measure_share(dev, iters: int = 5) -> float:
             a @ a
         x.add(1.0)
         prog()
+    from metadist_core.cost.timing import calls_per_window
     unit()
     sync()
     t0 = time.perf_counter()
     unit()
     sync()
-    reps = max(1, min(10000, int(SHARE_SECONDS / max(time.perf_counter() - t0, 1e-7))))
+    reps = calls_per_window(time.perf_counter() - t0, SHARE_SECONDS)
     t = torch.tensor([reps], dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)   # every rank runs the same work
     reps = int(t.item())
@@ -295,14 +283,8 @@ def measure_device(seconds: float = 0.5, on: "torch.device | None" = None) -> "D
     if dev.type == "cuda":
         h = torch.empty(1 << 24, pin_memory=True)
         x = torch.empty(h.shape, device=dev)
-        x.copy_(h, non_blocking=True)
-        torch.cuda.synchronize(dev)
-        best, t_end = float("inf"), time.perf_counter() + seconds / 2
-        while time.perf_counter() < t_end:
-            t = time.perf_counter()
-            x.copy_(h, non_blocking=True)
-            torch.cuda.synchronize(dev)
-            best = min(best, time.perf_counter() - t)
+        best = time_call(lambda: x.copy_(h, non_blocking=True), None, sync=lambda: torch.cuda.synchronize(dev),
+                         budget=seconds / 2, pick=min)
         link = h.numel() * 4 / best
     return DeviceSpec(f"measured-{dev.type}", float(r["peak_flops"]), float(r["mem_bandwidth"]), host_link=link,
                       op_overhead=float(r["op_overhead"]), flops_by_dtype=r["flops_by_dtype"],

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 
 log = logging.getLogger("metadist.torch.engine")
 

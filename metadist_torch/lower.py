@@ -42,7 +42,8 @@ from metadist_core.cost.model import Collective
 from metadist_core.cost.gathers import bucket_cap, bucket_in_order
 from metadist_core.plan.interpret import Collectives, interpret
 from metadist_core.ir.ir import DTYPE_BYTES, MetaIR, MetaOp
-from metadist_core.ir.placement import Mesh, Sharding, group_extents, shard_shape
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding, group_extents, shard_shape
 
 from .calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done

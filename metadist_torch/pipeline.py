@@ -17,7 +17,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from metadist_core.levers.microbatch import GradientCut, combine, micro_batch_size
-from metadist_core.ir.placement import Mesh, Sharding, local_piece
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding, local_piece
 
 from .engine import Engine
 from .lower import lower_plan

@@ -27,7 +27,7 @@ import torch
 
 from metadist_core.driver.frontend import NotSupported
 from metadist_core.ir.ir import MetaIR
-from metadist_core.levers.microbatch import GradientCut, combine, descendants
+from metadist_core.levers.microbatch import GradientCut, combine
 from metadist_core.plan.stage import Stage
 from metadist_core.levers.stages import stage_devices
 
@@ -169,26 +169,11 @@ class StageModule(torch.nn.Module):
         return tuple(outs)
 
 
-def _upstream(graph: MetaIR, target: str, stop: set[str]) -> set[str]:
-    """Values ``target`` is computed from, not looking past ``stop`` values."""
-    out: set[str] = set()
-    todo = [target]
-    while todo:
-        v = todo.pop()
-        if v in out:
-            continue
-        out.add(v)
-        p = graph.vars[v].producer
-        if p is not None and v not in stop:
-            todo.extend(graph.op(p).inputs)
-    return out
-
-
 def gradient_params(graph: MetaIR) -> dict[str, str]:
     """Gradient value (role ``gradient``: what the optimizer reads) -> the parameter whose gradient it is."""
     out: dict[str, str] = {}
     for g in [v for v, mv in graph.vars.items() if mv.role == "gradient"]:
-        dep = descendants(graph, [g])
+        dep = graph.downstream([g]).values
         ps = [p for p, o in graph.aliases.items() if o in dep and graph.vars[p].role == "parameter"]
         if len(ps) != 1:
             raise NotSupported(f"gradient {g} feeds the update of {len(ps)} parameters ({', '.join(ps[:4])}), "
@@ -211,7 +196,7 @@ def update_slices(graph: MetaIR, grad_param: dict[str, str], owner: dict[str, in
     for s_in, out in graph.aliases.items():
         if graph.vars[s_in].role not in ("parameter", "optimizer_state"):
             continue
-        need = need_of[s_in] = _upstream(graph, out, stop)
+        need = need_of[s_in] = graph.upstream([out], stop=stop).values
         batch = [v for v in need if graph.vars[v].role == "input"]
         if batch:
             raise NotSupported(f"the optimizer update of {s_in} reads the batch ({batch[0]}) other than through "

@@ -35,7 +35,7 @@ def parallelize(inputs: Sequence[Any], outputs: Any, mesh: Any = None, *, solver
 
     ``outputs`` is one te.Tensor (the callable then returns one array) or a
     list of them. ``mesh`` is a shape such as ``(4,)`` or ``(2, 2)``, a
-    :class:`~metadist_core.ir.placement.Mesh`, or None for one axis over the
+    :class:`~metadist_core.ir.mesh.Mesh`, or None for one axis over the
     torch world (or 2 simulated devices without one). ``engine`` is
     ``auto``, ``simulate`` (every device in this process) or ``torch`` (one
     process per device under torchrun, gloo on CPU). The returned program has

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from metadist_core.ir.ir import MetaOp
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plan.simulate import simulate
 
 from .oprunner import Kernel, KernelCache, kernel_cache, run_call, run_reshape

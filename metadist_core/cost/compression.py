@@ -22,7 +22,7 @@ rounded gradients, not the rounded sum (see the README for the measured drift).
 """
 from __future__ import annotations
 
-from metadist_core.ir.ir import DTYPE_BYTES, MetaIR
+from metadist_core.ir.ir import DTYPE_BYTES, MetaIR, MetaOp
 from metadist_core.config import compression_dtype
 
 ROLE_GRADIENT = "gradient"
@@ -30,22 +30,16 @@ ROLE_GRADIENT = "gradient"
 
 def gradient_chain(graph: MetaIR) -> set[str]:
     """The gradient values of ``graph`` and the values they are views, casts or copies of."""
-    out: set[str] = set()
-    todo = [v for v, mv in graph.vars.items() if mv.role == ROLE_GRADIENT]
-    while todo:
-        v = todo.pop()
-        if v in out:
-            continue
-        out.add(v)
-        op = graph.producer(v)
-        if op is None:
-            continue
-        ins = [u for u in op.inputs if graph.vars[u].is_tensor and graph.vars[u].ndim > 0]
-        if len(ins) == 1 and len(op.outputs) == 1 and graph.vars[ins[0]].numel == graph.vars[v].numel \
-                and graph.vars[ins[0]].role not in ("parameter", "optimizer_state", "buffer", "input",
-                                                 "hyperparameter"):
-            todo.append(ins[0])
-    return out
+    def arrays(op: MetaOp) -> list[str]:   # the op's inputs that are tensors of at least one dim
+        return [u for u in op.inputs if graph.vars[u].is_tensor and graph.vars[u].ndim > 0]
+
+    def same_values(op: MetaOp) -> bool:   # a view, cast or copy of one computed value
+        ins = arrays(op)
+        return len(ins) == 1 and len(op.outputs) == 1 \
+            and graph.vars[ins[0]].numel == graph.vars[op.outputs[0]].numel \
+            and graph.vars[ins[0]].role not in ("parameter", "optimizer_state", "buffer", "input", "hyperparameter")
+    grads = [v for v, mv in graph.vars.items() if mv.role == ROLE_GRADIENT]
+    return graph.upstream(grads, through=same_values, reads=arrays).values
 
 
 def wire_dtypes(graph: MetaIR, mode: str | None) -> dict[str, str]:

@@ -41,14 +41,7 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
     def update_shaped(i: str) -> bool:   # the update works on its state's shapes (and scalars)
         return all(graph.vars[v].numel <= 1 or graph.vars[v].shape in shapes for v in graph.op(i).outputs)
     ok = {i for i in fusable - fwd if update_shaped(i)}
-    region = {i for i in ok if any(v in state for v in graph.op(i).inputs)}
-    todo = list(region)
-    while todo:   # what the update computes from them
-        for v in graph.op(todo.pop()).outputs:
-            for r in graph.vars[v].consumers:
-                if r in ok and r not in region:
-                    region.add(r)
-                    todo.append(r)
+    region = graph.downstream(state, through=lambda op: op.id in ok).ops   # what the update computes from them
     grew = True
     while grew:   # producers that only the update reads (Adam's (1 - b1) * g): in the same loop
         grew = False

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from metadist_core.ir.ir import DTYPE_BYTES
-from metadist_core.ir.placement import Mesh, Placement, Shard, Sharding, largest_local_shape, parse_placement
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Placement, Shard, Sharding, largest_local_shape, parse_placement
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from metadist_core.cost.model import DeviceSpec, DEVICE_PRESETS
-from metadist_core.ir.placement import DEFAULT_ALPHA, DEFAULT_BETA, Mesh
+from metadist_core.ir.mesh import DEFAULT_ALPHA, DEFAULT_BETA, Mesh
 
 PROFILE_ENV = "METADIST_MESH_PROFILE"
 FORMAT = "metadist.MeshProfile/1"

@@ -18,7 +18,8 @@ import numpy as np
 
 from metadist_core.cost.model import (Collective, _normalise, all_gather_cost, all_reduce_cost, all_to_all_cost, itemsize,
                    reduce_scatter_cost)
-from metadist_core.ir.placement import Mesh, Partial, Placement, Replicate, Shard, Sharding, largest_local_shape, link_costs
+from metadist_core.ir.mesh import Mesh, link_costs
+from metadist_core.ir.placement import Partial, Placement, Replicate, Shard, Sharding, largest_local_shape
 
 
 def _inner_splits(state: tuple[Placement, ...], axis: int, dim: int) -> bool:

@@ -25,11 +25,18 @@ from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.discovery.patterns import NoProxy, Pattern, op_numel, op_pattern, proxy_op
 from metadist_core.progress import Progress
 from metadist_core.discovery.rules import OpRules, RuleBook, ShardingRule
-from metadist_core.discovery.shardcombine import DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
+from metadist_core.discovery.shardcombine import DRAWS, DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
 from metadist_core.discovery.verify import scalars_of
 from metadist_core.discovery.forkpool import discover_forked
 
 log = logging.getLogger("metadist.discover")
+
+MIN_PARALLEL = 12   # fewer patterns than this are discovered in this process: a fork costs more than it saves
+#: the most processes discovery forks when asked for one per CPU core
+MAX_WORKERS = 8
+#: an op whose inputs and outputs hold more elements than this is not discovered at its real shapes (it runs
+#: replicated) where the caller names no limit (the max_real_discovery setting's default)
+MAX_REAL = 2 ** 24
 
 
 def _proxies_ok(ops: Any, op: MetaOp) -> bool:
@@ -40,8 +47,8 @@ def _proxies_ok(ops: Any, op: MetaOp) -> bool:
 
 
 def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_sizes: Sequence[int] = (2,),
-             save: bool = True, progress: bool | None = None, draws: int = 2, axis_size: int | None = None,
-             max_real: int = 2 ** 24, workers: int = 0) -> RuleBook:
+             save: bool = True, progress: bool | None = None, draws: int = DRAWS, axis_size: int | None = None,
+             max_real: int = MAX_REAL, workers: int = 0) -> RuleBook:
     """Fill ``rulebook`` with the rules of every op pattern of ``graph`` on axes of ``axis_sizes`` devices.
 
     ``ops`` answers ``op_spec(op, graph)`` (a ``PluginManager``: the frontend that
@@ -118,13 +125,10 @@ def seed_combos(book: RuleBook, op: MetaOp, graph: MetaIR, smaller: Sequence[int
     return None
 
 
-MIN_PARALLEL = 12   # fewer patterns than this are discovered in this process: a fork costs more than it saves
-
-
 def worker_count(requested: int, n_patterns: int, frontends: Sequence[Any], all_owned: bool = True) -> int:
     """How many processes discover ``n_patterns`` patterns: ``requested`` (0: one per usable CPU core, at
-    most 8), but 1 when there are few patterns, the platform cannot fork, or a frontend involved cannot
-    run its ops in a forked child (``Frontend.can_fork_discovery``)."""
+    most :data:`MAX_WORKERS`), but 1 when there are few patterns, the platform cannot fork, or a frontend
+    involved cannot run its ops in a forked child (``Frontend.can_fork_discovery``)."""
     import multiprocessing
     import os
     if requested == 1 or n_patterns < 2:
@@ -140,7 +144,7 @@ def worker_count(requested: int, n_patterns: int, frontends: Sequence[Any], all_
             cores = len(os.sched_getaffinity(0))
         except AttributeError:   # pragma: no cover - not Linux
             cores = os.cpu_count() or 1
-        requested = min(cores, 8)
+        requested = min(cores, MAX_WORKERS)
     return max(1, min(requested, n_patterns))
 
 
@@ -162,7 +166,7 @@ def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check
 
 
 def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warned: set[str] | None = None, *,
-                     draws: int = 2, max_real: int = 2 ** 24, seed: Sequence[tuple] | None = None
+                     draws: int = DRAWS, max_real: int = MAX_REAL, seed: Sequence[tuple] | None = None
                      ) -> tuple[OpRules, str]:
     """The rules of ``op``'s pattern and the RuleBook key they belong under (the exact signature's key
     when the op had to be discovered at its real shapes). ``seed``: input placements to try first
@@ -263,7 +267,7 @@ def _unsharded_proxy(op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int,
 
 
 def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned: set[str] | None = None, *,
-                draws: int = 2) -> OpRules:
+                draws: int = DRAWS) -> OpRules:
     """Rules for one op at its own shapes; never raises for a bad op (it runs replicated instead)."""
     warned = warned if warned is not None else set()
     n_in, n_out = len(op.inputs), len(op.outputs)

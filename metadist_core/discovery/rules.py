@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from metadist_core.ir.placement import Mesh, Placement, Replicate, Shard, Sharding, parse_placement, splits_nonempty
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Placement, Replicate, Shard, Sharding, parse_placement, splits_nonempty
 
 log = logging.getLogger("metadist.rules")
 

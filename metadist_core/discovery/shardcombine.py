@@ -33,6 +33,16 @@ from metadist_core.discovery.verify import families, partial_pieces
 
 log = logging.getLogger("metadist.shardcombine")
 
+#: random draws that verify each candidate rule where the caller names none (the verify_draws setting's default)
+DRAWS = 2
+#: [low, high) of the integer-valued floats drawn where a draw must hold whole numbers
+INTEGER_RANGE = (-4, 5)
+#: a float input of fewer elements than this (a scalar loss gradient, a total weight) carries little evidence
+#: per draw: a rule that depends on its sign could pass a few draws by luck ...
+TINY_INPUT = 16
+#: ... so an op with one is verified on at least this many draws
+TINY_INPUT_DRAWS = 12
+
 
 class Unrunnable(Exception):
     """An op that cannot be run in isolation for discovery (random, data-dependent, custom)."""
@@ -123,7 +133,7 @@ def default_sampler(examples: Sequence[np.ndarray]) -> Callable[[np.random.Gener
                 out.append(x)
             elif is_float(x):
                 if integer:
-                    out.append(rng.integers(-4, 5, size=x.shape).astype(x.dtype))
+                    out.append(rng.integers(*INTEGER_RANGE, size=x.shape).astype(x.dtype))
                 else:
                     out.append(rng.standard_normal(x.shape).astype(x.dtype))
             elif x.dtype == np.bool_:
@@ -253,7 +263,7 @@ class _Runner:
         return [[o[i] for o in per_rank] for i in range(len(per_rank[0]))]
 
 
-def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: int = 0,
+def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = DRAWS, seed: int = 0,
                    stats: DiscoveryStats | None = None, scalars: Sequence[float] = (),
                    only: Sequence[tuple[Placement, ...]] | None = None,
                    sharded: bool | None = None) -> list[ShardingRule]:
@@ -276,10 +286,9 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = 2, seed: in
     rng = np.random.default_rng(seed)
     sampler = spec.sampler or default_sampler(examples)
 
-    # A tiny float input (a scalar loss gradient, a total weight) carries little evidence per draw:
-    # a rule that depends on its sign could pass a few draws by luck, so take more.
-    if any(is_array(x) and is_float(x) and 0 < x.size < 16 for x in examples):
-        draws = max(draws, 12)
+    # a tiny float input carries little evidence per draw: take more (TINY_INPUT)
+    if any(is_array(x) and is_float(x) and 0 < x.size < TINY_INPUT for x in examples):
+        draws = max(draws, TINY_INPUT_DRAWS)
     draw_inputs: list[tuple[list[np.ndarray], bool]] = []
     fulls = []
     try:   # a predicate on floats (isnan, isfinite...) is also verified on inf and NaN (verify.py)

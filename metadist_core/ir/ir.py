@@ -5,7 +5,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence
 
 # Canonical dtype strings and their sizes in bytes.
 #: Suffix of the ids of ops and values recomputed for the backward (metadist_core.levers.recompute).
@@ -115,6 +115,38 @@ class MetaOp:
                 "outputs": list(self.outputs), "attrs": self.attrs}
 
 
+class Slice(NamedTuple):
+    """What a walk over the graph reached: values (the ones it started from included) and the ops it passed."""
+
+    values: set
+    ops: set
+
+
+def walk_upstream(starts: Iterable[Hashable], producer: Callable[[Hashable], Hashable | None],
+                  reads: Callable[[Hashable], Iterable[Hashable]], *, stop: Iterable[Hashable] = (),
+                  through: Callable[[Hashable], bool] | None = None) -> Slice:
+    """The backward slice of ``starts`` in any def-use graph (:meth:`MetaIR.upstream` on a MetaIR): from each
+    value reached, not past a ``stop`` value, to its ``producer`` (None: a graph input) where ``through``
+    accepts it (every producer when None), and on to the values the producer ``reads``."""
+    stop = set(stop)
+    values: set = set()
+    ops: set = set()
+    todo = list(starts)
+    while todo:
+        v = todo.pop()
+        if v in values:
+            continue
+        values.add(v)
+        if v in stop:
+            continue
+        p = producer(v)
+        if p is None or p in ops or (through is not None and not through(p)):
+            continue
+        ops.add(p)
+        todo.extend(reads(p))
+    return Slice(values, ops)
+
+
 def op_signature(key: str, shapes: Sequence[Sequence[int] | None], dtypes: Sequence[str],
                  attrs: Mapping[str, Any] | None = None) -> str:
     """The signature string: readable head plus a short digest of the static attributes."""
@@ -211,21 +243,30 @@ class MetaIR:
     def ops_computing(self, targets: Iterable[str], stop: Iterable[str] = ()) -> list[str]:
         """Ids of the ops needed to compute ``targets`` from the graph inputs and the ``stop`` values,
         in graph order (a backward slice)."""
-        stop = set(stop)
-        need: set[str] = set()
-        todo = [t for t in targets if t not in stop]
-        seen: set[str] = set()
-        while todo:
-            v = todo.pop()
-            if v in seen:
-                continue
-            seen.add(v)
-            p = self.vars[v].producer
-            if p is None or p in need:
-                continue
-            need.add(p)
-            todo.extend(x for x in self.op(p).inputs if x not in stop)
+        need = self.upstream(targets, stop=stop).ops
         return [op.id for op in self.ops if op.id in need]
+
+    def upstream(self, values: Iterable[str], *, stop: Iterable[str] = (),
+                 through: Callable[[MetaOp], bool] | None = None,
+                 reads: Callable[[MetaOp], Iterable[str]] | None = None) -> "Slice":
+        """The backward slice of ``values``: the values they are computed from (``values`` included) and the
+        ops that compute them. The walk does not look past a ``stop`` value (it is reached, its producer is
+        not), passes only the ops ``through`` accepts (all when None), and goes on from a passed op to the
+        inputs ``reads`` names (all its inputs when None)."""
+        return walk_upstream(values, lambda v: self.vars[v].producer,
+                             (lambda p: self.op(p).inputs) if reads is None else (lambda p: reads(self.op(p))),
+                             stop=stop, through=None if through is None else (lambda p: through(self.op(p))))
+
+    def downstream(self, values: Iterable[str], *, through: Callable[[MetaOp], bool] | None = None) -> "Slice":
+        """The forward slice of ``values``: the values computed from any of them (``values`` included) and the
+        ops that compute those, passing only the ops ``through`` accepts (all when None)."""
+        reached = set(values)
+        ops: set[str] = set()
+        for op in self.ops:
+            if (through is None or through(op)) and any(v in reached for v in op.inputs):
+                ops.add(op.id)
+                reached.update(op.outputs)
+        return Slice(reached, ops)
 
     def producer(self, var_id: str) -> MetaOp | None:
         p = self.vars[var_id].producer

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from metadist_core.ir.ir import ACC_SUFFIX, BATCH_ROLES, RECOMPUTED_SUFFIX, UPDATE_ROLES, MetaIR
 from metadist_core.ir.placement import Sharding
@@ -59,30 +59,6 @@ def micro_batch_size(sizes: Sequence[tuple[str, int]], m: int) -> int:
         raise MicroBatchError(f"a batch of {b} (dim 0 of {name0}) does not divide into micro_batches={m}; "
                               f"pick a micro_batches that divides {b} or a batch that {m} divides")
     return b // m
-
-
-def descendants(graph: MetaIR, roots: Iterable[str]) -> set[str]:
-    """Vars that depend on any of ``roots`` (roots included)."""
-    dep = set(roots)
-    for op in graph.ops:
-        if any(v in dep for v in op.inputs):
-            dep.update(op.outputs)
-    return dep
-
-
-def ancestors(graph: MetaIR, targets: Iterable[str]) -> set[str]:
-    """Vars that ``targets`` are computed from (targets included)."""
-    out: set[str] = set()
-    todo = list(targets)
-    while todo:
-        v = todo.pop()
-        if v in out:
-            continue
-        out.add(v)
-        op = graph.producer(v)
-        if op is not None:
-            todo.extend(op.inputs)
-    return out
 
 
 def _subgraph(graph: MetaIR, name: str, op_ids: Sequence[str], extra_inputs: Sequence[str],
@@ -170,8 +146,8 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
                       ("input", "parameter", "optimizer_state", "buffer")}
     if not inputs_by_role["input"]:
         raise MicroBatchError("micro_batches needs a batch: the step has no tensor input")
-    batch = descendants(graph, inputs_by_role["input"])
-    stateful = descendants(graph, inputs_by_role["optimizer_state"])
+    batch = graph.downstream(inputs_by_role["input"]).values
+    stateful = graph.downstream(inputs_by_role["optimizer_state"]).values
     update_aliases = {s: o for s, o in graph.aliases.items() if graph.vars[s].role in UPDATE_ROLES}
     region = {op.id for op in graph.ops if any(v in batch for v in op.outputs)
               and not any(v in stateful for v in op.outputs)}
@@ -183,7 +159,7 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
     state_outs0 = set(graph.aliases.values())
     fwd_roots = [o for o in graph.outputs if o not in state_outs0] + \
         [o for s, o in graph.aliases.items() if s not in update_aliases]
-    forward = (ancestors(graph, fwd_roots) & batch) | set(inputs_by_role["input"])
+    forward = (graph.upstream(fwd_roots).values & batch) | set(inputs_by_role["input"])
     forward |= {v for v in batch if v.endswith(RECOMPUTED_SUFFIX)}   # forward values recomputed for the backward
     consumers: dict[str, list[str]] = {}
     for op in graph.ops:

@@ -75,14 +75,11 @@ def host_region(graph: MetaIR) -> HostRegion:
         return HostRegion()
     state_out = {graph.aliases[v] for v in state_in if v in graph.aliases}
     needed_on_device = set(graph.outputs) - state_out    # returned values, new parameters and buffers
-    host_ops: set[str] = set()
-    host_vals: set[str] = set(state_in)
     numbers = hyper_values(graph)   # the param groups' numbers and what is computed from them alone: host values
-    host_ops.update(op.id for op in graph.ops if op.outputs and all(v in numbers for v in op.outputs))
-    for op in graph.ops:   # forward closure from the optimizer state
-        if any(v in host_vals for v in op.inputs):
-            host_ops.add(op.id)
-            host_vals.update(op.outputs)
+    host_ops = {op.id for op in graph.ops if op.outputs and all(v in numbers for v in op.outputs)}
+    from_state = graph.downstream(state_in)   # forward closure from the optimizer state
+    host_ops |= from_state.ops
+    host_vals = from_state.values
     changed = True
     while changed:   # pull in readers-only-on-host ops that add no transfer
         changed = False

@@ -33,7 +33,8 @@ from typing import Any, Callable, Generic, Mapping, Sequence, TypeVar
 from metadist_core.cost.model import Collective, UnknownCollectiveError
 from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.cost.phases import reader_phases, share_phase
-from metadist_core.ir.placement import Mesh, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Shard, Sharding
 
 V = TypeVar("V")
 OUTPUT = "<output>"

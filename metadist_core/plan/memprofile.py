@@ -48,6 +48,10 @@ log = logging.getLogger("metadist.memprofile")
 # the part of a memory budget plans leave free for what the model does not count (a kernel's workspace,
 # allocator rounding, the engine's own buffers)
 HEADROOM = 0.03
+#: the most solves :func:`fit_with_buffers` spends tightening the solver's budget until the buffers fit
+FIT_ROUNDS = 6
+#: where a tighter budget gave no leaner plan, the next cut is at least this part of the budget (1/200: 0.5 %)
+MIN_CUT_PARTS = 200
 
 
 def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]:
@@ -197,7 +201,7 @@ def peak_with_buffers(problem: Any, plan: Any) -> int:
 
 
 
-def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rounds: int = 6) -> Any:
+def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rounds: int = FIT_ROUNDS) -> Any:
     """A plan whose peak *with* collective buffers meets ``problem.memory_budget`` less :data:`HEADROOM`.
 
     The solver holds only its linear memory terms to the budget. When the chosen plan's buffers take it
@@ -241,10 +245,10 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
             return cand
         # below the plan's own terms, not the budget it was solved under (the terms may have had slack: then
         # cutting the budget by the overshoot gives the same plan back); and when the overshoot did not shrink,
-        # by twice the last cut, at least 0.5 % of the budget, so that a few rounds reach a different plan
+        # by twice the last cut, at least 1 / MIN_CUT_PARTS of the budget, so that a few rounds reach a different plan
         cut = peak - target
         if peak >= best:
-            cut = max(cut, 2 * last_cut, int(budget) // 200)
+            cut = max(cut, 2 * last_cut, int(budget) // MIN_CUT_PARTS)
         last_cut = cut
         best = min(best, peak)
         over = int(b)

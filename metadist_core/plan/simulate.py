@@ -16,7 +16,8 @@ import numpy as np
 from metadist_core.cost.model import UnknownCollectiveError
 from metadist_core.plan.interpret import COLLECTIVE_KINDS, Collectives, PlanError, interpret
 from metadist_core.ir.ir import MetaIR, MetaOp
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds, local_piece, shard_shape
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding, chunk_bounds, local_piece, shard_shape
 
 Device = tuple[int, ...]
 Values = dict[Device, Any]

@@ -20,7 +20,8 @@ from metadist_core.problem.constraints import Constraint, apply_constraints, par
 from metadist_core.cost.model import DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, strategy_split
 from metadist_core.ir.ir import MetaIR
 from metadist_core.cost.phases import reader_phases
-from metadist_core.ir.placement import Mesh, Replicate, Shard, Sharding, largest_local_shape
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Replicate, Shard, Sharding, largest_local_shape
 from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, Edge, Node, ShardingProblem, _distinct, gathers_bucketed
 from metadist_core.problem.prune import useful_rules
 from metadist_core.cost.reshard import reshard, reshard_costs

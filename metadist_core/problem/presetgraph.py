@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from metadist_core.problem.constraints import Constraint, Pin, var_name
+from metadist_core.ir.ir import walk_upstream
 from metadist_core.ir.placement import Replicate, Shard, Sharding
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -97,15 +98,8 @@ class GraphView:
         self.state_bits = bit
 
     def _ancestors(self, vars_: Iterable[str]) -> set[int]:
-        seen: set[int] = set()
-        todo = [self.producer[v] for v in vars_ if v in self.producer]
-        while todo:
-            i = todo.pop()
-            if i in seen:
-                continue
-            seen.add(i)
-            todo += [self.producer[v] for v in self.prob.nodes[i].inputs if v in self.producer]
-        return seen
+        """Positions of the nodes ``vars_`` are computed from (their producers included)."""
+        return walk_upstream(vars_, self.producer.get, lambda i: self.prob.nodes[i].inputs).ops
 
     def _owners(self) -> dict[str, str]:
         """Optimizer state -> the one parameter whose update reads it (shared step counters have none)."""

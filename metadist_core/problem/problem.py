@@ -26,13 +26,22 @@ from metadist_core.cost.buckets import bucketed_step
 from metadist_core.problem.constraints import Constraint, parse_constraints
 from metadist_core.cost.model import DeviceSpec, local_bytes
 from metadist_core.cost.phases import FORWARD, phase_of, share_phase
-from metadist_core.ir.placement import Mesh, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding
 from metadist_core.discovery.rules import Strategy
 from metadist_core.problem.terms import EdgeTerm, MemTerm, SharedTerm, Terms
 
 log = logging.getLogger("metadist.problem")
 
 OUTPUT = "<output>"   # consumer name of the final reshard of a graph output
+
+# the part of the latency a bucketed parameter gather saves that the solver counts on (ShardingProblem.price):
+# GATHER_SHARE without a memory budget, where a plan gathers few inputs and a lone one pays a whole latency;
+# BUDGET_GATHER_SHARE under one, where the plans that meet it gather every layer's parameters, a bucket per
+# layer, as FSDP does (priced whole, each of those many gathers a latency, the solver would keep a
+# tensor-parallel plan that runs slower than gathering)
+GATHER_SHARE = 0.01
+BUDGET_GATHER_SHARE = 1.0
 
 
 class InfeasibleBudgetError(ValueError):
@@ -343,15 +352,6 @@ def _distinct(shardings: Sequence[Sharding]) -> tuple[list[Sharding], np.ndarray
     uniq: dict[Sharding, int] = {}
     idx = [uniq.setdefault(s, len(uniq)) for s in shardings]
     return list(uniq), np.asarray(idx, dtype=np.int32)
-
-
-# the part of the latency a bucketed parameter gather saves that the solver counts on (ShardingProblem.price):
-# GATHER_SHARE without a memory budget, where a plan gathers few inputs and a lone one pays a whole latency;
-# BUDGET_GATHER_SHARE under one, where the plans that meet it gather every layer's parameters, a bucket per
-# layer, as FSDP does (priced whole, each of those many gathers a latency, the solver would keep a
-# tensor-parallel plan that runs slower than gathering)
-GATHER_SHARE = 0.01
-BUDGET_GATHER_SHARE = 1.0
 
 
 def gathers_bucketed(prob: ShardingProblem, var: str) -> bool:

@@ -18,7 +18,7 @@ from metadist_core.config import load_settings
 from metadist_core.driver.frontend import Frontend, Traced
 from metadist_core.hookspecs import hookimpl
 from metadist_core.ir.ir import MetaIR, MetaOp
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.driver.planner import plan_graph
 from metadist_core.plugins import PluginManager
 from metadist_core.discovery.shardcombine import OpSpec

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from metadist_core.cost.model import Collective, all_gather_cost, all_reduce_cost, compute_cost, local_bytes
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding, chunk_bounds, largest_local_shape
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding, chunk_bounds, largest_local_shape
 from metadist_core.cost.reshard import reshard, reshard_cost
 
 R, P = Replicate(), Partial("sum")

@@ -8,7 +8,7 @@ import pytest
 
 from metadist_core.cost.model import DEVICE_PRESETS, DeviceSpec, compute_cost, compute_dtype
 from metadist_core.ir.ir import MetaIR
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.problem.build import build_problem
 from metadist_core.discovery.rules import RuleBook
 

@@ -11,7 +11,8 @@ from metadist_core.cost.model import all_reduce_cost
 from metadist_core.plan.interpret import interpret
 from metadist_core.ir.ir import MetaIR
 from metadist_core.plan.overlap import buckets_latency, predict, priced_collectives
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.problem.build import build_problem
 from metadist_core.cost.profile import MeshProfile, cached_profile, profile_cache_path, profile_for, profile_key

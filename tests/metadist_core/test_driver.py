@@ -145,7 +145,7 @@ def test_the_fsdp_preset_prices_its_parameter_gathers_as_bucketed_without_a_budg
     30 predicted, 35 measured). ``auto`` keeps the small share (a plan there may gather one input alone)."""
     from metadist_core.plan.overlap import predict
     from metadist_core.driver.compile import plan_graph
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.ir.mesh import Mesh
     from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE
     pm = _pm()
     graph = pm.frontend("toy").trace(transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}).graph
@@ -172,7 +172,7 @@ def test_under_a_budget_that_no_bucket_priced_plan_meets_the_gathers_are_priced_
     inputs may fit where bucketed ones do not; a budget nothing meets is still the error it was."""
     from metadist_core.levers import recompute
     from metadist_core.driver.compile import plan_graph
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.ir.mesh import Mesh
     from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, InfeasibleBudgetError
     pm = _pm()
     graph = pm.frontend("toy").trace(transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}).graph

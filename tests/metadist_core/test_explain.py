@@ -8,7 +8,7 @@ import pytest
 from metadist_core.driver import cli
 from metadist_core.plan.explain import compare_presets, draw_plan, layer_of, parameter_reasons, problem_path
 from metadist_core.driver.compile import plan_graph
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plan.plan import ShardingPlan
 
 from test_presets import mlp_step

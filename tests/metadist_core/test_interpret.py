@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from metadist_core.plan.interpret import Collectives, PlanError, interpret
-from metadist_core.ir.placement import Mesh, Partial, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Shard, Sharding
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.problem.build import build_problem
 from metadist_core.reference.plugin import GraphBuilder, run_graph, run_local

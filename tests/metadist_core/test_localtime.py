@@ -13,7 +13,7 @@ from metadist_core.problem.build import build_problem, estimate_op_cost
 from metadist_core.cost.model import DeviceSpec, compute_cost, local_shape, strategy_split
 from metadist_core.discovery.discover import discover
 from metadist_core.cost.localtime import LocalTimer
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plugins import PluginManager
 from metadist_core.reference.plugin import GraphBuilder
 from metadist_core.discovery.rules import RuleBook

@@ -6,7 +6,7 @@ import numpy as np
 from metadist_core.ir.aliasing import alias_liveness, is_view
 from metadist_core.ir.ir import MetaIR
 from metadist_core.plan.memprofile import peak_with_buffers
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.problem.build import build_problem
 from metadist_core.discovery.rules import RuleBook

@@ -13,7 +13,8 @@ from metadist_core.ir.ir import MetaIR
 from metadist_core.plan.memprofile import peak_with_buffers
 from metadist_core.plan.overlap import predict, priced_collectives
 from metadist_core.cost.phases import FORWARD, LATER, reader_phases
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.plugins import PluginManager
 from metadist_core.problem.problem import ShardingProblem

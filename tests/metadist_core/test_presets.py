@@ -7,7 +7,8 @@ import pytest
 
 from metadist_core.config import load_settings
 from metadist_core.driver.compile import CompiledStep, plan_graph
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
 from metadist_core.config import STRATEGIES
 from metadist_core.problem.presets import preset_constraints
 from metadist_core.reference.plugin import GraphBuilder, ReferenceFrontend, run_graph, run_local

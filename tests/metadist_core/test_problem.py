@@ -6,7 +6,8 @@ import pytest
 
 from metadist_core.problem.coarsen import coarsen
 from metadist_core.problem.constraints import Forbid, Pin
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.problem.problem import OUTPUT, ShardingProblem
 from metadist_core.problem.build import build_problem

@@ -6,7 +6,8 @@ import math
 import pytest
 
 from metadist_core.discovery.patterns import SMALL, proxy_sizes, size_basis
-from metadist_core.ir.placement import Mesh, Shard, Sharding, chunk_sizes, splits_nonempty
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Shard, Sharding, chunk_sizes, splits_nonempty
 from metadist_core.discovery.rules import _tensor_ok
 
 ATTENTION = [(8, 12, 128, 64)] * 3 + [(8, 12, 128)]

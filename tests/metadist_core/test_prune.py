@@ -3,7 +3,8 @@ import pytest
 
 from metadist_core.cost.model import strategy_split
 from metadist_core.discovery.discover import discover
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
 from metadist_core.plugins import PluginManager
 from metadist_core.problem.build import build_problem
 from metadist_core.problem.prune import useful_rules

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from metadist_core.ir.placement import Mesh, Replicate, Shard, Partial, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Replicate, Shard, Partial, Sharding
 from metadist_core.cost.reshard import reshard
 
 ALPHA, BETA, COPY = 1e-5, 1e-9, 4e-10

@@ -4,7 +4,8 @@ import logging
 import pytest
 
 from metadist_core.discovery.discover import discover
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard
 from metadist_core.plugins import PluginManager
 from metadist_core.reference.plugin import transformer_block
 from metadist_core.discovery.rules import CACHE_FILE, CACHE_VERSION, OpRules, RuleBook, ShardingRule, expand_rules

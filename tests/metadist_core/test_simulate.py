@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from metadist_core.discovery.discover import discover
-from metadist_core.ir.placement import Mesh, Partial, Shard
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Shard
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.plugins import PluginManager
 from metadist_core.problem.build import build_problem

@@ -9,7 +9,7 @@ import pytest
 
 from metadist_core.ir.ir import MetaIR
 from metadist_core.driver.pipeplan import check_stages
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.ir import forward_ops
 from metadist_core.plan.stage import Stage, StageError, bubble_fraction
 from metadist_core.levers.stages import best_cuts, brute_force_cuts, build_stages, crossing_bytes, evaluate_cuts

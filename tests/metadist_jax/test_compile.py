@@ -8,7 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
-from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.engine import MeshMismatchError, resolve_mesh  # noqa: E402
 

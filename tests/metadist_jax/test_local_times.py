@@ -15,7 +15,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
 from metadist_core.config import load_settings  # noqa: E402
-from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.plugin import JaxFrontend  # noqa: E402
 

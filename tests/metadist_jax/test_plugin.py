@@ -10,7 +10,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_core.cost.profile import MeshProfile  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.compile import JaxStep  # noqa: E402

@@ -23,7 +23,7 @@ optax = pytest.importorskip("optax")
 
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.plan.overlap import predict, priced_collectives  # noqa: E402
-from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_core.cost.profile import MeshProfile, cached_profile, profile_for, profile_key  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.hlo import collectives  # noqa: E402

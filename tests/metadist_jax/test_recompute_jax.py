@@ -12,7 +12,7 @@ optax = pytest.importorskip("optax")
 
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.driver.compile import plan_graph  # noqa: E402
-from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_core.levers.recompute import RecomputeBudgetError  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.plugin import JaxFrontend  # noqa: E402

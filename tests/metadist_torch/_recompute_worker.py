@@ -45,7 +45,7 @@ def _gpt2_case():
 def _budget(build, batch, step_fn, mesh_shape, at: float = 0.5) -> tuple[int, int, int]:
     from metadist_core.config import load_settings
     from metadist_core.driver.compile import lowering_traits, plan_graph
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.ir.mesh import Mesh
     from metadist_core.levers.recompute import RecomputeBudgetError
     from metadist_torch.plugin import TorchFrontend
     model, opt = build()

@@ -28,7 +28,7 @@ def _worker(rank: int, init: str, out: str) -> None:
 
 def test_kinds_are_timed_apart_and_alike_on_every_rank(tmp_path):
     import torch.multiprocessing as mp
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.ir.mesh import Mesh
     out = str(tmp_path / "kinds")
     mp.spawn(_worker, args=(str(tmp_path / "init"), out), nprocs=2, join=True)
     got = [json.load(open(f"{out}.{r}")) for r in range(2)]

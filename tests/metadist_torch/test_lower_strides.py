@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from metadist_core.driver.compile import replicated_plan  # noqa: E402
-from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 

@@ -105,7 +105,7 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
     host-link transfer time; on a CPU device transfers are free."""
     from metadist_core.cost.model import DEVICE_PRESETS
     from metadist_core.driver.compile import plan_graph
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.ir.mesh import Mesh
     from metadist_torch.trace import trace_step
     m, o = _build()
     x, y = _data()[0]

@@ -20,7 +20,7 @@ from metadist_core.cost.buckets import bucketed_step  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.plan.overlap import predict, priced_collectives  # noqa: E402
 from metadist_core.driver.compile import plan_graph  # noqa: E402
-from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 from metadist_torch.schedule import is_async, is_done, is_gather_bucket  # noqa: E402

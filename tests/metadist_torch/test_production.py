@@ -32,7 +32,7 @@ from metadist_core.cost.compression import wire_dtypes  # noqa: E402
 from metadist_core.config import compression_dtype  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.driver.compile import plan_graph  # noqa: E402
-from metadist_core.ir.placement import Mesh  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_torch import load_checkpoint, metadist_compile, save_checkpoint  # noqa: E402
 
 

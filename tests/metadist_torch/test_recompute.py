@@ -22,8 +22,9 @@ torch = pytest.importorskip("torch")
 
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.driver.compile import plan_graph, replicated_plan  # noqa: E402
-from metadist_core.ir.placement import Mesh  # noqa: E402
-from metadist_core.levers.recompute import SUFFIX, RecomputeBudgetError, is_random, order, rewrite, segments  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
+from metadist_core.levers.recompute_segments import SUFFIX, is_random, order, rewrite, segments  # noqa: E402
+from metadist_core.levers.recompute import RecomputeBudgetError  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 

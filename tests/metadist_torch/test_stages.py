@@ -37,7 +37,7 @@ def test_stages_meet_a_budget_that_the_whole_step_on_one_device_misses(tmp_path)
     itself, so a step pipelined because it does not fit could only pipeline when it fit one device whole."""
     from metadist_core.config import load_settings
     from metadist_core.driver.pipeplan import pipeline_plan
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.ir.mesh import Mesh
     from metadist_core.driver.planner import plan_graph
     from metadist_core.plugins import PluginManager
     from metadist_core.problem.problem import InfeasibleBudgetError

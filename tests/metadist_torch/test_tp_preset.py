@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 from benchmarks._models import adamw, llama, lm_step  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.driver.compile import plan_graph  # noqa: E402
-from metadist_core.ir.placement import Mesh, Replicate, Shard, Sharding  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
+from metadist_core.ir.placement import Replicate, Shard, Sharding  # noqa: E402
 from metadist_core.problem.presets import preset_constraints  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 

@@ -8,7 +8,8 @@ from tvm import te
 
 import metadist_tvm
 from metadist_core.problem.constraints import Pin
-from metadist_core.ir.placement import Mesh, Shard, Sharding, shard_shape
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Shard, Sharding, shard_shape
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.problem.build import build_problem
 from metadist_core.plan.simulate import devices, simulate

@@ -8,7 +8,8 @@ from tvm import te, topi
 
 import metadist_tvm
 from metadist_core.problem.constraints import Pin
-from metadist_core.ir.placement import Mesh, Partial, Replicate, Shard, Sharding
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
 from metadist_core.discovery.rules import ShardingRule
 from metadist_core.plan.simulate import assemble, devices, distribute
 from metadist_tvm.oprunner import run_call

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from metadist_core.problem.coarsen import coarsen
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plugins import PluginManager
 from metadist_core.problem.build import build_problem
 from metadist_core.problem.terms import contract

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.optimize import OptimizeResult
 
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plugins import PluginManager
 from metadist_core.problem.problem import InfeasibleBudgetError
 from metadist_core.problem.build import build_problem

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plugins import PluginManager, UnknownSolverError
 from metadist_core.problem.problem import InfeasibleBudgetError
 from metadist_core.problem.build import build_problem
