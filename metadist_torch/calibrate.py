@@ -273,8 +273,8 @@ def refresh_cached_profile() -> MeshProfile:
     from metadist_core.cost.profile import profile_for
     from .plugin import TorchFrontend
     fe = TorchFrontend()
-    mesh = fe.resolve_mesh(None, MeshProfile())
-    return profile_for(fe, mesh, load_settings(mesh_profile=None), force=True)
+    resolved = fe.resolve_mesh(None, MeshProfile())
+    return profile_for(fe, resolved, load_settings(mesh_profile=None), force=True)
 
 
 # bytes per collective for the kinds timed apart from the all_reduces (all_gather: per rank, the output is n x)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Hashable
 
-from metadist_core.driver.frontend import Frontend, Traced
+from metadist_core.driver.frontend import (Frontend, FrontendTraits, Lowered, Program, Resolved, Traced, Trials,
+                                           WholeStep, not_supported)
 from metadist_core.hookspecs import hookimpl
 from metadist_core.ir.placement import Mesh
 
@@ -53,10 +54,9 @@ class TvmFrontend(Frontend):
     """
 
     name = "tvm"
-    op_prefixes = ("te.",)
     description = "TVM Tensor Expression: topi operators and TE computes rebuilt at shard shapes, llvm"
-    runner_module = "metadist_tvm.oprunner"
-    proxy_shapes = True   # op specs come from the graph's shapes and the call, its static arguments rewritten
+    # op specs come from the graph's shapes and the call, its static arguments rewritten
+    traits = FrontendTraits(op_prefixes=("te.",), runner_module="metadist_tvm.oprunner", proxy_shapes=True)
 
     def __init__(self, engine: str = "auto") -> None:
         if engine not in ENGINES:
@@ -85,7 +85,9 @@ class TvmFrontend(Frontend):
         te_traced = trace(args[0], args[1], kwargs.get("name", "te_graph"))
         return Traced(te_traced.graph, context=te_traced)
 
-    def resolve_mesh(self, mesh: Any, profile: Any) -> Mesh:
+    def resolve_mesh(self, mesh: Any, profile: Any) -> Resolved:
+        """The planning Mesh; the engine is the name of the one this adapter runs on (``simulate`` or
+        ``torch``), the world size checked against the mesh under torch."""
         engine = self.engine
         if mesh is None:
             if engine == "torch":
@@ -98,46 +100,49 @@ class TvmFrontend(Frontend):
         else:
             shape, names = mesh_shape(mesh)
             m = profile.mesh(shape, names)
+        lead = True
         if engine == "torch":
             from .engine_torch import rank_and_world
-            world = rank_and_world()[1]
+            rank, world = rank_and_world()
             if world != m.size:
                 raise ValueError(f"mesh {m} has {m.size} devices but torch.distributed runs {world} processes; "
                                  f"launch with torchrun --nproc_per_node={m.size} or pick a mesh of {world} devices")
-        return m
+            lead = rank == 0
+        return Resolved(m, engine, lead=lead)
 
-    def is_planner(self) -> bool:
-        if self.engine != "torch":
-            return True
-        from .engine_torch import rank_and_world
-        return rank_and_world()[0] == 0
-
-    def share(self, plan: Any, traced: Traced) -> Any:
-        if self.engine != "torch":
-            return super().share(plan, traced)
+    def share(self, plan_fn: Callable[[], Any], traced: Traced, resolved: Resolved) -> Any:
+        """Under torch, rank 0 plans and broadcasts its plan (or its error); else this process plans."""
+        if resolved.engine != "torch":
+            return plan_fn()
         from metadist_core.plan.plan import ShardingPlan
 
         from .engine_torch import broadcast_from_rank0
+        plan = None
+        if resolved.lead:
+            try:
+                plan = plan_fn()
+            except BaseException as error:   # the other ranks wait for a plan: tell them instead
+                broadcast_from_rank0({"error": f"{type(error).__name__}: {error}"})
+                raise
         msg = broadcast_from_rank0({"plan": plan.to_json()} if plan is not None else None)
         if msg is None or "error" in msg:
             why = "no plan" if msg is None else msg["error"]
             raise RuntimeError(f"rank 0 failed to plan {traced.graph.name!r}: {why}")
         return plan if plan is not None else ShardingPlan.from_json(msg["plan"])
 
-    def share_error(self, error: BaseException) -> None:
-        if self.engine == "torch":
-            from .engine_torch import broadcast_from_rank0
-            broadcast_from_rank0({"error": f"{type(error).__name__}: {error}"})
-
-    def lower(self, traced: Traced, plan: Any, mesh: Mesh, settings: Any) -> Callable:
-        """A :class:`~metadist_tvm.runtime.Parallelized` running ``plan`` on this process's engine."""
+    def lower(self, traced: Traced, program: Program, resolved: Resolved, settings: Any) -> Lowered:
+        """A :class:`~metadist_tvm.runtime.Parallelized` running the plan on ``resolved``'s engine."""
         from .runtime import Parallelized
         from .trace import Traced as TeTraced
+        if isinstance(program, Trials):
+            return Lowered()
+        if not isinstance(program, WholeStep):
+            raise not_supported(self.name, program)
         te_traced = traced.context
         if not isinstance(te_traced, TeTraced):
             raise ValueError(f"{traced.graph.name!r} was not traced by the tvm frontend in this process "
                              f"(its context is {type(te_traced).__name__}); trace it with TvmFrontend().trace")
-        return Parallelized(te_traced, plan, mesh, self.engine)
+        return Lowered(Parallelized(te_traced, program.plan, resolved.mesh, resolved.engine))
 
     def __repr__(self) -> str:
         return f"<TvmFrontend 'tvm' engine={self.engine_choice}>"
