@@ -138,7 +138,7 @@ def hand_pins(info, mesh_shape, roles) -> list[Pin]:
 
 def constrained(problem, pins):
     q = copy.copy(problem)
-    q.__dict__.pop("_terms_cache", None)
+    q.forget_terms()
     q.allowed = [a.copy() for a in problem.allowed]
     q.constraints = list(pins)
     apply_constraints(q)

@@ -21,11 +21,12 @@ def metadist_frontend():
 
     Return an instance of a ``metadist_core.driver.frontend.Frontend`` subclass: its
     ``name`` is what users pass and what the entry point is called; its
-    ``op_prefixes`` are the op keys it runs for discovery (``op_spec``) and
-    prices (``op_cost``); ``trace``, ``resolve_mesh``, ``constraints``,
-    ``is_planner``, ``share`` and ``lower`` are the steps the driver
-    (``metadist_core.driver.compile.compile_step``) calls in order; ``demo`` and
-    ``calibrate`` are optional. Importing the plugin module must not import
+    ``traits`` (a ``FrontendTraits``) name the op keys it runs for discovery
+    (``op_spec``) and prices (``op_cost``) and what its lowering does;
+    ``trace``, ``resolve_mesh``, ``constraints``, ``share`` and ``lower`` are the
+    steps the driver (``metadist_core.driver.compile.compile_step``) calls in
+    order; ``time_ops`` and ``measure_profile`` serve measured costs; ``demo``
+    and ``calibrate`` are optional. Importing the plugin module must not import
     the framework: do that inside the adapter's methods.
     """
 

@@ -148,7 +148,7 @@ class PluginManager:
     def owner(self, op: Any):
         """The frontend adapter that owns ``op``'s key (by prefix), or None."""
         for fe in self.frontends().values():
-            if fe.owns(op):
+            if fe.traits.owns(op):
                 return fe
         return None
 
@@ -165,4 +165,4 @@ class PluginManager:
     def fuses(self, op: Any) -> bool:
         """Does the compiler of ``op``'s frontend fuse it with its elementwise neighbours?"""
         fe = self.owner(op)
-        return fe is not None and bool(fe.fuses(op))
+        return fe is not None and bool(fe.traits.fuses(op))

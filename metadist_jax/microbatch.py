@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from metadist_core.driver.frontend import BatchLeaves
 from metadist_core.plan.interpret import interpret
 from metadist_core.levers.microbatch import GradientCut, combine, micro_batch_size
 from metadist_core.ir.mesh import Mesh
@@ -38,18 +39,14 @@ def batch_leaf_positions(args: tuple, kwargs: dict) -> tuple[list, Any, list[int
     return [x for _, x in flat], tree, pos
 
 
-def split_batch(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
-    """``m`` calls, each with the ``i``-th equal part (dim 0) of every batch leaf; params and state whole."""
+def batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
+    """The call's leaves; the batch leaves are those of ``args[2:]`` and kwargs with a dim 0."""
     leaves, tree, pos = batch_leaf_positions(args, kwargs)
-    mb = micro_batch_size([(f"batch leaf {k}", int(leaves[i].shape[0])) for k, i in enumerate(pos)], m)
-    out = []
-    for j in range(m):
-        lv = list(leaves)
-        for i in pos:
-            lv[i] = leaves[i][j * mb:(j + 1) * mb]
+
+    def rebuild(lv: list) -> tuple[tuple, dict]:
         a, kw = jax.tree_util.tree_unflatten(tree, lv)
-        out.append((tuple(a), kw))
-    return out
+        return tuple(a), kw
+    return BatchLeaves(leaves, pos, rebuild, "batch leaf")
 
 
 class MicroBatchedStep:
@@ -133,4 +130,4 @@ def lower_micro_batches(graph: Any, context: Any, cut: GradientCut, plans: tuple
     return MicroBatchedStep(jax.jit(mapped), context, in_shardings, batch_ids, m)
 
 
-__all__ = ["MicroBatchedStep", "lower_micro_batches", "split_batch"]
+__all__ = ["MicroBatchedStep", "batch_leaves", "lower_micro_batches"]

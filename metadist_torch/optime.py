@@ -21,18 +21,20 @@ dtype, and none (1) when there is none. Slowdowns are cached in a JSON file besi
 from __future__ import annotations
 
 import functools
-import json
 import logging
+import math
 import os
-import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from metadist_core.cost.model import DeviceSpec, compute_cost, compute_dtype
+from metadist_core.cost.model import DeviceSpec
+from metadist_core.cost.optimes import LIMITS, VERSION, VERSION_KEY, whole_slowdowns  # noqa: F401 - the cache format, re-exported
 from metadist_core.cost.timing import time_call
+from metadist_core.driver.frontend import OpTimes
+from metadist_core.driver.planner import replicated_plan
 from metadist_core.ir.ir import MetaIR, MetaOp
+from metadist_core.ir.mesh import Mesh
 
 from .calibrate import _time, measure_device_rates
 from .calls import TORCH_DTYPES, rebuild, resolve_overload
@@ -42,42 +44,35 @@ from .oprunner import op_spec
 
 log = logging.getLogger("metadist.optime")
 
-VERSION = 3                   # 3: less a tiny op timed alike (2: fastest timings, alone; 1: medians)
-VERSION_KEY = "__version__"
 MAX_ELEMENTS = 1 << 20        # an op whose inputs and outputs hold more elements takes its key's slowdown
-LIMITS = (0.25, 100.0)        # slowdowns are clamped to this range (a tiny op's time is mostly noise)
 FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
 RANDOM = frozenset({"bernoulli", "native_dropout", "rand", "randn", "rand_like", "randn_like", "randint",
                     "uniform", "normal", "randperm", "multinomial", "empty", "empty_like", "new_empty"})
 
 
-def _inputs(op: MetaOp, graph: MetaIR, dev: torch.device) -> list[torch.Tensor]:
-    """Tensors of the op's input shapes and dtypes: floats in [0.5, 1.5) (no NaN from sqrt or log),
-    integer inputs drawn in their valid ranges by the discovery's sampler."""
-    metas = [graph.vars[v] for v in op.inputs]
-    if any(not m.is_tensor for m in metas):
+def _inputs(op: MetaOp, shapes: tuple, dtypes: tuple, graph: MetaIR | None, dev: torch.device) -> list[torch.Tensor]:
+    """Tensors of the given shapes and dtypes: floats in [0.5, 1.5) (no NaN from sqrt or log), integer
+    inputs drawn in their valid ranges by the discovery's sampler (from ``graph``, the op's own)."""
+    if graph is None and any(dt not in FLOATS for dt in dtypes):
+        raise ValueError("integer inputs need the op's graph to be drawn")
+    if len(shapes) != len(op.inputs):
         raise ValueError("a non-tensor input")
     drawn = None
-    if any(m.dtype not in FLOATS for m in metas):
+    if any(dt not in FLOATS for dt in dtypes):
         drawn = op_spec(op, graph).example_inputs
     out = []
-    for i, m in enumerate(metas):
-        dt = TORCH_DTYPES[m.dtype]
-        if m.dtype in FLOATS:
-            out.append((torch.rand(tuple(m.shape), device=dev) + 0.5).to(dt))
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        dt = TORCH_DTYPES[dtype]
+        if dtype in FLOATS:
+            out.append((torch.rand(tuple(shape), device=dev) + 0.5).to(dt))
         else:
-            out.append(torch.as_tensor(drawn[i]).to(dtype=dt, device=dev).reshape(tuple(m.shape)))
+            out.append(torch.as_tensor(drawn[i]).to(dtype=dt, device=dev).reshape(tuple(shape)))
     return out
 
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None], iters: int = 7) -> float:
     """The fastest of ``iters`` timings of one call (each long enough, >= 50 us, to be read on a clock)."""
     return time_call(fn, iters, sync=sync, window=5e-5, pick=min)
-
-
-def _roofline(op: MetaOp, graph: MetaIR, cost: tuple, dev: DeviceSpec) -> float:
-    dt = compute_dtype([graph.vars[v].dtype for v in op.inputs], [graph.vars[v].dtype for v in op.outputs])
-    return compute_cost(cost[0], cost[1], 1, dev, dt) - dev.op_overhead
 
 
 def _elements(op: MetaOp, graph: MetaIR) -> int:
@@ -91,110 +86,88 @@ def alone_rates(dev: torch.device) -> Callable[[], dict]:
     return functools.cache(lambda: measure_device_rates(iters=7, alone=True, dev=dev))
 
 
-def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | os.PathLike | None = None,
-                      device: torch.device | None = None, rates: Callable[[], dict] | None = None
-                      ) -> dict[str, float]:
-    """Per op id of ``graph``, its measured time over its roofline (see the module doc); ``costs``: the
-    op's ``(flops, bytes)`` as the frontend reports them. Ops already in ``cache_file`` are not run again.
-    ``rates``: the device's alone rates (:func:`alone_rates`; asked only when an op is timed)."""
-    dev = device or engine_device()
-    rates_of = rates or alone_rates(dev)
+def time_ops(requests: list, dev: torch.device, step: Any = None, program: bool = False) -> OpTimes | None:
+    """Seconds of one run of each requested ``(op, input shapes, dtypes)`` alone on ``dev`` (the fastest of
+    several; None for an op that cannot run alone, draws random numbers, or whose inputs and outputs hold
+    more than :data:`MAX_ELEMENTS` elements), the alone rates of ``dev`` and the harness (a tiny op timed
+    the same way); with ``program``, also the whole program of ``step`` (a
+    :class:`~metadist_torch.trace.TracedStep`), replicated on ``dev`` (:func:`program_seconds`). None where
+    nothing is to be timed. ``step`` gives the graph the ops come from (integer inputs are drawn in their
+    valid ranges from it)."""
+    graph = getattr(step, "graph", None)
+    runnable = [i for i, (op, shapes, _) in enumerate(requests) if _runs_alone(op, shapes, graph)]
+    if not runnable and not program:
+        return None
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    cache: dict[str, float] = {}
-    path = Path(cache_file) if cache_file else None
-    if path is not None and path.exists():
+    rates = alone_rates(dev)
+    seconds: list[float | None] = [None] * len(requests)
+    harness = 0.0
+    if runnable:
+        rates()
+        tiny = torch.randn(8, device=dev)
+        harness = _timed(lambda: torch.ops.aten.add.Tensor(tiny, tiny), sync)
+    for i in runnable:
+        op, shapes, dtypes = requests[i]
         try:
-            saved = json.loads(path.read_text())
-            if saved.get(VERSION_KEY) == VERSION:
-                cache = {str(k): float(v) for k, v in saved.items() if k != VERSION_KEY}
-        except (OSError, ValueError, AttributeError):
-            cache = {}
-    t0 = time.perf_counter()
-    spec: DeviceSpec | None = None
-    sig_of = {op.id: op.signature(graph) for op in graph.ops}
-    by_key: dict[tuple, tuple[int, float]] = {}   # (key, dtypes) -> (elements, slowdown) of its largest measured op
-    new = tried = 0
-    for op in graph.ops:
-        cost = costs.get(op.id)
-        if cost is None or (cost[0] <= 0 and cost[1] <= 0):
-            continue   # a view: free
-        name = op.key.split(".")[1] if op.key.startswith("aten.") else ""
-        key = (op.key, tuple(graph.vars[v].dtype for v in op.inputs))
-        sig = sig_of[op.id]
-        n = _elements(op, graph)
-        if sig not in cache and name and name not in RANDOM and n <= MAX_ELEMENTS:
-            if spec is None:
-                r = rates_of()
-                # the op's time beyond its roofline is its time less a tiny op's timed the same way (this
-                # call path dispatches slower than the lowered program, whose own per-op cost the profile's
-                # op_overhead adds back: less the program's dispatch instead, the ops would be priced over
-                # what the step takes)
-                tiny = torch.randn(8, device=dev)
-                harness = _timed(lambda: torch.ops.aten.add.Tensor(tiny, tiny), sync)
-                spec = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], op_overhead=harness,
-                                  flops_by_dtype=r["flops_by_dtype"], mem_curve=r["mem_curve"])
-            try:
-                overload = resolve_overload(op.key)
-                tensors = _inputs(op, graph, dev)
-                args = rebuild(op.attrs.get("args", []), tensors, device=dev)
-                kwargs = rebuild(op.attrs.get("kwargs", {}), tensors, device=dev)
-                with torch.no_grad():
-                    t = _timed(lambda: overload(*args, **kwargs), sync)
-            except Exception as e:   # an op that cannot run alone: priced by the roofline (0: not timed)
-                log.debug("op %s (%s) not timed: %s", op.id, op.key, e)
-                cache[sig] = 0.0
-                tried += 1
-            else:
-                roof = _roofline(op, graph, cost, spec)
-                cache[sig] = min(max((t - spec.op_overhead) / max(roof, 1e-9), LIMITS[0]), LIMITS[1])
-                new += 1
-        if cache.get(sig) and n >= by_key.get(key, (-1, 0.0))[0]:
-            by_key[key] = (n, cache[sig])
-    out = {}
-    for op in graph.ops:
-        sig = sig_of[op.id]
-        key = (op.key, tuple(graph.vars[v].dtype for v in op.inputs))
-        s = cache.get(sig) or by_key.get(key, (0, None))[1]
-        if s and op.id in costs:
-            out[op.id] = s
-    if new or tried:
-        log.info("timed %d ops of %s on %s in %.1f s (%d could not run alone)", new, graph.name, dev,
-                 time.perf_counter() - t0, tried)
-        if path is not None:
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(json.dumps({VERSION_KEY: VERSION, **cache}, sort_keys=True))
-                os.replace(tmp, path)
-            except OSError as e:
-                log.warning("could not cache op timings in %s: %s", path, e)
-    return out
+            overload = resolve_overload(op.key)
+            tensors = _inputs(op, shapes, dtypes, graph, dev)
+            args = rebuild(op.attrs.get("args", []), tensors, device=dev)
+            kwargs = rebuild(op.attrs.get("kwargs", {}), tensors, device=dev)
+            with torch.no_grad():
+                seconds[i] = _timed(lambda: overload(*args, **kwargs), sync)
+        except Exception as e:   # an op that cannot run alone: priced by the roofline
+            log.debug("op %s (%s) not timed: %s", op.id, op.key, e)
+    whole = program_seconds(step, dev) if program else None
+    r = rates()
+    device = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], op_overhead=r["op_overhead"],
+                        flops_by_dtype=r["flops_by_dtype"], mem_curve=r["mem_curve"])
+    return OpTimes(seconds, device, harness=harness, program=whole)
+
+
+def _runs_alone(op: MetaOp, shapes: tuple, graph: MetaIR | None) -> bool:
+    """Is ``op`` timed alone: an aten op that draws no random numbers, at most :data:`MAX_ELEMENTS`
+    elements in its inputs and outputs (outputs counted where ``graph`` holds it)?"""
+    name = op.key.split(".")[1] if op.key.startswith("aten.") else ""
+    if not name or name in RANDOM:
+        return False
+    if graph is not None and all(v in graph.vars for v in [*op.inputs, *op.outputs]):
+        return _elements(op, graph) <= MAX_ELEMENTS
+    return sum(math.prod(s) for s in shapes) <= MAX_ELEMENTS
+
+
+def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | os.PathLike | None = None,
+                      device: torch.device | None = None, step: Any = None) -> dict[str, float]:
+    """Per op id of ``graph``, its measured time over its roofline on ``device``
+    (:func:`metadist_core.cost.optimes.whole_slowdowns` over :func:`time_ops`); ``step`` (whose graph is
+    ``graph``): its program is timed whole too."""
+    dev = device or engine_device()
+    holder = step if step is not None else _GraphOnly(graph)
+    return whole_slowdowns(graph, costs, lambda reqs, prog: time_ops(reqs, dev, holder, prog), cache_file,
+                           program=step is not None)
+
+
+class _GraphOnly:
+    """A stand-in for a traced step that holds only its graph (no program to time)."""
+
+    def __init__(self, graph: MetaIR) -> None:
+        self.graph = graph
 
 
 #: the program is timed whole only when the cost model's one-device peak of it is at most this many bytes
 PROGRAM_BYTES = 1 << 30
-PROGRAM_FACTOR = (1.0, 4.0)   # the program's factor over its ops' alone times is clamped to this range
 
 
-def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns: dict[str, float],
-                   device: torch.device | None = None, iters: int = 3,
-                   rates: Callable[[], dict] | None = None) -> float | None:
-    """How many times longer the whole step's program runs, alone on this device at its traced shapes,
-    than its ops' alone times say (their rooflines times ``slowdowns``, plus the per-op dispatch of a
-    lowered program): each op is timed again and again on its own inputs, hot in the caches, while the
-    program reads what the op before it wrote and writes fresh outputs (so the ops' times alone price a
-    step under what it takes). The fastest of ``iters`` runs of the replicated program, lowered as every
-    plan is (``step``: the :class:`~metadist_torch.trace.TracedStep` whose graph is ``graph``), on copies
-    of the state; None where its one-device peak is over :data:`PROGRAM_BYTES` (a model that needs the
-    mesh to fit) or it cannot run. Clamped to :data:`PROGRAM_FACTOR`. ``rates``: as for
-    :func:`measure_slowdowns`. A step with dropout draws from the random generators here: the caller keeps
-    them (:meth:`metadist_torch.plugin.TorchFrontend.op_slowdowns`)."""
-    from metadist_core.driver.compile import replicated_plan
-    from metadist_core.ir.mesh import Mesh
+def program_seconds(step: Any, device: torch.device | None = None, iters: int = 3) -> float | None:
+    """Seconds of the fastest of ``iters`` runs of the whole step's program, alone on this device at its
+    traced shapes, replicated and lowered as every plan is, on copies of the state (``step``: a
+    :class:`~metadist_torch.trace.TracedStep`); None where its one-device peak is over
+    :data:`PROGRAM_BYTES` (a model that needs the mesh to fit) or it cannot run. A step with dropout draws
+    from the random generators here: the caller keeps them (:meth:`metadist_torch.plugin.TorchFrontend.time_ops`)."""
     dev = device or engine_device()
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    if step is None or getattr(step, "graph", None) is not graph or not step.example_inputs:
+    if step is None or not getattr(step, "example_inputs", None):
         return None
+    graph = step.graph
     mesh = Mesh((1,))
     plan, _ = replicated_plan(graph, mesh)
     if plan.memory_per_device > PROGRAM_BYTES:
@@ -211,20 +184,10 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
                      for k, n in enumerate(step.in_names[n_s + len(step.example_inputs):])})
         args = [vals[v] for v in rg.input_vars]
         with torch.no_grad():
-            measured = _time(lambda: rg(*args), iters, sync, pick=min)
+            return _time(lambda: rg(*args), iters, sync, pick=min)
     except Exception as e:   # a program that cannot run alone here: the ops' times stand
         log.info("the step's program could not be timed whole: %s: %s", type(e).__name__, e)
         return None
-    r = (rates or alone_rates(dev))()
-    spec = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], flops_by_dtype=r["flops_by_dtype"],
-                      mem_curve=r["mem_curve"])
-    roof = sum(_roofline(op, graph, costs[op.id], spec) * slowdowns.get(op.id, 1.0)
-               for op in graph.ops if op.id in costs)
-    dispatch = r["op_overhead"] * len(graph.ops)
-    factor = (measured - dispatch) / max(roof, 1e-9)
-    log.info("the step's program ran %.1f ms alone; its ops' alone times say %.1f (+ %.1f dispatch): x%.2f",
-             measured * 1e3, roof * 1e3, dispatch * 1e3, factor)
-    return min(max(factor, PROGRAM_FACTOR[0]), PROGRAM_FACTOR[1])
 
 
-__all__ = ["alone_rates", "measure_slowdowns", "program_factor", "MAX_ELEMENTS"]
+__all__ = ["alone_rates", "measure_slowdowns", "program_seconds", "time_ops", "MAX_ELEMENTS"]

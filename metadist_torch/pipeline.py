@@ -16,7 +16,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from metadist_core.levers.microbatch import GradientCut, combine, micro_batch_size
+from metadist_core.driver.frontend import BatchLeaves
+from metadist_core.levers.microbatch import GradientCut, combine
+from metadist_core.levers.microbatch import split_batch as core_split_batch
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Sharding, local_piece
 
@@ -27,24 +29,20 @@ from .stats import CommStats
 from .trace import TracedStep
 
 
+def batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
+    """The call's leaves; every tensor among them is a batch leaf."""
+    leaves, spec = pytree.tree_flatten((list(args), dict(kwargs)))
+
+    def rebuild(lv: list) -> tuple[tuple, dict]:
+        a, kw = pytree.tree_unflatten(lv, spec)
+        return tuple(a), kw
+    return BatchLeaves(leaves, [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)], rebuild,
+                       "tensor input")
+
+
 def split_batch(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
     """``m`` calls, each with every tensor argument's ``i``-th equal part along dim 0 (others unchanged)."""
-    leaves, spec = pytree.tree_flatten((list(args), dict(kwargs)))
-    pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    sizes = [(f"tensor input {k}", int(leaves[i].shape[0])) for k, i in enumerate(pos) if leaves[i].dim() > 0]
-    scalars = [k for k, i in enumerate(pos) if leaves[i].dim() == 0]
-    if scalars:
-        raise ValueError(f"micro_batches={m} cuts dim 0 of every tensor input, but tensor input {scalars[0]} is "
-                         f"a 0-d tensor; pass it as a Python number or give it a batch dim")
-    mb = micro_batch_size(sizes, m)
-    out = []
-    for j in range(m):
-        lv = list(leaves)
-        for i in pos:
-            lv[i] = leaves[i].narrow(0, j * mb, mb)
-        a, kw = pytree.tree_unflatten(lv, spec)
-        out.append((tuple(a), kw))
-    return out
+    return core_split_batch(args, kwargs, m, batch_leaves, "torch")
 
 
 class MicroBatchProgram:

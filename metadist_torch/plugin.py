@@ -2,9 +2,9 @@
 
 The driver (:func:`metadist_core.driver.compile.compile_step`) calls, on every rank:
 ``trace`` (every rank traces: tracing is deterministic), ``resolve_mesh`` (the
-process group and DeviceMesh of this job), ``is_planner`` (rank 0), ``share``
-(rank 0's plan, checked against each rank's own graph) and ``lower`` (this
-rank's program). Importing this module imports no torch: every method imports
+process group and DeviceMesh of this job, with this rank's Engine), ``share``
+(rank 0 plans; its plan is checked against each rank's own graph) and ``lower``
+(this rank's program). Importing this module imports no torch: every method imports
 what it needs on first use.
 """
 from __future__ import annotations
@@ -13,58 +13,74 @@ import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 
-from metadist_core.driver.frontend import Frontend, Traced
+from metadist_core.driver.frontend import (BatchLeaves, Frontend, FrontendTraits, Lowered, MicroBatches, Program,
+                                           Resolved, Stages, Traced, Trials)
 from metadist_core.hookspecs import hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     from metadist_core.config import Settings
-    from metadist_core.ir.placement import Mesh
-    from metadist_core.plan.plan import ShardingPlan
     from metadist_core.cost.profile import MeshProfile
-
-    from .engine import Engine
+    from metadist_core.plan.plan import ShardingPlan
 
 OP_PREFIXES = ("aten.",)
 
 
-class TorchFrontend(Frontend):
-    """PyTorch: a whole training step (forward, backward, optimizer) traced to aten ops; runs on torch.distributed.
-
-    ``lower`` returns a callable taking the step's own ``(*args, **kwargs)`` and
-    returning what the step returns (see :mod:`metadist_torch.program`).
-    """
-
-    name = "torch"
-    op_prefixes = OP_PREFIXES
-    description = "PyTorch: aten ops run through torch.ops for ShardCombine"
-    runner_module = "metadist_torch.oprunner"
-    proxy_shapes = True   # op specs come from the graph's shapes and op.attrs alone
-    bucket_copies = 1     # collectives.AxisComm.all_reduce_bucket: the concatenation (reduced in place)
-    shard_buckets = True   # lower.coalesce_all_gathers and coalesce_reduces
-    whole_inputs = True    # every rank calls the step with the whole batch (RankProgram slices it: lower_plan)
-
-    def __init__(self) -> None:
-        self.engine: Engine | None = None   # the engine of the last resolve_mesh
+def _discovering() -> Any:
+    """One intra-op thread while ShardCombine runs thousands of tiny ops (a pool costs more than it
+    gives there); the user's setting is restored."""
+    import torch
 
     @contextlib.contextmanager
-    def discovering(self) -> Iterator[None]:
-        """One intra-op thread while ShardCombine runs thousands of tiny ops (a pool costs more than it
-        gives there); the user's setting is restored."""
-        import torch
+    def one_thread() -> Iterator[None]:
         before = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             yield
         finally:
             torch.set_num_threads(before)
+    return one_thread()
 
-    def can_fork_discovery(self) -> bool:
-        """Forked children run CPU aten ops well (as DataLoader workers do), but not once CUDA or a process
-        group is up in this process (a rank of torchrun plans alone, its peers waiting)."""
-        import torch
-        if torch.cuda.is_initialized():
-            return False
-        return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+def _can_fork_discovery() -> bool:
+    """Forked children run CPU aten ops well (as DataLoader workers do), but not once CUDA or a process
+    group is up in this process (a rank of torchrun plans alone, its peers waiting)."""
+    import torch
+    if torch.cuda.is_initialized():
+        return False
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def _batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
+    """Every tensor of the call is a batch leaf (the model and optimizer hold the state)."""
+    from .pipeline import batch_leaves
+    return batch_leaves(args, kwargs)
+
+
+TRAITS = FrontendTraits(
+    op_prefixes=OP_PREFIXES,
+    runner_module="metadist_torch.oprunner",
+    proxy_shapes=True,   # op specs come from the graph's shapes and op.attrs alone
+    bucket_copies=1,     # collectives.AxisComm.all_reduce_bucket: the concatenation (reduced in place)
+    shard_buckets=True,  # lower.coalesce_all_gathers and coalesce_reduces
+    whole_inputs=True,   # every rank calls the step with the whole batch (RankProgram slices it: lower_plan)
+    offloads=True,
+    pipelines=True,
+    discovering=_discovering,
+    can_fork_discovery=_can_fork_discovery,
+    batch_leaves=_batch_leaves,
+)
+
+
+class TorchFrontend(Frontend):
+    """PyTorch: a whole training step (forward, backward, optimizer) traced to aten ops; runs on torch.distributed.
+
+    ``lower`` gives a callable taking the step's own ``(*args, **kwargs)`` and
+    returning what the step returns (see :mod:`metadist_torch.program`).
+    """
+
+    name = "torch"
+    description = "PyTorch: aten ops run through torch.ops for ShardCombine"
+    traits = TRAITS
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         from .state import signature
@@ -80,105 +96,95 @@ class TorchFrontend(Frontend):
         from .offload import state_to_device
         state_to_device(state)   # offloaded optimizer state back beside the parameters: tracing runs the optimizer
         step = trace_step(fn, args, kwargs, state=state)
-        self._traced_step = step   # op_slowdowns times its program whole (optime.program_factor)
         return Traced(step.graph, context=step)
 
-    def watch(self, result: Any, args: tuple, kwargs: dict) -> Any:
-        """The guards on everything the trace read from Python state (:mod:`metadist_torch.watch`)."""
+    def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> Resolved:
+        """The process group's mesh and this rank's Engine (a mesh whose size is not the world size:
+        ValueError quoting both)."""
+        import torch
+        from .engine import engine_for
+        eng = engine_for(mesh)
+        if eng.device.type == "cuda":
+            kind = "cuda-" + torch.cuda.get_device_name(eng.device).replace(" ", "_")
+        else:
+            kind = f"cpu{torch.get_num_threads()}t"
+        return Resolved(profile.mesh(eng.mesh.shape, eng.mesh.axis_names), eng, kind,
+                        lead=eng.rank == 0 or not eng.distributed)
+
+    def share(self, plan_fn: Callable[[], Any], traced: Traced, resolved: Resolved) -> Any:
+        """Rank 0 plans; its plan is broadcast and checked against each rank's own graph; where it fails,
+        every rank raises its error."""
+        from .share import share_error, share_plan
+        eng = resolved.engine
+        if not eng.distributed:
+            return plan_fn()
+        plan = None
+        if eng.rank == 0:
+            try:
+                plan = plan_fn()
+            except BaseException as e:
+                share_error(eng, e)   # the other ranks wait for a plan: tell them instead
+                raise
+        return share_plan(eng, plan, traced.graph)
+
+    def lower(self, traced: Traced, program: Program, resolved: Resolved, settings: "Settings") -> Lowered:
         from .watch import StepWatch
-        step = result.traced.context if result.traced is not None else None
-        if step is None:
-            return None
-        return StepWatch(step, self.engine if self.engine is not None and result.mesh is not None
-                         and self.engine.mesh.shape == result.mesh.shape else None)
+        eng = resolved.engine
+        if isinstance(program, Trials):
+            return Lowered()   # every rank takes part in a step: one process cannot time a plan alone
+        if isinstance(program, Stages):
+            if program.plan is None:
+                return Lowered()
+            from metadist_core.levers.microbatch import cut_at_gradients
+            from .stages import lower_stages
+            g = traced.graph
+            batch_in = [v for v in g.inputs if g.vars[v].role == "input" and g.vars[v].shape]
+            cut = cut_at_gradients(g, g.vars[batch_in[0]].shape[0] if batch_in else None)
+            run = lower_stages(traced.context, cut, list(program.plan.stages), program.plan, eng, settings)
+        elif isinstance(program, MicroBatches):
+            from .pipeline import lower_micro_batches
+            run = lower_micro_batches(traced.context, program.cut, program.plans, resolved.mesh, eng, settings)
+        else:
+            run = _lower_whole(traced, program.plan, resolved, settings)
+        return Lowered(run, StepWatch(traced.context, eng))
 
-    def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> "Mesh":
-        from .engine import engine_for
-        self.engine = engine_for(mesh)   # a mesh whose size is not the world size: ValueError quoting both
-        return profile.mesh(self.engine.mesh.shape, self.engine.mesh.axis_names)
+    def time_ops(self, requests: Any, resolved: Resolved, traced: Traced | None = None,
+                 program: bool = False) -> Any:
+        """Each op run alone at the requested shapes on this rank's device (the GPU a one-device step's
+        state lives on), and the step's program whole (:mod:`metadist_torch.optime`)."""
+        from .optime import time_ops
+        step = traced.context if traced is not None else None
+        dev = (_state_device(step, "cuda") if resolved.mesh.size == 1 else None) or resolved.engine.device
+        with _same_random_draws(dev):
+            return time_ops(list(requests), dev, step, program)
 
-    def _engine(self) -> "Engine":
-        if self.engine is None:
-            from .engine import engine_for
-            self.engine = engine_for(None)
-        return self.engine
-
-    def is_planner(self) -> bool:
-        eng = self._engine()
-        return eng.rank == 0 or not eng.distributed
-
-    def share(self, plan: "ShardingPlan | None", traced: Traced) -> "ShardingPlan":
-        from .share import share_plan
-        return share_plan(self._engine(), plan, traced.graph)
-
-    def share_error(self, error: BaseException) -> None:
-        from .share import share_error
-        share_error(self._engine(), error)
-
-    def lower(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
-        from .engine import engine_for
-        from .lower import lower_plan
-        from .program import LocalProgram, RankProgram, place_state
-        step = traced.context
-        eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
-        if not eng.distributed and not getattr(plan, "recompute", None):
-            if settings.offload:   # the optimizer update on the host (metadist_torch.offload)
-                from .offload import offload_traced, state_to_host
-                off_step, info = offload_traced(step)
-                state_to_host(step.state)
-                prog = LocalProgram(off_step, reinplace=False)   # the update runs on the host copy
-                prog.offload = info
-                return prog
-            return LocalProgram(step)   # one device: the traced step itself
-        if eng.distributed:
-            place_state(step, plan, eng)
-        else:   # one device recomputing: the rewritten graph, lowered as the only rank of a one-device mesh,
-            #     on the device the state lives on (the engine's is the CPU at world size 1)
-            eng = dataclasses.replace(eng, device=_state_device(step) or eng.device)
-        from .compression import wire_map
-        graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
-                           coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
-                           shard_bucket_bytes=settings.shard_bucket_bytes,
-                           first_bucket_bytes=settings.first_bucket_bytes,
-                           wire=wire_map(traced.graph, settings.grad_compression),
-                           inplace_state=not settings.offload)   # offload moves the update to the host
-        info = None
-        if settings.offload:   # the optimizer update on the host, its state stored there (metadist_torch.offload)
-            from .offload import offload_rank_graph, state_to_host
-            info = offload_rank_graph(graph, traced.graph, eng.device)
-            state_to_host(step.state, eng)
-        if step.random_ops:
-            eng.sync_rng()   # once per engine: every rank draws what rank 0 (and one device) would
-        prog = RankProgram(step, graph, plan, eng)
-        prog.offload = info
-        return prog
-
-    def split_batch(self, args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
-        from .pipeline import split_batch
-        return split_batch(args, kwargs, m)
-
-    def lower_micro_batches(self, traced: Traced, cut: Any, plans: tuple, mesh: "Mesh",
-                            settings: "Settings") -> Callable:
-        from .engine import engine_for
-        from .pipeline import lower_micro_batches
-        eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
-        return lower_micro_batches(traced.context, cut, plans, mesh, eng, settings)
-
-    def offloads(self) -> bool:
-        return True
-
-    def pipelines(self) -> bool:
-        return True
-
-    def lower_stages(self, traced: Traced, plan: "ShardingPlan", mesh: "Mesh", settings: "Settings") -> Callable:
-        from metadist_core.levers.microbatch import cut_at_gradients
-        from .engine import engine_for
-        from .stages import lower_stages
-        eng = self.engine if self.engine is not None and self.engine.mesh.shape == mesh.shape else engine_for(mesh)
-        g = traced.graph
-        batch_in = [v for v in g.inputs if g.vars[v].role == "input" and g.vars[v].shape]
-        cut = cut_at_gradients(g, g.vars[batch_in[0]].shape[0] if batch_in else None)
-        return lower_stages(traced.context, cut, list(plan.stages), plan, eng, settings)
+    def measure_profile(self, resolved: Resolved, cached: Any, traced: Traced | None = None) -> Any:
+        """On several ranks: alpha/beta per axis on the live process groups and the device's rates (a few
+        seconds), unless every rank has ``cached`` and it covers this mesh (ranks agree first: one
+        all_reduce). On one device: the GPU the step's state lives on, its rates and host link timed
+        (about 1 s), so that the memory plan keeps offloaded state off the device's memory and the step
+        is priced on that GPU; None on a CPU."""
+        import torch
+        import torch.distributed as dist
+        eng = resolved.engine
+        if resolved.mesh.size == 1:
+            dev = _state_device(traced.context, "cuda") if traced is not None else None
+            if dev is None:
+                return None
+            from metadist_core.cost.profile import MeshProfile
+            from .calibrate import measure_device
+            with _same_random_draws(dev):
+                return MeshProfile(nodes=1, devices_per_node=1, device=measure_device(on=dev))
+        if not eng.distributed:
+            return cached
+        have = cached is not None and cached.covers(resolved.mesh)
+        flag = torch.tensor([1 if have else 0], device=eng.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag.item()) == 1:
+            return cached
+        from .calibrate import measure_live
+        with _same_random_draws(eng.device):
+            return measure_live(eng, resolved.mesh, cached)
 
     def demo(self, args: Sequence[str]) -> int:
         """``[--nproc N] [--mesh M] [--solver S] ...``: the GPT example on N local CPU ranks under torchrun."""
@@ -192,55 +198,6 @@ class TorchFrontend(Frontend):
             del rest[i:i + 2]
         return run(nproc=nproc, args=rest)
 
-    def op_slowdowns(self, graph: Any, costs: dict, cache_file: str | None) -> dict[str, float]:
-        """Each op run at its real shapes on this rank's device, over its roofline (metadist_torch.optime)."""
-        from .optime import alone_rates, measure_slowdowns, program_factor
-        # the GPU of the one-device step device_spec measured in this compile, else this rank's device
-        dev = self.__dict__.pop("_one_device", None) or self._engine().device
-        rates = alone_rates(dev)   # measured once, for both
-        with _same_random_draws(dev):
-            slow = measure_slowdowns(graph, costs, cache_file, dev, rates=rates)
-            factor = program_factor(self.__dict__.pop("_traced_step", None), graph, costs, slow, dev, rates=rates)
-        if factor is None:
-            return slow
-        return {i: slow.get(i, 1.0) * factor for i in costs}
-
-    def device_spec(self, traced: Traced) -> Any:
-        """A one-device step on a GPU (its state there): the GPU's rates and host link, timed (about 1 s),
-        so that the memory plan keeps offloaded state off the device's memory and the step is priced on
-        that GPU (its ops are then timed there too: :meth:`op_slowdowns`)."""
-        dev = _state_device(traced.context, "cuda")
-        self._one_device = dev
-        if dev is None:
-            return None
-        from .calibrate import measure_device
-        with _same_random_draws(dev):
-            return measure_device(on=dev)
-
-    def device_kind(self) -> str | None:
-        import torch
-        eng = self._engine()
-        if eng.device.type == "cuda":
-            return "cuda-" + torch.cuda.get_device_name(eng.device).replace(" ", "_")
-        return f"cpu{torch.get_num_threads()}t"
-
-    def measure_profile(self, mesh: "Mesh", cached: Any) -> Any:
-        """Alpha/beta per axis on the live process groups and the device's rates (a few seconds), unless
-        every rank has ``cached`` and it covers this mesh (ranks agree first: one all_reduce)."""
-        import torch
-        import torch.distributed as dist
-        eng = self._engine()
-        if not eng.distributed:
-            return cached
-        have = cached is not None and "x".join(map(str, mesh.shape)) in cached.axis_costs
-        flag = torch.tensor([1 if have else 0], device=eng.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        if int(flag.item()) == 1:
-            return cached
-        from .calibrate import measure_live
-        with _same_random_draws(eng.device):
-            return measure_live(eng, mesh, cached)
-
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         from .calibrate import run_calibrate
         return run_calibrate(out, nprocs=nprocs, refresh=refresh_cached_profile)
@@ -252,8 +209,47 @@ def refresh_cached_profile() -> "MeshProfile":
     from metadist_core.config import load_settings
     from metadist_core.cost.profile import MeshProfile, profile_for
     fe = TorchFrontend()
-    mesh = fe.resolve_mesh(None, MeshProfile())
-    return profile_for(fe, mesh, load_settings(mesh_profile=None), force=True)
+    resolved = fe.resolve_mesh(None, MeshProfile())
+    return profile_for(fe, resolved, load_settings(mesh_profile=None), force=True)
+
+
+def _lower_whole(traced: Traced, plan: "ShardingPlan", resolved: Resolved, settings: "Settings") -> Callable:
+    """This rank's program of the whole step under ``plan`` (one device without recomputation: the traced
+    step itself)."""
+    from .lower import lower_plan
+    from .program import LocalProgram, RankProgram, place_state
+    step, eng, mesh = traced.context, resolved.engine, resolved.mesh
+    if not eng.distributed and not getattr(plan, "recompute", None):
+        if settings.offload:   # the optimizer update on the host (metadist_torch.offload)
+            from .offload import offload_traced, state_to_host
+            off_step, info = offload_traced(step)
+            state_to_host(step.state)
+            prog = LocalProgram(off_step, reinplace=False)   # the update runs on the host copy
+            prog.offload = info
+            return prog
+        return LocalProgram(step)   # one device: the traced step itself
+    if eng.distributed:
+        place_state(step, plan, eng)
+    else:   # one device recomputing: the rewritten graph, lowered as the only rank of a one-device mesh,
+        #     on the device the state lives on (the engine's is the CPU at world size 1)
+        eng = dataclasses.replace(eng, device=_state_device(step) or eng.device)
+    from .compression import wire_map
+    graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
+                       coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
+                       shard_bucket_bytes=settings.shard_bucket_bytes,
+                       first_bucket_bytes=settings.first_bucket_bytes,
+                       wire=wire_map(traced.graph, settings.grad_compression),
+                       inplace_state=not settings.offload)   # offload moves the update to the host
+    info = None
+    if settings.offload:   # the optimizer update on the host, its state stored there (metadist_torch.offload)
+        from .offload import offload_rank_graph, state_to_host
+        info = offload_rank_graph(graph, traced.graph, eng.device)
+        state_to_host(step.state, eng)
+    if step.random_ops:
+        eng.sync_rng()   # once per engine: every rank draws what rank 0 (and one device) would
+    prog = RankProgram(step, graph, plan, eng)
+    prog.offload = info
+    return prog
 
 
 def _same_random_draws(dev: Any) -> Any:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Hashable
 
-from metadist_core.driver.frontend import Frontend, Traced
+from metadist_core.driver.frontend import (Frontend, FrontendTraits, Lowered, Program, Resolved, Traced, Trials,
+                                           WholeStep, not_supported)
 from metadist_core.hookspecs import hookimpl
 from metadist_core.ir.placement import Mesh
 
@@ -53,16 +54,14 @@ class TvmFrontend(Frontend):
     """
 
     name = "tvm"
-    op_prefixes = ("te.",)
     description = "TVM Tensor Expression: topi operators and TE computes rebuilt at shard shapes, llvm"
-    runner_module = "metadist_tvm.oprunner"
-    proxy_shapes = True   # op specs come from the graph's shapes and the call, its static arguments rewritten
+    # op specs come from the graph's shapes and the call, its static arguments rewritten
+    traits = FrontendTraits(op_prefixes=("te.",), runner_module="metadist_tvm.oprunner", proxy_shapes=True)
 
     def __init__(self, engine: str = "auto") -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
         self.engine_choice = engine
-        self.rank_engine: Any = None   # metadist_torch's Engine of this rank, when the engine is torch
 
     @property
     def engine(self) -> str:
@@ -86,55 +85,53 @@ class TvmFrontend(Frontend):
         te_traced = trace(args[0], args[1], kwargs.get("name", "te_graph"))
         return Traced(te_traced.graph, context=te_traced)
 
-    def resolve_mesh(self, mesh: Any, profile: Any) -> Mesh:
-        if self.engine == "torch":   # metadist_torch's Engine: None is the whole world as one axis
+    def resolve_mesh(self, mesh: Any, profile: Any) -> Resolved:
+        """The planning Mesh and, under torch, this rank's metadist_torch Engine (None: the simulator)."""
+        if self.engine == "torch":   # None is the whole world as one axis; a size that is not the world's: ValueError
             from .run import torch_engine
-            self.rank_engine = torch_engine(mesh)   # a mesh whose size is not the world size: ValueError
-            if isinstance(mesh, Mesh):
-                return mesh
-            return profile.mesh(self.rank_engine.mesh.shape, self.rank_engine.mesh.axis_names)
+            eng = torch_engine(mesh)
+            m = mesh if isinstance(mesh, Mesh) else profile.mesh(eng.mesh.shape, eng.mesh.axis_names)
+            return Resolved(m, eng, lead=eng.rank == 0)
         if mesh is None:
             mesh = (2,)
         if isinstance(mesh, Mesh):
-            return mesh
+            return Resolved(mesh)
         shape, names = mesh_shape(mesh)
-        return profile.mesh(shape, names)
+        return Resolved(profile.mesh(shape, names))
 
-    def _rank_engine(self) -> Any:
-        """This rank's metadist_torch Engine: the one :meth:`resolve_mesh` made, else the whole world's."""
-        if self.rank_engine is None:
-            from .run import torch_engine
-            self.rank_engine = torch_engine(None)
-        return self.rank_engine
-
-    def is_planner(self) -> bool:
-        return self.engine != "torch" or self._rank_engine().rank == 0
-
-    def share(self, plan: Any, traced: Traced) -> Any:
-        if self.engine != "torch":
-            return super().share(plan, traced)
+    def share(self, plan_fn: Callable[[], Any], traced: Traced, resolved: Resolved) -> Any:
+        """Under torch, rank 0 plans and broadcasts its plan (or its error); else this process plans."""
+        eng = resolved.engine
+        if eng is None:
+            return plan_fn()
         from metadist_core.plan.plan import ShardingPlan
-
-        eng = self._rank_engine()
+        plan = None
+        if resolved.lead:
+            try:
+                plan = plan_fn()
+            except BaseException as error:   # the other ranks wait for a plan: tell them instead
+                eng.broadcast({"error": f"{type(error).__name__}: {error}"})
+                raise
         msg = eng.broadcast({"plan": plan.to_json()} if plan is not None else None)
         if msg is None or "error" in msg:
             why = "no plan" if msg is None else msg["error"]
             raise RuntimeError(f"rank 0 failed to plan {traced.graph.name!r}: {why}")
         return plan if plan is not None else ShardingPlan.from_json(msg["plan"])
 
-    def share_error(self, error: BaseException) -> None:
-        if self.engine == "torch":
-            self._rank_engine().broadcast({"error": f"{type(error).__name__}: {error}"})
-
-    def lower(self, traced: Traced, plan: Any, mesh: Mesh, settings: Any) -> Callable:
-        """A :class:`~metadist_tvm.runtime.Parallelized` running ``plan`` on this process's engine."""
+    def lower(self, traced: Traced, program: Program, resolved: Resolved, settings: Any) -> Lowered:
+        """A :class:`~metadist_tvm.runtime.Parallelized` running the plan on ``resolved``'s engine."""
         from .runtime import Parallelized
         from .trace import Traced as TeTraced
+        if isinstance(program, Trials):
+            return Lowered()
+        if not isinstance(program, WholeStep):
+            raise not_supported(self.name, program)
         te_traced = traced.context
         if not isinstance(te_traced, TeTraced):
             raise ValueError(f"{traced.graph.name!r} was not traced by the tvm frontend in this process "
                              f"(its context is {type(te_traced).__name__}); trace it with TvmFrontend().trace")
-        return Parallelized(te_traced, plan, mesh, self.engine)
+        return Lowered(Parallelized(te_traced, program.plan, resolved.mesh,
+                                    "simulate" if resolved.engine is None else "torch"))
 
     def __repr__(self) -> str:
         return f"<TvmFrontend 'tvm' engine={self.engine_choice}>"

@@ -52,6 +52,11 @@ class MeshProfile:
         stride = math.prod(shape[axis + 1:])
         return "intra" if stride * shape[axis] <= self.devices_per_node else "inter"
 
+    def covers(self, mesh: Mesh | Sequence[int]) -> bool:
+        """Were the links of ``mesh`` (a Mesh or its shape) measured on this very mesh shape?"""
+        shape = mesh.shape if isinstance(mesh, Mesh) else tuple(mesh)
+        return "x".join(map(str, shape)) in self.axis_costs
+
     def mesh(self, shape: Sequence[int], axis_names: Sequence[str] | None = None) -> Mesh:
         """A Mesh of ``shape`` with per-axis alpha/beta from this profile."""
         shape = tuple(int(s) for s in shape)
@@ -196,11 +201,11 @@ def cached_profile(cache_dir: str | os.PathLike | None, key: dict) -> MeshProfil
     return prof if prof.measured and prof.key == key else None
 
 
-def profile_for(frontend, mesh: Mesh, settings, *, force: bool = False) -> MeshProfile:
-    """The profile a compile on ``mesh`` prices with.
+def profile_for(frontend, resolved, settings, *, force: bool = False) -> MeshProfile:
+    """The profile a compile on ``resolved`` (a :class:`~metadist_core.driver.frontend.Resolved`) prices with.
 
     The ``mesh_profile`` setting overrides everything. Otherwise, on a mesh of
-    more than one device whose frontend can measure (``frontend.device_kind()``
+    more than one device whose frontend can measure (``resolved.device_kind``
     not None), the profile measured on this machine is read from the cache dir
     (keyed by host, world size and device kind), and measured on the live engine
     (``frontend.measure_profile``) and cached when there is none or ``force``.
@@ -210,16 +215,17 @@ def profile_for(frontend, mesh: Mesh, settings, *, force: bool = False) -> MeshP
         return load_profile(settings.mesh_profile)
     if not getattr(settings, "measure_links", True) and not force:
         return MeshProfile()   # the built-in defaults: plans that do not change with this machine's load
-    kind = frontend.device_kind() if mesh.size > 1 else None
+    mesh = resolved.mesh
+    kind = resolved.device_kind if mesh.size > 1 else None
     if kind is None:
         return MeshProfile()
     key = profile_key(mesh.size, kind)
     cached = None if force else cached_profile(settings.cache_dir, key)
-    prof = frontend.measure_profile(mesh, cached)
+    prof = frontend.measure_profile(resolved, cached)
     if prof is None:
         return MeshProfile()
     if prof is not cached:
         prof.key = key
-        if frontend.is_planner():
+        if resolved.lead:
             prof.save(profile_cache_path(settings.cache_dir, key))
     return prof

@@ -43,7 +43,7 @@ def _proxies_ok(ops: Any, op: MetaOp) -> bool:
     """Does the frontend of ``op`` build its OpSpec from the graph's shapes and ``op.attrs`` alone?"""
     owner = getattr(ops, "owner", None)
     fe = owner(op) if owner is not None else None
-    return bool(getattr(fe, "proxy_shapes", False))
+    return bool(getattr(getattr(fe, "traits", None), "proxy_shapes", False))
 
 
 def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_sizes: Sequence[int] = (2,),
@@ -87,7 +87,7 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
     desc = f"discover ({len(todo)} op patterns" + (f", {n_workers} processes)" if n_workers > 1 else ")")
     with contextlib.ExitStack() as stack, Progress(len(todo), desc, enabled=show) as bar:
         for fe in fronts.values():
-            stack.enter_context(fe.discovering())
+            stack.enter_context(fe.traits.discovering())
         for n in sizes:   # the smallest axis first: its rules seed the search on the larger ones
             jobs = [(op, pat) for op, pat in todo.values() if pat.axis_size == n]
             seeds = {i: s for i, (op, _) in enumerate(jobs)
@@ -128,14 +128,14 @@ def seed_combos(book: RuleBook, op: MetaOp, graph: MetaIR, smaller: Sequence[int
 def worker_count(requested: int, n_patterns: int, frontends: Sequence[Any], all_owned: bool = True) -> int:
     """How many processes discover ``n_patterns`` patterns: ``requested`` (0: one per usable CPU core, at
     most :data:`MAX_WORKERS`), but 1 when there are few patterns, the platform cannot fork, or a frontend
-    involved cannot run its ops in a forked child (``Frontend.can_fork_discovery``)."""
+    involved cannot run its ops in a forked child (``FrontendTraits.can_fork_discovery``)."""
     import multiprocessing
     import os
     if requested == 1 or n_patterns < 2:
         return 1
     if "fork" not in multiprocessing.get_all_start_methods() or not frontends or not all_owned:
         return 1
-    if not all(getattr(fe, "can_fork_discovery", lambda: False)() for fe in frontends):
+    if not all(fe.traits.can_fork_discovery() for fe in frontends):
         return 1
     if requested <= 0:
         if n_patterns < MIN_PARALLEL:

@@ -14,7 +14,7 @@ solver's plan in the frontend's first lowering stays unless another is faster
 by more than :data:`MARGIN` (the rounds' noise on shared cores).
 
 Only frontends that can run a plan on the planning process alone take part
-(:meth:`~metadist_core.driver.frontend.Frontend.trial`): JAX in one process. The
+(``Frontend.lower`` of :class:`~metadist_core.driver.frontend.Trials`): JAX in one process. The
 figures are kept in ``plan.stats["autotune"]`` and shown by ``str(plan)``'s
 summary line.
 """
@@ -253,13 +253,12 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     return chosen.result, chosen.trial
 
 
-def autotune_result(res: Any, frontend: Any, traced: Any, mesh: Any, s: Any, user_constraints: Sequence[Any],
-                    solve_on: Callable[..., Any], args: tuple, kwargs: dict,
-                    timings: dict[str, float]) -> tuple[Any, Trial | None]:
+def autotune_result(res: Any, mesh: Any, s: Any, user_constraints: Sequence[Any], solve_on: Callable[..., Any],
+                    make_trials: Callable[[Any], Any], timings: dict[str, float]) -> tuple[Any, Trial | None]:
     """For the driver (:func:`metadist_core.driver.compile.compile_step`): the solver's CompileResult ``res``, or a
     preset's that ran faster when both were timed, and the kept plan's trial (None when nothing was timed).
-    ``solve_on(mesh, settings)`` solves the compile's problem under other settings; ``frontend.trial`` makes
-    the trials."""
+    ``solve_on(mesh, settings)`` solves the compile's problem under other settings; ``make_trials(plan)``
+    gives the frontend's trials of a plan (its ``lower`` of :class:`~metadist_core.driver.frontend.Trials`)."""
     import dataclasses
 
     from metadist_core.progress import Ticker
@@ -273,8 +272,7 @@ def autotune_result(res: Any, frontend: Any, traced: Any, mesh: Any, s: Any, use
     with Ticker("autotune (solving the presets, timing the plans)", enabled=s.progress):
         chosen, trial = tune(res,
                              lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
-                             lambda p: frontend.trial(traced, p, mesh, s, tuple(args), dict(kwargs)),
-                             lambda p: p.digest(), seconds=s.autotune_seconds)
+                             make_trials, lambda p: p.digest(), seconds=s.autotune_seconds)
     timings["autotune"] = time.perf_counter() - t
     return chosen, trial
 

@@ -5,6 +5,7 @@ from :func:`build_parser` by ``python scripts/gen_docs.py``."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -172,23 +173,23 @@ def _settings(args):
 
 
 def cmd_plan(args) -> int:
+    from metadist_core.driver import planonly
     from metadist_core.driver.planner import plan_graph
 
     settings, pm = _settings(args)
     if args.strategy:
         from metadist_core.config import check_strategy
         settings.strategy = check_strategy(args.strategy)
+    request = planonly.PlanOnly(mesh=_mesh_shape(args.mesh), out=args.out, solver=args.solver,
+                                memory_budget=args.memory_budget, cache_dir=args.cache_dir, profile=args.profile,
+                                strategy=args.strategy, compare=args.compare)
     if args.target.endswith(".py"):
-        return _plan_script(args)
+        return _plan_script(args, request)
+    from metadist_core.cost.profile import load_profile
     graph = load_graph(args.target)
-    mesh = _mesh(args, settings)
-    result = plan_graph(graph, mesh, plugins=pm, settings=settings)
-    print(result.plan)
-    out = Path(args.out or f"{Path(args.target).stem}.plan.json")
-    out.write_text(json.dumps(result.plan.to_json(), indent=1))
-    print(f"plan saved to {out}; timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items()))
-    from metadist_core.plan.explain import report_plan_only
-    report_plan_only(result, {"out": str(out), "compare": args.compare}, settings, pm)
+    result = plan_graph(graph, load_profile(settings.mesh_profile).mesh(request.mesh), plugins=pm, settings=settings)
+    out = planonly.show_and_save(result, args.out or f"{Path(args.target).stem}.plan.json")
+    planonly.report(result, request, out, settings, pm)
     return 0
 
 
@@ -221,50 +222,39 @@ def cmd_explain(args) -> int:
     return 0
 
 
-def _plan_script(args) -> int:
-    """Run SCRIPT until its first metadist_compile'd step; the frontend plans it and stops the script."""
+def _plan_script(args, request) -> int:
+    """Run SCRIPT until its first metadist_compile'd step, which the driver plans for ``request``
+    (:mod:`metadist_core.driver.planonly`), ending the script."""
     import runpy
 
-    from metadist_core.driver.planonly import ENV, PlanOnlyDone
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.driver.planonly import PlanOnlyDone, plan_only
 
     script = Path(args.target)
     if not script.is_file():
         raise CliError(f"no such file: {args.target}")
-    try:
-        shape = Mesh.parse(args.mesh).shape
-    except ValueError as e:
-        raise CliError(str(e)) from None
-    request = {"mesh": list(shape), "out": args.out or f"{script.stem}.plan.json", "solver": args.solver,
-               "memory_budget": args.memory_budget, "cache_dir": args.cache_dir, "profile": args.profile,
-               "strategy": args.strategy, "compare": args.compare}
-    old_env, old_argv = os.environ.get(ENV), sys.argv
-    os.environ[ENV] = json.dumps(request)
+    request = dataclasses.replace(request, out=args.out or f"{script.stem}.plan.json")
+    old_argv = sys.argv
     sys.argv = [str(script)] + list(args.script_args)
     sys.path.insert(0, str(script.resolve().parent))
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        with plan_only(request):
+            runpy.run_path(str(script), run_name="__main__")
     except PlanOnlyDone:
         return 0
     finally:
         sys.argv = old_argv
         sys.path.remove(str(script.resolve().parent))
-        if old_env is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = old_env
     raise CliError(f"{args.target} finished without calling a metadist_compile'd step, so there was nothing to plan")
 
 
-def _mesh(args, settings):
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    """The mesh shape of a ``--mesh`` option (``8``, ``2x4``); a malformed one is a CliError."""
     from metadist_core.ir.placement import Mesh
-    from metadist_core.cost.profile import load_profile
 
     try:
-        shape = Mesh.parse(args.mesh).shape
+        return Mesh.parse(text).shape
     except ValueError as e:
         raise CliError(str(e)) from None
-    return load_profile(settings.mesh_profile).mesh(shape)
 
 
 def _frontend(pm, name: str, job: str):
@@ -281,11 +271,7 @@ def _frontend(pm, name: str, job: str):
 
 def cmd_demo(args) -> int:
     if args.mesh:
-        try:
-            from metadist_core.ir.placement import Mesh
-            Mesh.parse(args.mesh)
-        except ValueError as e:
-            raise CliError(str(e)) from None
+        _mesh_shape(args.mesh)
     _, pm = _settings(args)
     extra = (["--mesh", args.mesh] if args.mesh else []) + (["--solver", args.solver] if args.solver else [])
     if args.reference or "torch" not in pm.frontends():

@@ -17,21 +17,87 @@ import functools
 import logging
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping
 
 from metadist_core.config import Settings, load_settings
-from metadist_core.problem.constraints import as_constraint_list
-from metadist_core.driver.frontend import Frontend
-from metadist_core.ir.ir import MetaIR
 from metadist_core.cost.localtime import LocalTimer
+from metadist_core.cost.profile import MeshProfile
+from metadist_core.discovery.rules import RuleBook
+from metadist_core.driver import planonly
+from metadist_core.driver.frontend import (Frontend, Lowered, MicroBatches, NotSupported, Resolved, Stages, Traced,
+                                           Trials, WholeStep, not_supported)
+# planning a traced graph (re-exported: tools, benchmarks and tests import these from here)
+from metadist_core.driver.planner import CompileResult, op_costs, plan_graph, replicated_plan
+from metadist_core.ir.ir import MetaIR
 from metadist_core.ir.placement import Mesh
 from metadist_core.plugins import PluginManager
-from metadist_core.config import check_strategy
-from metadist_core.discovery.rules import RuleBook
-# planning a traced graph (re-exported: tools, benchmarks and tests import these from here)
-from metadist_core.driver.planner import CompileResult, lowering_traits, op_costs, plan_graph, replicated_plan
+from metadist_core.problem.constraints import as_constraint_list
 
 log = logging.getLogger("metadist.pipeline")
+
+
+@dataclass
+class Job:
+    """One compile's fixed inputs: the frontend, the settings, the plugins, the user's constraints and
+    solver options, and the seconds each step took so far."""
+
+    frontend: Frontend
+    settings: Settings
+    plugins: PluginManager
+    constraints: list
+    solver_options: dict | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def constraints_on(self, graph: MetaIR, mesh: Mesh) -> list:
+        """The user's constraints and the frontend's engine constraints on ``mesh``."""
+        return self.constraints + self.frontend.constraints(graph, mesh)
+
+
+@dataclass
+class Pricing:
+    """How a compile prices its plans: the profile its links and device come from (None: the built-in
+    costs on one device), the device of a one-device step the frontend measured, and the ops' timers."""
+
+    profile: MeshProfile | None = None
+    one_device: Any = None
+    op_times: "OpTimer | None" = None
+    local_timer: LocalTimer | None = None
+
+
+@dataclass
+class OpTimer:
+    """The ops' measured slowdowns at their whole shapes (:mod:`metadist_core.cost.optimes`) from the
+    frontend's ``time_ops``, timed once per compile (every mesh a pipeline search tries reads them)."""
+
+    frontend: Frontend
+    resolved: Resolved
+    traced: Traced
+    cache_file: str | None = None
+    measured: dict[str, float] | None = None
+
+    def __call__(self, graph: MetaIR, costs: dict) -> Mapping[str, float]:
+        if self.measured is None:
+            from metadist_core.cost.optimes import whole_slowdowns
+            traced = self.traced if self.traced.graph is graph else None
+
+            def time_ops(requests: list, program: bool) -> Any:
+                return self.frontend.time_ops(requests, self.resolved, traced, program)
+            self.measured = dict(whole_slowdowns(graph, costs, time_ops, self.cache_file,
+                                                 skip=self.frontend.traits.times_local,
+                                                 program=traced is not None) or {})
+        return self.measured
+
+
+@dataclass
+class Planned:
+    """What the planning step gave this process: the plan, the planning's result where this process
+    planned (rules, problem, timings), and the autotune trial of the plan kept (its lowering reused)."""
+
+    plan: Any
+    result: CompileResult | None = None
+    tuned: Any = None
+    seconds: float = 0.0   # spent planning here (inside the frontend's share)
 
 
 def _own_link_costs(mesh: Any) -> bool:
@@ -47,159 +113,249 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     """Trace ``fn(*args, **kwargs)`` with ``frontend``, plan it on ``mesh`` and lower the plan.
 
     ``mesh`` is the user's mesh argument, resolved by the frontend against its
-    engine. In a plan-only run (``metadist plan SCRIPT``) this plans for the
-    mesh asked for, prints and saves the plan, and ends the script.
+    engine. In a plan-only run (:mod:`metadist_core.driver.planonly`) this plans for the
+    mesh asked for, prints and saves the plan, and raises ``PlanOnlyDone``.
     """
-    from metadist_core.driver import planonly
-    from metadist_core.cost.profile import load_profile
-
-    s = settings or load_settings()
-    pm = plugins or PluginManager()
-    pm.solver(s.solver)  # an unknown solver is an error on every process, before any work
-    user_constraints = as_constraint_list(constraints)   # Pin/Forbid, and {parameter name or glob: placements}
-    timings: dict[str, float] = {}
-
-    if s.micro_batches > 1:   # trace and plan one micro-batch (a batch m does not divide: a clear error)
-        args, kwargs = frontend.split_batch(tuple(args), dict(kwargs), s.micro_batches)[0]
+    job = _job(frontend, settings, plugins, constraints, solver_options)
+    args, kwargs = one_micro_batch(job, tuple(args), dict(kwargs))
     request = planonly.requested()
     if request is not None:
-        s = planonly.settings_for(request, s)
-        if request.get("strategy"):
-            s = dataclasses.replace(s, strategy=check_strategy(request["strategy"]))
-        traced = frontend.trace(fn, tuple(args), dict(kwargs))
-        plan_mesh = load_profile(request.get("profile") or s.mesh_profile).mesh(tuple(request.get("mesh", [2])))
-        if s.pipeline_stages is not None and s.pipeline_stages > 1:   # priced for every frontend, JAX included
-            from metadist_core.driver.pipeplan import plan_only_pipeline
-            result = plan_only_pipeline(traced.graph, plan_mesh, s, pm, solver_options,
-                                        user_constraints + frontend.constraints(traced.graph, plan_mesh))
-        else:
-            result = plan_graph(traced.graph, plan_mesh, plugins=pm, settings=s, solver_options=solver_options,
-                                constraints=user_constraints + frontend.constraints(traced.graph, plan_mesh),
-                                **lowering_traits(frontend))
-        try:
-            planonly.finish(result, plan_mesh, request)
-        except planonly.PlanOnlyDone:   # the problem beside the plan (`metadist explain`), --compare's table
-            from metadist_core.plan.explain import report_plan_only
-            report_plan_only(result, request, s, pm)
-            raise
+        plan_only_step(job, request, fn, args, kwargs)
+    check_offload(job)
+    traced = trace(job, fn, args, kwargs)
+    resolved = resolve(job, mesh)
+    pricing, resolved = price(job, traced, resolved, mesh)
+    check_pipeline(job, traced, resolved)
+    planned = plan_and_share(job, traced, resolved, pricing, args, kwargs)
+    job, traced = adopt(job, traced, planned)
+    lowered = lower(job, traced, resolved, planned)
+    res = planned.result
+    log.info("compiled %s with %s on mesh %s: %s", traced.graph.name, frontend.name, resolved.mesh,
+             ", ".join(f"{k} {v:.2f}s" for k, v in job.timings.items()))
+    return CompileResult(traced.graph, res.rulebook if res else RuleBook(), res.problem if res else None,
+                         planned.plan, lowered.run, job.timings, traced, resolved.mesh, lowered.watch)
 
-    if s.offload and not frontend.offloads():
-        from metadist_core.driver.frontend import NotSupported
-        raise NotSupported(f"offload={s.offload!r} is not yet for the {frontend.name} frontend (torch runs it); "
+
+def _job(frontend: Frontend, settings: Settings | None, plugins: PluginManager | None,
+         constraints: Iterable[Any] | None, solver_options: dict | None) -> Job:
+    """The compile's job; an unknown solver is an error on every process, before any work."""
+    job = Job(frontend, settings or load_settings(), plugins or PluginManager(),
+              as_constraint_list(constraints), solver_options)   # Pin/Forbid, and {name or glob: placements}
+    job.plugins.solver(job.settings.solver)
+    return job
+
+
+def one_micro_batch(job: Job, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's first micro-batch, what is traced and planned (``micro_batches > 1``); else the call."""
+    m = job.settings.micro_batches
+    if m <= 1:
+        return args, kwargs
+    traits = job.frontend.traits
+    if traits.batch_leaves is None:
+        raise not_supported(job.frontend.name, MicroBatches(None, ()))
+    from metadist_core.levers.microbatch import split_batch
+    return split_batch(args, kwargs, m, traits.batch_leaves, job.frontend.name)[0]
+
+
+def plan_only_step(job: Job, request: planonly.PlanOnly, fn: Callable | None, args: tuple, kwargs: dict) -> None:
+    """Trace the step, plan it on the requested mesh (no engine needed), print and save the plan, and end
+    the run with :class:`~metadist_core.driver.planonly.PlanOnlyDone`."""
+    from metadist_core.cost.profile import load_profile
+    s = request.settings(job.settings)
+    traced = job.frontend.trace(fn, args, kwargs)
+    mesh = load_profile(s.mesh_profile).mesh(tuple(request.mesh))
+    graph, pm = traced.graph, job.plugins
+    if s.pipeline_stages is not None and s.pipeline_stages > 1:   # priced for every frontend, JAX included
+        from metadist_core.driver.pipeplan import plan_only_pipeline
+        result = plan_only_pipeline(graph, mesh, s, pm, job.solver_options, job.constraints_on(graph, mesh))
+    else:
+        result = plan_graph(graph, mesh, plugins=pm, settings=s, solver_options=job.solver_options,
+                            constraints=job.constraints_on(graph, mesh), traits=job.frontend.traits)
+    out = planonly.show_and_save(result, request.out, mesh)
+    planonly.report(result, request, out, s, pm)   # the problem beside the plan (`metadist explain`), --compare
+    raise planonly.PlanOnlyDone(str(out))
+
+
+def check_offload(job: Job) -> None:
+    """``offload`` runs only on a frontend whose lowering offloads (`metadist plan` prices it for all)."""
+    s, fe = job.settings, job.frontend
+    if s.offload and not fe.traits.offloads:
+        raise NotSupported(f"offload={s.offload!r} is not yet for the {fe.name} frontend (torch runs it); "
                            f"`metadist plan` prices it, running needs offload=None")
+
+
+def trace(job: Job, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
+    """The step traced by the frontend."""
     t = time.perf_counter()
-    traced = frontend.trace(fn, tuple(args), dict(kwargs))
-    timings["trace"] = time.perf_counter() - t
-    graph = traced.graph
-    run_mesh = frontend.resolve_mesh(mesh, load_profile(s.mesh_profile))
-    profile = None
-    # costs measured by default: cached per host, world size and device kind. A metadist Mesh given as
-    # ``mesh`` with link costs of its own keeps them (a mesh built from a calibrated profile is priced with
-    # that profile's costs, even when the frontend measures none); one with the built-in costs
-    # (``Mesh((2, 2))``: a shape and axis names) takes the measured ones
-    if run_mesh.size > 1:
+    traced = job.frontend.trace(fn, args, kwargs)
+    job.timings["trace"] = time.perf_counter() - t
+    return traced
+
+
+def resolve(job: Job, mesh: Any) -> Resolved:
+    """The mesh this process runs on and the engine's own, priced with the ``mesh_profile`` setting."""
+    from metadist_core.cost.profile import load_profile
+    return job.frontend.resolve_mesh(mesh, load_profile(job.settings.mesh_profile))
+
+
+def check_pipeline(job: Job, traced: Traced, resolved: Resolved) -> None:
+    """``pipeline_stages=k > 1``: a frontend that runs pipelines and a count that matches mesh axis 0,
+    checked before any planning."""
+    s = job.settings
+    k = s.pipeline_stages
+    if k is None or k <= 1:
+        return
+    from metadist_core.driver.pipeplan import check_stages
+    if not job.frontend.traits.pipelines:   # `metadist plan` prices it, running it cannot
+        raise not_supported(job.frontend.name, Stages(None))
+    check_stages(k, resolved.mesh, s.schedule, s.micro_batches)
+
+
+def price(job: Job, traced: Traced, resolved: Resolved, mesh_arg: Any) -> tuple[Pricing, Resolved]:
+    """How this compile prices plans (:class:`Pricing`) and the mesh priced so: costs measured by default
+    on several devices, cached per host, world size and device kind. A metadist Mesh given as ``mesh_arg``
+    with link costs of its own keeps them (a mesh built from a calibrated profile is priced with that
+    profile's costs, even when the frontend measures none); one with the built-in costs takes the measured
+    ones."""
+    s, fe = job.settings, job.frontend
+    pricing = Pricing()
+    if resolved.mesh.size > 1:
         from metadist_core.cost.profile import profile_for
         t = time.perf_counter()
-        profile = profile_for(frontend, run_mesh, s)
-        if not _own_link_costs(mesh):
-            run_mesh = profile.mesh(run_mesh.shape, run_mesh.axis_names)
-        timings["profile"] = time.perf_counter() - t
-    k_stages = s.pipeline_stages
-    if k_stages is not None and k_stages > 1:   # a count that does not match mesh axis 0: a clear error
-        from metadist_core.driver.pipeplan import check_stages
-        if not frontend.pipelines():   # before any planning: `metadist plan` prices it, running it cannot
-            frontend.lower_stages(traced, None, run_mesh, s)
-        check_stages(k_stages, run_mesh, s.schedule, s.micro_batches)
+        pricing.profile = profile_for(fe, resolved, s)
+        if not _own_link_costs(mesh_arg):
+            resolved = resolved.priced(pricing.profile.mesh(resolved.mesh.shape, resolved.mesh.axis_names))
+        job.timings["profile"] = time.perf_counter() - t
+    elif not replicated_only(resolved.mesh, s):
+        measured = fe.measure_profile(resolved, None, traced)   # a one-device step's own device (a GPU)
+        pricing.one_device = measured.device if measured is not None else None
+    measured = getattr(pricing.profile, "measured", False)
+    key = getattr(pricing.profile, "key", None)
+    if measured or pricing.one_device is not None:   # measured costs price the ops as measured too
+        pricing.op_times = OpTimer(fe, resolved, traced, _beside(s, key, "-ops.json"))
+    if measured and s.local_time_seconds > 0:   # one timer for every plan of this compile
+        pricing.local_timer = LocalTimer(fe.traits.times_local, functools.partial(_local_times, fe, resolved),
+                                         cache_file=_beside(s, key, "-local.json"), budget=s.local_time_seconds)
+    return pricing, resolved
 
-    measured_ops: dict[str, dict[str, float]] = {}
 
-    def beside(suffix: str):
-        """A file kept beside this machine's cached profile (None: the profile is not one kept by key)."""
-        from metadist_core.cost.profile import beside_profile
-        return beside_profile(s.cache_dir, profile.key, suffix) if getattr(profile, "key", None) else None
+def _beside(s: Settings, key: dict | None, suffix: str) -> str | None:
+    """A file kept beside this machine's cached profile (None: the profile is not one kept by key)."""
+    from metadist_core.cost.profile import beside_profile
+    return str(beside_profile(s.cache_dir, key, suffix)) if key else None
 
-    def slowdowns(g: MetaIR, costs: dict) -> Mapping[str, float]:
-        """The ops' measured slowdowns, timed once per compile (every mesh a pipeline search tries)."""
-        if "ops" not in measured_ops:
-            where = beside("-ops.json")
-            measured_ops["ops"] = dict(frontend.op_slowdowns(g, costs, None if where is None else str(where)) or {})
-        return measured_ops["ops"]
 
-    def replicated_only(m: Mesh) -> bool:
-        """One device and nothing to plan: no budget that may ask to recompute, no optimizer on the host."""
-        return m.size == 1 and s.memory_budget is None and not s.offload
+def _local_times(frontend: Frontend, resolved: Resolved, requests: list, mesh: Mesh) -> tuple[list, Any]:
+    """The frontend's seconds of each request at its local shapes on ``mesh``, and the rates measured."""
+    where = resolved if (mesh.shape, mesh.axis_names) == (resolved.mesh.shape, resolved.mesh.axis_names) \
+        else Resolved(mesh)
+    got = frontend.time_ops(requests, where)
+    if got is None:
+        from metadist_core.cost.model import DEVICE_PRESETS
+        return [None] * len(requests), DEVICE_PRESETS["cpu"]
+    return list(got.seconds), got.device
 
-    one_device: list = []   # the frontend's measured DeviceSpec of a one-device step (a GPU), asked once
-    # with measured costs, the ops the frontend times at each strategy's local shapes (metadist_core.cost.localtime),
-    # one timer for every plan of this compile
-    local_timer = None
-    if getattr(profile, "measured", False) and s.local_time_seconds > 0:
-        local_timer = LocalTimer(frontend.times_local, frontend.local_op_times, cache_file=beside("-local.json"),
-                                 budget=s.local_time_seconds)
 
-    def solve_on(m: Mesh, settings: Settings | None = None) -> CompileResult:
-        """The plan on ``m`` (``settings``: another preset of the same compile; else the compile's)."""
-        st = settings or s
-        if replicated_only(m):
-            p1, pr1 = replicated_plan(graph, m)
-            return CompileResult(graph, RuleBook(), pr1, p1)
-        if profile is None and m.size == 1 and not one_device:
-            one_device.append(frontend.device_spec(traced))
-        own = one_device[0] if profile is None and m.size == 1 else None
-        return plan_graph(graph, m, plugins=pm, settings=st, solver_options=solver_options,
-                          constraints=user_constraints + frontend.constraints(graph, m),
-                          device=profile.device if profile is not None else own,
-                          **lowering_traits(frontend),
-                          # measured costs price the ops as measured too (a one-device step's device the
-                          # frontend measured: its ops timed on it); the built-in ones at their roofline
-                          op_slowdowns=slowdowns if getattr(profile, "measured", False) or own is not None
-                          else None, local_timer=local_timer if m.size > 1 else None)
+def replicated_only(m: Mesh, s: Settings) -> bool:
+    """One device and nothing to plan: no budget that may ask to recompute, no optimizer on the host."""
+    return m.size == 1 and s.memory_budget is None and not s.offload
 
-    book, problem, plan = RuleBook(), None, None
-    tuned, tuned_plan = None, None   # the autotune trial of the plan kept, whose lowering is reused
-    if replicated_only(run_mesh):
+
+@dataclass
+class Solver:
+    """Solves the compile's graph on a mesh (another preset's settings where given): what the pipeline
+    search and autotune call for every mesh and preset they try."""
+
+    job: Job
+    graph: MetaIR
+    pricing: Pricing
+
+    def __call__(self, m: Mesh, settings: Settings | None = None) -> CompileResult:
+        st, p = settings or self.job.settings, self.pricing
+        if replicated_only(m, st):
+            p1, pr1 = replicated_plan(self.graph, m)
+            return CompileResult(self.graph, RuleBook(), pr1, p1)
+        own = p.one_device if p.profile is None and m.size == 1 else None
+        return plan_graph(self.graph, m, plugins=self.job.plugins, settings=st,
+                          solver_options=self.job.solver_options, constraints=self.job.constraints_on(self.graph, m),
+                          device=p.profile.device if p.profile is not None else own,
+                          traits=self.job.frontend.traits, op_slowdowns=p.op_times,
+                          local_timer=p.local_timer if m.size > 1 else None)
+
+
+def plan_and_share(job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: tuple,
+                   kwargs: dict) -> Planned:
+    """The plan every process runs: replicated on one device with nothing to plan; else discovered, built
+    and solved (pipelined and autotuned where that applies) where the frontend plans, and shared."""
+    s = job.settings
+    if replicated_only(resolved.mesh, s):
         t = time.perf_counter()
-        plan, problem = replicated_plan(graph, run_mesh)
-        timings["solve"] = time.perf_counter() - t
-    elif frontend.is_planner():
-        try:
-            res = _plan_with_pipeline(graph, run_mesh, s, solve_on, frontend)   # metadist_core.driver.pipeplan
-            if res is None:
-                res = solve_on(run_mesh)
-            timings.update(res.timings)
-            from metadist_core.driver.autotune import autotune_result
-            res, tuned = autotune_result(res, frontend, traced, run_mesh, s, user_constraints, solve_on, args,
-                                         kwargs, timings)
-            book, problem, plan = res.rulebook, res.problem, res.plan
-            tuned_plan = plan
-        except BaseException as e:
-            frontend.share_error(e)   # the other processes wait for a plan: tell them instead
-            raise
+        plan, problem = replicated_plan(traced.graph, resolved.mesh)
+        job.timings["solve"] = time.perf_counter() - t
+        return Planned(plan, CompileResult(traced.graph, RuleBook(), problem, plan))
+    planned = Planned(None)
+
+    def plan_here() -> Any:
+        t0 = time.perf_counter()
+        planned.result, planned.tuned = solve(job, traced, resolved, pricing, args, kwargs)
+        planned.seconds = time.perf_counter() - t0
+        return planned.result.plan
+    if resolved.mesh.size == 1:
+        planned.plan = plan_here()
+        return planned
     t = time.perf_counter()
-    if run_mesh.size > 1:
-        plan = frontend.share(plan, traced)
-        timings["share"] = time.perf_counter() - t
+    planned.plan = job.frontend.share(plan_here, traced, resolved)
+    job.timings["share"] = time.perf_counter() - t - planned.seconds   # the planning is timed apart
+    return planned
+
+
+def solve(job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: tuple,
+          kwargs: dict) -> tuple[CompileResult, Any]:
+    """Discover, build and solve on the planning process: a pipeline where one is asked for or needed,
+    then the presets timed beside the plan (autotune); the result and the kept plan's trial."""
+    from metadist_core.driver.autotune import autotune_result
+    solve_on = Solver(job, traced.graph, pricing)
+    res = _plan_with_pipeline(traced.graph, resolved.mesh, job.settings, solve_on, job.frontend)
+    if res is None:
+        res = solve_on(resolved.mesh)
+    job.timings.update(res.timings)
+
+    def trials(plan: Any) -> list:
+        return job.frontend.lower(traced, Trials(plan, tuple(args), dict(kwargs)), resolved, job.settings).trials
+    return autotune_result(res, resolved.mesh, job.settings, job.constraints, solve_on, trials, job.timings)
+
+
+def adopt(job: Job, traced: Traced, planned: Planned) -> tuple[Job, Traced]:
+    """What every rank takes from the shared plan: the first gradient bucket rank 0 priced (whatever its own
+    profile read), and the graph the plan was made for (recomputed ops rewritten in)."""
+    plan = planned.plan
     first = (getattr(plan, "stats", None) or {}).get("first_bucket_mb")
-    if first is not None:   # every rank lowers the buckets rank 0 priced (plan_graph), whatever its own profile read
-        s = dataclasses.replace(s, first_bucket_mb=float(first))
-    if getattr(plan, "recompute", None):   # every rank runs the graph the plan was made for
+    if first is not None:
+        job = dataclasses.replace(job, settings=dataclasses.replace(job.settings, first_bucket_mb=float(first)))
+    if getattr(plan, "recompute", None):
         from metadist_core.levers.recompute import rewrite
         traced = dataclasses.replace(traced, graph=rewrite(traced.graph, plan.recompute))
-        graph = traced.graph
+    return job, traced
+
+
+def lower(job: Job, traced: Traced, resolved: Resolved, planned: Planned) -> Lowered:
+    """This process's program of the plan: pipeline stages, micro-batches, the trial autotune timed (lowered
+    already), or the whole step."""
+    s, plan = job.settings, planned.plan
     t = time.perf_counter()
     if getattr(plan, "stages", None):
-        runnable = frontend.lower_stages(traced, plan, run_mesh, s)   # a pipeline: stage programs
+        lowered = job.frontend.lower(traced, Stages(plan), resolved, s)
     elif s.micro_batches > 1:
-        from metadist_core.levers.microbatch import lower_micro_batches
-        runnable = lower_micro_batches(frontend, traced, plan, run_mesh, s)
-    elif tuned is not None and tuned.runnable is not None and plan is tuned_plan:
-        runnable = tuned.runnable   # lowered (and compiled) already when it was timed
+        from metadist_core.levers.microbatch import micro_batch_program
+        cut, plans = micro_batch_program(traced, plan, s)
+        lowered = job.frontend.lower(traced, MicroBatches(cut, plans), resolved, s)
+    elif planned.tuned is not None and planned.tuned.runnable is not None and planned.result is not None \
+            and plan is planned.result.plan:
+        lowered = Lowered(planned.tuned.runnable)   # lowered (and compiled) already when it was timed
     else:
-        runnable = frontend.lower(traced, plan, run_mesh, s)
-    timings["lower"] = time.perf_counter() - t
-    log.info("compiled %s with %s on mesh %s: %s", graph.name, frontend.name, run_mesh,
-             ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
-    return CompileResult(graph, book, problem, plan, runnable, timings, traced, run_mesh)
+        lowered = job.frontend.lower(traced, WholeStep(plan), resolved, s)
+    job.timings["lower"] = time.perf_counter() - t
+    return lowered
 
 
 def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callable[[Mesh], CompileResult],
@@ -212,7 +368,7 @@ def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callab
     if k is not None and k > 1:
         return pipeline_plan(graph, mesh, s, solve_on, k)
     if k is not None or s.memory_budget is None or mesh.shape[0] < 2 or not has_gradients(graph) \
-            or not frontend.pipelines() or s.offload:   # stage programs do not offload (yet)
+            or not frontend.traits.pipelines or s.offload:   # stage programs do not offload (yet)
         return None
     try:
         flat = solve_on(mesh)
@@ -274,7 +430,6 @@ class CompiledStep:
             hit = compile_step(self.frontend, self.fn, args, kwargs, self.settings, mesh=self.mesh_arg,
                                plugins=self.plugins, constraints=self.constraints,
                                solver_options=self.solver_options)
-            hit.watch = self.frontend.watch(hit, args, kwargs)
         entries.insert(0, hit)
         del entries[self.settings.guard_cache:]
         self.last = hit

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 from metadist_core.config import Settings, load_settings, resolve_first_bucket
 from metadist_core.problem.constraints import split_constraints
 from metadist_core.discovery.discover import discover
-from metadist_core.driver.frontend import Frontend, Traced
+from metadist_core.driver.frontend import FrontendTraits, Traced
 from metadist_core.cost.fusion import fused_bytes
 from metadist_core.ir.ir import RECOMPUTED_SUFFIX, MetaIR
 from metadist_core.plan.memprofile import HEADROOM, leanest_with_buffers
@@ -71,8 +71,7 @@ PROPOSAL_SECONDS = 10.0
 
 def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
                settings: Settings | None = None, constraints: Iterable[Any] | None = None,
-               solver_options: dict | None = None, device: Any = None, bucket_copies: int = 0,
-               shard_buckets: bool = False, phased: bool = True, whole_inputs: bool = False,
+               solver_options: dict | None = None, device: Any = None, traits: FrontendTraits | None = None,
                op_slowdowns: Callable[[MetaIR, dict], Mapping[str, float]] | None = None,
                local_timer: Any = None, **setting_values: Any) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
@@ -80,27 +79,41 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
     cache_dir, progress...) says how. ``device`` is the cost model's DeviceSpec;
     by default the one of the mesh profile (``mesh_profile`` setting), else the
-    CPU preset. ``bucket_copies`` / ``shard_buckets`` / ``phased``: what the frontend's lowering makes of
-    buckets and of a value moved again after the forward (:class:`~metadist_core.driver.frontend.Frontend`), priced by
-    the memory model and the prediction; ``whole_inputs``: whether every process holds the user's inputs
-    whole (:attr:`~metadist_core.driver.frontend.Frontend.whole_inputs`). ``op_slowdowns(graph, costs)``: each op's
-    measured time over its roofline (:meth:`~metadist_core.driver.frontend.Frontend.op_slowdowns`), priced into its
-    compute. ``local_timer`` (:class:`~metadist_core.cost.localtime.LocalTimer`): the ops the frontend times at
+    CPU preset. ``traits`` (:class:`~metadist_core.driver.frontend.FrontendTraits`, default: none of them):
+    what the frontend's lowering makes of buckets, of a value moved again after the forward and of the
+    user's inputs, priced by the memory model and the prediction. ``op_slowdowns(graph, costs)``: each op's
+    measured time over its roofline (:mod:`metadist_core.cost.optimes`), priced into its compute.
+    ``local_timer`` (:class:`~metadist_core.cost.localtime.LocalTimer`): the ops the frontend times at
     each strategy's local shapes, priced so.
     """
-    from metadist_core.problem.build import build_problem  # the solve half of the flow
-
     s = settings or load_settings(**setting_values)
     pm = plugins or PluginManager()
     pm.solver(s.solver)  # fail fast on an unknown solver name, before any discovery
     timings: dict[str, float] = {}
-
     t = time.perf_counter()
     book = discover(graph, pm, RuleBook.load(s.cache_dir), axis_sizes=mesh.shape, progress=s.progress,
                     draws=s.verify_draws, max_real=s.max_real_discovery, workers=s.discovery_workers)
     timings["discover"] = time.perf_counter() - t
+    planner = _planner(graph, mesh, book, pm, s, constraints, solver_options, device, traits or FrontendTraits(),
+                       local_timer, timings)
+    planner.costs = _priced_costs(graph, pm, op_slowdowns, timings)
+    try:
+        graph, (problem, plan), segs = planner.under_budget()
+    except InfeasibleBudgetError as e:
+        if getattr(e, "need_with_buffers", None) is None:
+            raise
+        raise InfeasibleBudgetError(e.budget, needed(e), mesh,
+                                    f"needs, with its collectives' buffers and {HEADROOM:.0%} headroom,") from e
+    _record_stats(plan, problem, segs, planner.settings, local_timer)
+    log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
+    return CompileResult(graph, book, problem, plan, None, timings)
 
-    t = time.perf_counter()
+
+def _planner(graph: MetaIR, mesh: Mesh, book: RuleBook, pm: PluginManager, s: Settings, constraints: Any,
+             solver_options: dict | None, device: Any, traits: FrontendTraits, local_timer: Any,
+             timings: dict[str, float]) -> "GraphPlanner":
+    """The planner of ``graph`` on ``mesh``: the device priced, the first bucket resolved, the constraints
+    split and the solver's options gathered."""
     if device is None and s.mesh_profile:
         from metadist_core.cost.profile import load_profile
         device = load_profile(s.mesh_profile).device
@@ -112,117 +125,33 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     cache = getattr(book, "cache_dir", None)
     options = {"cache_dir": None if cache is None else str(cache), **s.solver_options(), **(solver_options or {})}
     timings["build_problem"] = timings["solve"] = 0.0
+    # under a budget, and for a preset whose every plan gathers the parameters (presets.gathers_parameters),
+    # input gathers priced by their bucket share (FSDP-like plans); else, or once under_budget gives up on
+    # those, each gather nearly whole
+    share = BUDGET_GATHER_SHARE if s.memory_budget is not None or gathers_parameters(s.strategy) else GATHER_SHARE
+    return GraphPlanner(graph, mesh, book, pm, s, options, plain, named, device, traits, local_timer, timings,
+                        gather_share=share)
 
+
+def _priced_costs(graph: MetaIR, pm: PluginManager, op_slowdowns: Callable | None,
+                  timings: dict[str, float]) -> dict[str, tuple]:
+    """``(flops, bytes[, slowdown])`` per op id: the frontend's figures, each op's measured slowdown on
+    top where ``op_slowdowns`` is given (timed once: a recomputed copy costs what its original does)."""
     t = time.perf_counter()
-    costs = op_costs(graph, pm)   # once: a recomputed copy costs what its original does
+    costs = op_costs(graph, pm)
     timings["build_problem"] += time.perf_counter() - t   # the ops' costs are part of the problem
     if op_slowdowns is not None:   # each op timed on this device (cached per machine)
         t = time.perf_counter()
         slow = op_slowdowns(graph, costs)
         costs = {k: (*c[:2], slow[k]) if k in slow else c for k, c in costs.items()}
         timings["op_times"] = time.perf_counter() - t
+    return costs
 
-    plain_built: list = []   # the plain graph's problem: built once, for its solve and the recompute proposals
-    # under a budget, and for a preset whose every plan gathers the parameters (presets.gathers_parameters),
-    # input gathers priced by their bucket share (FSDP-like plans); else, or once plan_under_budget gives up on
-    # those, each gather nearly whole
-    gather_share = [BUDGET_GATHER_SHARE if s.memory_budget is not None or gathers_parameters(s.strategy)
-                    else GATHER_SHARE]
 
-    def build(g: MetaIR) -> tuple[Any, Any, dict]:
-        if g is graph and plain_built:   # a shallow copy: a proposal sets toggles on it, not on the original
-            problem, region, g_costs = plain_built[0]
-            return copy.copy(problem), region, g_costs
-        g_costs = costs if g is graph else {op.id: costs[op.id.removesuffix(RECOMPUTED_SUFFIX)] for op in g.ops
-                                            if op.id.removesuffix(RECOMPUTED_SUFFIX) in costs}
-        problem = build_problem(g, book, mesh, op_costs=g_costs, constraints=plain,
-                                memory_budget=s.memory_budget, device=device, grad_compression=s.grad_compression,
-                                bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=bucket_copies,
-                                shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and shard_buckets else None,
-                                first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
-                                phased=phased, whole_inputs=whole_inputs, gather_share=gather_share[0],
-                                local_timer=local_timer)
-        region = None
-        if s.offload:   # optimizer state and update on the host, priced (metadist_core.levers.offload)
-            from metadist_core.levers.offload import apply_offload
-            region = apply_offload(problem, g, g_costs)
-        # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.problem.presets)
-        problem = steer(problem, s.strategy, named, getattr(g, "annotations", None))
-        if g is graph:
-            plain_built.append((problem, region, g_costs))
-        return problem, region, g_costs
-
-    def solve(g: MetaIR) -> tuple[Any, Any]:
-        t0 = time.perf_counter()
-        problem, region, g_costs = build(g)
-        t1 = time.perf_counter()
-        timings["build_problem"] += t1 - t0
-        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
-            try:   # finally: a graph with no plan under the budget took solver time too
-                try:
-                    plan = pm.solve(s.solver, problem, options)
-                except InfeasibleBudgetError as e:   # the solver's figure lacks the buffers: priced when asked
-                    e.need_with_buffers = functools.partial(leanest_with_buffers, problem, e.needed,
-                                                            lambda p: pm.solve(s.solver, p, options))
-                    raise
-                if s.memory_budget is not None:   # the budget holds with the collectives' buffers (memprofile)
-                    from metadist_core.plan.memprofile import fit_with_buffers
-                    plan = fit_with_buffers(problem, plan, lambda p: pm.solve(s.solver, p, options))
-            finally:
-                timings["solve"] += time.perf_counter() - t1
-        if region is not None:
-            from metadist_core.levers.offload import offload_stats
-            plan.stats["offload"] = offload_stats(region, problem, plan)
-        return problem, plan
-
-    # under a memory budget no plan meets, recompute forward segments (metadist_core.levers.recompute)
-    from metadist_core.levers.recompute import choose
-    flops = {i: c[0] for i, c in costs.items()} if s.memory_budget is not None else None
-
-    def propose(segs: list, cut: int) -> list | None:
-        """The segments the solver recomputes when it prices them beside the shardings (the ILP), or None."""
-        if s.solver != "ilp":
-            return None
-        from metadist_core.levers.recompute import price_segments
-        t0 = time.perf_counter()
-        problem, _, _ = build(graph)
-        price_segments(problem, graph, segs)
-        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions, {len(segs)} recompute segments)",
-                    enabled=s.progress):
-            try:   # under the headroom, less what an earlier proposal overshot with its buffers
-                plan = pm.solve(s.solver, problem.with_budget(int(s.memory_budget * (1.0 - HEADROOM)) - cut),
-                                {**options, "least_peak": False,
-                                 "time_limit": min(float(options.get("time_limit") or PROPOSAL_SECONDS),
-                                                   PROPOSAL_SECONDS)})
-            except (InfeasibleBudgetError, RuntimeError) as e:
-                log.info("no plan with recomputation priced in the ILP (%s); searching segment counts", e)
-                return None
-            finally:
-                timings["solve"] += time.perf_counter() - t0
-        on = plan.stats.get("toggles_on")
-        return None if on is None else [segs[j] for j in on]
-
-    def plan_under_budget() -> tuple[MetaIR, tuple[Any, Any], list]:
-        try:
-            return choose(graph, s.memory_budget, solve, flops, enabled=s.recompute, propose=propose)
-        except InfeasibleBudgetError:
-            if s.memory_budget is None or not (s.coalesce and shard_buckets and s.shard_bucket_bytes):
-                raise
-        # the plans that gather parameters in buckets hold each bucket's whole parameters beside the rest,
-        # outside the solver's memory terms (memprofile.fit_with_buffers); where none of them fits, the
-        # plans that gather few inputs may
-        log.info("no plan with its input gathers priced in buckets meets the budget; pricing each gather whole")
-        gather_share[0] = GATHER_SHARE
-        plain_built.clear()
-        return choose(graph, s.memory_budget, solve, flops, enabled=s.recompute, propose=propose)
-
-    try:
-        graph, (problem, plan), segs = plan_under_budget()
-    except InfeasibleBudgetError as e:
-        if getattr(e, "need_with_buffers", None) is None:
-            raise
-        raise InfeasibleBudgetError(e.budget, needed(e), mesh,
-                                    f"needs, with its collectives' buffers and {HEADROOM:.0%} headroom,") from e
+def _record_stats(plan: Any, problem: Any, segs: list, s: Settings, local_timer: Any) -> None:
+    """What the plan records beside its choices: recomputation, strategy, local times, the first bucket
+    every rank lowers, the peak with the collectives' buffers."""
+    from metadist_core.plan.memprofile import peak_with_buffers
     if segs:
         plan.recompute = [i for seg in segs for i in seg.recompute]
         plan.stats["recompute"] = {"segments": len(segs), "ops": len(plan.recompute),
@@ -233,17 +162,131 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
         plan.stats["local_times"] = local_timer.stats()
     if s.coalesce:
         plan.stats["first_bucket_mb"] = s.first_bucket_mb
-    from metadist_core.plan.memprofile import peak_with_buffers   # the peak with the collectives' buffers, beside the solver's
     plan.stats["peak_with_buffers"] = peak_with_buffers(problem, plan)
-    log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
-    return CompileResult(graph, book, problem, plan, None, timings)
 
 
-def lowering_traits(frontend: Frontend) -> dict[str, Any]:
-    """What ``frontend``'s lowering makes of buckets, of values moved again after the forward and of the
-    user's inputs: the keyword arguments of :func:`plan_graph` that price them so."""
-    return {"bucket_copies": frontend.bucket_copies, "shard_buckets": frontend.shard_buckets,
-            "phased": frontend.phased_reshards, "whole_inputs": frontend.whole_inputs}
+@dataclass
+class GraphPlanner:
+    """One graph's planning on one mesh: builds its problem (the plain graph's once), solves it, and under a
+    memory budget proposes and chooses recomputed segments (:mod:`metadist_core.levers.recompute`)."""
+
+    graph: MetaIR
+    mesh: Mesh
+    book: RuleBook
+    pm: PluginManager
+    settings: Settings
+    options: dict
+    plain: list
+    named: list
+    device: Any
+    traits: FrontendTraits
+    local_timer: Any
+    timings: dict[str, float]
+    gather_share: float = GATHER_SHARE
+    costs: dict[str, tuple] = field(default_factory=dict)
+    plain_built: tuple | None = None   # the plain graph's (problem, offload region, costs)
+
+    def costs_of(self, g: MetaIR) -> dict[str, tuple]:
+        """The ops' costs of ``g``: a recomputed copy costs what its original does."""
+        if g is self.graph:
+            return self.costs
+        return {op.id: self.costs[op.id.removesuffix(RECOMPUTED_SUFFIX)] for op in g.ops
+                if op.id.removesuffix(RECOMPUTED_SUFFIX) in self.costs}
+
+    def build(self, g: MetaIR) -> tuple[Any, Any, dict]:
+        """The problem of ``g`` steered by the user, its offload region and its ops' costs."""
+        from metadist_core.problem.build import build_problem
+        if g is self.graph and self.plain_built is not None:   # a shallow copy: a proposal sets toggles on it
+            problem, region, g_costs = self.plain_built
+            return copy.copy(problem), region, g_costs
+        s, t = self.settings, self.traits
+        g_costs = self.costs_of(g)
+        problem = build_problem(g, self.book, self.mesh, op_costs=g_costs, constraints=self.plain,
+                                memory_budget=s.memory_budget, device=self.device,
+                                grad_compression=s.grad_compression,
+                                bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=t.bucket_copies,
+                                shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and t.shard_buckets else None,
+                                first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
+                                phased=t.phased_reshards, whole_inputs=t.whole_inputs,
+                                gather_share=self.gather_share, local_timer=self.local_timer)
+        region = None
+        if s.offload:   # optimizer state and update on the host, priced (metadist_core.levers.offload)
+            from metadist_core.levers.offload import apply_offload
+            region = apply_offload(problem, g, g_costs)
+        # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.problem.presets)
+        problem = steer(problem, s.strategy, self.named, getattr(g, "annotations", None))
+        if g is self.graph:
+            self.plain_built = (problem, region, g_costs)
+        return problem, region, g_costs
+
+    def _solve(self, problem: Any) -> Any:
+        return self.pm.solve(self.settings.solver, problem, self.options)
+
+    def solve(self, g: MetaIR) -> tuple[Any, Any]:
+        """The problem of ``g`` and the solver's plan of it, fitted to the budget with the buffers."""
+        s = self.settings
+        t0 = time.perf_counter()
+        problem, region, _ = self.build(g)
+        t1 = time.perf_counter()
+        self.timings["build_problem"] += t1 - t0
+        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
+            try:   # finally: a graph with no plan under the budget took solver time too
+                try:
+                    plan = self._solve(problem)
+                except InfeasibleBudgetError as e:   # the solver's figure lacks the buffers: priced when asked
+                    e.need_with_buffers = functools.partial(leanest_with_buffers, problem, e.needed, self._solve)
+                    raise
+                if s.memory_budget is not None:   # the budget holds with the collectives' buffers (memprofile)
+                    from metadist_core.plan.memprofile import fit_with_buffers
+                    plan = fit_with_buffers(problem, plan, self._solve)
+            finally:
+                self.timings["solve"] += time.perf_counter() - t1
+        if region is not None:
+            from metadist_core.levers.offload import offload_stats
+            plan.stats["offload"] = offload_stats(region, problem, plan)
+        return problem, plan
+
+    def propose(self, segs: list, cut: int) -> list | None:
+        """The segments the solver recomputes when it prices them beside the shardings (the ILP), or None."""
+        s = self.settings
+        if s.solver != "ilp":
+            return None
+        from metadist_core.levers.recompute import price_segments
+        t0 = time.perf_counter()
+        problem, _, _ = self.build(self.graph)
+        price_segments(problem, self.graph, segs)
+        limit = min(float(self.options.get("time_limit") or PROPOSAL_SECONDS), PROPOSAL_SECONDS)
+        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions, {len(segs)} recompute segments)",
+                    enabled=s.progress):
+            try:   # under the headroom, less what an earlier proposal overshot with its buffers
+                plan = self.pm.solve(s.solver, problem.with_budget(int(s.memory_budget * (1.0 - HEADROOM)) - cut),
+                                     {**self.options, "least_peak": False, "time_limit": limit})
+            except (InfeasibleBudgetError, RuntimeError) as e:
+                log.info("no plan with recomputation priced in the ILP (%s); searching segment counts", e)
+                return None
+            finally:
+                self.timings["solve"] += time.perf_counter() - t0
+        on = plan.stats.get("toggles_on")
+        return None if on is None else [segs[j] for j in on]
+
+    def under_budget(self) -> tuple[MetaIR, tuple[Any, Any], list]:
+        """The graph planned (recomputing forward segments where no plan meets the memory budget), its
+        problem and plan, and the recomputed segments."""
+        from metadist_core.levers.recompute import choose
+        s = self.settings
+        flops = {i: c[0] for i, c in self.costs.items()} if s.memory_budget is not None else None
+        try:
+            return choose(self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose)
+        except InfeasibleBudgetError:
+            if s.memory_budget is None or not (s.coalesce and self.traits.shard_buckets and s.shard_bucket_bytes):
+                raise
+        # the plans that gather parameters in buckets hold each bucket's whole parameters beside the rest,
+        # outside the solver's memory terms (memprofile.fit_with_buffers); where none of them fits, the
+        # plans that gather few inputs may
+        log.info("no plan with its input gathers priced in buckets meets the budget; pricing each gather whole")
+        self.gather_share = GATHER_SHARE
+        self.plain_built = None
+        return choose(self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose)
 
 
 def replicated_plan(graph: MetaIR, mesh: Mesh) -> tuple[Any, Any]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from metadist_core.ir.ir import ACC_SUFFIX, BATCH_ROLES, RECOMPUTED_SUFFIX, UPDATE_ROLES, MetaIR
 from metadist_core.ir.placement import Sharding
@@ -272,16 +272,43 @@ def warn_batch_stats(cut: GradientCut, m: int, name: str) -> None:
                   f"accumulation)", stacklevel=3)
 
 
-def lower_micro_batches(frontend: Any, traced: Any, plan: Any, mesh: Any, settings: Any) -> Any:
-    """Cut ``traced.graph`` at its gradients and have ``frontend`` lower both parts under ``plan``."""
+def split_batch(args: tuple, kwargs: dict, m: int, batch_leaves: Callable[[tuple, dict], Any] | None,
+                frontend: str = "this") -> list[tuple[tuple, dict]]:
+    """The call cut into ``m`` micro-batches, each ``(args, kwargs)`` holding the ``j``-th equal part along
+    dim 0 of every batch leaf (``batch_leaves(args, kwargs)``: a frontend's
+    :class:`~metadist_core.driver.frontend.BatchLeaves`), the other leaves whole; a batch ``m`` does not
+    divide is an error quoting both (:func:`micro_batch_size`)."""
+    if batch_leaves is None:
+        raise MicroBatchError(f"the {frontend} frontend cannot cut a batch into micro-batches "
+                              f"(micro_batches={m}); run with micro_batches=1")
+    flat = batch_leaves(tuple(args), dict(kwargs))
+    leaves = flat.leaves
+    scalars = [k for k, i in enumerate(flat.batch) if getattr(leaves[i], "ndim", 1) == 0]
+    if scalars:
+        raise MicroBatchError(f"micro_batches={m} cuts dim 0 of every tensor input, but {flat.what} {scalars[0]} "
+                              f"is a 0-d tensor; pass it as a Python number or give it a batch dim")
+    mb = micro_batch_size([(f"{flat.what} {k}", int(leaves[i].shape[0])) for k, i in enumerate(flat.batch)], m)
+    out = []
+    for j in range(m):
+        lv = list(leaves)
+        for i in flat.batch:
+            lv[i] = leaves[i][j * mb:(j + 1) * mb]
+        out.append(flat.rebuild(lv))
+    return out
+
+
+def micro_batch_program(traced: Any, plan: Any, settings: Any) -> tuple[GradientCut, tuple]:
+    """``traced.graph`` cut at its gradients and the plans of both parts under ``plan`` (and ``plan``
+    itself): what a frontend lowers for ``micro_batches > 1``
+    (:class:`~metadist_core.driver.frontend.MicroBatches`)."""
     graph = traced.graph
     batch_in = [v for v in graph.inputs if graph.vars[v].role == "input" and graph.vars[v].shape]
     cut = cut_at_gradients(graph, graph.vars[batch_in[0]].shape[0] if batch_in else None)
     warn_batch_stats(cut, settings.micro_batches, graph.name)
     plans = (part_plan(plan, cut.grad_graph, cut.acc_of), part_plan(plan, cut.update_graph), plan)
-    return frontend.lower_micro_batches(traced, cut, plans, mesh, settings)
+    return cut, plans
 
 
 __all__ = ["GradientCut", "MicroBatchError", "cut_at_gradients", "part_plan", "micro_batch_size", "combine",
-           "lower_micro_batches",
+           "micro_batch_program", "split_batch",
            "loss_reduction", "warn_batch_stats"]

@@ -183,7 +183,7 @@ def apply_offload(problem: Any, graph: MetaIR, op_costs: Mapping[str, tuple[floa
     """
     from metadist_core.problem.build import estimate_op_cost
     region = region if region is not None else host_region(graph)
-    if "_terms_cache" in problem.__dict__:
+    if problem.terms_read:
         raise RuntimeError("apply_offload must run before the problem's terms are read (they are cached)")
     if region.empty:
         log.info("offload='optimizer': %s has no optimizer state; nothing runs on the host", graph.name)

@@ -150,7 +150,7 @@ def constrain(prob: "ShardingProblem", extra: Sequence[Constraint]) -> "Sharding
     if not extra:
         return prob
     p = copy.copy(prob)
-    p.__dict__.pop("_terms_cache", None)
+    p.forget_terms()
     p.allowed = [a.copy() for a in prob.allowed]
     p.constraints = list(prob.constraints) + list(extra)
     # what explain and --compare solve the presets on; an attribute of steered copies only, not a dataclass field

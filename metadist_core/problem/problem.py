@@ -211,6 +211,16 @@ class ShardingProblem:
                 "edges": sum(1 for e in self.edges if e.dst >= 0),
                 "edge_cells": int(sum(e.table.size for e in self.edges if e.dst >= 0))}
 
+    @property
+    def terms_read(self) -> bool:
+        """Have the problem's terms been built (and cached) already? Edits to its costs after that are not
+        seen by :meth:`terms`."""
+        return "_terms_cache" in self.__dict__
+
+    def forget_terms(self) -> None:
+        """Drop the cached terms (a copy whose allowed options or costs change builds its own)."""
+        self.__dict__.pop("_terms_cache", None)
+
     def terms(self) -> Terms:
         """The numeric problem, uncoarsened; output reshards are folded into unary costs (cached)."""
         import copy

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from metadist_core.config import load_settings
-from metadist_core.driver.frontend import Frontend, Traced
+from metadist_core.driver.frontend import (Frontend, FrontendTraits, Lowered, Program, Resolved, Traced, Trials,
+                                           WholeStep, not_supported)
 from metadist_core.hookspecs import hookimpl
 from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.ir.mesh import Mesh
@@ -179,10 +180,8 @@ class ReferenceFrontend(Frontend):
     """
 
     name = "reference"
-    op_prefixes = ("np.",)
     description = "numpy reference ops, for tests and the framework-free demo"
-    runner_module = "metadist_core.reference.plugin"
-    proxy_shapes = True
+    traits = FrontendTraits(op_prefixes=("np.",), runner_module="metadist_core.reference.plugin", proxy_shapes=True)
 
     def signature(self, args: tuple, kwargs: dict) -> Any:
         return (tuple(repr(a) for a in args), tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
@@ -194,18 +193,22 @@ class ReferenceFrontend(Frontend):
                             f"{getattr(fn, '__name__', fn)!r} returned {type(graph).__name__}")
         return Traced(graph)
 
-    def resolve_mesh(self, mesh: Any, profile: Any) -> Mesh:
+    def resolve_mesh(self, mesh: Any, profile: Any) -> Resolved:
         if mesh is None:
             mesh = (2,)
         if isinstance(mesh, Mesh):
-            return mesh
+            return Resolved(mesh)
         shape = Mesh.parse(mesh).shape if isinstance(mesh, str) else \
             ((mesh,) if isinstance(mesh, int) else tuple(mesh))
-        return profile.mesh(shape)
+        return Resolved(profile.mesh(shape))
 
-    def lower(self, traced: Traced, plan: Any, mesh: Mesh, settings: Any) -> Any:
-        from metadist_core.plan.simulate import simulate
-        graph = traced.graph
+    def lower(self, traced: Traced, program: Program, resolved: Resolved, settings: Any) -> Lowered:
+        """The plan run on simulated devices (:func:`metadist_core.plan.simulate.simulate`)."""
+        if isinstance(program, Trials):
+            return Lowered()
+        if not isinstance(program, WholeStep):
+            raise not_supported(self.name, program)
+        graph, plan, mesh = traced.graph, program.plan, resolved.mesh
 
         def run(*arrays: np.ndarray) -> tuple[dict, dict]:
             if len(arrays) != len(graph.inputs):
@@ -213,7 +216,7 @@ class ReferenceFrontend(Frontend):
                                 f"got {len(arrays)}")
             return simulate(graph, plan, mesh, dict(zip(graph.inputs, arrays)), run_local)
 
-        return run
+        return Lowered(run)
 
     def demo(self, args: Sequence[str]) -> int:
         mesh = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--mesh"), "4")

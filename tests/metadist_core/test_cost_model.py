@@ -1,5 +1,6 @@
 """The cost model prices what the lowering runs: one reshard per value and target, whole buckets,
 and the measured profile cached per machine."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -194,11 +195,12 @@ class _Measuring(ReferenceFrontend):
     def __init__(self):
         self.measured = 0
 
-    def device_kind(self):
-        return "toy"
+    def resolve_mesh(self, mesh, profile):
+        return dataclasses.replace(super().resolve_mesh(mesh, profile), device_kind="toy")
 
-    def measure_profile(self, mesh, cached):
-        if cached is not None and "x".join(map(str, mesh.shape)) in cached.axis_costs:
+    def measure_profile(self, resolved, cached, traced=None):
+        mesh = resolved.mesh
+        if cached is not None and cached.covers(mesh):
             return cached
         self.measured += 1
         prof = MeshProfile(measured=True)
@@ -210,18 +212,20 @@ def test_profile_measured_once_reused_and_rebuilt_for_another_world_size(tmp_pat
     monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")   # on by default; the test suite turns it off
     fe = _Measuring()
     s = load_settings(cache_dir=str(tmp_path), progress=False)
-    p1 = profile_for(fe, Mesh((2,)), s)
-    assert fe.measured == 1 and p1.measured and p1.key["world_size"] == 2
+    two, four = fe.resolve_mesh((2,), MeshProfile()), fe.resolve_mesh((4,), MeshProfile())
+    p1 = profile_for(fe, two, s)
+    assert fe.measured == 1 and p1.measured and p1.key["world_size"] == 2 and p1.covers(Mesh((2,)))
+    assert not p1.covers((2, 2))
     assert profile_cache_path(str(tmp_path), profile_key(2, "toy")).exists()
-    p2 = profile_for(fe, Mesh((2,)), s)                      # the next compile: from the cache
+    p2 = profile_for(fe, two, s)                      # the next compile: from the cache
     assert fe.measured == 1 and p2.mesh((2,)).alpha == (7e-6,)
-    profile_for(fe, Mesh((4,)), s)                           # another world size: measured again
+    profile_for(fe, four, s)                           # another world size: measured again
     assert fe.measured == 2 and cached_profile(str(tmp_path), profile_key(4, "toy")) is not None
-    profile_for(fe, Mesh((2,)), s, force=True)              # `metadist calibrate`: measured again
+    profile_for(fe, two, s, force=True)              # `metadist calibrate`: measured again
     assert fe.measured == 3
     # the mesh_profile setting overrides: nothing is measured
     path = MeshProfile().save(tmp_path / "mine.json")
-    assert profile_for(fe, Mesh((2,)), load_settings(cache_dir=str(tmp_path), mesh_profile=str(path))).measured is False
+    assert profile_for(fe, two, load_settings(cache_dir=str(tmp_path), mesh_profile=str(path))).measured is False
     assert fe.measured == 3
 
 
@@ -243,11 +247,18 @@ class _Timing(_Measuring):
 
     def __init__(self, factor):
         super().__init__()
-        self.factor, self.files = factor, []
+        self.factor, self.calls = factor, 0
 
-    def op_slowdowns(self, graph, costs, cache_file):
-        self.files.append(cache_file)
-        return {op.id: self.factor for op in graph.ops if op.id in costs}
+    def time_ops(self, requests, resolved, traced=None, program=False):
+        """Every op ran ``factor`` times its roofline at the rates measured alongside."""
+        from metadist_core.cost.model import DeviceSpec
+        from metadist_core.cost.optimes import roofline
+        from metadist_core.driver.frontend import OpTimes
+        self.calls += 1
+        dev = DeviceSpec("toy-measured", 50e9, 10e9, op_overhead=1e-6)
+        graph = traced.graph
+        return OpTimes([self.factor * roofline(op, graph, self.op_cost(op, graph), dev) + 2e-6
+                        for op, _, _ in requests], dev, harness=2e-6)
 
 
 def test_measured_ops_price_their_slowdown_and_builtin_costs_do_not(tmp_path, monkeypatch):
@@ -259,9 +270,10 @@ def test_measured_ops_price_their_slowdown_and_builtin_costs_do_not(tmp_path, mo
     runs = {}
     for f in (1.0, 3.0):
         fe = _Timing(f)
+        s = load_settings(cache_dir=str(tmp_path / str(f)), progress=False)
         runs[f] = compile_step(fe, transformer_block, (), kw, s, mesh=(2,)).problem
-        # asked once, with a file beside the measured profile
-        assert len(fe.files) == 1 and fe.files[0].endswith("-ops.json") and "profiles" in fe.files[0]
+        # asked once, the slowdowns kept in a file beside the measured profile
+        assert fe.calls == 1 and list((tmp_path / str(f) / "profiles").glob("*-ops.json"))
     assert runs[1.0].device.op_overhead == 0.0
     for a, b, n in zip(runs[1.0].compute, runs[3.0].compute, runs[1.0].nodes):
         assert np.allclose(b, 3.0 * a), (n.id, a, b)   # every op, under every option, 3x its roofline
@@ -270,7 +282,7 @@ def test_measured_ops_price_their_slowdown_and_builtin_costs_do_not(tmp_path, mo
     fe = _Timing(3.0)
     plain = compile_step(fe, transformer_block, (), kw, load_settings(cache_dir=str(tmp_path), progress=False),
                          mesh=(2,)).problem
-    assert fe.files == [] and all(np.allclose(a, b) for a, b in zip(plain.compute, runs[1.0].compute))
+    assert fe.calls == 0 and all(np.allclose(a, b) for a, b in zip(plain.compute, runs[1.0].compute))
 
 
 def test_memory_rate_follows_the_measured_curve():

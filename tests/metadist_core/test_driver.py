@@ -7,6 +7,7 @@ from metadist_core.driver import cli, planonly
 from metadist_core.driver.frontend import Frontend
 from metadist_core.hookspecs import hookimpl
 from metadist_core.driver.compile import CompiledStep, compile_step
+from metadist_core.driver.frontend import FrontendTraits
 from metadist_core.config import load_settings
 from metadist_core.plugins import PluginManager, UnknownSolverError
 from metadist_core.reference.plugin import ReferenceFrontend, run_graph, transformer_block
@@ -37,7 +38,7 @@ def _inputs(graph, seed):
 def test_toy_frontend_compiles_through_the_driver(tmp_path, mesh):
     pm = _pm()
     fe = pm.frontend("toy")
-    assert isinstance(fe, Frontend) and fe.owns(type("Op", (), {"key": "np.matmul"})())
+    assert isinstance(fe, Frontend) and fe.traits.owns(type("Op", (), {"key": "np.matmul"})())
     res = compile_step(fe, transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32},
                        load_settings(cache_dir=str(tmp_path), progress=False), mesh=mesh, plugins=pm)
     assert set(res.timings) >= {"trace", "discover", "build_problem", "solve", "lower"}
@@ -76,10 +77,12 @@ def test_unknown_solver_fails_before_any_work():
 def test_plan_only_is_handled_by_the_driver(tmp_path, monkeypatch, capsys):
     """Any frontend gets `metadist plan`: the driver plans for the requested mesh and ends the script."""
     out = tmp_path / "p.json"
-    monkeypatch.setenv(planonly.ENV, '{"mesh": [2, 4], "out": "%s", "cache_dir": "%s"}' % (out, tmp_path))
     pm = _pm()
-    with pytest.raises(planonly.PlanOnlyDone):
-        compile_step(pm.frontend("toy"), transformer_block, (), {}, load_settings(progress=False), plugins=pm)
+    with planonly.plan_only(planonly.PlanOnly(mesh=(2, 4), out=str(out), cache_dir=str(tmp_path))):
+        with pytest.raises(planonly.PlanOnlyDone) as done:
+            compile_step(pm.frontend("toy"), transformer_block, (), {}, load_settings(progress=False), plugins=pm)
+    assert done.value.path == str(out) and not isinstance(done.value, SystemExit)
+    assert planonly.requested() is None   # the setting ends with its context
     assert out.is_file() and "planned on mesh 2x4" in capsys.readouterr().out
 
 
@@ -112,7 +115,7 @@ def test_an_adapter_that_runs_no_ops_is_refused_when_defined():
 
     with _pytest.raises(TypeError, match="runs no ops for discovery"):
         class NoRunner(ReferenceFrontend):   # noqa: F841 - concrete, neither runner_module nor op_spec
-            runner_module = ""
+            traits = FrontendTraits(op_prefixes=("np.",))
 
     class Partial(Frontend):   # still abstract: allowed
         pass
@@ -154,7 +157,7 @@ def test_the_fsdp_preset_prices_its_parameter_gathers_as_bucketed_without_a_budg
     for strategy in ("auto", "fsdp"):
         s = load_settings(cache_dir=str(tmp_path), progress=False, strategy=strategy, shard_bucket_mb=0.004,
                           bucket_mb=0.004)   # buckets of 4 KiB: this block's parameters fill several
-        res = plan_graph(graph, mesh, plugins=pm, settings=s, shard_buckets=True)
+        res = plan_graph(graph, mesh, plugins=pm, settings=s, traits=FrontendTraits(shard_buckets=True))
         shares[strategy] = {res.problem.vars[v]["gather_share"] for v in graph.inputs}
         pr = predict(res.plan, res.problem)
         gaps[strategy] = (res.plan.objective, pr.step, res.plan.summary())
@@ -177,7 +180,7 @@ def test_under_a_budget_that_no_bucket_priced_plan_meets_the_gathers_are_priced_
     pm = _pm()
     graph = pm.frontend("toy").trace(transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}).graph
     s = load_settings(cache_dir=str(tmp_path), progress=False, memory_budget=1 << 30)
-    res = plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, shard_buckets=True)
+    res = plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, traits=FrontendTraits(shard_buckets=True))
     shares = {res.problem.vars[v]["gather_share"] for v in graph.inputs}
     assert shares == {BUDGET_GATHER_SHARE}, shares   # it fits: priced by bucket share, planned once
 
@@ -191,11 +194,11 @@ def test_under_a_budget_that_no_bucket_priced_plan_meets_the_gathers_are_priced_
         return real(g, budget, solve, *a, **kw)
 
     monkeypatch.setattr(recompute, "choose", choose)
-    res = plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, shard_buckets=True)
+    res = plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, traits=FrontendTraits(shard_buckets=True))
     assert seen == [{BUDGET_GATHER_SHARE}, {GATHER_SHARE}]
     assert {res.problem.vars[v]["gather_share"] for v in graph.inputs} == {GATHER_SHARE}
     # without gather buckets in the lowering there is nothing to price otherwise: the error stands
     seen.clear()
     with pytest.raises(InfeasibleBudgetError):
-        plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, shard_buckets=False)
+        plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, traits=FrontendTraits(shard_buckets=False))
     assert len(seen) == 1

@@ -21,9 +21,7 @@ CRASHES = "np.gelu"
 
 class _Forking(ReferenceFrontend):
     name = "forking"
-
-    def can_fork_discovery(self) -> bool:
-        return True
+    traits = dataclasses.replace(ReferenceFrontend.traits, can_fork_discovery=lambda: True)
 
 
 class _Crashing(_Forking):

@@ -6,7 +6,9 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
+from metadist_core.cost.profile import MeshProfile  # noqa: E402
 from metadist_core.driver.autotune import MARGIN  # noqa: E402
+from metadist_core.driver.frontend import Trials  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 
 from _jax_models import assert_trees_close, mlp_case, side_by_side  # noqa: E402
@@ -51,7 +53,9 @@ def test_the_lowerings_of_one_plan_share_its_placed_arguments(devices8, rule_cac
     res = step.last
     leaves = len(jax.tree.leaves((params, opt_state, batch)))
     before = len(jax.live_arrays())
-    trials = step.frontend.trial(res.traced, res.plan, res.problem.mesh, step.settings, (params, opt_state, batch), {})
+    resolved = step.frontend.resolve_mesh(res.mesh, MeshProfile())
+    trials = step.frontend.lower(res.traced, Trials(res.plan, (params, opt_state, batch), {}), resolved,
+                                 step.settings).trials
     assert [t.lowering for t in trials] == ["shard_map", "gspmd", "gspmd-io"]
     placed = len(jax.live_arrays()) - before
     assert leaves <= placed < 2 * leaves, (placed, leaves)

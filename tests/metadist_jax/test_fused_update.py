@@ -30,8 +30,8 @@ def _graph():
 def test_each_parameters_adam_update_is_one_loop_of_seven_passes():
     fe, g = _graph()
     params = [v for v in g.inputs if g.vars[v].role == "parameter"]
-    regions = update_regions(g, fe.fuses)
-    fb = fused_bytes(g, fe.fuses)
+    regions = update_regions(g, fe.traits.fuses)
+    fb = fused_bytes(g, fe.traits.fuses)
     for p in params:
         mine = [r for r in regions if any(p in g.op(i).inputs for i in r)]
         assert len(mine) == 1, f"{p}: read by {len(mine)} update loops"
@@ -47,7 +47,7 @@ def test_each_parameters_adam_update_is_one_loop_of_seven_passes():
 
 def test_the_planner_prices_the_update_at_its_fused_bytes_and_the_rest_op_by_op():
     fe, g = _graph()
-    fb = fused_bytes(g, fe.fuses)
+    fb = fused_bytes(g, fe.traits.fuses)
     costs = op_costs(g, PluginManager())
     for op in g.ops:
         own = float(sum(g.vars[v].nbytes for v in op.inputs + op.outputs))
@@ -66,8 +66,8 @@ def test_other_optimizers_fuse_to_their_passes(name, make, passes):
     params = mlp.init_params(jax.random.key(0), mlp.TEST_SIZES)
     fe = JaxFrontend()
     g = fe.trace(mlp.make_step(opt), (params, opt.init(params), mlp.make_batch(0, **mlp.TEST_BATCH)), {}).graph
-    regions = update_regions(g, fe.fuses)
-    fb = fused_bytes(g, fe.fuses)
+    regions = update_regions(g, fe.traits.fuses)
+    fb = fused_bytes(g, fe.traits.fuses)
     for p in (v for v in g.inputs if g.vars[v].role == "parameter"):
         loop = [r for r in regions if any(p in g.op(i).inputs for i in r)]
         assert len(loop) == 1, (name, p)

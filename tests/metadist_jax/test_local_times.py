@@ -15,6 +15,7 @@ jax = pytest.importorskip("jax")
 optax = pytest.importorskip("optax")
 
 from metadist_core.config import load_settings  # noqa: E402
+from metadist_core.cost.profile import MeshProfile  # noqa: E402
 from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 from metadist_jax.plugin import JaxFrontend  # noqa: E402
@@ -26,16 +27,17 @@ def test_matmuls_are_timed_at_their_local_shapes(devices8):
     mlp, opt, params, state, batch = mlp_case()
     fe = JaxFrontend()
     g = fe.trace(mlp.make_step(opt), (params, state, batch), {}).graph
-    dots = [op for op in g.ops if fe.times_local(op)]
+    dots = [op for op in g.ops if fe.traits.times_local(op)]
     assert dots and all(op.payload.name == "dot_general" for op in dots)
-    assert not any(fe.times_local(op) for op in g.ops if op.payload is not None and op.payload.name == "add")
+    assert not any(fe.traits.times_local(op) for op in g.ops if op.payload is not None and op.payload.name == "add")
     m, k, n = 512, 256, 256
     op = next(o for o in dots if len([v for v in o.inputs if g.vars[v].is_tensor]) == 2)
     dims = op.payload.params["dimension_numbers"]
     assert dims == (((1,), (0,)), ((), ())), "the test needs a plain (m,k)@(k,n) matmul"
     reqs = [(op, ((m, k), (k, n)), ("float32", "float32")), (op, ((m // 4, k), (k, n)), ("float32", "float32")),
             (op, ((m, k), (k + 1, n)), ("float32", "float32"))]   # shapes a matmul refuses
-    secs, rates = fe.local_op_times(reqs, Mesh((8,)))
+    times = fe.time_ops(reqs, fe.resolve_mesh(Mesh((8,)), MeshProfile()))
+    secs, rates = times.seconds, times.device
     whole, quarter, refused = secs
     assert refused is None
     assert whole > 0 and quarter > 0

@@ -89,11 +89,11 @@ def test_profile_measured_cached_and_grown(devices8, tmp_path, monkeypatch):
     settings = load_settings(cache_dir=str(tmp_path), measure_links=True, mesh_profile=None)
     m8 = fe.resolve_mesh((8,), MeshProfile())
     prof = profile_for(fe, m8, settings)
-    assert prof.measured and calls == [(8,)]
+    assert prof.measured and calls == [(8,)] and prof.covers(m8.mesh) and not prof.covers((2, 4))
     assert prof.device.peak_flops > 0 and prof.device.mem_bandwidth > 0
     alpha = prof.axis_costs["8"][0]["alpha"]
     assert alpha > 0
-    key = profile_key(8, fe.device_kind())
+    key = profile_key(8, m8.device_kind)
     assert cached_profile(str(tmp_path), key) is not None
     again = profile_for(fe, m8, settings)          # read from the cache: nothing measured
     assert calls == [(8,)] and again.axis_costs["8"][0]["alpha"] == alpha
@@ -130,7 +130,7 @@ def test_a_mesh_of_shape_only_takes_the_measured_costs(devices8, rule_cache, mon
     step_fn, params, opt_state, batch = _mlp_step()
     step = metadist_compile(step_fn, mesh=Mesh((8,)), cache_dir=rule_cache)
     step(*step.place(params, opt_state, batch))
-    prof = cached_profile(rule_cache, profile_key(8, JaxFrontend().device_kind()))
+    prof = cached_profile(rule_cache, profile_key(8, JaxFrontend().resolve_mesh((8,), MeshProfile()).device_kind))
     assert prof is not None
     assert list(step.problem.mesh.alpha) == [prof.axis_costs["8"][0]["alpha"]]
 

@@ -36,7 +36,7 @@ def test_flax_transformer_recomputes_with_single_device_numbers(devices8, rule_c
     graph = fe.trace(step_fn, (params, opt_state, batches[0]), {}).graph
     with pytest.raises(RecomputeBudgetError) as e:   # priced as the compile prices it: the JAX lowering's buffers
         plan_graph(graph, Mesh((8,)), settings=load_settings(memory_budget=1, cache_dir=rule_cache),
-                   bucket_copies=fe.bucket_copies, shard_buckets=fe.shard_buckets, phased=fe.phased_reshards)
+                   traits=fe.traits)
     without, lean = e.value.without, e.value.with_recompute
     assert without > lean > 0, (without, lean)
     # both figures are the solver's leanest plans measured with their buffers, upper bounds of the least

@@ -28,10 +28,10 @@ def test_running_a_pipelined_jax_step_is_a_clear_error(devices8, rule_cache):
 def test_metadist_plan_prices_jax_stages(devices8, rule_cache, tmp_path, monkeypatch, capsys):
     mlp, opt, params, state, batch = mlp_case()
     out = tmp_path / "p.json"
-    monkeypatch.setenv(planonly.ENV, json.dumps({"mesh": [2, 4], "out": str(out), "cache_dir": str(rule_cache)}))
     step = metadist_compile(mlp.make_step(opt), cache_dir=rule_cache, pipeline_stages=2, micro_batches=2)
-    with pytest.raises(planonly.PlanOnlyDone):
-        step(params, state, batch)
+    with planonly.plan_only(planonly.PlanOnly(mesh=(2, 4), out=str(out), cache_dir=str(rule_cache))):
+        with pytest.raises(planonly.PlanOnlyDone):
+            step(params, state, batch)
     text = capsys.readouterr().out
     assert "pipeline: 2 stages along mesh axis 0" in text
     plan = json.loads(out.read_text())

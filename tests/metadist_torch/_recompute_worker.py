@@ -44,7 +44,7 @@ def _gpt2_case():
 
 def _budget(build, batch, step_fn, mesh_shape, at: float = 0.5) -> tuple[int, int, int]:
     from metadist_core.config import load_settings
-    from metadist_core.driver.compile import lowering_traits, plan_graph
+    from metadist_core.driver.compile import plan_graph
     from metadist_core.ir.mesh import Mesh
     from metadist_core.levers.recompute import RecomputeBudgetError
     from metadist_torch.plugin import TorchFrontend
@@ -52,7 +52,7 @@ def _budget(build, batch, step_fn, mesh_shape, at: float = 0.5) -> tuple[int, in
     fe = TorchFrontend()
     graph = fe.trace(step_fn, (model, opt, *batch), {}).graph
     try:   # priced as the compile prices it: the lowering's bucket copies, the whole batch on every rank
-        plan_graph(graph, Mesh(mesh_shape), settings=load_settings(memory_budget=1), **lowering_traits(fe))
+        plan_graph(graph, Mesh(mesh_shape), settings=load_settings(memory_budget=1), traits=fe.traits)
     except RecomputeBudgetError as e:
         return int(e.with_recompute + at * (e.without - e.with_recompute)), e.without, e.with_recompute
     raise AssertionError("a budget of one byte was met")

@@ -11,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from metadist_core.driver.frontend import WholeStep  # noqa: E402
 from metadist_torch import metadist_compile  # noqa: E402
 from _examples import load_example  # noqa: E402
 
@@ -183,7 +184,7 @@ def test_torch_adapter_traces_and_lowers():
     from metadist_core.plugins import PluginManager
     from metadist_core.cost.profile import load_profile
     fe = PluginManager().frontend("torch")
-    assert fe.runner_module == "metadist_torch.oprunner"
+    assert fe.traits.runner_module == "metadist_torch.oprunner"
     c = mlp.MLPConfig(hidden=8, batch=4, layers=1)
     model, opt = mlp.build(c)
     model_ref, opt_ref = mlp.build(c)
@@ -195,10 +196,11 @@ def test_torch_adapter_traces_and_lowers():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert traced.graph.validate() is None
-    mesh = fe.resolve_mesh(None, load_profile(None))
-    assert mesh.shape == (1,) and fe.is_planner()
+    resolved = fe.resolve_mesh(None, load_profile(None))
+    mesh = resolved.mesh
+    assert mesh.shape == (1,) and resolved.lead and not resolved.engine.distributed
     plan, _ = replicated_plan(traced.graph, mesh)
-    run = fe.lower(traced, plan, mesh, load_settings())
+    run = fe.lower(traced, WholeStep(plan), resolved, load_settings()).run
     loss = run(model, opt, x, y)
     loss_ref = mlp.train_step(model_ref, opt_ref, x, y)
     _close(loss_ref, loss, "loss")

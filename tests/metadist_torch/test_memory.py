@@ -119,7 +119,7 @@ dist.destroy_process_group()
 def test_a_gradient_bucket_holds_the_copies_the_memory_model_counts(tmp_path):
     import subprocess
     from metadist_torch.plugin import TorchFrontend
-    BUCKET_COPIES = TorchFrontend.bucket_copies
+    BUCKET_COPIES = TorchFrontend.traits.bucket_copies
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", BUCKET_SCRIPT, str(tmp_path / "pg")], env=env, text=True,
                          capture_output=True, timeout=120)

@@ -152,14 +152,14 @@ def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_o
     from metadist_torch import metadist_compile, plugin
     timed_on = []
 
-    real = plugin.TorchFrontend.op_slowdowns
+    real = plugin.TorchFrontend.time_ops
 
-    def op_slowdowns(self, graph, costs, cache_file):
-        timed_on.append(self.__dict__.get("_one_device"))
-        return real(self, graph, costs, cache_file)
+    def time_ops(self, requests, resolved, traced=None, program=False):
+        timed_on.append(plugin._state_device(traced.context, "cuda"))
+        return real(self, requests, resolved, traced, program)
     # the step's state "on a GPU": here the CPU stands in, measured as the GPU would be
     monkeypatch.setattr(plugin, "_state_device", lambda step, kind=None: torch.device("cpu"))
-    monkeypatch.setattr(plugin.TorchFrontend, "op_slowdowns", op_slowdowns)
+    monkeypatch.setattr(plugin.TorchFrontend, "time_ops", time_ops)
     def build():   # wide enough that its compute, not the call around it, is the step's time
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
@@ -192,13 +192,13 @@ def test_timing_the_whole_program_leaves_the_random_generators_as_they_were(monk
     the draws after it equal eager's."""
     from metadist_torch import metadist_compile, plugin
     ran = []
-    real = plugin.TorchFrontend.op_slowdowns
+    real = plugin.TorchFrontend.time_ops
 
-    def op_slowdowns(self, graph, costs, cache_file):
-        ran.append(self.__dict__.get("_traced_step") is not None)
-        return real(self, graph, costs, cache_file)
+    def time_ops(self, requests, resolved, traced=None, program=False):
+        ran.append(program and traced is not None)
+        return real(self, requests, resolved, traced, program)
     monkeypatch.setattr(plugin, "_state_device", lambda step, kind=None: torch.device("cpu"))
-    monkeypatch.setattr(plugin.TorchFrontend, "op_slowdowns", op_slowdowns)
+    monkeypatch.setattr(plugin.TorchFrontend, "time_ops", time_ops)
 
     def build():
         torch.manual_seed(0)

@@ -144,15 +144,15 @@ def test_plugin_is_found_and_owns_aten_only(tiny):
     pm = PluginManager()
     assert "torch" in pm.names("frontend")
     fe = pm.frontend("torch")
-    assert fe.name == "torch" and tuple(fe.op_prefixes) == ("aten.",)
+    assert fe.name == "torch" and tuple(fe.traits.op_prefixes) == ("aten.",)
     op = tiny.op("mm")
-    assert fe.owns(op) and pm.owner(op) is fe
+    assert fe.traits.owns(op) and pm.owner(op) is fe
     spec = pm.op_spec(op, tiny)
     assert spec is not None and spec.name == "aten.mm.default"
     assert [x.shape for x in spec.example_inputs] == [tiny.vars[v].shape for v in op.inputs]
     assert all(x.dtype == np.float64 for x in spec.example_inputs)  # float32 runs in float64
     other = type(op)("x", "jax.lax.dot_general", op.inputs, op.outputs, {})
-    assert not fe.owns(other)
+    assert not fe.traits.owns(other)
     assert pm.op_cost(op, tiny) == op_cost(op, tiny)
 
 

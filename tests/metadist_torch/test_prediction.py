@@ -20,6 +20,7 @@ from metadist_core.cost.buckets import bucketed_step  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.plan.overlap import predict, priced_collectives  # noqa: E402
 from metadist_core.driver.compile import plan_graph  # noqa: E402
+from metadist_core.driver.frontend import FrontendTraits  # noqa: E402
 from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
@@ -83,7 +84,7 @@ def test_lowered_gather_buckets_are_the_planned_ones(traced, mesh_shape):
     fe, tr = traced
     mesh = Mesh(mesh_shape, alpha=[2e-4] * len(mesh_shape), beta=[1e-9] * len(mesh_shape))
     s = load_settings(progress=False, strategy="zero3", shard_bucket_mb=0.01)   # 10 KiB: several buckets
-    res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh), shard_buckets=True)
+    res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh), traits=FrontendTraits(shard_buckets=True))
     plan, problem = res.plan, res.problem
     assert problem.shard_bucket_bytes == s.shard_bucket_bytes
     planned = gather_buckets(problem, plan.choices)
@@ -179,7 +180,7 @@ def test_a_gradient_reduced_over_two_axes_is_bucketed_as_the_lowering_buckets_it
     for shard_mb in (0.0, 0.016):   # the reduce_scatters on their own, then in buckets
         s = load_settings(progress=False, strategy="ddp", bucket_mb=0.016, shard_bucket_mb=shard_mb)
         res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh),
-                         shard_buckets=True)
+                         traits=FrontendTraits(shard_buckets=True))
         plan, problem = res.plan, res.problem
         chains = [e for e in plan.edges if problem.vars[e.var].get("bucketed")
                   and len([c for c in e.collectives if not c.is_free]) > 1]
@@ -212,7 +213,7 @@ def test_collectives_the_device_cannot_hide_slow_the_compute_beside_them(traced)
     for strategy in ("ddp", "zero3"):
         s = load_settings(progress=False, strategy=strategy, bucket_mb=0.004, first_bucket_mb=0.004,
                           shard_bucket_mb=0.01)   # buckets that run during the backward
-        res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh), shard_buckets=True)
+        res = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh), traits=FrontendTraits(shard_buckets=True))
         steps = {}
         for hidden in (0.0, 0.5, 1.0):
             problem = dataclasses.replace(res.problem, device=dataclasses.replace(res.problem.device, overlap=hidden))
@@ -267,7 +268,7 @@ def test_the_loss_syncs_once_at_the_end(traced, traced_wide):
     count = {}
     for whole in (True, False):
         plan = plan_graph(tr.graph, mesh, settings=s, constraints=fe.constraints(tr.graph, mesh),
-                          whole_inputs=whole).plan
+                          traits=FrontendTraits(whole_inputs=whole)).plan
         priced = [(v, c.kind, c.axis, c.nbytes) for v, c in priced_collectives(plan)]
         count[whole] = len(priced)
         if whole:

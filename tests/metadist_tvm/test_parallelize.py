@@ -175,7 +175,7 @@ def test_the_driver_traces_plans_and_lowers_through_the_adapter():
     pm = PluginManager()
     assert "tvm" in pm.names("frontend")
     fe = pm.frontend("tvm")
-    assert isinstance(fe, TvmFrontend) and fe.op_prefixes == ("te.",)
+    assert isinstance(fe, TvmFrontend) and fe.traits.op_prefixes == ("te.",)
     assert [op.key for op in fe.trace(None, (inputs, y), {}).graph.ops] == [
         "te.topi.nn.dense", "te.topi.nn.relu", "te.topi.nn.dense", "te.topi.nn.softmax"]
     result = compile_step(fe, None, (inputs, y), {}, mesh=Mesh((2,)), plugins=pm)
