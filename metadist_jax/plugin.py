@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # pragma: no cover - types only
     from metadist_core.config import Settings
     from metadist_core.ir.ir import MetaIR
     from metadist_core.ir.placement import Mesh
-    from metadist_core.plan.plan import ShardingPlan
     from metadist_core.cost.profile import MeshProfile
 
 

@@ -156,7 +156,7 @@ def _normalise(sharding: Sharding, ndim: int, mesh: Mesh, what: str) -> tuple[Pl
         raise ValueError(f"{what} sharding {sharding} has {len(sharding)} placements for the "
                          f"{mesh.ndim}-axis mesh {mesh}")
     out = []
-    for axis, p in enumerate(sharding):
+    for _axis, p in enumerate(sharding):
         if isinstance(p, Shard):
             if not -ndim <= p.dim < ndim:
                 raise ValueError(f"{what} sharding {sharding} shards dim {p.dim} of a {ndim}-dim tensor")

@@ -32,21 +32,31 @@ def dim_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[
         pi = pj = 1
         # take at least one dim from each side that still has dims
         if i < ni:
-            gi.append(i); pi *= in_shape[i]; i += 1
+            gi.append(i)
+            pi *= in_shape[i]
+            i += 1
         if j < nj:
-            gj.append(j); pj *= out_shape[j]; j += 1
+            gj.append(j)
+            pj *= out_shape[j]
+            j += 1
         while pi != pj:
             if pi < pj and i < ni:
-                gi.append(i); pi *= in_shape[i]; i += 1
+                gi.append(i)
+                pi *= in_shape[i]
+                i += 1
             elif pj < pi and j < nj:
-                gj.append(j); pj *= out_shape[j]; j += 1
+                gj.append(j)
+                pj *= out_shape[j]
+                j += 1
             else:
                 break
         # trailing unit dims join this group
         while i < ni and in_shape[i] == 1 and (j >= nj or out_shape[j] != 1):
-            gi.append(i); i += 1
+            gi.append(i)
+            i += 1
         while j < nj and out_shape[j] == 1 and (i >= ni or in_shape[i] != 1):
-            gj.append(j); j += 1
+            gj.append(j)
+            j += 1
         groups.append((gi, gj))
     return groups
 

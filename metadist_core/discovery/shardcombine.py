@@ -173,7 +173,7 @@ def _combos(cands: list[list[Placement]], examples: Sequence[Any] = ()) -> list[
                 size = examples[i].shape[p.dim] if examples else None
                 shard_sizes.setdefault(size, [[] for _ in cands])[i].append(p)
     psum = Partial("sum")
-    for size, shards in shard_sizes.items():
+    for shards in shard_sizes.values():
         per = [[rep] + sh for sh in shards]
         split = [c for c in itertools.product(*per) if any(isinstance(p, Shard) for p in c)]
         out += split

@@ -28,9 +28,9 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
-from metadist_core.ir.ir import ACC_SUFFIX, BATCH_ROLES, RECOMPUTED_SUFFIX, UPDATE_ROLES, MetaIR
+from metadist_core.ir.ir import ACC_SUFFIX, RECOMPUTED_SUFFIX, UPDATE_ROLES, MetaIR
 from metadist_core.ir.placement import Sharding
 
 log = logging.getLogger("metadist.microbatch")

@@ -23,10 +23,10 @@ per stage, on that stage's parameters after the last micro-batch
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from metadist_core.ir.ir import STATE_ROLES, MetaIR, forward_ops, new_buffers
+from metadist_core.ir.ir import STATE_ROLES, MetaIR, new_buffers
 from metadist_core.plan.stage import Stage, StageError, bubble_fraction
 
 

@@ -71,7 +71,7 @@ def priced_collectives(plan: Any) -> list[tuple[str, Collective]]:
     phases = problem.phases if problem is not None else {}
     order = [n.id for n in problem.nodes if n.kind == "op"] if problem is not None else list(plan.op_strategies)
     by_dst: dict[str, list] = {}
-    for (op, slot), e in sorted(incoming.items(), key=lambda kv: kv[0][1]):
+    for (op, _slot), e in sorted(incoming.items(), key=lambda kv: kv[0][1]):
         by_dst.setdefault(op, []).append(e)
     edges = [e for op in order for e in by_dst.get(op, [])]
     edges += [e for (v, d), e in finals.items() if d == OUTPUT] + [e for (v, d), e in finals.items() if d != OUTPUT]
@@ -96,7 +96,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     bucket = problem.bucket_bytes
     t = 0.0                                   # the compute stream
     ready: dict[str, float] = {v: 0.0 for v in problem.outputs}   # value -> when its producer finished
-    for i, n in enumerate(problem.nodes):
+    for _i, n in enumerate(problem.nodes):
         if n.kind == "input":
             ready[n.outputs[0]] = 0.0
     axis_free = [0.0] * mesh.ndim             # one collective at a time per mesh axis
@@ -254,9 +254,9 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     ops = [n for n in problem.nodes if n.kind == "op"]
     # the lowering issues each all_reduce right after its input exists: walk producers first
     readers: dict[str, list] = {}
-    for (op, slot), e in incoming.items():
+    for e in incoming.values():
         readers.setdefault(e.var, []).append(e)
-    for (v, d), e in finals.items():
+    for (v, _d), e in finals.items():
         readers.setdefault(v, []).append(e)
     for n in problem.nodes:
         if n.kind == "input":
@@ -271,7 +271,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             ready[v] = t
             for e in readers.get(v, []):
                 issue(v, e)
-    for (v, d), e in finals.items():
+    for (v, _d), e in finals.items():
         wait(v, e)
     for bk in list(pending):
         flush(bk)

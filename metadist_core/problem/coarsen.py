@@ -154,7 +154,7 @@ def _fold_fixed(co: Coarsening, label: str) -> Coarsening:
     assign: list[int] = []
     maps: list[np.ndarray] = []
     n_opts: list[int] = []
-    for i, a in enumerate(t.allowed):
+    for _i, a in enumerate(t.allowed):
         if a.sum() == 1:
             assign.append(-1)
             maps.append(np.flatnonzero(a)[:1])

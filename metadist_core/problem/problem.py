@@ -244,7 +244,7 @@ class ShardingProblem:
         for e in self.edges:
             readers.setdefault(e.var, []).append(e)
         shared = []
-        for var, es in readers.items():
+        for _var, es in readers.items():
             if len(es) > 1:   # read by several ends: one reshard per (value, target, phase), as the lowering runs it
                 shared.append(self._shared_term(es))
                 continue

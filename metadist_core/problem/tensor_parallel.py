@@ -163,7 +163,7 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
                 split(w, out_dim, "column-parallel weight")
                 if bias is not None:
                     split(bias, 0, "column-parallel bias")
-        for _, w, out_dim, in_dim, _ in rows:
+        for _, w, _out_dim, in_dim, _ in rows:
             pins.out.pairs.append(("<attention>", w))
             split(w, in_dim, "row-parallel weight")
     # MLP-like chains: column split, then row split
