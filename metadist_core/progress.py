@@ -10,13 +10,13 @@ import threading
 from typing import Any
 
 from tqdm import tqdm
+from metadist_core.config import load_settings
 
 
 def progress_enabled(enabled: bool | None = None) -> bool:
     """``enabled`` if given, else the ``progress`` setting, else whether stderr is a terminal."""
     if enabled is not None:
         return bool(enabled)
-    from metadist_core.config import load_settings
     setting = load_settings().progress
     return sys.stderr.isatty() if setting is None else setting
 

@@ -19,6 +19,9 @@ import numpy as np
 
 from metadist_core.cost.model import DeviceSpec, DEVICE_PRESETS
 from metadist_core.ir.mesh import DEFAULT_ALPHA, DEFAULT_BETA, Mesh
+from metadist_core.config import load_settings
+import socket
+from metadist_core.discovery.rules import default_cache_dir
 
 PROFILE_ENV = "METADIST_MESH_PROFILE"
 FORMAT = "metadist.MeshProfile/1"
@@ -103,7 +106,6 @@ DEFAULT_PROFILE = MeshProfile()
 def load_profile(path: str | os.PathLike | None = None) -> MeshProfile:
     """The profile at ``path``, else at the ``mesh_profile`` setting (``$METADIST_MESH_PROFILE``), else the defaults."""
     if not path:
-        from metadist_core.config import load_settings
         path = load_settings().mesh_profile
     src = path
     if not src:
@@ -170,14 +172,12 @@ MEASURE_VERSION = 6
 def profile_key(world_size: int, device_kind: str, host: str | None = None) -> dict:
     """What a measured profile is valid for: this host, this world size, this kind of device, this
     way of measuring (:data:`MEASURE_VERSION`)."""
-    import socket
     return {"host": host or socket.gethostname(), "world_size": int(world_size), "device_kind": str(device_kind),
             "measure": MEASURE_VERSION}
 
 
 def profile_cache_path(cache_dir: str | os.PathLike | None, key: dict) -> Path:
     """``<cache dir>/profiles/<host>-w<world size>-<device kind>.json``."""
-    from metadist_core.discovery.rules import default_cache_dir
     base = Path(cache_dir) if cache_dir else Path(default_cache_dir())
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in
                    f"{key['host']}-w{key['world_size']}-{key['device_kind']}")

@@ -28,6 +28,8 @@ from metadist_core.discovery.rules import OpRules, RuleBook, ShardingRule
 from metadist_core.discovery.shardcombine import DRAWS, DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
 from metadist_core.discovery.verify import scalars_of
 from metadist_core.discovery.forkpool import discover_forked
+import multiprocessing
+import os
 
 log = logging.getLogger("metadist.discover")
 
@@ -129,8 +131,6 @@ def worker_count(requested: int, n_patterns: int, frontends: Sequence[Any], all_
     """How many processes discover ``n_patterns`` patterns: ``requested`` (0: one per usable CPU core, at
     most :data:`MAX_WORKERS`), but 1 when there are few patterns, the platform cannot fork, or a frontend
     involved cannot run its ops in a forked child (``FrontendTraits.can_fork_discovery``)."""
-    import multiprocessing
-    import os
     if requested == 1 or n_patterns < 2:
         return 1
     if "fork" not in multiprocessing.get_all_start_methods() or not frontends or not all_owned:

@@ -18,6 +18,11 @@ from typing import Any, Callable, Sequence
 from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.discovery.patterns import Pattern, op_numel, proxy_numel
 from metadist_core.discovery.rules import OpRules, ShardingRule
+import ctypes
+import faulthandler
+import signal
+import multiprocessing
+from multiprocessing.connection import wait
 
 log = logging.getLogger("metadist.discover")
 
@@ -65,7 +70,6 @@ def _keep_freed_pages() -> None:
     zeroed again, a large part of the time of making Partial pieces. The child's peak is
     unchanged; it only keeps what it freed until it exits. No-op where glibc is not the C library."""
     try:
-        import ctypes
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD: allocations below 1 GiB come from the heap
         libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD: freed heap memory stays mapped
@@ -75,7 +79,6 @@ def _keep_freed_pages() -> None:
 
 def _serve(conn: Any) -> None:
     """A child's loop: a job index in, its result out, until None."""
-    import faulthandler
     faulthandler.disable()   # a kernel that traps is reported by the parent, naming the op, not as a dump
     _keep_freed_pages()
     while True:
@@ -109,7 +112,6 @@ class _Worker:
 
 def _crashed(op: MetaOp, pat: Pattern, exitcode: int | None) -> Any:
     """The rules of an op whose discovery killed its process: it runs replicated."""
-    import signal
     how = (f"signal {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0
            else f"exit code {exitcode}")
     where = "at proxy sizes" if pat.proxied else "at its real shapes"
@@ -124,8 +126,6 @@ def discover_forked(jobs: Sequence[tuple[MetaOp, Pattern]], graph: MetaIR, ops: 
     """``{job index: (OpRules, RuleBook key)}`` for every job, run by ``workers`` forked processes, the
     largest first; ``discover`` finds one pattern's rules in a child. A job that kills its process (a framework kernel that traps) runs replicated, with
     one warning naming the op; a fresh process takes the next job."""
-    import multiprocessing
-    from multiprocessing.connection import wait
     ctx = multiprocessing.get_context("fork")
     pending = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i][0], graph, jobs[i][1]))
     _WORK.update(discover=discover, jobs=list(jobs), graph=graph, ops=ops, draws=draws, max_real=max_real, seeds=dict(seeds or {}))

@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 
 from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.ir.placement import splits_nonempty
+from metadist_core.discovery.canonical import canonical_name
 
 SMALL = 4            # sizes up to this stay exactly as they are (1, pairs, kernels of 3, RGB...)
 MAX_MULTIPLE = 4     # a large size that is k x another (k <= this) keeps that relation (a fused qkv is 3 x width)
@@ -211,7 +212,6 @@ def op_pattern(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True, 
         attr_text = json.dumps(sym_attrs, sort_keys=True, default=str)
     except (TypeError, ValueError) as e:
         return Pattern(exact.key, axis_size, False, reason=f"its attributes are not plain data ({e})")
-    from metadist_core.discovery.canonical import canonical_name
     canon = canonical_name(op.key, op.attrs, [s for s in shapes[:len(op.inputs)]])
     name = canon or op.key
     if canon is not None:   # the canonical name says all the attributes say: one pattern for every frontend

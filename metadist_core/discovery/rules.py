@@ -18,6 +18,9 @@ from typing import Iterable, Mapping, Sequence
 
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Placement, Replicate, Shard, Sharding, parse_placement, splits_nonempty
+from metadist_core.discovery.patterns import pattern_candidates
+from metadist_core.config import load_settings
+from metadist_core.discovery.patterns import op_pattern
 
 log = logging.getLogger("metadist.rules")
 
@@ -208,7 +211,6 @@ class RuleBook:
 
     def add_op(self, op, graph, entry: OpRules, axis_sizes: Iterable[int] = (2, 4, 8, 16)) -> None:
         """Record hand-made rules for ``op`` at its exact signature, for every axis size in ``axis_sizes``."""
-        from metadist_core.discovery.patterns import op_pattern
         for n in axis_sizes:
             self.entries[op_pattern(op, graph, n, proxies=False).key] = entry
 
@@ -296,7 +298,6 @@ _KEYS: dict[tuple, list[str]] = {}   # op content -> its keys: a 12-layer step a
 
 def rule_keys(op, graph, axis_size: int) -> list[str]:
     """The RuleBook keys that may hold ``op``'s rules on an axis of ``axis_size``, most general first."""
-    from metadist_core.discovery.patterns import pattern_candidates
     outs = tuple((None if graph.vars[v].shape is None else tuple(graph.vars[v].shape), graph.vars[v].dtype)
                  for v in op.outputs)
     memo = (op.signature(graph), outs, axis_size)
@@ -310,7 +311,6 @@ def rule_keys(op, graph, axis_size: int) -> list[str]:
 
 def default_cache_dir() -> Path:
     """The ``cache_dir`` setting (``$METADIST_CACHE_DIR``, ``[tool.metadist]``) if set, else the user cache dir."""
-    from metadist_core.config import load_settings
     configured = load_settings().cache_dir
     if configured:
         return Path(configured)

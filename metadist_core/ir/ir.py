@@ -6,6 +6,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence
+from metadist_core.ir.placement import parse_placement
 
 # Canonical dtype strings and their sizes in bytes.
 #: Suffix of the ids of ops and values recomputed for the backward (metadist_core.levers.recompute).
@@ -357,7 +358,6 @@ class MetaIR:
         g.outputs = list(data["outputs"])
         g.aliases = dict(data.get("aliases", {}))
         if data.get("annotations"):
-            from metadist_core.ir.placement import parse_placement
             g.annotations = {v: tuple(parse_placement(p) for p in ps) for v, ps in data["annotations"].items()}
         missing = [v for v in g.vars if v not in produced and v not in g.inputs]
         if missing:

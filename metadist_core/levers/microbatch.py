@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 
 from metadist_core.ir.ir import ACC_SUFFIX, RECOMPUTED_SUFFIX, UPDATE_ROLES, MetaIR
 from metadist_core.ir.placement import Sharding
+from metadist_core.plan.plan import PlanEdge
+from metadist_core.problem.problem import OUTPUT
 
 log = logging.getLogger("metadist.microbatch")
 
@@ -218,8 +220,6 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
 def part_plan(plan: Any, part: MetaIR, acc_of: dict[str, str] | None = None) -> Any:
     """The plan of the whole step restricted to ``part``: the same layouts and collectives; inputs that the
     whole step computes (gradients) arrive as the plan made them, pseudo state leaves as it is."""
-    from metadist_core.plan.plan import PlanEdge
-    from metadist_core.problem.problem import OUTPUT
 
     acc_of = acc_of or {}
     rep = Sharding.replicated(len(plan.mesh_shape))

@@ -43,6 +43,7 @@ import numpy as np
 
 from metadist_core.cost.model import DEVICE_PRESETS, DeviceSpec, compute_cost, compute_dtype, local_bytes, strategy_split
 from metadist_core.ir.ir import MetaIR
+from metadist_core.problem.build import estimate_op_cost
 
 log = logging.getLogger("metadist.offload")
 
@@ -181,7 +182,6 @@ def apply_offload(problem: Any, graph: MetaIR, op_costs: Mapping[str, tuple[floa
     option; host-only values are marked ``vars[v]["host"]`` (no memory term).
     Call before the problem's terms are first read. Returns the region priced.
     """
-    from metadist_core.problem.build import estimate_op_cost
     region = region if region is not None else host_region(graph)
     if problem.terms_read:
         raise RuntimeError("apply_offload must run before the problem's terms are read (they are cached)")

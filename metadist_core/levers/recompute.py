@@ -23,6 +23,10 @@ from typing import Any, Callable, Sequence
 from metadist_core.ir.ir import MetaIR
 from metadist_core.problem.problem import InfeasibleBudgetError
 from metadist_core.levers.recompute_segments import SUFFIX, Segment, order, rewrite, segments
+from metadist_core.ir.aliasing import alias_liveness
+from metadist_core.problem.terms import EdgeTerm, MemTerm, Toggle
+from metadist_core.plan.memprofile import budget_for
+from metadist_core.plan.overlap import predict
 
 log = logging.getLogger("metadist.recompute")
 
@@ -47,8 +51,6 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> tuple[list[
     link as the next one runs, as the lowering does. Set both with :func:`price_segments`."""
     import numpy as np
 
-    from metadist_core.ir.aliasing import alias_liveness
-    from metadist_core.problem.terms import EdgeTerm, MemTerm, Toggle
     if not segs:
         return [], list(range(len(graph.ops) + 1))
     full = rewrite(graph, [i for s in segs for i in s.recompute])
@@ -175,7 +177,6 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
             f"segments still needs {lean:,}; raise memory_budget to at least {min(without, lean):,}, use more devices, "
             f"or offload the optimizer state", budget, without, lean) from e
     if not enabled:
-        from metadist_core.plan.memprofile import budget_for
         without = needed(first)
         raise RecomputeBudgetError(
             f"memory budget of {budget:,} bytes per device cannot be met with recompute=False: the leanest "
@@ -236,7 +237,6 @@ def step_seconds(problem: Any, plan: Any) -> float:
     when the plan has no problem to replay)."""
     if problem is None or not getattr(plan, "choices", None):
         return float(plan.objective)
-    from metadist_core.plan.overlap import predict
     return predict(plan, problem).step
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from metadist_core.ir.ir import STATE_ROLES, MetaIR, new_buffers
 from metadist_core.plan.stage import Stage, StageError, bubble_fraction
+import itertools
 
 
 
@@ -253,7 +254,6 @@ def best_cuts(op_time: Sequence[float], cut_cost: Sequence[float], p: int, m: in
 def brute_force_cuts(op_time: Sequence[float], cut_cost: Sequence[float], p: int, m: int,
                      **kw: Any) -> CutChoice | None:
     """:func:`best_cuts` by enumerating every cut (for tests; exponential)."""
-    import itertools
     n = len(op_time)
     best: CutChoice | None = None
     for cuts in itertools.combinations(range(1, n), p - 1):

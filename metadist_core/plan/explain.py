@@ -20,6 +20,8 @@ import numpy as np
 from metadist_core.cost.model import local_bytes
 from metadist_core.config import PRESETS
 from metadist_core.problem.presets import GraphView, constrain, preset_constraints
+from metadist_core.plugins import PluginManager
+from pathlib import Path
 
 if TYPE_CHECKING:  # pragma: no cover
     from metadist_core.plan.plan import ShardingPlan
@@ -148,7 +150,6 @@ def compare_presets(prob: "ShardingProblem", solver: str = "ilp", plugins: "Plug
                     options: dict | None = None, names: Sequence[str] = COMPARED) -> list[dict]:
     """Each preset solved on ``prob`` (its unsteered form): name, seconds, compute, comm, bytes per device,
     collectives, and a note (what could not be pinned, or why it has no plan)."""
-    from metadist_core.plugins import PluginManager
     pm = plugins or PluginManager()
     base = getattr(prob, "unsteered", prob)
     rows = []
@@ -239,7 +240,6 @@ def explain_plan(plan: "ShardingPlan", *, presets: bool = True, solver: str | No
 
 
 def _solver_name(plan: "ShardingPlan") -> str:
-    from metadist_core.plugins import PluginManager
     name = plan.solver or "ilp"
     return name if name in PluginManager().names("solver") else "ilp"
 
@@ -376,7 +376,6 @@ def problem_path(plan_path: str) -> str:
 def report_plan_only(result: Any, request: dict, settings: Any, plugins: "PluginManager | None" = None) -> None:
     """After a plan-only run saved its plan: save the (unsteered) problem beside it, and with ``compare``
     print every preset priced on the same problem beside the plan."""
-    from pathlib import Path
 
     prob, plan = result.problem, result.plan
     if prob is None or plan is None:

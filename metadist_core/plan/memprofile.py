@@ -42,6 +42,7 @@ from metadist_core.cost.model import local_bytes
 from metadist_core.cost.gathers import bucket_cap, gather_buckets
 from metadist_core.ir.placement import Sharding
 from metadist_core.cost.reshard import reshard
+from metadist_core.problem.problem import InfeasibleBudgetError
 
 log = logging.getLogger("metadist.memprofile")
 
@@ -212,7 +213,6 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
     fits, ``InfeasibleBudgetError`` says what the leanest plan found needs, with its buffers and the
     headroom.
     """
-    from metadist_core.problem.problem import InfeasibleBudgetError
     budget = problem.memory_budget
     if budget is None:
         return plan

@@ -26,6 +26,9 @@ from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, Edg
 from metadist_core.problem.prune import useful_rules
 from metadist_core.cost.reshard import reshard, reshard_costs
 from metadist_core.discovery.rules import RuleBook, Strategy, expand_rules
+from metadist_core.cost.compression import wire_dtypes
+from metadist_core.cost.compression import gradient_chain
+from metadist_core.cost.localtime import apply
 
 if TYPE_CHECKING:
     from metadist_core.cost.localtime import LocalTimer
@@ -92,7 +95,6 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     ``local_timer``: the ops the frontend times at each strategy's local shapes are priced so
     (:mod:`metadist_core.cost.localtime`).
     """
-    from metadist_core.cost.compression import wire_dtypes
     device = device or DEVICE_PRESETS["cpu"]
     live, views = alias_liveness(graph, graph.liveness())   # a view takes no bytes and holds its base alive
     live = inplace_state_liveness(graph, live, views)        # new state is written into the old in place
@@ -114,7 +116,6 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                 vars_[v]["gather_share"] = float(gather_share) if gather_share is not None else \
                     GATHER_SHARE if memory_budget is None else BUDGET_GATHER_SHARE
     if bucket_bytes:
-        from metadist_core.cost.compression import gradient_chain
         for v in gradient_chain(graph):
             vars_[v]["bucketed"] = True
     nodes: list[Node] = []
@@ -155,7 +156,6 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
             timed.append((len(compute) - 1, op, opts, splits, flops, nbytes, dt))
         nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
     if timed and local_timer is not None:   # timed holds ops only where there is a local_timer
-        from metadist_core.cost.localtime import apply
         apply(local_timer, graph, mesh, device, timed, compute)
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
     cons = parse_constraints(constraints or [])

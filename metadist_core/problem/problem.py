@@ -30,6 +30,7 @@ from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Sharding
 from metadist_core.discovery.rules import Strategy
 from metadist_core.problem.terms import EdgeTerm, MemTerm, SharedTerm, Terms
+import copy
 
 log = logging.getLogger("metadist.problem")
 
@@ -223,7 +224,6 @@ class ShardingProblem:
 
     def terms(self) -> Terms:
         """The numeric problem, uncoarsened; output reshards are folded into unary costs (cached)."""
-        import copy
         cached = self.__dict__.get("_terms_cache")
         if cached is None:
             cached = self.__dict__["_terms_cache"] = self._make_terms()
@@ -315,7 +315,6 @@ class ShardingProblem:
 
     def with_budget(self, budget: int | None) -> "ShardingProblem":
         """The same problem under another memory budget (shares all tables)."""
-        import copy
         p = copy.copy(self)
         p.memory_budget = budget
         return p

@@ -24,6 +24,7 @@ from metadist_core.driver.planner import plan_graph
 from metadist_core.plugins import PluginManager
 from metadist_core.discovery.shardcombine import OpSpec
 from metadist_core.plan.simulate import simulate
+from metadist_core.discovery.shardcombine import discover_rules
 
 # -- the ops: key -> fn(*inputs, **attrs) ------------------------------------
 
@@ -231,7 +232,6 @@ def metadist_frontend() -> ReferenceFrontend:
 
 def rules_for(key: str, *example_inputs: np.ndarray, axis_size: int = 2, **attrs: Any):
     """The verified one-axis ShardingRules of reference op ``key`` on these example inputs."""
-    from metadist_core.discovery.shardcombine import discover_rules
 
     xs = [np.asarray(x, dtype=np.float64) for x in example_inputs]
     if key in RESHAPES:
