@@ -28,21 +28,14 @@ import sys
 import time
 import traceback
 
-from .memory import _step   # the same training step as the CPU memory benchmark
+from ._models import adamw, gpt2, lm_step as _step   # the CPU memory benchmark's model and step
 
 MB = 2 ** 20
 
 
 def _build(layers: int, seed: int = 0):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    torch.manual_seed(seed)
-    cfg = GPT2Config(n_positions=64, n_layer=layers, n_embd=256, n_head=4, vocab_size=512, bos_token_id=0,
-                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    m = GPT2LMHeadModel(cfg).cuda()
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m = gpt2(seed=seed, n_positions=64, n_layer=layers, n_embd=256, n_head=4, vocab_size=512).cuda()
+    return m, adamw(m, 1e-3)
 
 
 def _run(name: str, layers: int, batches: list, ref: list | None, **kw) -> dict:

@@ -56,7 +56,7 @@ def run_model(name: str, rounds: int, warmup: int, dev: str, cache: str) -> list
     first_s = time.perf_counter() - t0
     le = [float(m.step(me, oe, *batches[0]))]
     te, tc = [], []
-    for i, b in enumerate(batches[1:], 1):
+    for _i, b in enumerate(batches[1:], 1):
         for fn, mod, opt, losses, times in ((m.step, me, oe, le, te), (step, mc, oc, lc, tc)):
             sync()
             t = time.perf_counter()

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ._common import interleaved, write_results
+from ._models import adamw, gpt2, lm_step_labels, tokens
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples" / "torch"))
@@ -44,27 +45,18 @@ def _gpt(quick: bool):
 
 def _gpt2(quick: bool):
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import transformers  # noqa: F401
     except ImportError:
         return None
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2 if quick else 4, n_embd=128 if quick else 256, n_head=4, n_positions=128,
-                     vocab_size=1024, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # dropout at transformers' default (0.1), not the benchmarks' 0
+    model = gpt2(n_layer=2 if quick else 4, n_embd=128 if quick else 256, n_head=4, n_positions=128,
+                 vocab_size=1024, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    opt = adamw(model, 1e-3)
 
     def batch(i: int):
-        g = torch.Generator().manual_seed(i)
-        ids = torch.randint(0, 1024, (8, 64 if quick else 128), generator=g)
+        ids = tokens(1024, 8, 64 if quick else 128, [i])[0]
         return ids, ids
-
-    def step(model, opt, ids, labels):
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-    return "transformers GPT-2", model, opt, batch, step, model.transformer.h[0]
+    return "transformers GPT-2", model, opt, batch, lm_step_labels, model.transformer.h[0]
 
 
 def measure(build, quick: bool) -> dict | None:

@@ -27,16 +27,13 @@ solver's own figure, ``plan.memory_per_device``) is printed beside its measureme
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks._launch import add_worker_args, finish, launch, write_rank0
+from benchmarks._models import adamw, gpt2, lm_step as _step, tokens
+
 NAME = "memory"
 SYSTEMS = ("metadist", "fsdp2", "fsdp2_ckpt")
 MB = 2 ** 20
@@ -49,30 +46,12 @@ def _shape(quick: bool) -> dict:
 
 
 def _build(layers: int, sh: dict):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    torch.manual_seed(0)
-    cfg = GPT2Config(n_positions=sh["seq"], n_layer=layers, n_embd=sh["width"], n_head=sh["heads"],
-                     vocab_size=sh["vocab"], bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0)
-    m = GPT2LMHeadModel(cfg)
-    return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-
-def _step(model, opt, ids):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+    m = gpt2(n_positions=sh["seq"], n_layer=layers, n_embd=sh["width"], n_head=sh["heads"], vocab_size=sh["vocab"])
+    return m, adamw(m, 1e-4)
 
 
 def _batches(sh: dict):
-    import torch
-    return [torch.randint(0, sh["vocab"], (sh["batch"], sh["seq"]), generator=torch.Generator().manual_seed(i))
-            for i in range(sh["steps"] + 1)]
+    return tokens(sh["vocab"], sh["batch"], sh["seq"], sh["steps"] + 1)
 
 
 def _local(batches: list, rank: int, world: int) -> list:
@@ -257,8 +236,7 @@ def worker(args) -> int:
                 e = res["equal_depth"]
                 print(f"  equal depth {depth} layers: metadist {e['metadist_ms']:.0f} ms, fsdp2_ckpt "
                       f"{e['fsdp2_ckpt_ms']:.0f} ms, {e['ratio_by_round']:.2f}x by round", flush=True)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps({"shape": sh, "world": world, "results": res}, default=str))
+    write_rank0(args.out, {"shape": sh, "world": world, "results": res})
     return 0
 
 
@@ -270,35 +248,23 @@ def main(argv=None) -> int:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--rounds", type=int, default=None,
                     help="rounds timed at equal depth, one step of each system per round (default 8; quick 4)")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    add_worker_args(ap, cache=True)
     args = ap.parse_args(argv)
     if args.budget_mb is None:
         args.budget_mb = 40.0 if args.quick else 48.0
     if args.rounds is None:
         args.rounds = 4 if args.quick else 8
-    if args.worker:   # finish_worker: gloo ranks have aborted in the interpreter's teardown (README "Not yet")
-        from metadist_torch.engine import finish_worker
-        finish_worker(worker(args))
+    if args.worker:
+        finish(worker(args))
 
     from benchmarks._common import write_results
-    from metadist_torch.demo import torchrun_cmd
     t_all = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ranks.json"
-        cache = os.environ.get("METADIST_CACHE_DIR") or str(Path(tmp) / "cache")
-        wargs = ["--worker", "--out", str(out), "--cache-dir", cache, "--budget-mb", str(args.budget_mb),
-                 "--systems", args.systems, "--rounds", str(args.rounds)] + (["--quick"] if args.quick else [])
-        env = dict(os.environ, OMP_NUM_THREADS="1", METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run(torchrun_cmd(Path(__file__), args.nproc, wargs), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, cwd=str(REPO), timeout=5400)
-        print("\n".join(line for line in proc.stdout.splitlines() if "layers:" in line))
-        if proc.returncode != 0 or not out.exists():
-            print("\n".join(proc.stdout.splitlines()[-40:]))
-            return 1
-        data = json.loads(out.read_text())
+    got = launch(__file__, args.nproc, ["--budget-mb", str(args.budget_mb), "--systems", args.systems,
+                                        "--rounds", str(args.rounds)] + (["--quick"] if args.quick else []),
+                 timeout=5400, cache=True, show=lambda line: "layers:" in line)
+    if got is None:
+        return 1
+    data = got.data
     sh = data["shape"]
     desc = (f"GPT-2 (transformers) width {sh['width']} heads {sh['heads']} vocab {sh['vocab']} seq {sh['seq']} "
             f"batch {sh['batch']}, {data['world']} gloo ranks")

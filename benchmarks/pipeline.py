@@ -21,38 +21,20 @@ results/pipeline.json and results/pipeline.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks._launch import add_worker_args, finish, launch, write_gathered
+from benchmarks._models import adamw, gpt2, lm_step as _step, tokens
+
 NAME = "pipeline"
 
 
 def _model(quick: bool):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    torch.manual_seed(0)
     layers, width = (4, 64) if quick else (8, 256)
-    cfg = GPT2Config(vocab_size=256, n_positions=64, n_embd=width, n_layer=layers, n_head=4, bos_token_id=0,
-                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(cfg)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3), f"GPT-2 {layers} layers, width {width}"
-
-
-def _step(model, opt, ids):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+    model = gpt2(vocab_size=256, n_positions=64, n_embd=width, n_layer=layers, n_head=4)
+    return model, adamw(model, 1e-3), f"GPT-2 {layers} layers, width {width}"
 
 
 def _reset_peak() -> None:
@@ -79,7 +61,7 @@ def _busy_timer(runnable):
     sched = getattr(runnable, "sched", None)
     if sched is None:
         return box
-    stages = getattr(sched, "_stages", None) or [getattr(sched, "_stage")]
+    stages = getattr(sched, "_stages", None) or [sched._stage]
     for st in stages:
         for meth in ("forward_one_chunk", "backward_one_chunk"):
             f = getattr(st, meth)
@@ -115,8 +97,7 @@ def worker(args) -> int:
                 if sched != "-":
                     kw["schedule"] = sched
                 step = metadist_compile(**kw)(_step)
-                ids = [torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(i))
-                       for i in range(steps + warm)]
+                ids = tokens(256, batch, seq, steps + warm)
                 rec = {"system": system, "schedule": sched, "micro_batches": m, "mesh": "x".join(map(str, mesh)),
                        "model": desc}
                 try:
@@ -144,10 +125,7 @@ def worker(args) -> int:
                 rows.append(rec)
                 if dist.get_rank() == 0:
                     print(f"[pipeline] {rec}", file=sys.stderr, flush=True)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, rows)
-    if dist.get_rank() == 0:
-        Path(args.out).write_text(json.dumps(gathered, default=str))
+    write_gathered(args.out, rows)
     return 0
 
 
@@ -155,27 +133,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller model, micro-batches 1 and 4, fewer steps")
     ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    add_worker_args(ap)
     args = ap.parse_args(argv)
     if args.worker:
-        from metadist_torch.engine import finish_worker
-        finish_worker(worker(args))
-        return 0
+        finish(worker(args))
     from benchmarks._common import write_results
-    from metadist_torch.demo import torchrun_cmd
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ranks.json"
-        # the user's rule cache: discovery once per machine
-        wargs = ["--worker", "--out", str(out)] + (["--quick"] if args.quick else [])
-        env = dict(os.environ, OMP_NUM_THREADS="1", METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run(torchrun_cmd(Path(__file__), args.nproc, wargs), env=env, capture_output=True,
-                              text=True, cwd=str(REPO), timeout=3000)
-        if proc.returncode != 0 or not out.exists():
-            print("\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
-            return 1
-        ranks = json.loads(out.read_text())
+    # no cache=True: the user's rule cache, discovery once per machine
+    got = launch(__file__, args.nproc, ["--quick"] if args.quick else [], timeout=3000)
+    if got is None:
+        return 1
+    ranks = got.data
     records = []
     for j, r0 in enumerate(ranks[0]):
         per = [r[j] for r in ranks]

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from ._common import RESULTS, write_results
+from ._models import adamw, gpt2, llama, lm_step
 
 NAME = "plan_scale"
 GRAPHS = Path(__file__).resolve().parents[1] / "tests" / "data" / "graphs"
@@ -132,45 +133,23 @@ def build_gpt2_medium():
     """transformers' GPT2LMHeadModel at medium size (24 layers, width 1,024, 16 heads, vocabulary 50,257; no recorded
     medium step is kept), built on the meta device, and a batch of 8 x 128 as the recorded steps."""
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    cfg = GPT2Config(n_layer=24, n_embd=1024, n_head=16, vocab_size=50257, n_positions=1024, use_cache=False)
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(cfg)
-    return model, torch.randint(0, cfg.vocab_size, (8, 128), device="meta")
+    model = gpt2(seed=None, device="meta", released=True, n_layer=24, n_embd=1024, n_head=16, vocab_size=50257,
+                 n_positions=1024, use_cache=False)
+    return model, torch.randint(0, model.config.vocab_size, (8, 128), device="meta")
 
 
 def trace_lm(model, ids):
     """The whole training step of a causal LM with AdamW, traced by the torch frontend."""
-    import torch
-
     from metadist_core.plugins import PluginManager
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-    def step(model, opt, ids):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return PluginManager().frontend("torch").trace(step, (model, opt, ids), {}).graph
+    return PluginManager().frontend("torch").trace(lm_step, (model, adamw(model, 1e-4), ids), {}).graph
 
 
 def llama_on_meta(batch: int, seq: int, **sizes):
     """transformers' LlamaForCausalLM of the ``LlamaConfig`` ``sizes``, built on the meta device (nothing
     allocated), and a batch of token ids ``batch`` x ``seq`` on meta."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    cfg = LlamaConfig(bos_token_id=0, eos_token_id=0, use_cache=False, **sizes)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    return model, torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
+    model = llama(seed=None, device="meta", pad_token_id=None, use_cache=False, **sizes)
+    return model, torch.randint(0, model.config.vocab_size, (batch, seq), device="meta")
 
 
 def build_llama_8b():

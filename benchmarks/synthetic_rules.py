@@ -124,7 +124,7 @@ def rules_for_op(op: MetaOp, g: MetaIR) -> list[ShardingRule]:
 def synthetic_rulebook(graph: MetaIR) -> RuleBook:
     """A RuleBook with the hand-derived rules of every op signature in ``graph``."""
     book = RuleBook()
-    for sig, op in graph.unique_signatures().items():
+    for _sig, op in graph.unique_signatures().items():
         rules = rules_for_op(op, graph)
         book.add_op(op, graph, OpRules(op.key, rules, 2, "ok" if rules else "replicated",
                               "" if rules else "no hand-derived rule"))

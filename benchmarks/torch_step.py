@@ -30,11 +30,12 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from benchmarks._launch import add_worker_args, finish, launch, write_gathered
+from benchmarks._models import adamw, gpt2, llama, lm_step as _hf_step, tokens
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "torch_step"
@@ -106,47 +107,25 @@ def _gpt_model(quick: bool, steps: int) -> Model:
                  lambda m: list(m.blocks), whole_attention)
 
 
-def _hf_step(model, opt, ids):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 def _gpt2_model(quick: bool, steps: int) -> Model:
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
     layers, width, seq, vocab, batch = (2, 128, 32, 512, 8) if quick else (4, 256, 64, 1024, 8)
 
     def build():
-        torch.manual_seed(0)
-        cfg = GPT2Config(n_positions=seq, n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab, bos_token_id=0,
-                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        m = GPT2LMHeadModel(cfg)
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
-    ids = [(torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(i)),) for i in range(steps)]
+        m = gpt2(n_positions=seq, n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab)
+        return m, adamw(m, 1e-4)
+    ids = [(b,) for b in tokens(vocab, batch, seq, steps)]
     # GPT-2's layers are transformers' Conv1D, which ColwiseParallel/RowwiseParallel do not take: no TP plan
     return Model("gpt2", f"GPT-2 (transformers) {layers} layers width {width} vocab {vocab} seq {seq} batch {batch}",
                  build, _hf_step, ids, None, lambda m: list(m.transformer.h))
 
 
 def _llama_model(quick: bool, steps: int) -> Model:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
     layers, width, seq, vocab, batch = (1, 64, 32, 256, 8) if quick else (2, 128, 64, 512, 8)
 
     def build():
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq,
-                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
-        m = LlamaForCausalLM(cfg)
-        return m, torch.optim.AdamW(m.parameters(), lr=1e-4)
+        m = llama(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq)
+        return m, adamw(m, 1e-4)
 
     def tp_plan(model):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -157,7 +136,7 @@ def _llama_model(quick: bool, steps: int) -> Model:
             for n in ("self_attn.o_proj", "mlp.down_proj"):
                 plan[f"model.layers.{i}.{n}"] = RowwiseParallel()
         return plan
-    ids = [(torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(i)),) for i in range(steps)]
+    ids = [(b,) for b in tokens(vocab, batch, seq, steps)]
     return Model("llama", f"LLaMA-style (LlamaConfig) {layers} layers width {width} vocab {vocab} seq {seq} "
                  f"batch {batch}", build, _hf_step, ids, tp_plan, lambda m: list(m.model.layers))
 
@@ -369,7 +348,6 @@ def run_model(m: Model, args, rank: int, world: int) -> dict:
 
 def worker(args) -> int:
     import torch
-    import torch.distributed as dist
     from metadist_torch.engine import ensure_process_group
     torch.set_num_threads(1)
     rank, world = ensure_process_group()
@@ -381,10 +359,7 @@ def worker(args) -> int:
     for name in args.models.split(","):
         m = MODELS[name](args.quick, steps)
         res[name] = {"desc": m.desc, **run_model(m, args, rank, world)}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, res)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(gathered, default=str))
+    write_gathered(args.out, res)
     return 0
 
 
@@ -429,33 +404,20 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=0,
                     help="timed rounds, each one step of every system (default 15; 6 with --quick)")
     ap.add_argument("--single", action="store_true", help="also the world-size-1 comparison with eager")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+    add_worker_args(ap, cache=True)
     args = ap.parse_args(argv)
-    if args.worker:   # finish_worker: gloo ranks have aborted in the interpreter's teardown (README "Not yet")
-        from metadist_torch.engine import finish_worker
-        finish_worker(worker(args))
+    if args.worker:
+        finish(worker(args))
 
     from benchmarks._common import RESULTS, write_results
-    from metadist_torch.demo import torchrun_cmd
     t_all = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ranks.json"
-        cache = os.environ.get("METADIST_CACHE_DIR") or str(Path(tmp) / "cache")
-        wargs = ["--worker", "--out", str(out), "--cache-dir", cache, "--models", args.models,
-                 "--rounds", str(args.rounds)] + \
-            (["--quick"] if args.quick else [])
-        env = dict(os.environ, OMP_NUM_THREADS="1", METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
-        env.pop("METADIST_MESH_PROFILE", None)   # costs measured by default
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        proc = subprocess.run(torchrun_cmd(Path(__file__), args.nproc, wargs), env=env, capture_output=True,
-                              text=True, cwd=str(REPO), timeout=3000)
-        if proc.returncode != 0 or not out.exists():
-            print("\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
-            return 1
-        ranks = json.loads(out.read_text())
-        (RESULTS / f"{NAME}_ranks.json").write_text(json.dumps(ranks, default=str))   # every rank's figures
+    got = launch(__file__, args.nproc, ["--models", args.models, "--rounds", str(args.rounds)]
+                 + (["--quick"] if args.quick else []), timeout=3000, cache=True,
+                 unset_env=["METADIST_MESH_PROFILE"])   # unset: the first compile measures the costs
+    if got is None:
+        return 1
+    ranks = got.data
+    (RESULTS / f"{NAME}_ranks.json").write_text(json.dumps(ranks, default=str))   # every rank's figures
     records = []
     lines = []
     for model in args.models.split(","):

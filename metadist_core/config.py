@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 try:
-    import tomllib
+    import tomllib  # type: ignore[import-not-found]  # stdlib from 3.11; mypy checks as 3.10 (the oldest supported)
 except ImportError:  # pragma: no cover - Python 3.10
-    tomllib = None  # type: ignore[assignment]
+    tomllib = None
 
 DEFAULT_SOLVER = "ilp"
 SCHEDULES = ("1f1b", "gpipe", "interleaved")   # torch.distributed.pipelining's schedules

@@ -333,7 +333,7 @@ def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | 
 
     n_params = n_state = 0
     if len(args) >= 2 and isinstance(out_shape, (tuple, list)) and len(out_shape) >= 3:
-        for pos, role in ((0, "parameter"), (1, "optimizer_state")):
+        for pos in (0, 1):
             in_t = jax.tree_util.tree_structure(args[pos])
             out_t = jax.tree_util.tree_structure(out_shape[pos + 1])
             if in_t != out_t:

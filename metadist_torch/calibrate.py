@@ -13,9 +13,17 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from metadist_core.cost.profile import MeshProfile, profile_from_samples
+
+from .collectives import _group_name, _ops
+from .engine import device
+
+if TYPE_CHECKING:  # pragma: no cover - types only
+    import torch
+
+    from metadist_core.cost.model import DeviceSpec
 
 log = logging.getLogger("metadist.calibrate")
 
@@ -71,7 +79,8 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5) -> list[dict]:
     return samples
 
 
-def _worker(rank: int, nprocs: int, init_file: str, out_path: str, sizes, iters: int) -> None:
+def _worker(rank: int, nprocs: int, init_file: str, out_path: str, sizes, iters: int,
+            refresh: Callable[[], object] | None) -> None:
     import torch.distributed as dist
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(nprocs))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=nprocs)
@@ -79,17 +88,22 @@ def _worker(rank: int, nprocs: int, init_file: str, out_path: str, sizes, iters:
         samples = measure(sizes, iters)
         if rank == 0:
             profile_from_samples(samples, 1, nprocs, "gloo").save(out_path)
-        refresh_cached_profile()
+        if refresh is not None:
+            refresh()
     finally:
         dist.destroy_process_group()
 
 
 def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, sizes: Sequence[int] = DEFAULT_SIZES,
-                  iters: int = 5) -> MeshProfile:
+                  iters: int = 5, refresh: Callable[[], object] | None = None) -> MeshProfile:
     """Measure collectives and write the profile to ``out_path``; returns it.
 
     Inside an initialised process group (torchrun) every rank measures and rank
     0 writes; otherwise ``nprocs`` (default 2) local gloo processes are spawned.
+    ``refresh``: called on every rank inside the process group once the profile
+    is written (the frontend re-measures the profile its compiles cache:
+    :func:`metadist_torch.plugin.refresh_cached_profile`); a module-level function,
+    as the spawned processes receive it pickled.
     """
     import torch.distributed as dist
 
@@ -101,7 +115,8 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
         prof = profile_from_samples(samples, max(1, world // local), local, dist.get_backend())
         if dist.get_rank() == 0:
             prof.save(out)
-        refresh_cached_profile()
+        if refresh is not None:
+            refresh()
         dist.barrier()
         return prof
     import torch.multiprocessing as mp
@@ -110,7 +125,8 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
     if n < 2:
         raise ValueError(f"calibrate needs at least 2 processes to time collectives; got nprocs={n}")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(n, os.path.join(d, "init"), str(out), tuple(sizes), iters), nprocs=n, join=True)
+        mp.spawn(_worker, args=(n, os.path.join(d, "init"), str(out), tuple(sizes), iters, refresh), nprocs=n,
+                 join=True)
     from metadist_core.cost.profile import load_profile
     return load_profile(out)
 
@@ -228,7 +244,6 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
     :mod:`metadist_torch.optime` divides an op's own fastest time by). ``dev``: the device (default: the
     rank's, :func:`metadist_torch.engine.device`)."""
     import torch
-    from metadist_torch.engine import device
     dev = dev if dev is not None else device()
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     n = 2048 if dev.type == "cuda" else 256
@@ -254,15 +269,27 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
             "op_overhead": over, "flops_by_dtype": low, "mem_curve": curve}
 
 
-def refresh_cached_profile() -> MeshProfile:
-    """Measure the profile a compile on the whole world as one axis would use, and cache it (what
-    ``metadist calibrate`` forces; later compiles on this machine read it)."""
-    from metadist_core.config import load_settings
-    from metadist_core.cost.profile import profile_for
-    from .plugin import TorchFrontend
-    fe = TorchFrontend()
-    mesh = fe.resolve_mesh(None, MeshProfile())
-    return profile_for(fe, mesh, load_settings(mesh_profile=None), force=True)
+def measure_device(seconds: float = 0.5, on: "torch.device | None" = None) -> "DeviceSpec":
+    """This process's rates on device ``on`` (default: the rank's, :func:`metadist_torch.engine.device`) as
+    the cost model's DeviceSpec: matmul FLOP/s, memory rate by bytes moved, per-op dispatch
+    (:func:`measure_device_rates`, alone: the rates :mod:`metadist_torch.optime` divides each op's time
+    by) and, on a GPU, the host link (pinned host to device copies of 64 MiB, the fastest over about
+    ``seconds / 2``)."""
+    import torch
+    from metadist_core.cost.model import DeviceSpec
+    from metadist_core.cost.timing import time_call
+    dev = on if on is not None else device()
+    r = measure_device_rates(iters=7, alone=True, dev=dev)
+    link = None   # a CPU is its own host (metadist_core.levers.offload): no link to price
+    if dev.type == "cuda":
+        h = torch.empty(1 << 24, pin_memory=True)
+        x = torch.empty(h.shape, device=dev)
+        best = time_call(lambda: x.copy_(h, non_blocking=True), None, sync=lambda: torch.cuda.synchronize(dev),
+                         budget=seconds / 2, pick=min)
+        link = h.numel() * 4 / best
+    return DeviceSpec(f"measured-{dev.type}", float(r["peak_flops"]), float(r["mem_bandwidth"]), host_link=link,
+                      op_overhead=float(r["op_overhead"]), flops_by_dtype=r["flops_by_dtype"],
+                      mem_curve=r["mem_curve"])
 
 
 # bytes per collective for the kinds timed apart from the all_reduces (all_gather: per rank, the output is n x)
@@ -341,7 +368,6 @@ def measure_overlap(group, dev, work, iters: int, sync) -> float:
     collective on its own stream: near 1."""
     import torch
     import torch.distributed as dist
-    from .collectives import _group_name, _ops
     ops, name = _ops(), _group_name(group)
     x = torch.ones(OVERLAP_ELEMENTS, dtype=torch.float32, device=dev)
 

@@ -206,29 +206,6 @@ def engine_for(mesh: Any = None) -> Engine:
     return hit[1]
 
 
-def measure_device(seconds: float = 0.5, on: "torch.device | None" = None):
-    """This process's rates on device ``on`` (default: the rank's, :func:`device`) as the cost model's
-    DeviceSpec: matmul FLOP/s, memory rate by bytes moved, per-op dispatch
-    (:func:`metadist_torch.calibrate.measure_device_rates`, alone: the rates
-    :mod:`metadist_torch.optime` divides each op's time by) and, on a GPU, the host link (pinned host to
-    device copies of 64 MiB, the fastest over about ``seconds / 2``)."""
-    from metadist_core.cost.model import DeviceSpec
-    from metadist_core.cost.timing import time_call
-    from .calibrate import measure_device_rates
-    dev = on if on is not None else device()
-    r = measure_device_rates(iters=7, alone=True, dev=dev)
-    link = None   # a CPU is its own host (metadist_core.levers.offload): no link to price
-    if dev.type == "cuda":
-        h = torch.empty(1 << 24, pin_memory=True)
-        x = torch.empty(h.shape, device=dev)
-        best = time_call(lambda: x.copy_(h, non_blocking=True), None, sync=lambda: torch.cuda.synchronize(dev),
-                         budget=seconds / 2, pick=min)
-        link = h.numel() * 4 / best
-    return DeviceSpec(f"measured-{dev.type}", float(r["peak_flops"]), float(r["mem_bandwidth"]), host_link=link,
-                      op_overhead=float(r["op_overhead"]), flops_by_dtype=r["flops_by_dtype"],
-                      mem_curve=r["mem_curve"])
-
-
 def finish_worker(code: int = 0) -> None:
     """End a torchrun worker: tear the process group down, flush output, and exit without running
     C++ static destructors.
@@ -252,4 +229,4 @@ def finish_worker(code: int = 0) -> None:
 
 
 __all__ = ["Engine", "make_engine", "engine_for", "resolve_mesh", "ensure_process_group", "world_info",
-           "default_backend", "measure_device", "finish_worker", "cpu_group", "agree_on"]
+           "default_backend", "finish_worker", "cpu_group", "agree_on"]

@@ -48,6 +48,7 @@ from metadist_core.ir.placement import Sharding, group_extents, shard_shape
 from .calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
 from .reinplace import reinplace_updates
+from .schedule import issue_early, md_wait, prefetch_gathers
 from .stats import CommStats
 
 # ops whose second argument is the full output shape: lowered with the local output shape
@@ -357,7 +358,6 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
         inplace = reinplace_updates(g, [(inputs[v], n_out + i) for i, v in enumerate(state_inputs)], range(n_out),
                                     layout)
         write_state_in_place(g, [inputs[v] for v in state_inputs], n_out)
-    from .schedule import issue_early, prefetch_gathers
 
     def numel(n: fx.Node) -> int | None:
         v = n.meta.get(VAR_META)
@@ -384,7 +384,6 @@ def write_state_in_place(g: fx.Graph, placeholders: Sequence[fx.Node], n_outputs
     A collective reading the old value whose result is not read before the copy may still be reading it
     asynchronously: it is waited for first.
     Returns how many state values are written in place."""
-    from .schedule import md_wait
     out = next(n for n in g.nodes if n.op == "output")
     vals = list(out.args[0])
     order = {n: i for i, n in enumerate(g.nodes)}

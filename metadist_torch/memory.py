@@ -29,6 +29,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .program import user_tensors
+
 LIVE_STORAGES = "live_storages"
 CUDA_ALLOCATOR = "cuda_allocator"
 
@@ -220,7 +222,6 @@ def report(predicted: int | None, m: MemoryMeasurement) -> dict[str, Any]:
 def step_baseline(traced: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors a compiled step starts from: its state (``traced``: a ``TracedStep``) and the call's tensors
     (with the gradients it reads)."""
-    from .program import user_tensors
     slots = getattr(getattr(traced, "state", None), "slots", None) or []
     return [s.get() for s in slots] + (traced.inputs(args, kwargs) if traced is not None
                                        else user_tensors(args, kwargs))

@@ -33,7 +33,11 @@ import torch
 from metadist_core.cost.model import DeviceSpec, compute_cost, compute_dtype
 from metadist_core.ir.ir import MetaIR, MetaOp
 
+from .calibrate import _time, measure_device_rates
 from .calls import TORCH_DTYPES, rebuild, resolve_overload
+from .engine import device as engine_device
+from .lower import lower_plan
+from .oprunner import op_spec
 
 log = logging.getLogger("metadist.optime")
 
@@ -54,7 +58,6 @@ def _inputs(op: MetaOp, graph: MetaIR, dev: torch.device) -> list[torch.Tensor]:
         raise ValueError("a non-tensor input")
     drawn = None
     if any(m.dtype not in FLOATS for m in metas):
-        from .oprunner import op_spec
         drawn = op_spec(op, graph).example_inputs
     out = []
     for i, m in enumerate(metas):
@@ -68,8 +71,7 @@ def _inputs(op: MetaOp, graph: MetaIR, dev: torch.device) -> list[torch.Tensor]:
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None], iters: int = 7) -> float:
     """The fastest of ``iters`` timings of one call (each long enough, >= 50 us, to be read on a clock)."""
-    from metadist_core.cost.timing import time_call
-    return time_call(fn, iters, sync=sync, window=5e-5, pick=min)
+    return _time(fn, iters, sync, window=5e-5, pick=min)
 
 
 def _roofline(op: MetaOp, graph: MetaIR, cost: tuple, dev: DeviceSpec) -> float:
@@ -85,7 +87,6 @@ def alone_rates(dev: torch.device) -> Callable[[], dict]:
     """This process's rates on ``dev`` while it has the device to itself
     (:func:`metadist_torch.calibrate.measure_device_rates`, ``alone``), measured at the first call and
     kept: what :func:`measure_slowdowns` and :func:`program_factor` of one compile divide by."""
-    from .calibrate import measure_device_rates
     return functools.cache(lambda: measure_device_rates(iters=7, alone=True, dev=dev))
 
 
@@ -95,7 +96,6 @@ def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | 
     """Per op id of ``graph``, its measured time over its roofline (see the module doc); ``costs``: the
     op's ``(flops, bytes)`` as the frontend reports them. Ops already in ``cache_file`` are not run again.
     ``rates``: the device's alone rates (:func:`alone_rates`; asked only when an op is timed)."""
-    from .engine import device as engine_device
     dev = device or engine_device()
     rates_of = rates or alone_rates(dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
@@ -190,9 +190,6 @@ def program_factor(step: Any, graph: MetaIR, costs: dict[str, tuple], slowdowns:
     them (:meth:`metadist_torch.plugin.TorchFrontend.op_slowdowns`)."""
     from metadist_core.driver.compile import replicated_plan
     from metadist_core.ir.mesh import Mesh
-    from .calibrate import _time
-    from .engine import device as engine_device
-    from .lower import lower_plan
     dev = device or engine_device()
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     if step is None or getattr(step, "graph", None) is not graph or not step.example_inputs:

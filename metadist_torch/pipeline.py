@@ -22,7 +22,7 @@ from metadist_core.ir.placement import Sharding, local_piece
 
 from .engine import Engine
 from .lower import lower_plan
-from .program import _TOKENS, claim_layout, input_pieces, local_of, moved_once, user_tensors
+from .program import _TOKENS, claim_layout, input_pieces, local_of, moved_once, place_state, user_tensors
 from .stats import CommStats
 from .trace import TracedStep
 
@@ -134,7 +134,6 @@ class MicroBatchProgram:
 def lower_micro_batches(traced: TracedStep, cut: GradientCut, plans: tuple, mesh: Mesh, engine: Engine,
                         settings: Any) -> MicroBatchProgram:
     """The :class:`MicroBatchProgram` of a traced step on ``engine`` (state placed as the plan stores it)."""
-    from .program import place_state
     _no_lasting_grads(traced, f"micro_batches={settings.micro_batches}")
     if engine.distributed:
         place_state(traced, plans[2], engine)

@@ -213,7 +213,7 @@ class TorchFrontend(Frontend):
         self._one_device = dev
         if dev is None:
             return None
-        from .engine import measure_device
+        from .calibrate import measure_device
         with _same_random_draws(dev):
             return measure_device(on=dev)
 
@@ -243,7 +243,17 @@ class TorchFrontend(Frontend):
 
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         from .calibrate import run_calibrate
-        return run_calibrate(out, nprocs=nprocs)
+        return run_calibrate(out, nprocs=nprocs, refresh=refresh_cached_profile)
+
+
+def refresh_cached_profile() -> "MeshProfile":
+    """Measure the profile a compile on the whole world as one axis would use, and cache it (what
+    ``metadist calibrate`` forces; later compiles on this machine read it)."""
+    from metadist_core.config import load_settings
+    from metadist_core.cost.profile import MeshProfile, profile_for
+    fe = TorchFrontend()
+    mesh = fe.resolve_mesh(None, MeshProfile())
+    return profile_for(fe, mesh, load_settings(mesh_profile=None), force=True)
 
 
 def _same_random_draws(dev: Any) -> Any:
@@ -270,4 +280,4 @@ def metadist_frontend() -> TorchFrontend:
     return TorchFrontend()
 
 
-__all__ = ["TorchFrontend", "metadist_frontend", "OP_PREFIXES"]
+__all__ = ["TorchFrontend", "metadist_frontend", "refresh_cached_profile", "OP_PREFIXES"]

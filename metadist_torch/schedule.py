@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
+from .collectives import md_done
 from .reinplace import input_aliases
 
 SMALL = 1 << 16   # elements: what hoist_input_chains may make and sink_to_outputs may keep alive longer
@@ -31,7 +32,6 @@ ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_
 
 def md_wait(*xs: Any) -> tuple:
     """Wait for every pending collective among ``xs`` (their values in its place); other values pass."""
-    from .collectives import md_done
     return tuple(md_done(x) for x in xs)
 
 

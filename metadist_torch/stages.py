@@ -31,9 +31,9 @@ from metadist_core.levers.microbatch import GradientCut, combine
 from metadist_core.plan.stage import Stage
 from metadist_core.levers.stages import stage_devices
 
-from .calls import STRIDE_FREE, rebuild, resolve_target
+from .calls import STRIDE_FREE, TORCH_DTYPES, rebuild, resolve_target
 from .engine import Engine
-from .pipeline import split_batch
+from .pipeline import _no_lasting_grads, split_batch
 from .program import user_tensors
 from .trace import TracedStep
 
@@ -240,7 +240,6 @@ class PipelineProgram:
         if bufs:
             raise NotSupported(f"pipeline_stages: the step updates buffers ({bufs[0]}, BatchNorm's running "
                                f"statistics); not yet with a pipeline: use pipeline_stages=1")
-        from .pipeline import _no_lasting_grads
         _no_lasting_grads(traced, "pipeline_stages")
         self.traced, self.cut, self.stages, self.engine, self.m = traced, cut, stages, engine, m
         self.schedule_name = schedule
@@ -346,7 +345,7 @@ class PipelineProgram:
         out_vars = tr.out_vars[:tr.n_tensor_outputs]
         mod = self.modules.get(len(self.stages) - 1)
         vals = []
-        for j, v in enumerate(out_vars):
+        for v in out_vars:
             k = self.cut.user_outputs.index(v)
             if mod is not None:
                 x = combine([o[k] for o in mod.kept], self.cut.combine_mode(v), lambda xs: torch.cat(xs, dim=0))
@@ -356,7 +355,6 @@ class PipelineProgram:
                 shape = list(mv.shape or ())
                 if self.cut.combine_mode(v) == "concat" and shape:
                     shape[0] *= self.m
-                from .calls import TORCH_DTYPES
                 x = torch.empty(shape, dtype=TORCH_DTYPES.get(mv.dtype, torch.float32), device=self.engine.device)
             if self.engine.distributed:
                 src = stage_devices(self.engine.mesh.shape, self.engine.mesh.shape[0] - 1)[0]
@@ -367,7 +365,6 @@ class PipelineProgram:
 
 def _example(graph: MetaIR, v: str) -> torch.Tensor:
     """A meta tensor of value ``v``'s whole (one micro-batch) shape: what a stage receives or sends."""
-    from .calls import TORCH_DTYPES
     mv = graph.vars[v]
     dt = TORCH_DTYPES.get(mv.dtype, torch.float32)
     return torch.empty(tuple(mv.shape or ()), dtype=dt, device="meta", requires_grad=dt.is_floating_point)

@@ -40,6 +40,7 @@ import torch
 
 from metadist_core.driver.frontend import Watch
 
+from .engine import agree_on
 from .hyper import is_fed
 from .trace import TracedStep
 
@@ -147,7 +148,6 @@ class StepWatch(Watch):
         eng = self.engine
         if eng is None or not eng.distributed:
             return
-        from .engine import agree_on
         agree_on(eng, [*decision, self.token()],
                  "the ranks disagree on {what}: their Python state differs (rank-dependent code in the training "
                  "loop: a learning rate, a frozen layer or a train/eval switch set on some ranks only). Every "

@@ -62,6 +62,7 @@ class TvmFrontend(Frontend):
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
         self.engine_choice = engine
+        self.rank_engine: Any = None   # metadist_torch's Engine of this rank, when the engine is torch
 
     @property
     def engine(self) -> str:
@@ -86,39 +87,36 @@ class TvmFrontend(Frontend):
         return Traced(te_traced.graph, context=te_traced)
 
     def resolve_mesh(self, mesh: Any, profile: Any) -> Mesh:
-        engine = self.engine
+        if self.engine == "torch":   # metadist_torch's Engine: None is the whole world as one axis
+            from .run import torch_engine
+            self.rank_engine = torch_engine(mesh)   # a mesh whose size is not the world size: ValueError
+            if isinstance(mesh, Mesh):
+                return mesh
+            return profile.mesh(self.rank_engine.mesh.shape, self.rank_engine.mesh.axis_names)
         if mesh is None:
-            if engine == "torch":
-                from .engine_torch import rank_and_world
-                mesh = (rank_and_world()[1],)
-            else:
-                mesh = (2,)
+            mesh = (2,)
         if isinstance(mesh, Mesh):
-            m = mesh
-        else:
-            shape, names = mesh_shape(mesh)
-            m = profile.mesh(shape, names)
-        if engine == "torch":
-            from .engine_torch import rank_and_world
-            world = rank_and_world()[1]
-            if world != m.size:
-                raise ValueError(f"mesh {m} has {m.size} devices but torch.distributed runs {world} processes; "
-                                 f"launch with torchrun --nproc_per_node={m.size} or pick a mesh of {world} devices")
-        return m
+            return mesh
+        shape, names = mesh_shape(mesh)
+        return profile.mesh(shape, names)
+
+    def _rank_engine(self) -> Any:
+        """This rank's metadist_torch Engine: the one :meth:`resolve_mesh` made, else the whole world's."""
+        if self.rank_engine is None:
+            from .run import torch_engine
+            self.rank_engine = torch_engine(None)
+        return self.rank_engine
 
     def is_planner(self) -> bool:
-        if self.engine != "torch":
-            return True
-        from .engine_torch import rank_and_world
-        return rank_and_world()[0] == 0
+        return self.engine != "torch" or self._rank_engine().rank == 0
 
     def share(self, plan: Any, traced: Traced) -> Any:
         if self.engine != "torch":
             return super().share(plan, traced)
         from metadist_core.plan.plan import ShardingPlan
 
-        from .engine_torch import broadcast_from_rank0
-        msg = broadcast_from_rank0({"plan": plan.to_json()} if plan is not None else None)
+        eng = self._rank_engine()
+        msg = eng.broadcast({"plan": plan.to_json()} if plan is not None else None)
         if msg is None or "error" in msg:
             why = "no plan" if msg is None else msg["error"]
             raise RuntimeError(f"rank 0 failed to plan {traced.graph.name!r}: {why}")
@@ -126,8 +124,7 @@ class TvmFrontend(Frontend):
 
     def share_error(self, error: BaseException) -> None:
         if self.engine == "torch":
-            from .engine_torch import broadcast_from_rank0
-            broadcast_from_rank0({"error": f"{type(error).__name__}: {error}"})
+            self._rank_engine().broadcast({"error": f"{type(error).__name__}: {error}"})
 
     def lower(self, traced: Traced, plan: Any, mesh: Mesh, settings: Any) -> Callable:
         """A :class:`~metadist_tvm.runtime.Parallelized` running ``plan`` on this process's engine."""

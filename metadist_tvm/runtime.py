@@ -6,8 +6,8 @@ Two engines run the same plan, both through :func:`metadist_core.plan.interpret.
   (:func:`metadist_core.plan.simulate.simulate` with :class:`LocalRunner`). Each
   device's kernels are the ops rebuilt at its shard shapes (TVM, llvm).
 - ``torch``: one process per device, launched with ``torchrun``; kernels
-  exchange buffers with torch through DLPack and the collectives run on
-  ``torch.distributed`` (gloo on CPU). See :mod:`metadist_tvm.engine_torch`.
+  exchange buffers with torch through DLPack and the collectives are
+  metadist_torch's, on ``torch.distributed`` (gloo on CPU). See :mod:`metadist_tvm.run`.
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ class Parallelized:
                 raise ValueError(f"input {v} must have shape {tuple(want)} (as its placeholder), got {tuple(x.shape)}")
             inputs[v] = x.astype(g.vars[v].dtype, copy=False)
         if self.engine == "torch":
-            from .engine_torch import run_plan
+            from .run import run_plan
             outs = run_plan(g, self.plan, self.mesh, inputs, self.runner.kernel)
         else:
             outs, _ = simulate(g, self.plan, self.mesh, inputs, self.runner)

@@ -2,9 +2,11 @@
 # One entry point for a fresh machine: makes .venv, installs MetaDist with what
 # the command needs, then runs it.
 #   bash scripts/run.sh demo [ARGS...]   the main job: `metadist demo`
-#   bash scripts/run.sh test [ARGS...]   the lean suite CI runs: every test not marked slow, plus the
-#                                        slow ones marked ci (the 2- and 4-rank torchrun equivalence test)
+#   bash scripts/run.sh check            ruff (lint and format) over the repository, mypy over metadist_core
+#   bash scripts/run.sh test [ARGS...]   what CI runs: the checks above, then the lean suite: every test not
+#                                        marked slow, plus the slow ones marked ci
 #   bash scripts/run.sh test-all [ARGS...]  everything, slow multi-process cases included
+#   bash scripts/run.sh typecheck [ARGS...] mypy over metadist_core ([tool.mypy] in pyproject.toml)
 # torch comes pinned as torch==2.13.0 (a CPU build on these machines); never an
 # unpinned torch, which would pull gigabytes of CUDA packages.
 set -euo pipefail
@@ -42,9 +44,17 @@ pipq "torch==2.13.0"
 pipq -e ".[all,dev]"
 python -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '2.13.0' else 'torch ' + torch.__version__ + ' installed; expected 2.13.0')"
 
+checks() {   # configured in pyproject.toml: [tool.ruff] and [tool.mypy]
+    ruff check --quiet . || { echo "ruff check failed: fix the findings above (many: ruff check --fix)" >&2; return 1; }
+    ruff format --check --quiet . || { echo "ruff format: the files above are not formatted; run ruff format" >&2; return 1; }
+    mypy || { echo "mypy found type errors in metadist_core (above)" >&2; return 1; }
+}
+
 case "$cmd" in
     demo) exec metadist demo "$@" ;;
-    test) exec python -m pytest -q -m "not slow or ci" "$@" ;;
+    check) checks ;;
+    test) checks; exec python -m pytest -q -m "not slow or ci" "$@" ;;
     test-all) exec python -m pytest -q "$@" ;;
-    *) echo "usage: bash scripts/run.sh demo|test|test-all [ARGS...]" >&2; exit 2 ;;
+    typecheck) exec mypy "$@" ;;
+    *) echo "usage: bash scripts/run.sh demo|check|test|test-all|typecheck [ARGS...]" >&2; exit 2 ;;
 esac

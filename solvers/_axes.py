@@ -44,7 +44,7 @@ def axis_codes(problem, co) -> list[np.ndarray | None]:
         if c >= 0:
             members[c].append(i)
     out: list[np.ndarray | None] = []
-    for c, ms in enumerate(members):
+    for ms in members:
         if not ms:
             out.append(None)
             continue

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--solver", default=None)
     a = ap.parse_args(argv)
     c = CNNConfig()
-    from metadist_torch.demo import run_example
+    from metadist_torch.harness import run_example
     return run_example("cnn", lambda: build(c), lambda s: batch(c, s), train_step, steps=a.steps, mesh=a.mesh,
                        solver=a.solver)
 

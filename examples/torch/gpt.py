@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="skip the single-device reference run")
     a = ap.parse_args(argv)
     c = GPTConfig(vocab=a.vocab, width=a.width, layers=a.layers, seq=a.seq, batch=a.batch, dropout=a.dropout)
-    from metadist_torch.demo import run_example
+    from metadist_torch.harness import run_example
     return run_example("gpt", lambda: build(c), lambda s: batch(c, s), train_step, steps=a.steps, mesh=a.mesh,
                        solver=a.solver, memory_budget=a.memory_budget, reference=not a.no_reference)
 

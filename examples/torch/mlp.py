@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=MLPConfig.batch)
     a = ap.parse_args(argv)
     c = MLPConfig(hidden=a.hidden, batch=a.batch, optimizer=a.optimizer)
-    from metadist_torch.demo import run_example
+    from metadist_torch.harness import run_example
     return run_example("mlp", lambda: build(c), lambda s: batch(c, s), train_step, steps=a.steps, mesh=a.mesh,
                        solver=a.solver)
 

@@ -19,7 +19,9 @@ and the memory model. A test checks that both give the same buckets.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Sequence, TypeVar
+
+import numpy as np
 
 from metadist_core.cost.model import local_bytes
 from metadist_core.cost.reshard import reshard
@@ -34,12 +36,15 @@ def bucket_cap(cap: int, first_cap: int | None, opened: int) -> int:
     return first_cap if first_cap and opened <= 1 else cap
 
 
-def bucket_in_order(items: Sequence[tuple[Hashable, Hashable, int]], cap: int,
-                    first_cap: int | None = None) -> list[list[Hashable]]:
+_Id = TypeVar("_Id", bound=Hashable)
+
+
+def bucket_in_order(items: Sequence[tuple[_Id, Hashable, int]], cap: int,
+                    first_cap: int | None = None) -> list[list[_Id]]:
     """Greedy buckets of ``(id, group, nbytes)`` in issue order: an item joins the open bucket of its group
     while the bucket stays within its cap (:func:`bucket_cap`), else opens a new one (the group's previous
     one closes). Buckets come in the order of their first member; a bucket of one is a plain collective."""
-    out: list[list[Hashable]] = []
+    out: list[list[_Id]] = []
     open_: dict[Hashable, tuple[int, int, int]] = {}   # group -> (index in out, bytes, buckets opened)
     for ident, group, nbytes in items:
         cur = open_.get(group)
@@ -72,7 +77,7 @@ def _single_gather(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: st
     return colls[0] if len(colls) == 1 and colls[0].kind == "all_gather" and not colls[0].is_free else None
 
 
-def gathers(problem: Any, choice: Sequence[int]) -> list[Gather]:
+def gathers(problem: Any, choice: Sequence[int] | np.ndarray) -> list[Gather]:
     """The bucketable gathers of plan ``choice`` in issue order (none when the problem has no
     ``shard_bucket_bytes``): reshards of graph inputs that are exactly one all_gather, read by ops."""
     if not getattr(problem, "shard_bucket_bytes", None):
@@ -105,7 +110,7 @@ def gathers(problem: Any, choice: Sequence[int]) -> list[Gather]:
     return out
 
 
-def gather_buckets(problem: Any, choice: Sequence[int]) -> list[list[Gather]]:
+def gather_buckets(problem: Any, choice: Sequence[int] | np.ndarray) -> list[list[Gather]]:
     """The buckets of two or more gathers the lowering makes for plan ``choice``, in issue order."""
     gs = gathers(problem, choice)
     by_key = {g.key: g for g in gs}

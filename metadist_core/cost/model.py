@@ -178,7 +178,7 @@ class DeviceSpec:
     op_overhead: float = 0.0      # seconds every op costs on top of the roofline (dispatch; measured)
     # peak FLOP/s per compute dtype where it differs from ``peak_flops`` (tensor cores: bf16/fp16); a dict
     # is accepted and kept as sorted (dtype, FLOP/s) pairs so that the spec stays hashable
-    flops_by_dtype: tuple[tuple[str, float], ...] = ()
+    flops_by_dtype: tuple[tuple[str, float], ...] | dict[str, float] = ()
     # bytes/s between host memory and this device (PCIe/NVLink-C2C); None: the host is this device (a CPU):
     # offload's transfers are free (metadist_core.levers.offload)
     host_link: float | None = None

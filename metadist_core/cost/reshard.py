@@ -50,6 +50,8 @@ def _inner(shape_: tuple, d: int) -> bool:
 def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=()):
     """Every legal one-axis step out of ``state``: (next_state, kind, axis, dims, reduce, nbytes, cost)."""
     local = largest_local_shape(shape, state, mesh_shape)
+    if local is None:   # the searches start from feasible layouts and step only to feasible ones
+        raise ValueError(f"layout {state} leaves a device an empty piece of shape {shape}")
     local_bytes = math.prod(local) * isz
     ndim = len(shape)
     for axis, p in enumerate(state):
@@ -91,6 +93,8 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=())
                 continue
             gathered = nxt(Replicate())
             g_local = largest_local_shape(shape, gathered, mesh_shape)
+            if g_local is None:   # gathering a feasible layout only grows the pieces
+                raise ValueError(f"layout {gathered} leaves a device an empty piece of shape {shape}")
             g_bytes = math.prod(g_local) * isz
             yield (gathered, "all_gather", axis, (d,), None, g_bytes, all_gather_cost(g_bytes, n, *ab("all_gather"))
                    + (copy * g_bytes if _inner(g_local, d) else 0.0))

@@ -47,7 +47,8 @@ def _as_tuple(x: Any) -> Any:
 
 def _dot_general(attrs: Mapping[str, Any] | None, shapes: Shapes) -> str | None:
     attrs = attrs or {}
-    params = attrs.get("params") if isinstance(attrs.get("params"), Mapping) else attrs
+    given = attrs.get("params")
+    params = given if isinstance(given, Mapping) else attrs
     dn = _as_tuple(params.get("dimension_numbers"))
     if not _tensors_are(shapes, 2, 2) or dn is None:
         return None

@@ -97,6 +97,8 @@ def combine(pieces: list[Any], p: Placement, full: Any) -> Any | None:
             return np.concatenate(pieces, axis=p.dim)
         except ValueError:
             return None
+    if not isinstance(p, Partial):
+        raise TypeError(f"unknown placement {p!r}")
     if any(x.shape != full.shape for x in pieces):
         return None
     if full.dtype == np.bool_:
@@ -121,7 +123,7 @@ def valid_combines(pieces: list[Any], full: Any, exact: bool, among: set[Placeme
     """The ways to combine ``pieces`` that give ``full`` (only those in ``among``, when given)."""
     ndim = full.ndim if is_array(full) else None
     probe = _Probe.of(full)
-    ok = set()
+    ok: set[Placement] = set()
     for p in output_combines(ndim):
         if among is not None and p not in among:
             continue

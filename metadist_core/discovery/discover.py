@@ -313,8 +313,9 @@ def _real_size_unsharded(op: MetaOp, graph: MetaIR, ops: Any, n: int) -> list[Op
     than = op_numel(op, graph)
     for multiples in (False, True):
         got = [_unsharded_proxy(op, graph, ops, n, instance, multiples, than) for instance in (0, 1)]
-        if all(g is not None for g in got):
-            return [g[0] for g in got]
+        specs = [g[0] for g in got if g is not None]
+        if len(specs) == len(got):   # both proxies stand for the op
+            return specs
     return None
 
 

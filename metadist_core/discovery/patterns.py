@@ -52,7 +52,7 @@ class Pattern:
 
 
 def _shapes(op: MetaOp, graph: MetaIR) -> list[tuple[int, ...] | None]:
-    return [None if graph.vars[v].shape is None else tuple(graph.vars[v].shape) for v in op.inputs + op.outputs]
+    return [None if (s := graph.vars[v].shape) is None else tuple(s) for v in op.inputs + op.outputs]
 
 
 def view_relations(shapes: Sequence[Sequence[int] | None]) -> dict[int, tuple[int, ...]]:
@@ -184,7 +184,11 @@ def _map_attrs(x: Any, fn) -> Any:
 
 def _attr_ints(x: Any) -> list[int]:
     found: list[int] = []
-    _map_attrs(x, lambda v: found.append(v) or v)
+
+    def keep(v: int) -> int:
+        found.append(v)
+        return v
+    _map_attrs(x, keep)
     return found
 
 
@@ -358,7 +362,7 @@ def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multi
         mv = graph.vars[v]
         outs.append((v, None if mv.shape is None else tuple(sizes.get(d, d) for d in mv.shape), mv.dtype))
     new = g.add_op(op.key, names, outs, attrs, id=op.id, payload=op.payload)
-    numel = sum(math.prod(g.vars[v].shape) for v in list(new.inputs) + list(new.outputs) if g.vars[v].shape)
+    numel = sum(math.prod(s) for v in list(new.inputs) + list(new.outputs) if (s := g.vars[v].shape))
     if numel > PROXY_BUDGET:   # chance relations multiplied the sizes up: too big to be a proxy
         raise NoProxy(f"its proxy holds {numel:,} elements (more than {PROXY_BUDGET:,})")
     return new, g

@@ -91,7 +91,7 @@ def reshape_local_shape(in_shape: Sequence[int], out_shape: Sequence[int] | None
     if not isinstance(p, Shard):
         return out
     q = reshape_output_placement(in_shape, out, p, n)
-    if q is None:
+    if not isinstance(q, Shard):   # None: it cannot pass (a Shard input gives a Shard or None)
         return None
     local = list(out)
     lo, hi = chunk_bounds(out[q.dim], n, rank)

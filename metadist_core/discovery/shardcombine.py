@@ -183,9 +183,9 @@ def _combos(cands: list[list[Placement]], examples: Sequence[Any] = ()) -> list[
             # when it has fewer dims than they have
             nd = [np.ndim(x) for x in examples]
             can = [psum in c and nd[i] < max(nd) for i, c in enumerate(cands)]
-            for c in split:
-                if sum(isinstance(p, Shard) for p in c) >= 2 and any(p == rep and can[i] for i, p in enumerate(c)):
-                    out.append(tuple(psum if p == rep and can[i] else p for i, p in enumerate(c)))
+            for cmb in split:
+                if sum(isinstance(p, Shard) for p in cmb) >= 2 and any(p == rep and can[i] for i, p in enumerate(cmb)):
+                    out.append(tuple(psum if p == rep and can[i] else p for i, p in enumerate(cmb)))
     out += _grouped_combos(cands, examples)
     return list(dict.fromkeys(out))
 
@@ -214,7 +214,7 @@ def _grouped_combos(cands: list[list[Placement]], examples: Sequence[Any]) -> li
 class _Runner:
     def __init__(self, spec: OpSpec, n: int, stats: DiscoveryStats) -> None:
         self.spec, self.n, self.stats = spec, n, stats
-        self._pieces: dict[tuple, list] = {}   # (input array, placement) -> its pieces, for this search
+        self._pieces: dict[tuple, tuple[Any, list]] = {}   # (id of input, placement, integer) -> (input, its pieces)
 
     def _split(self, x: Any, p: Placement, rng: np.random.Generator, integer: bool, first: bool) -> list:
         """The pieces of ``x`` under ``p``; on the first draw (which every candidate runs) made once and shared

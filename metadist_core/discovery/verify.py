@@ -86,8 +86,10 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
         yield "wide", _fill(examples, lambda sh: rng.standard_normal(sh) * big, None, None, sampler(rng, False)), False
         for s in sorted(set(scalars), key=abs)[:4]:
             span = max(abs(s) * 0.5, 1.0)
-            yield "straddle", _fill(examples, lambda sh, s=s, span=span: s + rng.uniform(-span, span, sh), None,
-                                    None, sampler(rng, False)), False
+
+            def straddle(sh: tuple, s: float = s, span: float = span) -> np.ndarray:
+                return s + rng.uniform(-span, span, sh)
+            yield "straddle", _fill(examples, straddle, None, None, sampler(rng, False)), False
     if has_float or has_bool:
         def sparse(sh: tuple) -> np.ndarray:
             out = np.zeros(sh)

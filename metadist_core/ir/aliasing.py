@@ -15,6 +15,7 @@ for aten ops, when its name is one of :data:`VIEW_OPS`.
 """
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from typing import Mapping
 
 from metadist_core.ir.ir import MetaIR, MetaOp
@@ -58,7 +59,7 @@ def alias_liveness(graph: MetaIR, live: Mapping[str, tuple[int, int]]) -> tuple[
     return out, set(base)
 
 
-def inplace_state_liveness(graph: MetaIR, live: dict[str, list[int]], views: set[str] = frozenset()
+def inplace_state_liveness(graph: MetaIR, live: dict[str, list[int]], views: AbstractSet[str] = frozenset()
                            ) -> dict[str, list[int]]:
     """``live`` with each new state value dying where it is written into its state's storage.
 

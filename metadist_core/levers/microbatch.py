@@ -206,8 +206,8 @@ def cut_at_gradients(graph: MetaIR, micro_batch: int | None = None) -> GradientC
     update_graph = _subgraph(graph, f"{graph.name}.update", update_ops, gradients, [], update_aliases, {})
     concat = set()
     if micro_batch is not None:
-        concat = {o for o in user_outputs if o in batch and graph.vars[o].shape
-                  and graph.vars[o].shape[0] == micro_batch}
+        concat = {o for o in user_outputs if o in batch and (shp := graph.vars[o].shape)
+                  and shp[0] == micro_batch}
     bn = any("batch_norm" in op.key for op in graph.ops) or any(o in batch for o in buffer_aliases.values())
     cut = GradientCut(grad_graph, update_graph, gradients, acc_of, user_outputs, loss_reduction(graph), concat, bn)
     log.info("cut %s at %d gradients: %d ops per micro-batch, %d ops once; %s-reduced loss", graph.name,

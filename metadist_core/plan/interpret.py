@@ -176,7 +176,7 @@ def redimmed(c: Collective, dims: Mapping[int, int]) -> Collective:
 def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run_op: OpRunner,
               collectives: Collectives, *, keep_values: bool = False,
               whole: Callable[[str, Sharding], V] | None = None,
-              reduce_after: Callable[[MetaOp], Sequence[int] | None] | None = None) -> Interpretation:
+              reduce_after: Callable[[MetaOp], Sequence[int] | None] | None = None) -> Interpretation[V]:
     """Walk ``plan`` over ``graph``: ``inputs`` are the local values of the graph inputs; ``whole(var, sh)``
     gives user input ``var``'s local value under ``sh`` where the plan reads it so without a collective;
     ``reduce_after(op)``: the dim permutation of an op that only permutes its input's dims, else None: its
@@ -186,11 +186,12 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
     late = late_reduces(graph, plan, incoming, mesh, reduce_after) if reduce_after is not None else {}
     env: dict[str, Any] = dict(inputs)
     shared: dict[tuple, Any] = {}
-    result = Interpretation({}, {})
+    result: Interpretation[V] = Interpretation({}, {})
     # the phases the plan was priced with (a micro-batch or stage part keeps its whole step's; none where the
     # frontend's lowering moves a value once for every phase), else the graph's
-    priced = getattr(plan, "problem", None)
-    phases = priced.phases if getattr(priced, "phases", None) is not None else reader_phases(graph)
+    phases = getattr(getattr(plan, "problem", None), "phases", None)
+    if phases is None:
+        phases = reader_phases(graph)
 
     def run(var: str, x: Any, edge: Any, shape: tuple[int, ...], dims: Mapping[int, int] | None = None) -> Any:
         for c in edge.collectives:

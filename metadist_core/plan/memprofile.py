@@ -254,10 +254,8 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
         over = int(b)
         b = min(int(b), int(cand.memory_per_device)) - cut
     need = int(math.ceil(best / (1.0 - HEADROOM)))
-    err = InfeasibleBudgetError(budget, need, problem.mesh,
+    raise InfeasibleBudgetError(budget, need, problem.mesh,
                                 f"found needs, with its collectives' buffers and {HEADROOM:.0%} headroom,")
-    err.with_buffers = True
-    raise err
 
 
 def budget_for(problem: Any, plan: Any) -> int:

@@ -100,7 +100,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         if n.kind == "input":
             ready[n.outputs[0]] = 0.0
     axis_free = [0.0] * mesh.ndim             # one collective at a time per mesh axis
-    done: dict[tuple, float] = {}             # (var, src, dst, phase) -> when the moved value is there
+    done: dict[tuple, float | None] = {}      # (var, src, dst, phase) -> when the moved value is there
     pending: dict[tuple, dict] = {}           # open gradient bucket per (axis, reduce, dtype)
     opened: dict[tuple, int] = {}             # buckets opened per (kind, axis, reduce, dtype)
     buckets: list[list[str]] = []             # the values of each bucket, as they run
@@ -233,20 +233,23 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
                 flush(bk)
         if key in after:   # async ones start as the bucket ends; the others where the reader is
             at = done[key]
+            if at is None:   # its bucket ran (flushed above, or by a member waited for before)
+                raise RuntimeError(f"the bucket of {key} has not run before its reader")
             for c in after.pop(key):
                 early = c.kind in ("all_reduce", "reduce_scatter")
                 at = run_comm(c, at if early else max(at, t), asynchronous=early)
             done[key] = at
         if key in gather_of:   # a bucket of input gathers, one collective (unless prefetched), and the next
             run_gathers(gather_of[key])
-        if done.get(key) is None:                            # synchronous: the compute runs it
+        at = done.get(key)
+        if at is None:                                       # synchronous: the compute runs it
             at = t
             for c in e.collectives:
                 if not c.is_free:
                     at = run_comm(c, at)
             done[key] = at
-        if done[key] > t:
-            t = idle = done[key]
+        if at > t:
+            t = idle = at
 
     ops = [n for n in problem.nodes if n.kind == "op"]
     # the lowering issues each all_reduce right after its input exists: walk producers first
@@ -274,8 +277,8 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         flush(bk)
     end = max([t] + axis_free)
     exposed = end - stats["compute"]   # what the compute waited, and the slowdown beside collectives
-    return Prediction(end, stats["compute"], stats["comm"], exposed, int(stats["bytes"]), stats["n"],
-                      stats["buckets"], {"gather_buckets": stats["gather_buckets"], "buckets": buckets})
+    return Prediction(end, stats["compute"], stats["comm"], exposed, int(stats["bytes"]), int(stats["n"]),
+                      int(stats["buckets"]), {"gather_buckets": stats["gather_buckets"], "buckets": buckets})
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -24,7 +24,7 @@ Values = dict[Device, Any]
 # run_local(op, local_inputs, local_output_shapes) -> output or tuple of outputs
 LocalRunner = Callable[[MetaOp, list[Any], list[tuple[int, ...] | None]], Any]
 
-_REDUCE = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
+_REDUCE: dict[str, Callable[..., Any]] = {"sum": np.sum, "avg": np.mean, "max": np.max, "min": np.min}
 
 
 class SimulationError(AssertionError):
@@ -158,7 +158,7 @@ def simulate(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarr
     def run_op(op: MetaOp, ins: list[Values], out_sh: list[Sharding]) -> list[Values]:
         results: dict[Device, list[Any]] = {}
         for d in devs:
-            shapes = [None if graph.vars[o].shape is None else shard_shape(graph.vars[o].shape, s, mesh, d)
+            shapes = [None if (shp := graph.vars[o].shape) is None else shard_shape(shp, s, mesh, d)
                       for o, s in zip(op.outputs, out_sh)]
             r = run_local(op, [x[d] for x in ins], shapes)
             results[d] = list(r) if isinstance(r, (tuple, list)) else [r]

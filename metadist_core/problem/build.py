@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
@@ -41,7 +41,10 @@ def estimate_op_cost(op, graph: MetaIR) -> tuple[float, float]:
     out_numel = float(sum(v.numel for v in outs))
     name = op.key.split(".")[1] if op.key.count(".") >= 1 else op.key
     if name in ("mm", "addmm", "bmm", "matmul", "dot_general", "linear") and ins and outs and ins[-1].shape:
-        k = ins[0].shape[-1] if name != "addmm" else ins[1].shape[-1]
+        k_shape = ins[0].shape if name != "addmm" else ins[1].shape
+        if k_shape is None:   # ins holds tensors only
+            raise ValueError(f"op {op.id} ({op.key}): a tensor input without a shape")
+        k = k_shape[-1]
         return 2.0 * out_numel * k, nbytes
     return out_numel, nbytes
 
@@ -59,7 +62,7 @@ def input_options(shape: tuple[int, ...] | None, mesh: Mesh) -> list[Strategy]:
 
 
 def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
-                  op_costs: Mapping[str, tuple[float, float]] | None = None,
+                  op_costs: Mapping[str, tuple[float, float] | tuple[float, float, float]] | None = None,
                   constraints: Iterable[Constraint | Mapping] | None = None,
                   memory_budget: int | None = None,
                   device: DeviceSpec | None = None,
@@ -93,13 +96,14 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     device = device or DEVICE_PRESETS["cpu"]
     live, views = alias_liveness(graph, graph.liveness())   # a view takes no bytes and holds its base alive
     live = inplace_state_liveness(graph, live, views)        # new state is written into the old in place
+    vars_: dict[str, dict[str, Any]]
     vars_ = {v.id: {"shape": v.shape, "dtype": v.dtype, "role": v.role, "live": list(live.get(v.id, (0, 0)))}
              for v in graph.vars.values()}
     for v in views:
         vars_[v]["view"] = True   # no memory term of its own (metadist_core.ir.aliasing)
-    for v in graph.vars.values():
-        if v.label:
-            vars_[v.id]["label"] = v.label   # the user's name (explain, constraints by name)
+    for mv in graph.vars.values():
+        if mv.label:
+            vars_[mv.id]["label"] = mv.label   # the user's name (explain, constraints by name)
     for v, wire in wire_dtypes(graph, grad_compression).items():
         vars_[v]["comm_dtype"] = wire
     if shard_bucket_bytes:   # inputs the lowering may gather in buckets (metadist_core.cost.gathers)
@@ -150,7 +154,7 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
         if local_timer is not None:
             timed.append((len(compute) - 1, op, opts, splits, flops, nbytes, dt))
         nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
-    if timed:
+    if timed and local_timer is not None:   # timed holds ops only where there is a local_timer
         from metadist_core.cost.localtime import apply
         apply(local_timer, graph, mesh, device, timed, compute)
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]

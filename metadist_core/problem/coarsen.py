@@ -151,7 +151,9 @@ def _fold_fixed(co: Coarsening, label: str) -> Coarsening:
     t = co.terms
     if not any(a.sum() == 1 for a in t.allowed):
         return co
-    assign, maps, n_opts = [], [], []
+    assign: list[int] = []
+    maps: list[np.ndarray] = []
+    n_opts: list[int] = []
     for i, a in enumerate(t.allowed):
         if a.sum() == 1:
             assign.append(-1)
@@ -182,9 +184,9 @@ def _tie(t: Terms, rounds: int) -> tuple[list[int], list[np.ndarray], list[int]]
             mem_by_node.setdefault(m.node, []).append(_digest(m.nbytes))
     for g in t.shared:   # a value read by several ops: its ends must look alike to share a decision
         sig = _digest(g.table, g.merge)
-        for role, (node, m) in [("src", (g.src, g.src_map))] + [("reader", r) for r in g.readers]:
+        for role, (node, end_map) in [("src", (g.src, g.src_map))] + [("reader", r) for r in g.readers]:
             if node >= 0:
-                mem_by_node.setdefault(node, []).append(_digest(role, sig, m))
+                mem_by_node.setdefault(node, []).append(_digest(role, sig, end_map))
     for tg in t.toggles:   # a node a toggle prices (recomputation) ties only with nodes priced alike
         for node, a in tg.unary:
             if node >= 0:

@@ -77,7 +77,7 @@ def apply_constraints(prob: "ShardingProblem") -> None:
             _narrow(prob, i, mask, c)
         else:
             if c.var is None:
-                where = range(len(prob.nodes))
+                where: Iterable[int] = range(len(prob.nodes))
             else:   # only the nodes that read or write the value: a preset forbids per value, thousands of them
                 users = _users(prob) if users is None else users
                 where = users.get(c.var, ())

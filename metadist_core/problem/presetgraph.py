@@ -70,6 +70,13 @@ class GraphView:
     def shape(self, v: str) -> tuple[int, ...] | None:
         return self.prob.vars[v]["shape"]
 
+    def tensor_shape(self, v: str) -> tuple[int, ...]:
+        """:meth:`shape` of a value that must be a tensor (a matmul's weight or activation)."""
+        s = self.shape(v)
+        if s is None:
+            raise ValueError(f"{v!r} of {self.prob.name!r} has no shape: not a tensor")
+        return s
+
     def name(self, i: int) -> str:
         n = self.prob.nodes[i]
         return op_name(n.key) if n.kind == "op" else ""

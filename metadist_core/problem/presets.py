@@ -153,7 +153,9 @@ def constrain(prob: "ShardingProblem", extra: Sequence[Constraint]) -> "Sharding
     p.__dict__.pop("_terms_cache", None)
     p.allowed = [a.copy() for a in prob.allowed]
     p.constraints = list(prob.constraints) + list(extra)
-    p.unsteered = getattr(prob, "unsteered", prob)   # what explain and --compare solve the presets on
+    # what explain and --compare solve the presets on; an attribute of steered copies only, not a dataclass field
+    # (readers ask getattr(prob, "unsteered", prob)), which the type system cannot declare
+    p.unsteered = getattr(prob, "unsteered", prob)  # type: ignore[attr-defined]
     apply_constraints(p)
     return p
 
@@ -168,7 +170,7 @@ def steer(prob: "ShardingProblem", strategy: str = "auto", named: Mapping[str, A
     if named:
         extra += pins_by_name(prob, named)
     if strategy and strategy != "auto":
-        user = {c.var: c.sharding for c in extra}   # annotations and names give pins only
+        user = {c.var: c.sharding for c in extra if isinstance(c, Pin)}   # annotations and names give pins only
         extra += [c for c in preset_constraints(prob, strategy, user).pins if c.var not in user]
     return constrain(prob, extra)
 

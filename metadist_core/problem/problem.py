@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,6 +46,10 @@ BUDGET_GATHER_SHARE = 1.0
 
 class InfeasibleBudgetError(ValueError):
     """No plan fits the memory budget."""
+
+    # the budget the leanest plan needs with its collectives' buffers, priced when called: set by the driver
+    # where the solve that raised the error can count them (metadist_core.levers.recompute.needed)
+    need_with_buffers: Callable[[], int] | None = None
 
     def __init__(self, budget: int, needed: int, mesh: Mesh, how: str = "needs") -> None:
         self.budget, self.needed = int(budget), int(needed)
@@ -184,7 +188,9 @@ class ShardingProblem:
         :data:`BUDGET_GATHER_SHARE`, the whole share, as a gradient's: the plans that meet a tight
         budget gather every layer's parameters, a bucket at a time.
         """
-        def shared(c: Any, steps: int, cap: int, share: float = 1.0) -> float:   # less what bucket-mates pay
+        def shared(c: Any, steps: int, cap: int | None, share: float = 1.0) -> float:   # less what bucket-mates pay
+            if cap is None:   # a collective joins a bucket only where the problem has a bucket size
+                raise ValueError(f"{c.kind} of {var!r} priced in a bucket, but the problem has no bucket size")
             latency = steps * (self.mesh.shape[c.axis] - 1) * self.mesh.link(c.axis, c.kind)[0]
             return c.cost - share * latency * (1.0 - min(1.0, c.nbytes / cap))
 

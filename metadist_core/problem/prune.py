@@ -40,9 +40,9 @@ def _useful_at(graph: MetaIR, rulebook: RuleBook, n: int) -> dict[str, list[Shar
         t_in = [v for v in op.inputs if graph.vars[v].is_tensor]
         kept = []
         for r in rules:
-            partial_slots = [i for i, p in enumerate(r.inputs) if isinstance(p, Partial)]
-            if partial_slots and not any(i < len(t_in) and r.inputs[i].reduce in genuine.get(t_in[i], ())
-                                         for i in partial_slots) \
+            partial_slots = [(i, p.reduce) for i, p in enumerate(r.inputs) if isinstance(p, Partial)]
+            if partial_slots and not any(i < len(t_in) and reduce in genuine.get(t_in[i], ())
+                                         for i, reduce in partial_slots) \
                     and not any(isinstance(p, Shard) for p in r.inputs):
                 continue
             kept.append(r)

@@ -79,6 +79,14 @@ def _matmuls_reached(g: GraphView, var: str, step, depth: int) -> list[int]:
     return hits
 
 
+def _matmul_at(g: GraphView, i: int) -> tuple[int, str, int, int, str | None]:
+    """:func:`_matmul_weight` of a node a walk found to be a forward matmul."""
+    mw = _matmul_weight(g, i)
+    if mw is None:
+        raise ValueError(f"node {g.prob.nodes[i].id} is not a forward matmul with a weight")
+    return mw
+
+
 def _follow(g: GraphView, var: str, width: int, depth: int = 12) -> list[int]:
     """Forward matmul nodes that ``var`` reaches (as their activation) through ops keeping its last dim."""
     def step(i: int, v: str) -> list[str]:
@@ -138,9 +146,9 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
         if n.kind != "op" or "scaled_dot_product" not in n.key or "backward" in n.key:
             continue
         # the q/k/v projections (behind the 4-D inputs) and the output projections, walked once
-        cols = [(v, _matmul_weight(g, j)) for v in n.inputs[:3] if len(g.shape(v) or ()) == 4
+        cols = [(v, _matmul_at(g, j)) for v in n.inputs[:3] if len(g.shape(v) or ()) == 4
                 for j in _back_to_matmuls(g, v)]
-        rows = [_matmul_weight(g, j) for j in _follow_any(g, n.outputs[0])]
+        rows = [_matmul_at(g, j) for j in _follow_any(g, n.outputs[0])]
         mine = list(dict.fromkeys([r[1] for r in rows] + [c[1] for _, c in cols]))
         if any(unsplit(w) for w in mine):   # a fused qkv weight named once
             pins.out.notes.append(f"attention {n.id}: {', '.join(var_name(g.prob, w) for w in mine if unsplit(w))} "
@@ -150,8 +158,8 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
             if len(g.shape(v) or ()) == 4:
                 split(v, 1, "attention heads")
         for v, (_, w, out_dim, _, bias) in cols:   # q/k/v projections: column-parallel (a fused qkv is left whole)
-            shp = g.shape(v)
-            if g.shape(w)[out_dim] == shp[1] * shp[3]:
+            shp = g.tensor_shape(v)
+            if g.tensor_shape(w)[out_dim] == shp[1] * shp[3]:
                 split(w, out_dim, "column-parallel weight")
                 if bias is not None:
                     split(bias, 0, "column-parallel bias")
@@ -164,10 +172,10 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
         if mw is None:
             continue
         _, w1, out1, in1, bias = mw
-        width = g.shape(w1)[out1]
+        width = g.tensor_shape(w1)[out1]
         for j in _follow(g, g.prob.nodes[i].outputs[0], width):
-            _, w2, out2, in2, _ = _matmul_weight(g, j)
-            if w2 == w1 or g.shape(w2)[in2] != width:
+            _, w2, out2, in2, _ = _matmul_at(g, j)
+            if w2 == w1 or g.tensor_shape(w2)[in2] != width:
                 continue
             if unsplit(w1) or unsplit(w2):
                 pins.out.notes.append(f"{var_name(g.prob, w1)} / {var_name(g.prob, w2)}: pinned unsplit by the "

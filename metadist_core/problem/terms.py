@@ -336,7 +336,7 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
     toggles = []
     for t in terms.toggles:   # a toggle's costs on one coarse node add up; constants fold into one entry
         by: dict[int, np.ndarray] = {}
-        pairs = []
+        on_pairs: list[EdgeTerm] = []
 
         def put(c: int, a2: np.ndarray) -> None:
             by[c] = by[c] + a2 if c in by else a2.astype(float).copy()
@@ -348,8 +348,8 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
             if folded is not None:
                 put(*folded)
             else:
-                pairs.append(EdgeTerm(cu, cw, smap, dmap, e.table))
+                on_pairs.append(EdgeTerm(cu, cw, smap, dmap, e.table))
         toggles.append(Toggle(list(by.items()), [mem_of(m) for m in t.mem_add], [mem_of(m) for m in t.mem_drop],
-                              t.name, pairs))
+                              t.name, on_pairs))
     return Terms(unary, edges, [mem_of(m) for m in terms.mem], allowed, terms.n_steps, terms.budget, offset,
                  names or [f"n{i}" for i in range(n)], terms.mesh_name, shared, toggles)

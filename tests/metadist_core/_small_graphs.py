@@ -26,7 +26,7 @@ def rules_by_op(book: RuleBook, graph: MetaIR, n: int) -> dict:
 def rulebook(graph: MetaIR) -> RuleBook:
     from benchmarks.synthetic_rules import rules_for_op
     book = RuleBook()
-    for sig, op in graph.unique_signatures().items():
+    for _sig, op in graph.unique_signatures().items():
         book.add_op(op, graph, OpRules(op.key, rules_for_op(op, graph)))
     return book
 

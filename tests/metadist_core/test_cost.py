@@ -175,7 +175,7 @@ def test_table_costs_equal_the_priced_step_lists_for_every_pair(mesh_shape, shap
                 with pytest.raises(ValueError):
                     reshard_costs(a, [b], shape, "float32", mesh)
         got = reshard_costs(a, [b for b, _ in reachable], shape, "float32", mesh)
-        for (b, want), g in zip(reachable, got):
+        for (_, want), g in zip(reachable, got):
             assert g == pytest.approx(want, rel=1e-12, abs=1e-18)
             compared += 1
     assert compared > 50

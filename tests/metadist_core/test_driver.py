@@ -85,7 +85,7 @@ def test_plan_only_is_handled_by_the_driver(tmp_path, monkeypatch, capsys):
 
 class Misspelled:
     @hookimpl
-    def metadist_frontnd(self):  # noqa: the typo is the point
+    def metadist_frontnd(self):  # the typo is the point
         return None
 
 

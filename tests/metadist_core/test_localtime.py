@@ -53,7 +53,7 @@ class FakeFrontend:
     def measure(self, requests, mesh):
         self.calls.append(len(requests))
         out = []
-        for op, shapes, dtypes in requests:
+        for op, shapes, _dtypes in requests:
             (m, k), (_, n) = shapes
             if (m, k, n) in self.refuse:
                 out.append(None)

@@ -17,6 +17,10 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from benchmarks._models import gpt2, lm_step, tokens  # noqa: E402
+
 STEPS = 3
 RTOL = 1e-4
 
@@ -30,28 +34,12 @@ def _gpt_case():
     return (lambda: gpt.build(c)), [gpt.batch(c, s) for s in range(STEPS)], gpt.train_step
 
 
-def _hf_step(model, opt, ids):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
-
-
 def _gpt2_case():
-    from transformers import GPT2Config, GPT2LMHeadModel
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-
     def build():
-        torch.manual_seed(0)
-        cfg = GPT2Config(n_positions=64, n_layer=2, n_embd=64, n_head=4, vocab_size=128, bos_token_id=0,
-                         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        m = GPT2LMHeadModel(cfg)
+        m = gpt2(n_positions=64, n_layer=2, n_embd=64, n_head=4, vocab_size=128)
         # SGD with momentum: GPT-2's key bias has a zero gradient but for rounding, which Adam would amplify
         return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
-    batches = [(torch.randint(0, 128, (16, 64), generator=torch.Generator().manual_seed(i)),) for i in range(STEPS)]
-    return build, batches, _hf_step
+    return build, [(b,) for b in tokens(128, 16, 64, STEPS)], lm_step
 
 
 def _budget(build, batch, step_fn, mesh_shape, at: float = 0.5) -> tuple[int, int, int]:

@@ -8,7 +8,6 @@ step and with ``metadist_compile(**kw)`` and returns what differs.
 """
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 from metadist_core.hookspecs import hookimpl
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
 STEPS = 5
 RTOL = 1e-4
 
@@ -334,38 +334,9 @@ def worker() -> int:
 
 
 def _launch(nproc: int, out: Path, cache: Path) -> dict:
-    from metadist_torch.demo import torchrun_cmd
-    env = dict(os.environ, MD_TEST_OUT=str(out), METADIST_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
-               METADIST_PROGRESS="0", PYTHONWARNINGS="ignore", METADIST_SOLVER=os.environ.get("METADIST_SOLVER", "ilp"))
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = run_torchrun(torchrun_cmd(__file__, nproc, ["--worker"]), env, out)
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"torchrun with {nproc} ranks failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(out.read_text())
-
-
-def run_torchrun(cmd: list, env: dict, out: Path) -> subprocess.CompletedProcess:
-    """Run a torchrun job; once, and only once, relaunch it if a rank died by a signal in native code.
-
-    On this 2-core machine under the full suite's load, a gloo rank has now and then aborted with
-    "terminate called without an active exception" (std::terminate in a torch/gloo thread, not in
-    MetaDist's Python); it has never reproduced in isolation. The relaunch is reported as a warning,
-    so it stays visible, and a second crash fails the test.
-    """
-    import warnings
-
-    for attempt in (1, 2):
-        if out.exists():
-            out.unlink()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        text = proc.stdout + proc.stderr
-        native = any(s in text for s in ("terminate called", "SIGABRT", "SIGSEGV", "Segmentation fault"))
-        if proc.returncode == 0 and out.exists() or attempt == 2 or not native:
-            return proc
-        warnings.warn("a torchrun rank died in native code; relaunching once:\n"
-                      + "\n".join(line for line in text.splitlines() if "terminate" in line or "Signal" in line))
-    return proc
+    from _torchrun import launch
+    return launch(__file__, nproc, ["--worker"], out=out, METADIST_CACHE_DIR=str(cache),
+                  METADIST_SOLVER=os.environ.get("METADIST_SOLVER", "ilp"))
 
 
 @pytest.mark.slow

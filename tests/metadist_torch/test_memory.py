@@ -1,7 +1,6 @@
 """Peak memory measured (metadist_torch.memory) against the cost model's prediction (plan.memory_per_device)."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -14,6 +13,9 @@ from metadist_torch.memory import LIVE_STORAGES, LiveTensorTracker, measure_peak
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_memory_worker.py")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+
+from _torchrun import launch  # noqa: E402
 
 
 def test_tracker_counts_known_allocations_frees_views_and_resizes():
@@ -132,16 +134,7 @@ def test_a_gradient_bucket_holds_the_copies_the_memory_model_counts(tmp_path):
 
 @pytest.mark.slow
 def test_memory_prediction_compares_predicted_and_measured_peaks_on_three_plans(tmp_path):
-    from metadist_torch.demo import torchrun_cmd
-    from test_compile_distributed import run_torchrun
-    out = tmp_path / "memory.json"
-    env = dict(os.environ, MD_TEST_OUT=str(out), METADIST_CACHE_DIR=str(tmp_path / "rules"), OMP_NUM_THREADS="1",
-               METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = run_torchrun(torchrun_cmd(WORKER, 2, []), env, out)
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail("torchrun failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
-    ranks = json.loads(out.read_text())
+    ranks = launch(WORKER, 2, out=tmp_path / "memory.json", METADIST_CACHE_DIR=str(tmp_path / "rules"))
     errors = [e for r in ranks for e in r["errors"]]
     assert not errors, "\n".join(errors)
     for r in ranks:

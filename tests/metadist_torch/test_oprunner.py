@@ -376,7 +376,7 @@ SLOW_KEYS = ("aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
 def _representatives(graph):
     """Per op key, its signature with the fewest input elements."""
     best = {}
-    for sig, op in graph.unique_signatures().items():
+    for _sig, op in graph.unique_signatures().items():
         size = sum(math.prod(graph.vars[v].shape) for v in op.inputs)
         if op.key not in best or size < best[op.key][0]:
             best[op.key] = (size, op)

@@ -6,8 +6,7 @@ the GPT example, transformers' GPT-2 with AdamW, and a random plan (Partial grad
 """
 from __future__ import annotations
 
-import json
-import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -20,7 +19,9 @@ from metadist_torch import metadist_compile  # noqa: E402
 
 from test_compile_single import _run_and_compare, cnn, gpt, mlp  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+from _torchrun import launch  # noqa: E402
+
 STEPS = 3
 
 
@@ -117,17 +118,8 @@ def test_pipeline_stages_on_an_axis_of_another_size_is_a_clear_error():
 
 @pytest.mark.slow
 def test_micro_batches_match_single_device_on_4_gloo_ranks(tmp_path):
-    from metadist_torch.demo import torchrun_cmd
-    from test_compile_distributed import run_torchrun
-    out = tmp_path / "out.json"
-    env = dict(os.environ, MD_TEST_OUT=str(out), METADIST_CACHE_DIR=str(tmp_path / "rules"), OMP_NUM_THREADS="1",
-               METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = run_torchrun(torchrun_cmd(Path(__file__).parent / "_pipeline_worker.py", 4), env, out)
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"torchrun with 4 ranks failed (exit {proc.returncode}):\n{tail}")
-    res = json.loads(out.read_text())
+    res = launch(Path(__file__).parent / "_pipeline_worker.py", 4, out=tmp_path / "out.json",
+                 METADIST_CACHE_DIR=str(tmp_path / "rules"))
     assert not res["errors"], "\n".join(res["errors"])
     names = {r["name"] for r in res["report"]}
     assert names == {"gpt-mb4@4", "gpt-mb4@2x2", "mlp-adam-random-plan-mb2@2x2", "gpt2-adamw-mb4@2x2"}

@@ -12,8 +12,6 @@ the run that never stopped.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,9 +22,11 @@ torch = pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "torch"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
 
 import mlp  # noqa: E402
 import production_worker as W  # noqa: E402
+from _torchrun import launch  # noqa: E402
 
 from metadist_core.cost.compression import wire_dtypes  # noqa: E402
 from metadist_core.config import compression_dtype  # noqa: E402
@@ -162,18 +162,8 @@ def test_checkpoint_resumes_at_world_size_1_before_and_after_compile(tmp_path):
 
 
 def _launch(nproc: int, mode: str, out: Path, cache: Path) -> dict:
-    from metadist_torch.demo import torchrun_cmd
-    from test_compile_distributed import run_torchrun
-    env = dict(os.environ, METADIST_CACHE_DIR=str(cache), OMP_NUM_THREADS="1", METADIST_PROGRESS="0",
-               PYTHONWARNINGS="ignore", METADIST_SOLVER="ilp")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    result = out / f"{mode}.json"
-    proc = run_torchrun(torchrun_cmd(Path(__file__).parent / "production_worker.py", nproc, [mode, str(out)]),
-                        env, result)
-    if proc.returncode != 0 or not result.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"torchrun with {nproc} ranks ({mode}) failed (exit {proc.returncode}):\n{tail}")
-    res = json.loads(result.read_text())
+    res = launch(Path(__file__).parent / "production_worker.py", nproc, [mode, str(out)], out=out / f"{mode}.json",
+                 METADIST_CACHE_DIR=str(cache), METADIST_SOLVER="ilp")
     assert not res["errors"], "\n".join(res["errors"])
     return res["report"]
 

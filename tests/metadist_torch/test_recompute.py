@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
 
 
 def _gpt():
@@ -219,9 +219,8 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
 
 
 def _torchrun(case: str, timeout: int = 900) -> str:
-    from metadist_torch.demo import torchrun_cmd
-    cmd = torchrun_cmd(REPO / "tests" / "metadist_torch" / "_recompute_worker.py", 4, [case])
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    from _torchrun import run_torchrun
+    r = run_torchrun(Path(__file__).with_name("_recompute_worker.py"), 4, [case], timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 

@@ -8,8 +8,7 @@ is a clear error.
 """
 from __future__ import annotations
 
-import json
-import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,9 @@ from metadist_torch import metadist_compile  # noqa: E402
 
 from test_compile_single import gpt, mlp  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+from _torchrun import launch  # noqa: E402
+
 
 
 def test_a_pipeline_needs_a_first_axis_of_that_many_devices():
@@ -59,17 +60,8 @@ def test_stages_meet_a_budget_that_the_whole_step_on_one_device_misses(tmp_path)
 
 @pytest.mark.slow
 def test_pipelines_match_single_device_on_4_gloo_ranks(tmp_path):
-    from metadist_torch.demo import torchrun_cmd
-    from test_compile_distributed import run_torchrun
-    out = tmp_path / "out.json"
-    env = dict(os.environ, MD_TEST_OUT=str(out), METADIST_CACHE_DIR=str(tmp_path / "rules"), OMP_NUM_THREADS="1",
-               METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = run_torchrun(torchrun_cmd(Path(__file__).parent / "_stages_worker.py", 4), env, out)
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"torchrun with 4 ranks failed (exit {proc.returncode}):\n{tail}")
-    res = json.loads(out.read_text())
+    res = launch(Path(__file__).parent / "_stages_worker.py", 4, out=tmp_path / "out.json",
+                 METADIST_CACHE_DIR=str(tmp_path / "rules"))
     assert not res["errors"], "\n".join(res["errors"])
     by = {r["name"]: r for r in res["report"]}
     assert set(by) == {"gpt-pp2-1f1b-tp@2x2", "gpt-pp2-gpipe@2x2", "gpt-pp4-1f1b@4", "gpt-pp4-interleaved@4",

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
 STEPS = 3
 RTOL = 1e-4
 PRESET_NAMES = ("ddp", "zero1", "zero2", "zero3", "tp", "tp+dp")
@@ -183,25 +183,13 @@ def worker() -> int:
 # -- the test ------------------------------------------------------------------------------------------
 
 
-def _env(out: Path, cache: Path) -> dict:
-    env = dict(os.environ, MD_TEST_OUT=str(out), METADIST_CACHE_DIR=str(cache), OMP_NUM_THREADS="1",
-               METADIST_PROGRESS="0", PYTHONWARNINGS="ignore")
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 @pytest.mark.slow
 def test_presets_constraints_annotate_and_explain_on_4_gloo_ranks(tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
-    from metadist_torch.demo import torchrun_cmd
-    out, cache = tmp_path / "out.json", tmp_path / "rules"
-    proc = subprocess.run(torchrun_cmd(__file__, 4, ["--worker"]), env=_env(out, cache), capture_output=True,
-                          text=True, timeout=1500)
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"torchrun with 4 ranks failed (exit {proc.returncode}):\n{tail}")
-    res = json.loads(out.read_text())
+    from _torchrun import launch
+    cache = tmp_path / "rules"
+    res = launch(__file__, 4, ["--worker"], out=tmp_path / "out.json", timeout=1500, METADIST_CACHE_DIR=str(cache))
     assert not res["errors"], "\n".join(res["errors"])
     assert [r["name"] for r in res["report"]] == list(PRESET_NAMES)
     import matplotlib.image as mpimg

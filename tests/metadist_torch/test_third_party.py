@@ -12,34 +12,22 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))   # benchmarks._models, also in torchrun's ranks
+
+from benchmarks._models import adamw, gpt2, llama, lm_step  # noqa: E402
 
 
 def build(model_name: str = "gpt2"):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    torch.manual_seed(0)
     if model_name == "llama":
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
-                                             pad_token_id=0))
+        model = llama(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     else:
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4,
-                                           bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                                           attn_pdrop=0.0))
+        model = gpt2(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=4)
     ref = copy.deepcopy(model)
-    return (model, torch.optim.AdamW(model.parameters(), lr=1e-3)), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-3))
+    return (model, adamw(model, 1e-3)), (ref, adamw(ref, 1e-3))
 
 
-def step(model, opt, ids):
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
+step = lm_step   # the step compiled here, and by the pipeline and stage workers that load this file
 
 
 def run(memory_budget=None, steps=3, model_name: str = "gpt2", strategy: str = "auto") -> dict:
@@ -111,17 +99,10 @@ def test_transformers_gpt2_world_size_1():
 def test_transformers_gpt2_and_llama_on_2_gloo_ranks(tmp_path):
     import pytest
     pytest.importorskip("transformers")
-    from metadist_torch.demo import torchrun_cmd
+    sys.path.insert(0, str(REPO / "tests"))
+    from _torchrun import launch
 
-    out = tmp_path / "hf.json"
-    env = dict(os.environ, MD_TEST_OUT=str(out), OMP_NUM_THREADS="1", METADIST_PROGRESS="0",
-               PYTHONWARNINGS="ignore", METADIST_CACHE_DIR=str(tmp_path / "rules"))
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    from test_compile_distributed import run_torchrun
-    proc = run_torchrun(torchrun_cmd(__file__, 2, ["--worker"]), env, out)
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail("torchrun failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:]))
-    res = json.loads(out.read_text())
+    res = launch(__file__, 2, ["--worker"], out=tmp_path / "hf.json", METADIST_CACHE_DIR=str(tmp_path / "rules"))
     gpt2, llama = res["gpt2"], res["llama"]
     _check(gpt2, sign_flips=1e-4)   # seen: 1 element of 110,054 at 2.0x (scipy 1.17, transformers 5.23-5.24)
     assert gpt2["sharded_inputs"] > 0, "the memory budget should force some state to be stored sharded"

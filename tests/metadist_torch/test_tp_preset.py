@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from benchmarks._models import adamw, llama, lm_step  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.driver.compile import plan_graph  # noqa: E402
 from metadist_core.ir.mesh import Mesh  # noqa: E402
@@ -17,24 +18,11 @@ from metadist_core.problem.presets import preset_constraints  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
 
-def _llama_step(model, opt, ids):
-    out = model(input_ids=ids, labels=ids)
-    out.loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return out.loss
-
-
 def test_tp_preset_is_megatron_on_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model = llama(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, max_position_embeddings=16)
     fe = TorchFrontend()
-    tr = fe.trace(_llama_step, (model, opt, torch.randint(0, 64, (4, 16))), {})
+    tr = fe.trace(lm_step, (model, adamw(model, 1e-3), torch.randint(0, 64, (4, 16))), {})
     g = tr.graph
     mesh = Mesh((4,), alpha=[2e-4], beta=[1e-9])
     res = plan_graph(g, mesh, settings=load_settings(progress=False, strategy="tp"),

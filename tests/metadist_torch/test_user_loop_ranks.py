@@ -5,8 +5,6 @@ of its own, and ranks that disagree); the slow set adds the other loops of ``_us
 GPT-2 with a warm-up and clipping on the solver's own plan, and what deciding the program costs a call."""
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -17,21 +15,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _user_loops as L  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+from _torchrun import launch  # noqa: E402
+
 LEAN = ["warmup_cosine", "freeze", "train_eval", "divergent"]
 REST = [n for n in L.LOOPS if n not in LEAN] + ["gpt2_warmup", "agree"]
 
 
 def _run(tmp_path: Path, loops: list[str]) -> dict:
-    from metadist_torch.demo import torchrun_cmd
-    from test_compile_distributed import run_torchrun
-    out = tmp_path / "report.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = run_torchrun(torchrun_cmd(Path(__file__).parent / "user_loop_worker.py", 4, [str(tmp_path), *loops]),
-                        env, out)
-    if proc.returncode != 0 or not out.exists():
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"torchrun with 4 ranks failed (exit {proc.returncode}):\n{tail}")
-    got = json.loads(out.read_text())
+    got = launch(Path(__file__).parent / "user_loop_worker.py", 4, [str(tmp_path), *loops],
+                 out=tmp_path / "report.json")
     assert not got["errors"], "\n".join(got["errors"])
     return got["report"]
 

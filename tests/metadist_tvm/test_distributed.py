@@ -2,22 +2,21 @@
 DLPack; a dense-relu-dense-softmax graph (forced tensor parallel, a forced all_reduce, and random plans
 exercising every collective kind), a conv-relu-pool graph and a plain tvm.topi / te.compute graph (no wrappers)
 match numpy on both ranks."""
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+from _torchrun import run_torchrun, torchrun_env  # noqa: E402
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
 
 
 def test_two_processes_match_numpy(tmp_path):
     pytest.importorskip("torch.distributed")
-    env = dict(os.environ, METADIST_CACHE_DIR=str(tmp_path / "cache"), METADIST_PROGRESS="0", OMP_NUM_THREADS="1",
-               METADIST_TEST_OUT=str(tmp_path))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    env = torchrun_env(METADIST_CACHE_DIR=str(tmp_path / "cache"), METADIST_TEST_OUT=str(tmp_path))
+    out = run_torchrun(WORKER, 2, env=env, timeout=240)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
     lines = [(tmp_path / f"rank{r}.txt").read_text().strip() for r in range(2)]

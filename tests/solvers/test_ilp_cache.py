@@ -108,7 +108,7 @@ def test_a_recompute_proposal_that_ran_out_of_time_is_not_waited_for_again(pm, t
     monkeypatch.setattr(ilp, "_lazy", lazy)
     monkeypatch.setattr(ilp, "over_budget", lambda peak, limit: True)   # as if time ran out every time
     opts = {"cache_dir": str(tmp_path), "coarsen": False, "time_limit": 5.0}
-    for attempt, limit in enumerate((5.0, 5.0, 2.0, 20.0)):
+    for _attempt, limit in enumerate((5.0, 5.0, 2.0, 20.0)):
         with pytest.raises(RuntimeError, match="ran out of time_limit"):
             pm.solve("ilp", p.with_budget(budget), {**opts, "time_limit": limit})
     assert len(lazy_calls) == 2   # the first and the one given more time; not the two given no more
