@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from metadist_core.cost.profile import MeshProfile, profile_from_samples
+from metadist_core.cost.timing import time_call
 
 from .collectives import _group_name, _ops
 from .engine import device
@@ -36,7 +37,6 @@ def _time(fn, iters: int, sync, before=None, reps: int = 1, window: float = 0.0,
     """Median (``pick``) seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()``
     runs untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time).
     ``window``: more calls per timing, until one timing lasts about that many seconds."""
-    from metadist_core.cost.timing import time_call
     return time_call(fn, iters, sync=sync, before=before, reps=reps, window=window, pick=pick)
 
 
@@ -277,7 +277,6 @@ def measure_device(seconds: float = 0.5, on: "torch.device | None" = None) -> "D
     ``seconds / 2``)."""
     import torch
     from metadist_core.cost.model import DeviceSpec
-    from metadist_core.cost.timing import time_call
     dev = on if on is not None else device()
     r = measure_device_rates(iters=7, alone=True, dev=dev)
     link = None   # a CPU is its own host (metadist_core.levers.offload): no link to price

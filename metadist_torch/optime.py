@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from metadist_core.cost.model import DeviceSpec, compute_cost, compute_dtype
+from metadist_core.cost.timing import time_call
 from metadist_core.ir.ir import MetaIR, MetaOp
 
 from .calibrate import _time, measure_device_rates
@@ -71,7 +72,7 @@ def _inputs(op: MetaOp, graph: MetaIR, dev: torch.device) -> list[torch.Tensor]:
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None], iters: int = 7) -> float:
     """The fastest of ``iters`` timings of one call (each long enough, >= 50 us, to be read on a clock)."""
-    return _time(fn, iters, sync, window=5e-5, pick=min)
+    return time_call(fn, iters, sync=sync, window=5e-5, pick=min)
 
 
 def _roofline(op: MetaOp, graph: MetaIR, cost: tuple, dev: DeviceSpec) -> float:
