@@ -35,7 +35,8 @@ import tvm
 from metadist_core.cost.model import Collective
 from metadist_core.plan.interpret import Collectives, interpret
 from metadist_core.ir.ir import MetaOp
-from metadist_core.ir.placement import Mesh, Sharding, group_extents, local_piece, shard_shape
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding, group_extents, local_piece, shard_shape
 from metadist_torch.collectives import AxisComm
 from metadist_torch.engine import Engine, engine_for, ensure_process_group, world_info
 from metadist_torch.stats import CommStats

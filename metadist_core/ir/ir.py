@@ -5,7 +5,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence, TypeVar
 from metadist_core.ir.placement import parse_placement
 
 # Canonical dtype strings and their sizes in bytes.
@@ -123,9 +123,12 @@ class Slice(NamedTuple):
     ops: set
 
 
-def walk_upstream(starts: Iterable[Hashable], producer: Callable[[Hashable], Hashable | None],
-                  reads: Callable[[Hashable], Iterable[Hashable]], *, stop: Iterable[Hashable] = (),
-                  through: Callable[[Hashable], bool] | None = None) -> Slice:
+_V = TypeVar("_V", bound=Hashable)   # a value of a def-use graph
+_N = TypeVar("_N", bound=Hashable)   # a node (an op) of a def-use graph
+
+
+def walk_upstream(starts: Iterable[_V], producer: Callable[[_V], _N | None], reads: Callable[[_N], Iterable[_V]], *,
+                  stop: Iterable[_V] = (), through: Callable[[_N], bool] | None = None) -> Slice:
     """The backward slice of ``starts`` in any def-use graph (:meth:`MetaIR.upstream` on a MetaIR): from each
     value reached, not past a ``stop`` value, to its ``producer`` (None: a graph input) where ``through``
     accepts it (every producer when None), and on to the values the producer ``reads``."""
