@@ -15,7 +15,7 @@ by more than :data:`MARGIN` (the rounds' noise on shared cores).
 
 Only frontends that can run a plan on the planning process alone take part
 (``Frontend.lower`` of :class:`~metadist_core.driver.frontend.Trials`): JAX in one process. The
-figures are kept in ``plan.stats["autotune"]`` and shown by ``str(plan)``'s
+figures are kept in ``plan.stats.autotune`` and shown by ``str(plan)``'s
 summary line.
 """
 from __future__ import annotations
@@ -199,7 +199,7 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     ``solve_preset(name)`` solves the same problem under a preset (an exception: that preset is left out);
     ``make_trial(plan)`` gives the plan's Trial or None (the frontend cannot time it: nothing is tuned);
     ``digest(plan)`` says which plans are the same. ``seconds``: the time autotune may take in all (the
-    presets' solves included; see :func:`time_trials`). The figures go to ``plan.stats["autotune"]`` of the
+    presets' solves included; see :func:`time_trials`). The figures go to ``plan.stats.autotune`` of the
     plan kept.
     """
     t_start = time.perf_counter()
@@ -246,7 +246,7 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
                "seconds": time.perf_counter() - t_start,
                "candidates": [{"strategy": c.name, "lowering": c.trial.lowering, "measured_ms": c.seconds * 1e3,
                                "predicted_ms": c.result.plan.objective * 1e3, "runs": c.runs} for c in cands]}
-    chosen.result.plan.stats["autotune"] = figures
+    chosen.result.plan.stats.autotune = figures
     log.info("autotune: %s", "; ".join(f"{c.label} {c.seconds * 1e3:.2f} ms measured "
                                        f"({c.result.plan.objective * 1e3:.2f} predicted)" for c in cands)
              + f"; running {chosen.label!r}")

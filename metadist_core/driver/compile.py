@@ -329,7 +329,8 @@ def adopt(job: Job, traced: Traced, planned: Planned) -> tuple[Job, Traced]:
     """What every rank takes from the shared plan: the first gradient bucket rank 0 priced (whatever its own
     profile read), and the graph the plan was made for (recomputed ops rewritten in)."""
     plan = planned.plan
-    first = (getattr(plan, "stats", None) or {}).get("first_bucket_mb")
+    stats = getattr(plan, "stats", None)
+    first = stats.first_bucket_mb if stats is not None else None
     if first is not None:
         job = dataclasses.replace(job, settings=dataclasses.replace(job.settings, first_bucket_mb=float(first)))
     if getattr(plan, "recompute", None):

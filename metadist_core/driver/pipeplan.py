@@ -198,9 +198,9 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
         st.devices = stage_devices(mesh.shape, st.index % p)
         st.cost, st.memory = t, mem
     plan.stages = stages
-    plan.stats["pipeline"] = {"stages": p, "pieces": n_pieces, "schedule": settings.schedule, "micro_batches": m,
-                              "bottleneck": choice.bottleneck, "step_time": choice.step_time,
-                              "bubble": choice.bubble, "mesh": list(mesh.shape)}
+    plan.stats.pipeline = {"stages": p, "pieces": n_pieces, "schedule": settings.schedule, "micro_batches": m,
+                           "bottleneck": choice.bottleneck, "step_time": choice.step_time,
+                           "bubble": choice.bubble, "mesh": list(mesh.shape)}
     log.info("%s", describe(stages, settings.schedule, m))
     return res
 

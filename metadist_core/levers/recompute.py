@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from metadist_core.ir.ir import MetaIR
 from metadist_core.problem.problem import InfeasibleBudgetError
+from metadist_core.plan.planstats import PlanStats
 from metadist_core.levers.recompute_segments import SUFFIX, Segment, order, rewrite, segments
 
 log = logging.getLogger("metadist.recompute")
@@ -227,8 +228,8 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
 
 def _chosen_by(res: tuple[Any, Any], how: str) -> None:
     stats = getattr(res[1], "stats", None)
-    if isinstance(stats, dict):
-        stats["recompute_chosen_by"] = how
+    if isinstance(stats, PlanStats):
+        stats.recompute_chosen_by = how
 
 
 def step_seconds(problem: Any, plan: Any) -> float:
