@@ -112,60 +112,73 @@ def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
     ``budget`` (seconds, from this call): once spent, trials not yet warmed up are left out (the first
     always runs: it is the solver's plan) and no round starts past :data:`MIN_ROUNDS`, so that a model
     whose programs take long to compile is not held up by a dozen of them."""
-    clock = clock or time.perf_counter
-    ok = [True] * len(trials)
-    start = clock()
-
-    def spent() -> bool:
-        return budget is not None and clock() - start > budget
-
-    def attempt(i: int) -> bool:
-        try:
-            trials[i].run()
-            return True
-        except Exception as e:
-            log.warning("autotune: a trial (%s) failed and is left out: %s: %s", trials[i].lowering or "plan",
-                        type(e).__name__, e)
-            ok[i] = False
-            return False
-
-    for i in range(len(trials)):
-        if i > 0 and spent():
-            log.warning("autotune: %d of %d programs left untimed: autotune_seconds ran out (%.0f s of it were "
-                        "left for compiling and timing them once the other plans were solved and lowered; raise "
-                        "autotune_seconds to time them all)", len(trials) - i, len(trials), budget)
-            ok[i:] = [False] * (len(trials) - i)
-            break
-        attempt(i)
-    times: list[list[float]] = [[] for _ in trials]
-
-    def run_rounds(which: list[int], n: int) -> None:
-        for r in range(n):
-            if r >= MIN_ROUNDS and spent():
-                log.info("autotune: timing stopped after %d of %d rounds (autotune_seconds spent)", r, n)
-                break
-            for i in (which if r % 2 == 0 else which[::-1]):
-                if not ok[i]:
-                    continue
-                t0 = clock()
-                if attempt(i):
-                    times[i].append(clock() - t0)
-
-    def medians() -> list[float | None]:
-        return [statistics.median(x) if ok[i] and x else None for i, x in enumerate(times)]
-    run_rounds(list(range(len(trials))), rounds)
-    med = medians()
+    timer = _TrialTimer(trials, clock or time.perf_counter, budget)
+    timer.warm_up()
+    timer.run_rounds(list(range(len(trials))), rounds)
+    med = timer.medians()
     timed = [m for m in med if m is not None]
-    if refine_rounds > 0 and timed and not spent():
+    if refine_rounds > 0 and timed and not timer.spent():
         near = [i for i, m in enumerate(med) if m is not None and m <= min(timed) * (1.0 + refine_within)]
         if len(near) > 1:
             log.info("autotune: %d programs within %.0f %% of the fastest, timed %d rounds more",
                      len(near), refine_within * 100, refine_rounds)
-            run_rounds(near, refine_rounds)
-            med = medians()
+            timer.run_rounds(near, refine_rounds)
+            med = timer.medians()
     if counts is not None:
-        counts[:] = [len(x) for x in times]
+        counts[:] = [len(x) for x in timer.times]
     return med
+
+
+class _TrialTimer:
+    """The runs of :func:`time_trials`: which trials still run, each one's timed seconds, the budget."""
+
+    def __init__(self, trials: Sequence[Trial], clock: Callable[[], float], budget: float | None) -> None:
+        self.trials, self.clock, self.budget = trials, clock, budget
+        self.ok = [True] * len(trials)
+        self.times: list[list[float]] = [[] for _ in trials]
+        self.start = clock()
+
+    def spent(self) -> bool:
+        return self.budget is not None and self.clock() - self.start > self.budget
+
+    def attempt(self, i: int) -> bool:
+        """Run trial ``i`` once; one that raises is left out from then on."""
+        try:
+            self.trials[i].run()
+            return True
+        except Exception as e:
+            log.warning("autotune: a trial (%s) failed and is left out: %s: %s", self.trials[i].lowering or "plan",
+                        type(e).__name__, e)
+            self.ok[i] = False
+            return False
+
+    def warm_up(self) -> None:
+        """One untimed run of each trial (the first always; the others while the budget lasts)."""
+        n = len(self.trials)
+        for i in range(n):
+            if i > 0 and self.spent():
+                log.warning("autotune: %d of %d programs left untimed: autotune_seconds ran out (%.0f s of it were "
+                            "left for compiling and timing them once the other plans were solved and lowered; raise "
+                            "autotune_seconds to time them all)", n - i, n, self.budget)
+                self.ok[i:] = [False] * (n - i)
+                break
+            self.attempt(i)
+
+    def run_rounds(self, which: list[int], n: int) -> None:
+        """``n`` timed rounds over ``which``, forwards and backwards in turn."""
+        for r in range(n):
+            if r >= MIN_ROUNDS and self.spent():
+                log.info("autotune: timing stopped after %d of %d rounds (autotune_seconds spent)", r, n)
+                break
+            for i in (which if r % 2 == 0 else which[::-1]):
+                if not self.ok[i]:
+                    continue
+                t0 = self.clock()
+                if self.attempt(i):
+                    self.times[i].append(self.clock() - t0)
+
+    def medians(self) -> list[float | None]:
+        return [statistics.median(x) if self.ok[i] and x else None for i, x in enumerate(self.times)]
 
 
 def _trials_of(make_trial: Callable[[Any], Any], plan: Any, name: str) -> list[Trial]:

@@ -47,10 +47,22 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
     activation bytes (each forward value, per device under the plan) to its producer. A cut costs
     ``send_recv_cost(bytes, alpha, beta)`` of the whole values crossing it, forward and back."""
     from metadist_core.cost.model import send_recv_cost
-    from metadist_core.ir.placement import shard_shape
 
     ops = forward_ops(graph)
     core, pos = positions(graph, ops)
+    n = len(core)
+    op_time = _op_times(graph, problem, plan, ops, core, pos)
+    op_memory = _state_bytes(graph, core)
+    act = _activation_bytes(graph, plan, pos, n)
+    cross = crossing_bytes(graph, ops)
+    # crossing values travel whole (metadist_torch.stages), forward and their gradients back
+    cut_cost = [send_recv_cost(b, alpha, beta) * 2 if 0 < c < n else 0.0 for c, b in enumerate(cross)]
+    return StageCosts(core, op_time, cut_cost, op_memory, act)
+
+
+def _op_times(graph: MetaIR, problem: Any, plan: Any, ops: list, core: list, pos: dict[str, int]) -> list[float]:
+    """Each forward op's chosen compute time and input collectives, plus those of the backward and update
+    ops it takes."""
     index = {nd.id: j for j, nd in enumerate(problem.nodes)} if problem is not None else {}
     edge_cost: dict[str, float] = {}
     for e in getattr(plan, "edges", []):
@@ -79,8 +91,27 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
         op_time[k] += cost(op.id)
         for v in op.outputs:
             home.setdefault(v, k)
+    return op_time
+
+
+def _state_bytes(graph: MetaIR, core: list) -> list[float]:
+    """Per forward op, the state bytes of the parameters it reads first: the value, its gradient and its
+    optimizer state, kept whole."""
+    op_memory = [0.0] * len(core)
+    p_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "parameter")
+    s_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "optimizer_state")
+    ratio = s_bytes / p_bytes if p_bytes else 0.0   # optimizer state per parameter byte (Adam: ~2)
+    for v, c in owner_positions(graph, core).items():
+        if graph.vars[v].role in STATE_ROLES:   # the value, its gradient, its optimizer state, kept whole
+            op_memory[c] += (2 + ratio) * graph.vars[v].nbytes if graph.vars[v].role == "parameter" \
+                else graph.vars[v].nbytes
+    return op_memory
+
+
+def _activation_bytes(graph: MetaIR, plan: Any, pos: dict[str, int], n: int) -> list[float]:
+    """Per forward op, the bytes per device of the values it produces under ``plan``."""
+    from metadist_core.ir.placement import Mesh, Sharding, shard_shape
     mesh_shape = tuple(plan.mesh_shape)
-    from metadist_core.ir.placement import Mesh, Sharding
     mesh = Mesh(mesh_shape)
     rep = Sharding.replicated(len(mesh_shape))
 
@@ -93,21 +124,10 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
             shape = tuple(mv.shape or ())
         return int(math.prod(shape)) * DTYPE_BYTES.get(mv.dtype, 4)
 
-    op_memory = [0.0] * n
-    p_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "parameter")
-    s_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "optimizer_state")
-    ratio = s_bytes / p_bytes if p_bytes else 0.0   # optimizer state per parameter byte (Adam: ~2)
-    for v, c in owner_positions(graph, core).items():
-        if graph.vars[v].role in STATE_ROLES:   # the value, its gradient, its optimizer state, kept whole
-            op_memory[c] += (2 + ratio) * graph.vars[v].nbytes if graph.vars[v].role == "parameter" \
-                else graph.vars[v].nbytes
     act = [0.0] * n
     for v, c in pos.items():
         act[c] += local_bytes(v)
-    cross = crossing_bytes(graph, ops)
-    # crossing values travel whole (metadist_torch.stages), forward and their gradients back
-    cut_cost = [send_recv_cost(b, alpha, beta) * 2 if 0 < c < n else 0.0 for c, b in enumerate(cross)]
-    return StageCosts(core, op_time, cut_cost, op_memory, act)
+    return act
 
 
 def choose_pipeline(flat_time: float, flat_memory: float, costs: StageCosts, p: int, m: int, *,
