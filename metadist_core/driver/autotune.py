@@ -72,6 +72,20 @@ class Candidate:
         low = self.trial.lowering if self.trial is not None else ""
         return f"{self.name} ({low})" if low else self.name
 
+    def runnable(self) -> Trial:
+        """Its trial, which every candidate handed to the timing has."""
+        if self.trial is None:
+            raise RuntimeError(f"autotune candidate {self.label!r} has no trial to time; candidates are made "
+                               "from trials, so this is a bug in metadist_core.driver.autotune")
+        return self.trial
+
+    def measured(self) -> float:
+        """Its median seconds, which every candidate kept after the timing has."""
+        if self.seconds is None:
+            raise RuntimeError(f"autotune candidate {self.label!r} was kept without a time; only timed "
+                               "candidates are kept, so this is a bug in metadist_core.driver.autotune")
+        return self.seconds
+
 
 def _as_trials(made: Any) -> list[Trial]:
     """What ``make_trial`` gave, as a list: a Trial, several (one per lowering of the plan), or None."""
@@ -197,11 +211,21 @@ def pick(candidates: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
     timed = [c for c in candidates if c.seconds is not None]
     if not timed:
         return candidates[0]
-    best = min(timed, key=lambda c: c.seconds)
+    best = min(timed, key=lambda c: c.measured())
     first = candidates[0]
-    if first.seconds is None or best is first or best.seconds < first.seconds * (1.0 - margin):
+    if first.seconds is None or best is first or best.measured() < first.seconds * (1.0 - margin):
         return best
     return first
+
+
+def _figures(chosen: Candidate, cands: Sequence[Candidate], margin: float, rounds: int,
+             t_start: float) -> dict[str, Any]:
+    """What ``plan.stats.autotune`` records: the candidates timed and the one kept."""
+    return {"chosen": chosen.name, "lowering": chosen.runnable().lowering, "margin": margin, "rounds": rounds,
+            "refine_rounds": REFINE_ROUNDS, "refine_within": REFINE_WITHIN,
+            "seconds": time.perf_counter() - t_start,
+            "candidates": [{"strategy": c.name, "lowering": c.runnable().lowering, "measured_ms": c.measured() * 1e3,
+                            "predicted_ms": c.result.plan.objective * 1e3, "runs": c.runs} for c in cands]}
 
 
 def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[Any], Trial | None],
@@ -247,20 +271,15 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
         return auto, cands[0].trial
     left = None if seconds is None else max(0.0, seconds - (time.perf_counter() - t_start))
     runs: list[int] = []
-    secs = time_trials([c.trial for c in cands], rounds, budget=left, refine_rounds=REFINE_ROUNDS, counts=runs)
+    secs = time_trials([c.runnable() for c in cands], rounds, budget=left, refine_rounds=REFINE_ROUNDS, counts=runs)
     for c, sec, n in zip(cands, secs, runs):
         c.seconds, c.runs = sec, n
     cands = [c for c in cands if c.seconds is not None] or cands[:1]
     if cands[0].seconds is None:   # nothing ran: the driver lowers the solver's plan as it would have
         return auto, None
     chosen = pick(cands, margin)
-    figures = {"chosen": chosen.name, "lowering": chosen.trial.lowering, "margin": margin, "rounds": rounds,
-               "refine_rounds": REFINE_ROUNDS, "refine_within": REFINE_WITHIN,
-               "seconds": time.perf_counter() - t_start,
-               "candidates": [{"strategy": c.name, "lowering": c.trial.lowering, "measured_ms": c.seconds * 1e3,
-                               "predicted_ms": c.result.plan.objective * 1e3, "runs": c.runs} for c in cands]}
-    chosen.result.plan.stats.autotune = figures
-    log.info("autotune: %s", "; ".join(f"{c.label} {c.seconds * 1e3:.2f} ms measured "
+    chosen.result.plan.stats.autotune = _figures(chosen, cands, margin, rounds, t_start)
+    log.info("autotune: %s", "; ".join(f"{c.label} {c.measured() * 1e3:.2f} ms measured "
                                        f"({c.result.plan.objective * 1e3:.2f} predicted)" for c in cands)
              + f"; running {chosen.label!r}")
     return chosen.result, chosen.trial

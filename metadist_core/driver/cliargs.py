@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-from typing import Any
+from typing import Any, NoReturn
 
 from metadist_core.driver.clicommands import (CliError, cmd_calibrate, cmd_demo, cmd_explain, cmd_plan, cmd_plugins,
                                               cmd_rules)
@@ -28,7 +28,7 @@ class _Formatter(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, no usage dump
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump
         raise CliError(f"{message} (see `{self.prog} --help`)")
 
 

@@ -80,9 +80,12 @@ def cmd_rules(args) -> int:
         book = RuleBook.load(args.cache_dir) if not args.no_cache else RuleBook()
         from metadist_core.discovery.discover import discover
         discover(graph, pm, book, axis_sizes=(args.axis_size,), save=not args.no_cache)
-        rows = [("op signature", "status", "#rules", "rules")]
+        rows: list[tuple[str, ...]] = [("op signature", "status", "#rules", "rules")]
         for sig, op in graph.unique_signatures().items():
             e = book.lookup(op, graph, args.axis_size)
+            if e is None:
+                raise RuntimeError(f"discover() left {sig} without rules on an axis of {args.axis_size}; "
+                                   "try again with --no-cache, and report it if it persists")
             rows.append((_short_sig(sig), e.status, str(len(e.rules)), "; ".join(map(str, e.rules[: args.max_rules]))
                          + (" ..." if len(e.rules) > args.max_rules else "")))
         _print_table(rows)

@@ -27,6 +27,7 @@ from metadist_core.driver.frontend import (Frontend, Lowered, MicroBatches, NotS
                                            Trials, WholeStep, not_supported)
 # planning a traced graph (re-exported: tools, benchmarks and tests import these from here)
 from metadist_core.driver.planner import CompileResult, op_costs, plan_graph, replicated_plan
+from metadist_core.driver.pipeplan import plan_with_pipeline
 from metadist_core.driver.pricing import Pricing, price, replicated_only
 from metadist_core.ir.ir import MetaIR
 from metadist_core.ir.placement import Mesh
@@ -222,7 +223,7 @@ def solve(job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: 
     then the presets timed beside the plan (autotune); the result and the kept plan's trial."""
     from metadist_core.driver.autotune import autotune_result
     solve_on = Solver(job, traced.graph, pricing)
-    res = _plan_with_pipeline(traced.graph, resolved.mesh, job.settings, solve_on, job.frontend)
+    res = plan_with_pipeline(traced.graph, resolved.mesh, job.settings, solve_on, job.frontend)
     if res is None:
         res = solve_on(resolved.mesh)
     job.timings.update(res.timings)
@@ -264,37 +265,6 @@ def lower(job: Job, traced: Traced, resolved: Resolved, planned: Planned) -> Low
         lowered = job.frontend.lower(traced, WholeStep(plan), resolved, s)
     job.timings["lower"] = time.perf_counter() - t
     return lowered
-
-
-def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callable[[Mesh], CompileResult],
-                        frontend: Frontend) -> CompileResult | None:
-    """The result whose plan is pipelined (``plan.stages`` set) when ``pipeline_stages=k`` asks for one
-    or, with ``None``, when no unpipelined plan meets the memory budget and a pipeline does (training
-    steps on a frontend that runs pipelines); with ``None`` and a fitting plan, that result; else None."""
-    from metadist_core.driver.pipeplan import has_gradients, pipeline_plan
-    k = s.pipeline_stages
-    if k is not None and k > 1:
-        return pipeline_plan(graph, mesh, s, solve_on, k)
-    if k is not None or s.memory_budget is None or mesh.shape[0] < 2 or not has_gradients(graph) \
-            or not frontend.traits.pipelines or s.offload:   # stage programs do not offload (yet)
-        return None
-    try:
-        flat = solve_on(mesh)
-        if flat.plan.memory_per_device > s.memory_budget:
-            flat = None
-    except Exception as e:   # no unpipelined plan meets the budget: a pipeline may
-        log.info("no unpipelined plan: %s", e)
-        flat = None
-    if flat is not None and not flat.plan.recompute:   # the unpipelined plan meets the budget as it is
-        return flat
-    if flat is None:
-        return pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
-    try:   # it meets the budget by recomputing: a pipeline may be cheaper
-        piped = pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
-    except Exception as e:
-        log.info("no pipeline beside the recomputing plan: %s", e)
-        return flat
-    return piped if piped is not None and piped.plan.objective < flat.plan.objective else flat
 
 
 class CompiledStep:
@@ -369,7 +339,12 @@ class CompiledStep:
                           f"Keep it fixed between calls, or raise max_replans to silence this.", stacklevel=3)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.compile(*args, **kwargs).runnable(*args, **kwargs)
+        res = self.compile(*args, **kwargs)
+        if res.runnable is None:
+            raise RuntimeError(f"the compile of {getattr(self.fn, '__name__', 'the step')} gave a plan but no "
+                               "runnable program (a plan-only compile); call compile() for the plan, or run "
+                               "without plan-only mode to run the step")
+        return res.runnable(*args, **kwargs)
 
     @property
     def plan(self) -> Any:

@@ -138,7 +138,7 @@ def _priced_costs(graph: MetaIR, pm: PluginManager, op_slowdowns: Callable | Non
     """``(flops, bytes[, slowdown])`` per op id: the frontend's figures, each op's measured slowdown on
     top where ``op_slowdowns`` is given (timed once: a recomputed copy costs what its original does)."""
     t = time.perf_counter()
-    costs = op_costs(graph, pm)
+    costs: dict[str, tuple] = dict(op_costs(graph, pm))
     timings["build_problem"] += time.perf_counter() - t   # the ops' costs are part of the problem
     if op_slowdowns is not None:   # each op timed on this device (cached per machine)
         t = time.perf_counter()
@@ -180,7 +180,7 @@ class GraphPlanner:
     settings: Settings
     options: dict
     plain: list
-    named: list
+    named: dict[str, Any]
     device: Any
     traits: FrontendTraits
     local_timer: Any
@@ -254,6 +254,9 @@ class GraphPlanner:
         s = self.settings
         if s.solver != "ilp":
             return None
+        if s.memory_budget is None:
+            raise ValueError("recomputed segments are proposed only under a memory budget, and memory_budget is "
+                             "None; set memory_budget (bytes per device) to recompute")
         from metadist_core.levers.recompute import price_segments
         t0 = time.perf_counter()
         problem, _, _ = self.build(self.graph)

@@ -78,11 +78,11 @@ def price(job: "Job", traced: Traced, resolved: Resolved, mesh_arg: Any) -> tupl
     elif not replicated_only(resolved.mesh, s):
         measured = fe.measure_profile(resolved, None, traced)   # a one-device step's own device (a GPU)
         pricing.one_device = measured.device if measured is not None else None
-    measured = getattr(pricing.profile, "measured", False)
+    is_measured = getattr(pricing.profile, "measured", False)
     key = getattr(pricing.profile, "key", None)
-    if measured or pricing.one_device is not None:   # measured costs price the ops as measured too
+    if is_measured or pricing.one_device is not None:   # measured costs price the ops as measured too
         pricing.op_times = OpTimer(fe, resolved, traced, _beside(s, key, "-ops.json"))
-    if measured and s.local_time_seconds > 0:   # one timer for every plan of this compile
+    if is_measured and s.local_time_seconds > 0:   # one timer for every plan of this compile
         pricing.local_timer = LocalTimer(fe.traits.times_local, functools.partial(_local_times, fe, resolved),
                                          cache_file=_beside(s, key, "-local.json"), budget=s.local_time_seconds)
     return pricing, resolved

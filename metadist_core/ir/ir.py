@@ -5,7 +5,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Hashable, Iterable, Mapping, NamedTuple, Sequence, TypeVar
 
 # Canonical dtype strings and their sizes in bytes.
 #: Suffix of the ids of ops and values recomputed for the backward (metadist_core.levers.recompute).
@@ -122,9 +122,13 @@ class Slice(NamedTuple):
     ops: set
 
 
-def walk_upstream(starts: Iterable[Hashable], producer: Callable[[Hashable], Hashable | None],
-                  reads: Callable[[Hashable], Iterable[Hashable]], *, stop: Iterable[Hashable] = (),
-                  through: Callable[[Hashable], bool] | None = None) -> Slice:
+_V = TypeVar("_V", bound=Hashable)   # a value of the def-use graph walked
+_P = TypeVar("_P", bound=Hashable)   # a producer of values
+
+
+def walk_upstream(starts: Iterable[_V], producer: Callable[[_V], _P | None],
+                  reads: Callable[[_P], Iterable[_V]], *, stop: Iterable[_V] = (),
+                  through: Callable[[_P], bool] | None = None) -> Slice:
     """The backward slice of ``starts`` in any def-use graph (:meth:`MetaIR.upstream` on a MetaIR): from each
     value reached, not past a ``stop`` value, to its ``producer`` (None: a graph input) where ``through``
     accepts it (every producer when None), and on to the values the producer ``reads``."""

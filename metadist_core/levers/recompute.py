@@ -140,7 +140,7 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     cut = 0
     tried: set = set()
     for _ in range(3):   # the proposal's plan may overshoot once the collectives' buffers are priced
-        if not picked:
+        if not picked or propose is None:
             break
         key = tuple(sorted(id(s) for s in picked))
         g = rewrite(graph, [i for s in picked for i in s.recompute])
