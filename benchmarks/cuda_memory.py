@@ -76,7 +76,7 @@ def _run(name: str, layers: int, batches: list, ref: list | None, **kw) -> dict:
     if plan is not None:
         rec["plan"] = plan.summary()
         rec["recompute"] = len(getattr(plan, "recompute", None) or [])
-        rec["offload"] = (plan.stats or {}).get("offload")
+        rec["offload"] = plan.stats.offload
     return rec
 
 

@@ -103,7 +103,7 @@ def _compile(step_fn, params, opt_state, batch, **kw):
 
 def _kept(plan) -> str | None:
     """The plan and lowering autotune kept, as ``preset/lowering`` (None: nothing was timed)."""
-    fig = plan.stats.get("autotune")
+    fig = plan.stats.autotune
     return None if not fig else f"{fig['chosen']}/{fig.get('lowering') or '-'}"
 
 
@@ -178,7 +178,7 @@ def run(quick: bool, solver: str | None, cache: str) -> list[dict]:
                     "compile_s": compile_s if sys_name == "metadist" else None,
                     "solver": plan.solver, "quick": quick,
                     "autotune": _kept(plan) if sys_name == "metadist" else None,
-                    "autotune_trials": plan.stats.get("autotune") if sys_name == "metadist" else None,
+                    "autotune_trials": plan.stats.autotune if sys_name == "metadist" else None,
                 })
             print(f"{name:>26} mesh {'x'.join(map(str, mesh)):>3}: " +
                   ", ".join(f"{k} {v * 1e3:.2f} ms" + (f" (pred {preds[k].step * 1e3:.2f})" if k in preds else "")

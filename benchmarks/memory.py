@@ -89,7 +89,7 @@ def _run_metadist(layers: int, sh: dict, budget: int, cache: str) -> dict:
             "method": mem["method"], "plan": plan.summary(), "recompute": len(getattr(plan, "recompute", []) or []),
             # who chose the recomputed segments (the ILP with the shardings, or the search over counts), and
             # the planning seconds (trace, discover, build, solve) on this rank
-            "recompute_chosen_by": (plan.stats or {}).get("recompute", {}).get("chosen_by"),
+            "recompute_chosen_by": (plan.stats.recompute or {}).get("chosen_by"),
             "plan_s": sum(v for k, v in (getattr(step, "timings", None) or {}).items()
                           if k in ("trace", "discover", "build_problem", "solve"))}
 

@@ -112,7 +112,7 @@ def worker(args) -> int:
                         step(model, opt, ids[i])
                         ts.append(time.perf_counter() - t0)
                     plan = step.plan
-                    pl = plan.stats.get("pipeline")
+                    pl = plan.stats.pipeline
                     measured = (step.memory or {}).get("measured_peak_bytes")   # the first call, tensor bytes
                     rec.update(step_s=statistics.median(ts), peak_rss=_peak(), busy_s=busy["s"] / steps,
                                measured_peak=measured,

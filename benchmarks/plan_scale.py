@@ -90,7 +90,7 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
     settings = load_settings(cache_dir=cache, progress=False, time_limit=time_limit)
     res = plan_graph(graph, mesh, plugins=pm, settings=settings, device=DEVICE_PRESETS["a100"])
     plan = res.plan
-    sizes = plan.stats.get("sizes", {})
+    sizes = plan.stats.extra.get("sizes", {})
     rec = {"model": model, "mesh": "x".join(map(str, mesh_shape)), "system": "MetaDist (ilp)",
            "graph_ops": len(graph.ops), "patterns": len(res.rulebook.entries),
            "patterns_discovered": res.rulebook.discovered,
@@ -99,8 +99,8 @@ def run_one(model: str, mesh_shape: tuple[int, ...], cache: str, hand: bool, tim
            "total_s": t_load + sum(res.timings.values()), "objective_ms": plan.objective * 1e3,
            "gap": plan.gap, "decisions": len(res.problem.nodes),
            "decisions_coarse": (sizes.get("tied") or sizes.get("fixed") or sizes.get("fine") or {}).get("nodes"),
-           "ilp_vars": plan.stats.get("variables"), "peak_rss_mb": _peak_rss_mb(),
-           "solve_method": "axis descent" if "descent" in str(plan.stats.get("status", "")) else "one ILP"}
+           "ilp_vars": plan.stats.extra.get("variables"), "peak_rss_mb": _peak_rss_mb(),
+           "solve_method": "axis descent" if "descent" in str(plan.stats.status or "") else "one ILP"}
     if hand:
         from metadist_core.problem.presets import steer
         from .solvers import constrained, discovered_info, hand_pins

@@ -166,17 +166,17 @@ def run_case(pm, model, mesh_shape, rules, time_limit, beam_width, check_coarsen
         wall = time.perf_counter() - t0
         plans[solver] = plan
         recs.append({**base, "system": solver, "kind": "solver", "solve_s": wall,
-                     "search_s": plan.stats.get("search_seconds"), "objective_ms": plan.objective * 1e3,
+                     "search_s": plan.stats.extra.get("search_seconds"), "objective_ms": plan.objective * 1e3,
                      "lower_bound_ms": None if plan.lower_bound is None else plan.lower_bound * 1e3,
                      "gap": plan.gap, "memory_MiB": plan.memory_per_device / 2**20,
-                     "ilp_vars": plan.stats.get("variables"), "status": plan.stats.get("status", "")})
+                     "ilp_vars": plan.stats.extra.get("variables"), "status": plan.stats.status or ""})
     for name, roles in HAND_PLANS[tuple(mesh_shape)].items():
         q = constrained(prob, hand_pins(info, mesh_shape, roles))
         t0 = time.perf_counter()
         plan = pm.solve("ilp", q, {"time_limit": time_limit})
         recs.append({**base, "system": name, "kind": "hand", "solve_s": time.perf_counter() - t0,
                      "objective_ms": plan.objective * 1e3, "gap": plan.gap, "memory_MiB": plan.memory_per_device / 2**20,
-                     "status": plan.stats.get("status", "")})
+                     "status": plan.stats.status or ""})
     ilp = plans["ilp"].objective
     best_hand = min(r["objective_ms"] for r in recs if r["kind"] == "hand")
     for r in recs:
@@ -189,7 +189,7 @@ def run_case(pm, model, mesh_shape, rules, time_limit, beam_width, check_coarsen
                      "solve_s": time.perf_counter() - t0, "objective_ms": full.objective * 1e3,
                      "lower_bound_ms": None if full.lower_bound is None else full.lower_bound * 1e3, "gap": full.gap,
                      "memory_MiB": full.memory_per_device / 2**20, "vs_ilp": full.objective / ilp,
-                     "ilp_vars": full.stats.get("variables"), "status": full.stats.get("status", "")})
+                     "ilp_vars": full.stats.extra.get("variables"), "status": full.stats.status or ""})
     return recs
 
 

@@ -125,7 +125,7 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
         without it (copies fenced by ``optimization_barrier`` so XLA keeps them); False: never.
     :param autotune: True (default): with measured costs, the solver's plan is timed beside the ddp, zero1
         and fsdp presets' on these devices at the first call (seconds) and the fastest kept
-        (:mod:`metadist_core.driver.autotune`; ``plan.stats["autotune"]``); False: the solver's plan as priced.
+        (:mod:`metadist_core.driver.autotune`; ``plan.stats.autotune``); False: the solver's plan as priced.
 
     Use as ``@metadist_compile`` or ``@metadist_compile(mesh=(2, 4))``; returns a :class:`JaxStep`.
     """

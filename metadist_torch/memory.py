@@ -231,14 +231,15 @@ def measure_compiled(result: Any, args: tuple, kwargs: dict) -> tuple[Any, dict[
     """Run a compile result's step once under :func:`measure_peak`: ``(what the step returns, step.memory)``.
 
     ``predicted_peak_bytes`` is the plan's peak with the buffers its collectives make
-    (``plan.stats["peak_with_buffers"]``, :mod:`metadist_core.plan.memprofile`; a plan made without a solve, at
+    (``plan.stats.peak_with_buffers``, :mod:`metadist_core.plan.memprofile`; a plan made without a solve, at
     world size 1, has none and needs none); ``predicted_solver_bytes`` is ``plan.memory_per_device``
     (:meth:`metadist_core.problem.terms.Terms.peak_memory`), the figure the solver holds to ``memory_budget``.
     """
     traced = getattr(result.traced, "context", None)
     out, m = measure_peak(lambda: result.runnable(*args, **kwargs), step_baseline(traced, args, kwargs))
     solver = getattr(result.plan, "memory_per_device", None)
-    with_buffers = (getattr(result.plan, "stats", None) or {}).get("peak_with_buffers")
+    stats = getattr(result.plan, "stats", None)
+    with_buffers = stats.peak_with_buffers if stats is not None else None
     predicted = with_buffers or solver
     d = report(int(predicted) if predicted else None, m)
     d["predicted_solver_bytes"] = int(solver) if solver else None

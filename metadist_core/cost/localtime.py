@@ -134,7 +134,7 @@ def apply(timer: LocalTimer, graph: Any, mesh: Any, device: DeviceSpec,
           compute: list[np.ndarray]) -> None:
     """Reprice, in place, the strategies of the ops ``timer`` wants: ``entries`` holds per op its index in
     ``compute``, the op, its strategies, their splits, its FLOPs and bytes and its compute dtype."""
-    todo: list[tuple[int, int, str, float, float, int, str | None]] = []
+    todo: list[tuple[int, int, str | None, float, float, int, str | None]] = []
     ask: dict[str, Request] = {}
     dearest: dict[str, float] = {}   # a kernel's largest roofline among the strategies that ask for it
     for row, op, opts, splits, flops, nbytes, dt in entries:
@@ -156,8 +156,8 @@ def apply(timer: LocalTimer, graph: Any, mesh: Any, device: DeviceSpec,
     if ask:
         _measure(timer, sorted(ask, key=lambda kn: -dearest[kn]), ask, mesh)
     found: list[tuple[int, int, float, float, int, str | None, float | None]] = []
-    for row, k, kernel, flops, nbytes, split, dt in todo:
-        got = timer.times.get(kernel) if kernel is not None else None
+    for row, k, kernel_of, flops, nbytes, split, dt in todo:
+        got = timer.times.get(kernel_of) if kernel_of is not None else None
         slow = None
         if got is not None:
             sec, rates = got

@@ -41,6 +41,16 @@ def roofline(op: MetaOp, graph: MetaIR, cost: tuple, dev: DeviceSpec) -> float:
     return compute_cost(cost[0], cost[1], 1, dev, dt) - dev.op_overhead
 
 
+def _whole_shape(graph: MetaIR, v: str, op: MetaOp) -> tuple[int, ...]:
+    """The shape of input ``v`` of ``op``, which a timed op must know."""
+    shape = graph.vars[v].shape
+    if shape is None:
+        raise ValueError(f"op {op.id!r} ({op.key}) has costs but its input {v!r} has no known shape; an op "
+                         "timed at its whole shape needs the shapes of its inputs (give the value a shape when "
+                         "tracing, or give the op no costs)")
+    return tuple(shape)
+
+
 def _load(path: Path | None) -> dict[str, float]:
     if path is None or not path.exists():
         return {}
@@ -80,7 +90,7 @@ def whole_slowdowns(graph: MetaIR, costs: dict[str, tuple], time_ops: Callable[.
         if sig_of[op.id] not in cache:
             ask.setdefault(sig_of[op.id], op)
     t0 = time.perf_counter()
-    requests = [(op, tuple(tuple(graph.vars[v].shape) for v in op.inputs),
+    requests = [(op, tuple(_whole_shape(graph, v, op) for v in op.inputs),
                  tuple(graph.vars[v].dtype for v in op.inputs)) for op in ask.values()]
     times = time_ops(requests, program) if requests or program else None
     new = tried = 0

@@ -15,7 +15,7 @@ by more than :data:`MARGIN` (the rounds' noise on shared cores).
 
 Only frontends that can run a plan on the planning process alone take part
 (``Frontend.lower`` of :class:`~metadist_core.driver.frontend.Trials`): JAX in one process. The
-figures are kept in ``plan.stats["autotune"]`` and shown by ``str(plan)``'s
+figures are kept in ``plan.stats.autotune`` and shown by ``str(plan)``'s
 summary line.
 """
 from __future__ import annotations
@@ -72,6 +72,20 @@ class Candidate:
         low = self.trial.lowering if self.trial is not None else ""
         return f"{self.name} ({low})" if low else self.name
 
+    def runnable(self) -> Trial:
+        """Its trial, which every candidate handed to the timing has."""
+        if self.trial is None:
+            raise RuntimeError(f"autotune candidate {self.label!r} has no trial to time; candidates are made "
+                               "from trials, so this is a bug in metadist_core.driver.autotune")
+        return self.trial
+
+    def measured(self) -> float:
+        """Its median seconds, which every candidate kept after the timing has."""
+        if self.seconds is None:
+            raise RuntimeError(f"autotune candidate {self.label!r} was kept without a time; only timed "
+                               "candidates are kept, so this is a bug in metadist_core.driver.autotune")
+        return self.seconds
+
 
 def _as_trials(made: Any) -> list[Trial]:
     """What ``make_trial`` gave, as a list: a Trial, several (one per lowering of the plan), or None."""
@@ -112,60 +126,73 @@ def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
     ``budget`` (seconds, from this call): once spent, trials not yet warmed up are left out (the first
     always runs: it is the solver's plan) and no round starts past :data:`MIN_ROUNDS`, so that a model
     whose programs take long to compile is not held up by a dozen of them."""
-    clock = clock or time.perf_counter
-    ok = [True] * len(trials)
-    start = clock()
-
-    def spent() -> bool:
-        return budget is not None and clock() - start > budget
-
-    def attempt(i: int) -> bool:
-        try:
-            trials[i].run()
-            return True
-        except Exception as e:
-            log.warning("autotune: a trial (%s) failed and is left out: %s: %s", trials[i].lowering or "plan",
-                        type(e).__name__, e)
-            ok[i] = False
-            return False
-
-    for i in range(len(trials)):
-        if i > 0 and spent():
-            log.warning("autotune: %d of %d programs left untimed: autotune_seconds ran out (%.0f s of it were "
-                        "left for compiling and timing them once the other plans were solved and lowered; raise "
-                        "autotune_seconds to time them all)", len(trials) - i, len(trials), budget)
-            ok[i:] = [False] * (len(trials) - i)
-            break
-        attempt(i)
-    times: list[list[float]] = [[] for _ in trials]
-
-    def run_rounds(which: list[int], n: int) -> None:
-        for r in range(n):
-            if r >= MIN_ROUNDS and spent():
-                log.info("autotune: timing stopped after %d of %d rounds (autotune_seconds spent)", r, n)
-                break
-            for i in (which if r % 2 == 0 else which[::-1]):
-                if not ok[i]:
-                    continue
-                t0 = clock()
-                if attempt(i):
-                    times[i].append(clock() - t0)
-
-    def medians() -> list[float | None]:
-        return [statistics.median(x) if ok[i] and x else None for i, x in enumerate(times)]
-    run_rounds(list(range(len(trials))), rounds)
-    med = medians()
+    timer = _TrialTimer(trials, clock or time.perf_counter, budget)
+    timer.warm_up()
+    timer.run_rounds(list(range(len(trials))), rounds)
+    med = timer.medians()
     timed = [m for m in med if m is not None]
-    if refine_rounds > 0 and timed and not spent():
+    if refine_rounds > 0 and timed and not timer.spent():
         near = [i for i, m in enumerate(med) if m is not None and m <= min(timed) * (1.0 + refine_within)]
         if len(near) > 1:
             log.info("autotune: %d programs within %.0f %% of the fastest, timed %d rounds more",
                      len(near), refine_within * 100, refine_rounds)
-            run_rounds(near, refine_rounds)
-            med = medians()
+            timer.run_rounds(near, refine_rounds)
+            med = timer.medians()
     if counts is not None:
-        counts[:] = [len(x) for x in times]
+        counts[:] = [len(x) for x in timer.times]
     return med
+
+
+class _TrialTimer:
+    """The runs of :func:`time_trials`: which trials still run, each one's timed seconds, the budget."""
+
+    def __init__(self, trials: Sequence[Trial], clock: Callable[[], float], budget: float | None) -> None:
+        self.trials, self.clock, self.budget = trials, clock, budget
+        self.ok = [True] * len(trials)
+        self.times: list[list[float]] = [[] for _ in trials]
+        self.start = clock()
+
+    def spent(self) -> bool:
+        return self.budget is not None and self.clock() - self.start > self.budget
+
+    def attempt(self, i: int) -> bool:
+        """Run trial ``i`` once; one that raises is left out from then on."""
+        try:
+            self.trials[i].run()
+            return True
+        except Exception as e:
+            log.warning("autotune: a trial (%s) failed and is left out: %s: %s", self.trials[i].lowering or "plan",
+                        type(e).__name__, e)
+            self.ok[i] = False
+            return False
+
+    def warm_up(self) -> None:
+        """One untimed run of each trial (the first always; the others while the budget lasts)."""
+        n = len(self.trials)
+        for i in range(n):
+            if i > 0 and self.spent():
+                log.warning("autotune: %d of %d programs left untimed: autotune_seconds ran out (%.0f s of it were "
+                            "left for compiling and timing them once the other plans were solved and lowered; raise "
+                            "autotune_seconds to time them all)", n - i, n, self.budget)
+                self.ok[i:] = [False] * (n - i)
+                break
+            self.attempt(i)
+
+    def run_rounds(self, which: list[int], n: int) -> None:
+        """``n`` timed rounds over ``which``, forwards and backwards in turn."""
+        for r in range(n):
+            if r >= MIN_ROUNDS and self.spent():
+                log.info("autotune: timing stopped after %d of %d rounds (autotune_seconds spent)", r, n)
+                break
+            for i in (which if r % 2 == 0 else which[::-1]):
+                if not self.ok[i]:
+                    continue
+                t0 = self.clock()
+                if self.attempt(i):
+                    self.times[i].append(self.clock() - t0)
+
+    def medians(self) -> list[float | None]:
+        return [statistics.median(x) if self.ok[i] and x else None for i, x in enumerate(self.times)]
 
 
 def _trials_of(make_trial: Callable[[Any], Any], plan: Any, name: str) -> list[Trial]:
@@ -184,11 +211,21 @@ def pick(candidates: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
     timed = [c for c in candidates if c.seconds is not None]
     if not timed:
         return candidates[0]
-    best = min(timed, key=lambda c: c.seconds)
+    best = min(timed, key=lambda c: c.measured())
     first = candidates[0]
-    if first.seconds is None or best is first or best.seconds < first.seconds * (1.0 - margin):
+    if first.seconds is None or best is first or best.measured() < first.seconds * (1.0 - margin):
         return best
     return first
+
+
+def _figures(chosen: Candidate, cands: Sequence[Candidate], margin: float, rounds: int,
+             t_start: float) -> dict[str, Any]:
+    """What ``plan.stats.autotune`` records: the candidates timed and the one kept."""
+    return {"chosen": chosen.name, "lowering": chosen.runnable().lowering, "margin": margin, "rounds": rounds,
+            "refine_rounds": REFINE_ROUNDS, "refine_within": REFINE_WITHIN,
+            "seconds": time.perf_counter() - t_start,
+            "candidates": [{"strategy": c.name, "lowering": c.runnable().lowering, "measured_ms": c.measured() * 1e3,
+                            "predicted_ms": c.result.plan.objective * 1e3, "runs": c.runs} for c in cands]}
 
 
 def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[Any], Trial | None],
@@ -199,7 +236,7 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     ``solve_preset(name)`` solves the same problem under a preset (an exception: that preset is left out);
     ``make_trial(plan)`` gives the plan's Trial or None (the frontend cannot time it: nothing is tuned);
     ``digest(plan)`` says which plans are the same. ``seconds``: the time autotune may take in all (the
-    presets' solves included; see :func:`time_trials`). The figures go to ``plan.stats["autotune"]`` of the
+    presets' solves included; see :func:`time_trials`). The figures go to ``plan.stats.autotune`` of the
     plan kept.
     """
     t_start = time.perf_counter()
@@ -234,20 +271,15 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
         return auto, cands[0].trial
     left = None if seconds is None else max(0.0, seconds - (time.perf_counter() - t_start))
     runs: list[int] = []
-    secs = time_trials([c.trial for c in cands], rounds, budget=left, refine_rounds=REFINE_ROUNDS, counts=runs)
+    secs = time_trials([c.runnable() for c in cands], rounds, budget=left, refine_rounds=REFINE_ROUNDS, counts=runs)
     for c, sec, n in zip(cands, secs, runs):
         c.seconds, c.runs = sec, n
     cands = [c for c in cands if c.seconds is not None] or cands[:1]
     if cands[0].seconds is None:   # nothing ran: the driver lowers the solver's plan as it would have
         return auto, None
     chosen = pick(cands, margin)
-    figures = {"chosen": chosen.name, "lowering": chosen.trial.lowering, "margin": margin, "rounds": rounds,
-               "refine_rounds": REFINE_ROUNDS, "refine_within": REFINE_WITHIN,
-               "seconds": time.perf_counter() - t_start,
-               "candidates": [{"strategy": c.name, "lowering": c.trial.lowering, "measured_ms": c.seconds * 1e3,
-                               "predicted_ms": c.result.plan.objective * 1e3, "runs": c.runs} for c in cands]}
-    chosen.result.plan.stats["autotune"] = figures
-    log.info("autotune: %s", "; ".join(f"{c.label} {c.seconds * 1e3:.2f} ms measured "
+    chosen.result.plan.stats.autotune = _figures(chosen, cands, margin, rounds, t_start)
+    log.info("autotune: %s", "; ".join(f"{c.label} {c.measured() * 1e3:.2f} ms measured "
                                        f"({c.result.plan.objective * 1e3:.2f} predicted)" for c in cands)
              + f"; running {chosen.label!r}")
     return chosen.result, chosen.trial

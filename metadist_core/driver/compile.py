@@ -18,17 +18,17 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import Any, Callable, Hashable, Iterable
 
 from metadist_core.config import Settings, load_settings
-from metadist_core.cost.localtime import LocalTimer
-from metadist_core.cost.profile import MeshProfile
 from metadist_core.discovery.rules import RuleBook
 from metadist_core.driver import planonly
 from metadist_core.driver.frontend import (Frontend, Lowered, MicroBatches, NotSupported, Resolved, Stages, Traced,
                                            Trials, WholeStep, not_supported)
 # planning a traced graph (re-exported: tools, benchmarks and tests import these from here)
 from metadist_core.driver.planner import CompileResult, op_costs, plan_graph, replicated_plan
+from metadist_core.driver.pipeplan import plan_with_pipeline
+from metadist_core.driver.pricing import Pricing, price, replicated_only
 from metadist_core.ir.ir import MetaIR
 from metadist_core.ir.placement import Mesh
 from metadist_core.plugins import PluginManager
@@ -55,41 +55,6 @@ class Job:
 
 
 @dataclass
-class Pricing:
-    """How a compile prices its plans: the profile its links and device come from (None: the built-in
-    costs on one device), the device of a one-device step the frontend measured, and the ops' timers."""
-
-    profile: MeshProfile | None = None
-    one_device: Any = None
-    op_times: "OpTimer | None" = None
-    local_timer: LocalTimer | None = None
-
-
-@dataclass
-class OpTimer:
-    """The ops' measured slowdowns at their whole shapes (:mod:`metadist_core.cost.optimes`) from the
-    frontend's ``time_ops``, timed once per compile (every mesh a pipeline search tries reads them)."""
-
-    frontend: Frontend
-    resolved: Resolved
-    traced: Traced
-    cache_file: str | None = None
-    measured: dict[str, float] | None = None
-
-    def __call__(self, graph: MetaIR, costs: dict) -> Mapping[str, float]:
-        if self.measured is None:
-            from metadist_core.cost.optimes import whole_slowdowns
-            traced = self.traced if self.traced.graph is graph else None
-
-            def time_ops(requests: list, program: bool) -> Any:
-                return self.frontend.time_ops(requests, self.resolved, traced, program)
-            self.measured = dict(whole_slowdowns(graph, costs, time_ops, self.cache_file,
-                                                 skip=self.frontend.traits.times_local,
-                                                 program=traced is not None) or {})
-        return self.measured
-
-
-@dataclass
 class Planned:
     """What the planning step gave this process: the plan, the planning's result where this process
     planned (rules, problem, timings), and the autotune trial of the plan kept (its lowering reused)."""
@@ -98,13 +63,6 @@ class Planned:
     result: CompileResult | None = None
     tuned: Any = None
     seconds: float = 0.0   # spent planning here (inside the frontend's share)
-
-
-def _own_link_costs(mesh: Any) -> bool:
-    """Is ``mesh`` a metadist Mesh whose link costs differ from the built-in ones (set by its maker)?"""
-    from metadist_core.ir.placement import DEFAULT_ALPHA, DEFAULT_BETA
-    return isinstance(mesh, Mesh) and (any(a != DEFAULT_ALPHA for a in mesh.alpha)
-                                       or any(b != DEFAULT_BETA for b in mesh.beta) or bool(mesh.links))
 
 
 def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: dict,
@@ -211,56 +169,6 @@ def check_pipeline(job: Job, traced: Traced, resolved: Resolved) -> None:
     check_stages(k, resolved.mesh, s.schedule, s.micro_batches)
 
 
-def price(job: Job, traced: Traced, resolved: Resolved, mesh_arg: Any) -> tuple[Pricing, Resolved]:
-    """How this compile prices plans (:class:`Pricing`) and the mesh priced so: costs measured by default
-    on several devices, cached per host, world size and device kind. A metadist Mesh given as ``mesh_arg``
-    with link costs of its own keeps them (a mesh built from a calibrated profile is priced with that
-    profile's costs, even when the frontend measures none); one with the built-in costs takes the measured
-    ones."""
-    s, fe = job.settings, job.frontend
-    pricing = Pricing()
-    if resolved.mesh.size > 1:
-        from metadist_core.cost.profile import profile_for
-        t = time.perf_counter()
-        pricing.profile = profile_for(fe, resolved, s)
-        if not _own_link_costs(mesh_arg):
-            resolved = resolved.priced(pricing.profile.mesh(resolved.mesh.shape, resolved.mesh.axis_names))
-        job.timings["profile"] = time.perf_counter() - t
-    elif not replicated_only(resolved.mesh, s):
-        measured = fe.measure_profile(resolved, None, traced)   # a one-device step's own device (a GPU)
-        pricing.one_device = measured.device if measured is not None else None
-    measured = getattr(pricing.profile, "measured", False)
-    key = getattr(pricing.profile, "key", None)
-    if measured or pricing.one_device is not None:   # measured costs price the ops as measured too
-        pricing.op_times = OpTimer(fe, resolved, traced, _beside(s, key, "-ops.json"))
-    if measured and s.local_time_seconds > 0:   # one timer for every plan of this compile
-        pricing.local_timer = LocalTimer(fe.traits.times_local, functools.partial(_local_times, fe, resolved),
-                                         cache_file=_beside(s, key, "-local.json"), budget=s.local_time_seconds)
-    return pricing, resolved
-
-
-def _beside(s: Settings, key: dict | None, suffix: str) -> str | None:
-    """A file kept beside this machine's cached profile (None: the profile is not one kept by key)."""
-    from metadist_core.cost.profile import beside_profile
-    return str(beside_profile(s.cache_dir, key, suffix)) if key else None
-
-
-def _local_times(frontend: Frontend, resolved: Resolved, requests: list, mesh: Mesh) -> tuple[list, Any]:
-    """The frontend's seconds of each request at its local shapes on ``mesh``, and the rates measured."""
-    where = resolved if (mesh.shape, mesh.axis_names) == (resolved.mesh.shape, resolved.mesh.axis_names) \
-        else Resolved(mesh)
-    got = frontend.time_ops(requests, where)
-    if got is None:
-        from metadist_core.cost.model import DEVICE_PRESETS
-        return [None] * len(requests), DEVICE_PRESETS["cpu"]
-    return list(got.seconds), got.device
-
-
-def replicated_only(m: Mesh, s: Settings) -> bool:
-    """One device and nothing to plan: no budget that may ask to recompute, no optimizer on the host."""
-    return m.size == 1 and s.memory_budget is None and not s.offload
-
-
 @dataclass
 class Solver:
     """Solves the compile's graph on a mesh (another preset's settings where given): what the pipeline
@@ -315,7 +223,7 @@ def solve(job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: 
     then the presets timed beside the plan (autotune); the result and the kept plan's trial."""
     from metadist_core.driver.autotune import autotune_result
     solve_on = Solver(job, traced.graph, pricing)
-    res = _plan_with_pipeline(traced.graph, resolved.mesh, job.settings, solve_on, job.frontend)
+    res = plan_with_pipeline(traced.graph, resolved.mesh, job.settings, solve_on, job.frontend)
     if res is None:
         res = solve_on(resolved.mesh)
     job.timings.update(res.timings)
@@ -329,7 +237,8 @@ def adopt(job: Job, traced: Traced, planned: Planned) -> tuple[Job, Traced]:
     """What every rank takes from the shared plan: the first gradient bucket rank 0 priced (whatever its own
     profile read), and the graph the plan was made for (recomputed ops rewritten in)."""
     plan = planned.plan
-    first = (getattr(plan, "stats", None) or {}).get("first_bucket_mb")
+    stats = getattr(plan, "stats", None)
+    first = stats.first_bucket_mb if stats is not None else None
     if first is not None:
         job = dataclasses.replace(job, settings=dataclasses.replace(job.settings, first_bucket_mb=float(first)))
     if getattr(plan, "recompute", None):
@@ -356,37 +265,6 @@ def lower(job: Job, traced: Traced, resolved: Resolved, planned: Planned) -> Low
         lowered = job.frontend.lower(traced, WholeStep(plan), resolved, s)
     job.timings["lower"] = time.perf_counter() - t
     return lowered
-
-
-def _plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Callable[[Mesh], CompileResult],
-                        frontend: Frontend) -> CompileResult | None:
-    """The result whose plan is pipelined (``plan.stages`` set) when ``pipeline_stages=k`` asks for one
-    or, with ``None``, when no unpipelined plan meets the memory budget and a pipeline does (training
-    steps on a frontend that runs pipelines); with ``None`` and a fitting plan, that result; else None."""
-    from metadist_core.driver.pipeplan import has_gradients, pipeline_plan
-    k = s.pipeline_stages
-    if k is not None and k > 1:
-        return pipeline_plan(graph, mesh, s, solve_on, k)
-    if k is not None or s.memory_budget is None or mesh.shape[0] < 2 or not has_gradients(graph) \
-            or not frontend.traits.pipelines or s.offload:   # stage programs do not offload (yet)
-        return None
-    try:
-        flat = solve_on(mesh)
-        if flat.plan.memory_per_device > s.memory_budget:
-            flat = None
-    except Exception as e:   # no unpipelined plan meets the budget: a pipeline may
-        log.info("no unpipelined plan: %s", e)
-        flat = None
-    if flat is not None and not flat.plan.recompute:   # the unpipelined plan meets the budget as it is
-        return flat
-    if flat is None:
-        return pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
-    try:   # it meets the budget by recomputing: a pipeline may be cheaper
-        piped = pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
-    except Exception as e:
-        log.info("no pipeline beside the recomputing plan: %s", e)
-        return flat
-    return piped if piped is not None and piped.plan.objective < flat.plan.objective else flat
 
 
 class CompiledStep:
@@ -461,7 +339,12 @@ class CompiledStep:
                           f"Keep it fixed between calls, or raise max_replans to silence this.", stacklevel=3)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.compile(*args, **kwargs).runnable(*args, **kwargs)
+        res = self.compile(*args, **kwargs)
+        if res.runnable is None:
+            raise RuntimeError(f"the compile of {getattr(self.fn, '__name__', 'the step')} gave a plan but no "
+                               "runnable program (a plan-only compile); call compile() for the plan, or run "
+                               "without plan-only mode to run the step")
+        return res.runnable(*args, **kwargs)
 
     @property
     def plan(self) -> Any:

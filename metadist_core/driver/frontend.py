@@ -138,9 +138,10 @@ class WholeStep:
 class MicroBatches:
     """One step as ``settings.micro_batches`` micro-batches: ``cut.grad_graph`` under ``plans[0]`` on each
     (gradients combined as ``cut.reduction`` says), then ``cut.update_graph`` under ``plans[1]`` once;
-    ``plans[2]`` is the whole step's plan (how its inputs are stored)."""
+    ``plans[2]`` is the whole step's plan (how its inputs are stored). ``cut`` None: only asks whether the
+    frontend runs micro-batches (raises :class:`NotSupported` when it does not)."""
 
-    cut: "GradientCut"
+    cut: "GradientCut | None"
     plans: tuple
 
 
@@ -200,7 +201,7 @@ class Watch(abc.ABC):
         ``returning``: another program of the step ran since this one did (what only another program can
         change may have changed)."""
 
-    def agree(self, decision: Sequence[int]) -> None:
+    def agree(self, decision: Sequence[int]) -> None:  # noqa: B027 - a default that does nothing, not abstract
         """Make sure every process took the same ``decision`` (which compiled program runs), or raise the same
         error on every process; one process alone (the default) has nothing to agree with."""
 

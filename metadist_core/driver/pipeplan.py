@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from metadist_core.ir.ir import MetaIR
 from metadist_core.levers.microbatch import cut_at_gradients
@@ -24,6 +24,12 @@ from metadist_core.ir.ir import DTYPE_BYTES
 from metadist_core.ir.ir import STATE_ROLES, forward_ops
 from metadist_core.plan.stage import StageError, describe
 from metadist_core.levers.stages import CutChoice, best_cuts, build_stages, crossing_bytes, owner_positions, positions, stage_devices
+
+if TYPE_CHECKING:
+    from metadist_core.config import Settings
+    from metadist_core.driver.compile import Solver
+    from metadist_core.driver.frontend import Frontend
+    from metadist_core.driver.planner import CompileResult
 
 log = logging.getLogger("metadist.pipeplan")
 
@@ -47,10 +53,22 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
     activation bytes (each forward value, per device under the plan) to its producer. A cut costs
     ``send_recv_cost(bytes, alpha, beta)`` of the whole values crossing it, forward and back."""
     from metadist_core.cost.model import send_recv_cost
-    from metadist_core.ir.placement import shard_shape
 
     ops = forward_ops(graph)
     core, pos = positions(graph, ops)
+    n = len(core)
+    op_time = _op_times(graph, problem, plan, ops, core, pos)
+    op_memory = _state_bytes(graph, core)
+    act = _activation_bytes(graph, plan, pos, n)
+    cross = crossing_bytes(graph, ops)
+    # crossing values travel whole (metadist_torch.stages), forward and their gradients back
+    cut_cost = [send_recv_cost(b, alpha, beta) * 2 if 0 < c < n else 0.0 for c, b in enumerate(cross)]
+    return StageCosts(core, op_time, cut_cost, op_memory, act)
+
+
+def _op_times(graph: MetaIR, problem: Any, plan: Any, ops: list, core: list, pos: dict[str, int]) -> list[float]:
+    """Each forward op's chosen compute time and input collectives, plus those of the backward and update
+    ops it takes."""
     index = {nd.id: j for j, nd in enumerate(problem.nodes)} if problem is not None else {}
     edge_cost: dict[str, float] = {}
     for e in getattr(plan, "edges", []):
@@ -79,8 +97,27 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
         op_time[k] += cost(op.id)
         for v in op.outputs:
             home.setdefault(v, k)
+    return op_time
+
+
+def _state_bytes(graph: MetaIR, core: list) -> list[float]:
+    """Per forward op, the state bytes of the parameters it reads first: the value, its gradient and its
+    optimizer state, kept whole."""
+    op_memory = [0.0] * len(core)
+    p_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "parameter")
+    s_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "optimizer_state")
+    ratio = s_bytes / p_bytes if p_bytes else 0.0   # optimizer state per parameter byte (Adam: ~2)
+    for v, c in owner_positions(graph, core).items():
+        if graph.vars[v].role in STATE_ROLES:   # the value, its gradient, its optimizer state, kept whole
+            op_memory[c] += (2 + ratio) * graph.vars[v].nbytes if graph.vars[v].role == "parameter" \
+                else graph.vars[v].nbytes
+    return op_memory
+
+
+def _activation_bytes(graph: MetaIR, plan: Any, pos: dict[str, int], n: int) -> list[float]:
+    """Per forward op, the bytes per device of the values it produces under ``plan``."""
+    from metadist_core.ir.placement import Mesh, Sharding, shard_shape
     mesh_shape = tuple(plan.mesh_shape)
-    from metadist_core.ir.placement import Mesh, Sharding
     mesh = Mesh(mesh_shape)
     rep = Sharding.replicated(len(mesh_shape))
 
@@ -93,21 +130,10 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
             shape = tuple(mv.shape or ())
         return int(math.prod(shape)) * DTYPE_BYTES.get(mv.dtype, 4)
 
-    op_memory = [0.0] * n
-    p_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "parameter")
-    s_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "optimizer_state")
-    ratio = s_bytes / p_bytes if p_bytes else 0.0   # optimizer state per parameter byte (Adam: ~2)
-    for v, c in owner_positions(graph, core).items():
-        if graph.vars[v].role in STATE_ROLES:   # the value, its gradient, its optimizer state, kept whole
-            op_memory[c] += (2 + ratio) * graph.vars[v].nbytes if graph.vars[v].role == "parameter" \
-                else graph.vars[v].nbytes
     act = [0.0] * n
     for v, c in pos.items():
         act[c] += local_bytes(v)
-    cross = crossing_bytes(graph, ops)
-    # crossing values travel whole (metadist_torch.stages), forward and their gradients back
-    cut_cost = [send_recv_cost(b, alpha, beta) * 2 if 0 < c < n else 0.0 for c, b in enumerate(cross)]
-    return StageCosts(core, op_time, cut_cost, op_memory, act)
+    return act
 
 
 def choose_pipeline(flat_time: float, flat_memory: float, costs: StageCosts, p: int, m: int, *,
@@ -171,8 +197,9 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
     # not pipeline at all
     res = solve(sub, settings if budget is None else dataclasses.replace(settings, memory_budget=int(budget * p)))
     plan, problem = res.plan, res.problem
-    batch_in = [v for v in graph.inputs if graph.vars[v].role == "input" and graph.vars[v].shape]
-    cut = cut_at_gradients(graph, graph.vars[batch_in[0]].shape[0] if batch_in else None)
+    batch_shape = next((graph.vars[v].shape for v in graph.inputs
+                        if graph.vars[v].role == "input" and graph.vars[v].shape), None)
+    cut = cut_at_gradients(graph, batch_shape[0] if batch_shape else None)
     alpha = mesh.alpha[0] if mesh.alpha else 1e-5
     beta = mesh.beta[0] if mesh.beta else 1e-9
     costs = stage_costs(cut.grad_graph, problem, plan, alpha, beta)
@@ -193,14 +220,17 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
                            act_memory=costs.act_memory, budget=budget, schedule=settings.schedule) or \
             best_cuts(costs.op_time, costs.cut_cost, n_pieces, m, op_memory=costs.op_memory,
                       act_memory=costs.act_memory, schedule=settings.schedule)
+        if choice is None:
+            raise RuntimeError(f"no cut of {len(costs.core)} forward ops into {n_pieces} pipeline pieces, even "
+                               "without a memory budget; this is a bug in metadist_core.levers.stages.best_cuts")
     stages = build_stages(cut.grad_graph, forward_ops(cut.grad_graph), choice.cuts)
     for st, t, mem in zip(stages, choice.stage_times, choice.stage_memory):
         st.devices = stage_devices(mesh.shape, st.index % p)
         st.cost, st.memory = t, mem
     plan.stages = stages
-    plan.stats["pipeline"] = {"stages": p, "pieces": n_pieces, "schedule": settings.schedule, "micro_batches": m,
-                              "bottleneck": choice.bottleneck, "step_time": choice.step_time,
-                              "bubble": choice.bubble, "mesh": list(mesh.shape)}
+    plan.stats.pipeline = {"stages": p, "pieces": n_pieces, "schedule": settings.schedule, "micro_batches": m,
+                           "bottleneck": choice.bottleneck, "step_time": choice.step_time,
+                           "bubble": choice.bubble, "mesh": list(mesh.shape)}
     log.info("%s", describe(stages, settings.schedule, m))
     return res
 
@@ -222,4 +252,35 @@ def plan_only_pipeline(graph: MetaIR, mesh: Mesh, settings: Any, plugins: Any, s
     return pipeline_plan(graph, mesh, settings, solve, settings.pipeline_stages)
 
 
-__all__ = ["StageCosts", "stage_costs", "choose_pipeline", "plan_only_pipeline", "pipeline_plan", "check_stages", "sub_mesh", "has_gradients"]
+def plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: "Solver",
+                        frontend: Frontend) -> CompileResult | None:
+    """The result whose plan is pipelined (``plan.stages`` set) when ``pipeline_stages=k`` asks for one
+    or, with ``None``, when no unpipelined plan meets the memory budget and a pipeline does (training
+    steps on a frontend that runs pipelines); with ``None`` and a fitting plan, that result; else None."""
+    k = s.pipeline_stages
+    if k is not None and k > 1:
+        return pipeline_plan(graph, mesh, s, solve_on, k)
+    if k is not None or s.memory_budget is None or mesh.shape[0] < 2 or not has_gradients(graph) \
+            or not frontend.traits.pipelines or s.offload:   # stage programs do not offload (yet)
+        return None
+    flat: CompileResult | None
+    try:
+        flat = solve_on(mesh)
+        if flat.plan.memory_per_device > s.memory_budget:
+            flat = None
+    except Exception as e:   # no unpipelined plan meets the budget: a pipeline may
+        log.info("no unpipelined plan: %s", e)
+        flat = None
+    if flat is not None and not flat.plan.recompute:   # the unpipelined plan meets the budget as it is
+        return flat
+    if flat is None:
+        return pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
+    try:   # it meets the budget by recomputing: a pipeline may be cheaper
+        piped = pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
+    except Exception as e:
+        log.info("no pipeline beside the recomputing plan: %s", e)
+        return flat
+    return piped if piped is not None and piped.plan.objective < flat.plan.objective else flat
+
+
+__all__ = ["StageCosts", "stage_costs", "choose_pipeline", "plan_only_pipeline", "pipeline_plan", "check_stages", "sub_mesh", "has_gradients", "plan_with_pipeline"]

@@ -138,7 +138,7 @@ def _priced_costs(graph: MetaIR, pm: PluginManager, op_slowdowns: Callable | Non
     """``(flops, bytes[, slowdown])`` per op id: the frontend's figures, each op's measured slowdown on
     top where ``op_slowdowns`` is given (timed once: a recomputed copy costs what its original does)."""
     t = time.perf_counter()
-    costs = op_costs(graph, pm)
+    costs: dict[str, tuple] = dict(op_costs(graph, pm))
     timings["build_problem"] += time.perf_counter() - t   # the ops' costs are part of the problem
     if op_slowdowns is not None:   # each op timed on this device (cached per machine)
         t = time.perf_counter()
@@ -154,15 +154,18 @@ def _record_stats(plan: Any, problem: Any, segs: list, s: Settings, local_timer:
     from metadist_core.plan.memprofile import peak_with_buffers
     if segs:
         plan.recompute = [i for seg in segs for i in seg.recompute]
-        plan.stats["recompute"] = {"segments": len(segs), "ops": len(plan.recompute),
-                                   "chosen_by": plan.stats.pop("recompute_chosen_by", "?"),
-                                   "saved_bytes": sum(seg.saved_bytes for seg in segs)}
-    plan.stats.setdefault("strategy", s.strategy)
+        stats = plan.stats
+        stats.recompute = {"segments": len(segs), "ops": len(plan.recompute),
+                           "chosen_by": stats.recompute_chosen_by or "?",
+                           "saved_bytes": sum(seg.saved_bytes for seg in segs)}
+        stats.recompute_chosen_by = None
+    if plan.stats.strategy is None:
+        plan.stats.strategy = s.strategy
     if local_timer is not None and local_timer.slowdowns:
-        plan.stats["local_times"] = local_timer.stats()
+        plan.stats.local_times = local_timer.stats()
     if s.coalesce:
-        plan.stats["first_bucket_mb"] = s.first_bucket_mb
-    plan.stats["peak_with_buffers"] = peak_with_buffers(problem, plan)
+        plan.stats.first_bucket_mb = s.first_bucket_mb
+    plan.stats.peak_with_buffers = peak_with_buffers(problem, plan)
 
 
 @dataclass
@@ -177,7 +180,7 @@ class GraphPlanner:
     settings: Settings
     options: dict
     plain: list
-    named: list
+    named: dict[str, Any]
     device: Any
     traits: FrontendTraits
     local_timer: Any
@@ -243,7 +246,7 @@ class GraphPlanner:
                 self.timings["solve"] += time.perf_counter() - t1
         if region is not None:
             from metadist_core.levers.offload import offload_stats
-            plan.stats["offload"] = offload_stats(region, problem, plan)
+            plan.stats.offload = offload_stats(region, problem, plan)
         return problem, plan
 
     def propose(self, segs: list, cut: int) -> list | None:
@@ -251,6 +254,9 @@ class GraphPlanner:
         s = self.settings
         if s.solver != "ilp":
             return None
+        if s.memory_budget is None:
+            raise ValueError("recomputed segments are proposed only under a memory budget, and memory_budget is "
+                             "None; set memory_budget (bytes per device) to recompute")
         from metadist_core.levers.recompute import price_segments
         t0 = time.perf_counter()
         problem, _, _ = self.build(self.graph)
@@ -266,7 +272,7 @@ class GraphPlanner:
                 return None
             finally:
                 self.timings["solve"] += time.perf_counter() - t0
-        on = plan.stats.get("toggles_on")
+        on = plan.stats.toggles_on
         return None if on is None else [segs[j] for j in on]
 
     def under_budget(self) -> tuple[MetaIR, tuple[Any, Any], list]:

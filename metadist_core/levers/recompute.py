@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from metadist_core.ir.ir import MetaIR
 from metadist_core.problem.problem import InfeasibleBudgetError
+from metadist_core.plan.planstats import PlanStats
 from metadist_core.levers.recompute_segments import SUFFIX, Segment, order, rewrite, segments
 from metadist_core.ir.aliasing import alias_liveness
 from metadist_core.problem.terms import EdgeTerm, MemTerm, Toggle
@@ -141,7 +142,7 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     cut = 0
     tried: set = set()
     for _ in range(3):   # the proposal's plan may overshoot once the collectives' buffers are priced
-        if not picked:
+        if not picked or propose is None:
             break
         key = tuple(sorted(id(s) for s in picked))
         g = rewrite(graph, [i for s in picked for i in s.recompute])
@@ -228,8 +229,8 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
 
 def _chosen_by(res: tuple[Any, Any], how: str) -> None:
     stats = getattr(res[1], "stats", None)
-    if isinstance(stats, dict):
-        stats["recompute_chosen_by"] = how
+    if isinstance(stats, PlanStats):
+        stats.recompute_chosen_by = how
 
 
 def step_seconds(problem: Any, plan: Any) -> float:

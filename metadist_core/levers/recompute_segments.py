@@ -96,7 +96,7 @@ def segments(graph: MetaIR, flops: dict[str, float] | None = None) -> list[Segme
         if op.id not in fwd_set:
             for v in op.inputs:
                 backward_reads[v] = True
-    result = []
+    result: list[Segment] = []
     for a, b in zip(cuts, cuts[1:]):
         if b <= a:
             continue
@@ -111,11 +111,11 @@ def segments(graph: MetaIR, flops: dict[str, float] | None = None) -> list[Segme
         todo = list(saved)
         while todo:   # the segment's ops the saved values are computed from, stopping at kept values
             v = todo.pop()
-            i = made.get(v)
-            if i is None or i in need or v in kept:
+            maker = made.get(v)
+            if maker is None or maker in need or v in kept:
                 continue
-            need.add(i)
-            todo.extend(graph.op(i).inputs)
+            need.add(maker)
+            todo.extend(graph.op(maker).inputs)
         rec = [i for i in seg_ops if i in need]
         fl = sum((flops or {}).get(i, 0.0) for i in rec)
         result.append(Segment(len(result), seg_ops, rec, saved, sum(graph.vars[v].nbytes for v in saved), fl))

@@ -168,7 +168,7 @@ def compare_presets(prob: "ShardingProblem", solver: str = "ilp", plugins: "Plug
 
 def preset_table(plan: "ShardingPlan", rows: Sequence[dict]) -> list[str]:
     """The comparison as text lines, the plan's own row first."""
-    own = plan.stats.get("strategy", "auto") if isinstance(plan.stats, dict) else "auto"
+    own = plan.stats.strategy or "auto"
     head = f"{'strategy':<10} {'ms/step':>9} {'compute':>9} {'comm':>9} {'MiB/device':>11} {'collectives':>11}  vs plan"
     lines = [head, "-" * len(head)]
     n_coll = sum(1 for _, c in plan.collectives() if not c.is_free)
@@ -194,7 +194,7 @@ def explain_plan(plan: "ShardingPlan", *, presets: bool = True, solver: str | No
     JSON alone) the reasons and the presets are left out, and said to be."""
     prob = problem if problem is not None else plan.problem
     mesh = "x".join(map(str, plan.mesh_shape))
-    lines = [f"plan on mesh {mesh} ({plan.stats.get('strategy', 'auto') if isinstance(plan.stats, dict) else 'auto'}"
+    lines = [f"plan on mesh {mesh} ({plan.stats.strategy or 'auto'}"
              f", solver {plan.solver or '?'})", ""]
     names = dict(plan.labels)
     if prob is not None:
@@ -347,7 +347,7 @@ def draw_plan(plan: "ShardingPlan", path: str, problem: "ShardingProblem | None"
     ax.set_yticks([r + 0.45 for r in range(len(rows))], list(rows))
     ax.set_xticks([])
     ax.set_title(f"parameters by placement on mesh {'x'.join(map(str, plan.mesh_shape))} "
-                 f"({plan.stats.get('strategy', 'auto')}): one cell per mesh axis, axis 0 first", fontsize=9)
+                 f"({plan.stats.strategy or 'auto'}): one cell per mesh axis, axis 0 first", fontsize=9)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in sorted(seen.items())], fontsize=7,
               loc="upper left", bbox_to_anchor=(0, 0), ncol=6, frameon=False)
     bx.barh(range(len(rows)), [comm.get(lay, 0.0) * 1e3 for lay in rows], color="#4e79a7")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from metadist_core.cost.phases import reshard_key
 from metadist_core.problem.problem import OUTPUT, ShardingProblem
 from metadist_core.discovery.rules import Strategy
 from metadist_core.plan.explain import explain_plan
+from metadist_core.plan.planstats import PlanStats
 from metadist_core.plan.stage import Stage, describe
 
 
@@ -68,7 +69,7 @@ class ShardingPlan:
     solver: str = ""
     solve_seconds: float = 0.0
     choices: list[int] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)      # solver-specific figures (sizes, status...)
+    stats: PlanStats = field(default_factory=PlanStats)   # the figures beside the choices (planstats.py)
     labels: dict[str, str] = field(default_factory=dict)   # parameter var -> the user's name of it
     problem: ShardingProblem | None = field(default=None, repr=False, compare=False)  # not serialised
     stages: list = field(default_factory=list)     # pipeline stages (metadist_core.plan.stage.Stage); empty: none
@@ -87,7 +88,7 @@ class ShardingPlan:
     @classmethod
     def from_choices(cls, problem: ShardingProblem, choices: Union[Sequence[int], Mapping[str, int], np.ndarray],
                      *, solver: str = "", solve_seconds: float = 0.0, lower_bound: float | None = None,
-                     stats: dict | None = None) -> "ShardingPlan":
+                     stats: Mapping[str, Any] | PlanStats | None = None) -> "ShardingPlan":
         """The plan in which node ``i`` takes option ``choices[i]`` (or a dict node id -> option)."""
         if isinstance(choices, Mapping):
             base = problem.replicated_choice()
@@ -147,7 +148,7 @@ class ShardingPlan:
         labels = {v: info["label"] for v, info in problem.vars.items()
                   if info.get("label") and info["role"] == "parameter"}
         return cls(tuple(mesh.shape), var_sh, op_str, in_sh, strategies, edges, compute + comm, compute, comm,
-                   terms.peak_memory(ch), lower_bound, solver, solve_seconds, [int(x) for x in ch], dict(stats or {}),
+                   terms.peak_memory(ch), lower_bound, solver, solve_seconds, [int(x) for x in ch], PlanStats.from_json(stats),
                    labels, problem)
 
     @classmethod
@@ -214,14 +215,14 @@ class ShardingPlan:
         if len(rows) > len(shown):
             lines.append(f"... {len(rows) - len(shown)} more rows (values not shown are replicated with no collectives)")
         if self.recompute:
-            segs = self.stats.get("recompute", {}).get("segments")
+            segs = (self.stats.recompute or {}).get("segments")
             lines.append(f"recomputed for the backward: {len(self.recompute)} forward ops"
                          + (f" in {segs} segments" if segs else "") + ": " + ", ".join(self.recompute[:12])
                          + (" ..." if len(self.recompute) > 12 else ""))
-        if self.stats.get("autotune"):
-            lines.append(describe_autotune(self.stats["autotune"]))
+        if self.stats.autotune:
+            lines.append(describe_autotune(self.stats.autotune))
         if self.stages:
-            pl = self.stats.get("pipeline", {})
+            pl = self.stats.pipeline or {}
             lines.append(describe(self.stages, pl.get("schedule", "1f1b"), pl.get("micro_batches", 1)))
         return "\n".join(lines)
 
@@ -248,7 +249,7 @@ class ShardingPlan:
             "edges": [e.to_json() for e in self.edges], "objective": self.objective,
             "compute_seconds": self.compute_seconds, "comm_seconds": self.comm_seconds,
             "memory_per_device": self.memory_per_device, "lower_bound": self.lower_bound, "solver": self.solver,
-            "solve_seconds": self.solve_seconds, "choices": self.choices, "stats": self.stats,
+            "solve_seconds": self.solve_seconds, "choices": self.choices, "stats": self.stats.to_json(),
             **({"labels": self.labels} if self.labels else {}),
             **({"stages": [st.to_json() for st in self.stages]} if self.stages else {}),
             **({"recompute": list(self.recompute)} if self.recompute else {}),
@@ -265,7 +266,7 @@ class ShardingPlan:
                    [PlanEdge.from_json(e) for e in d["edges"]], float(d["objective"]),
                    float(d.get("compute_seconds", 0.0)), float(d.get("comm_seconds", 0.0)),
                    int(d.get("memory_per_device", 0)), d.get("lower_bound"), d.get("solver", ""),
-                   float(d.get("solve_seconds", 0.0)), list(d.get("choices", [])), dict(d.get("stats", {})),
+                   float(d.get("solve_seconds", 0.0)), list(d.get("choices", [])), PlanStats.from_json(d.get("stats")),
                    dict(d.get("labels", {})), stages=_stages_from_json(d.get("stages", [])),
                    recompute=list(d.get("recompute", [])))
 

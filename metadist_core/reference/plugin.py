@@ -101,7 +101,7 @@ class GraphBuilder:
         return self.input(name, shape, dtype, "parameter")
 
     def op(self, key: str, *inputs: str, **attrs: Any) -> str:
-        zeros = [np.zeros(self.ir.vars[v].shape, dtype=np.float64) for v in inputs]
+        zeros = [np.zeros(_known_shape(self.ir, v), dtype=np.float64) for v in inputs]
         out = run_op(key, zeros, attrs)
         name = f"{key.split('.')[-1]}_{self._n}"
         self._n += 1
@@ -153,10 +153,19 @@ def op_spec(op: MetaOp, graph: MetaIR, seed: int = 0) -> OpSpec:
     examples = [rng.standard_normal(graph.vars[v].shape) for v in op.inputs]
     attrs = dict(op.attrs)
     if op.key in RESHAPES:
-        out_shape = tuple(graph.vars[op.outputs[0]].shape)
+        out_shape = _known_shape(graph, op.outputs[0])
         return OpSpec(lambda x: run_op(op.key, [x], attrs), examples, op.key,
                       reshape_fn=lambda x, shape: np.reshape(x, shape), out_shape=out_shape)
     return OpSpec(lambda *xs: run_op(op.key, xs, attrs), examples, op.key)
+
+
+def _known_shape(graph: MetaIR, v: str) -> tuple[int, ...]:
+    """The shape of ``v``, which a reference op needs."""
+    shape = graph.vars[v].shape
+    if shape is None:
+        raise ValueError(f"value {v!r} of graph {graph.name!r} has no known shape; the reference ops run on "
+                         "numpy arrays and need every value's shape (give it one when building the graph)")
+    return tuple(shape)
 
 
 def op_cost(op: MetaOp, graph: MetaIR) -> tuple[float, float]:
@@ -164,8 +173,8 @@ def op_cost(op: MetaOp, graph: MetaIR) -> tuple[float, float]:
     outs = [graph.vars[v] for v in op.outputs]
     nbytes = sum(v.nbytes for v in ins + outs)
     if op.key == "np.matmul":
-        a = ins[0].shape
-        flops = 2 * math.prod(outs[0].shape) * a[-1]
+        a = _known_shape(graph, op.inputs[0])
+        flops = 2 * math.prod(_known_shape(graph, op.outputs[0])) * a[-1]
     else:
         flops = sum(v.numel for v in ins + outs)
     return (float(flops), float(nbytes))

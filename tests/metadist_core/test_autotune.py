@@ -11,13 +11,14 @@ import pytest
 from metadist_core.driver import autotune
 from metadist_core.driver.autotune import Candidate, Trial, pick, skip_reason, time_trials, tune
 from metadist_core.config import load_settings
+from metadist_core.plan.planstats import PlanStats
 
 
 @dataclass
 class FakePlan:
     name: str
     objective: float = 0.010
-    stats: dict = field(default_factory=dict)
+    stats: PlanStats = field(default_factory=PlanStats)
     stages: list = field(default_factory=list)
     recompute: list = field(default_factory=list)
 
@@ -42,7 +43,7 @@ def test_the_preset_that_runs_faster_is_kept_and_its_figures_recorded():
     chosen, trial = tune(auto, presets.__getitem__, lambda p: _sleeper(slow[p.name], calls, p.name),
                          lambda p: p.name, rounds=3)
     assert chosen is presets["ddp"] and trial.runnable == "ddp"
-    fig = chosen.plan.stats["autotune"]
+    fig = chosen.plan.stats.autotune
     assert fig["chosen"] == "ddp"
     got = {c["strategy"]: c for c in fig["candidates"]}
     assert set(got) == {"auto", "ddp", "fsdp"}
@@ -50,7 +51,7 @@ def test_the_preset_that_runs_faster_is_kept_and_its_figures_recorded():
     assert got["ddp"]["predicted_ms"] == pytest.approx(20.0)
     # one warm-up each, then 3 rounds of all three
     assert sorted(calls.count(n) for n in ("auto", "ddp", "fsdp")) == [4, 4, 4]
-    assert "autotune" not in auto.plan.stats
+    assert auto.plan.stats.autotune is None
 
 
 def test_the_solvers_plan_stays_within_the_margin():
@@ -72,7 +73,7 @@ def test_a_plan_seen_before_or_a_preset_without_a_plan_is_not_timed_twice():
 
     chosen, trial = tune(auto, solve, lambda p: _sleeper(0.0, calls, p.name), lambda p: p.name)
     assert chosen is auto and calls == [] and trial.runnable == "same"
-    assert "autotune" not in auto.plan.stats
+    assert auto.plan.stats.autotune is None
 
 
 def test_nothing_is_solved_when_the_frontend_cannot_time_a_plan():
@@ -137,7 +138,7 @@ def test_tune_times_near_ties_again():
         chosen, trial = tune(auto, presets.__getitem__, lambda p: s.trial(p.name), lambda p: p.name,
                              rounds=rounds, seconds=None)
     assert chosen is presets["ddp"] and trial.runnable == "ddp"
-    fig = chosen.plan.stats["autotune"]
+    fig = chosen.plan.stats.autotune
     assert fig["refine_rounds"] == autotune.REFINE_ROUNDS == more
     assert s.calls.count("fsdp") == 1 + rounds and s.calls.count("ddp") == 1 + rounds + more
     assert {c["strategy"]: c["runs"] for c in fig["candidates"]} == {"auto": rounds + more, "ddp": rounds + more,
@@ -201,7 +202,7 @@ def test_a_plan_the_engine_refuses_is_left_out_not_raised():
 
     chosen, trial = tune(auto, presets.__getitem__, make, lambda p: p.name, rounds=3)
     assert chosen is presets["ddp"] and trial.runnable == "ddp-ok"
-    got = [(c["strategy"], c["lowering"]) for c in chosen.plan.stats["autotune"]["candidates"]]
+    got = [(c["strategy"], c["lowering"]) for c in chosen.plan.stats.autotune["candidates"]]
     assert got == [("auto", ""), ("ddp", "")]      # the failing lowering and the unlowerable preset are gone
 
 
@@ -211,4 +212,4 @@ def test_when_nothing_runs_the_solvers_plan_is_lowered_as_before():
     auto = FakeResult(FakePlan("auto"))
     chosen, trial = tune(auto, lambda n: FakeResult(FakePlan(n)), lambda p: Trial(boom), lambda p: p.name,
                          rounds=2)
-    assert chosen is auto and trial is None and "autotune" not in auto.plan.stats
+    assert chosen is auto and trial is None and auto.plan.stats.autotune is None

@@ -88,7 +88,7 @@ def test_every_preset_pins_its_layout_and_keeps_the_numbers(mesh_shape, cache):
             last = lambda p: Sharding((Replicate(),) * (nd - 1) + (p,))  # noqa: E731
             dp = Sharding((Shard(0),) * (nd - 1) + (Replicate(),))
             assert (sh["w1"], sh["w2"], sh["x"]) == (last(Shard(1)), last(Shard(0)), dp)
-        assert res.plan.stats["strategy"] == name
+        assert res.plan.stats.strategy == name
 
 
 def test_constraints_by_name_and_glob_are_kept(cache):

@@ -138,7 +138,7 @@ def test_plan_records_its_stages_in_json_and_str():
     plan, _ = replicated_plan(g, Mesh((1,)))
     assert plan.stages == []
     plan.stages = build_stages(g, forward_ops(g), [3, 6])
-    plan.stats["pipeline"] = {"schedule": "gpipe", "micro_batches": 4}
+    plan.stats.pipeline = {"schedule": "gpipe", "micro_batches": 4}
     back = ShardingPlan.from_json(plan.to_json())
     assert [s.to_json() for s in back.stages] == [s.to_json() for s in plan.stages]
     assert isinstance(back.stages[0], Stage)

@@ -23,7 +23,7 @@ def test_timed_plans_keep_the_fastest_and_the_single_device_numbers(devices8, ru
     batches = [mlp.make_batch(i, **mlp.TEST_BATCH) for i in range(3)]
     (lr, pr, sr), (lm, pm, sm) = side_by_side(step_fn, step, params, opt_state, batches)
 
-    fig = step.plan.stats["autotune"]
+    fig = step.plan.stats.autotune
     got = {(c["strategy"], c["lowering"]): c for c in fig["candidates"]}
     plans = {name for name, _ in got}
     assert "auto" in plans and len(plans) >= 2, fig   # the solver's plan and at least one preset's differ
@@ -35,7 +35,7 @@ def test_timed_plans_keep_the_fastest_and_the_single_device_numbers(devices8, ru
     if (fig["chosen"], fig["lowering"]) != ("auto", "shard_map"):
         assert kept < first * (1 - MARGIN)
         assert kept == min(c["measured_ms"] for c in got.values())
-    assert step.plan.stats["strategy"] == fig["chosen"]
+    assert step.plan.stats.strategy == fig["chosen"]
     assert "autotuned:" in str(step.plan)
 
     # the trials left the user's arguments alone, and the kept plan gives the single-device numbers

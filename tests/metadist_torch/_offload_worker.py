@@ -73,7 +73,7 @@ def check(name, strategy, errors, report):
                         if step.graph.vars[v].role == "optimizer_state" and not s.is_fully_replicated())
     report.append({"name": name, "loss": got[-1], "loss_ref": ref[-1], "transfers": moves,
                    "host_nodes": prog.offload.host_nodes, "sharded_state": sharded_state,
-                   "offload": step.plan.stats.get("offload")})
+                   "offload": step.plan.stats.offload})
 
 
 def main() -> int:

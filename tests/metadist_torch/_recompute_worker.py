@@ -101,7 +101,7 @@ def main() -> int:
         if rank == 0:
             print(f"{case}: budget {budget:,} between {lean:,} (all recomputed) and {without:,} (none); "
                   f"plan: {plan.summary()}; recomputed {len(plan.recompute)} ops "
-                  f"{plan.stats.get('recompute')}; losses {got} vs {ref}", flush=True)
+                  f"{plan.stats.recompute}; losses {got} vs {ref}", flush=True)
     except Exception:
         errors.append(traceback.format_exc())
     if errors:

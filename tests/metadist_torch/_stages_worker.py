@@ -36,7 +36,7 @@ def _check(name, build, batches, step_fn, errors, report, compare=None, **kw):
     ran = next(iter(mods.values())).sub.ran if mods else {}
     sharded = sum(1 for p in next(iter(mods.values())).placements.values() if "Shard" in str(p)) if mods else 0
     report.append({"name": name, "stages": len(plan.stages), "plan_mesh": list(plan.mesh_shape),
-                   "devices": [s.devices for s in plan.stages], "pipeline": plan.stats.get("pipeline"),
+                   "devices": [s.devices for s in plan.stages], "pipeline": plan.stats.pipeline,
                    "text": str(plan).splitlines()[-len(plan.stages) - 1:] if plan.stages else [],
                    "ran": ran, "sharded_values": sharded, "loss": losses[-1], "loss_ref": losses_ref[-1]})
 

@@ -152,7 +152,7 @@ def _check_in(name, mod, cfg, mesh, errors, report, *, random_seed, memory_budge
     # the first gradient bucket is decided on rank 0 from its profile's measured overlap (metadist_core.config
     # resolve_first_bucket) and shared with the plan: every rank lowers the same all_reduce buckets
     import torch.distributed as dist
-    first = step.plan.stats.get("first_bucket_mb")
+    first = step.plan.stats.first_bucket_mb
     mine = (first, step.runnable.lowered.reduce_buckets)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

@@ -118,7 +118,7 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
     off_plan = off.plan
     assert off_plan.choices == on_dev.choices
     state_bytes = sum(graph.vars[v].numel * 4 for v in graph.inputs if graph.vars[v].role == "optimizer_state")
-    stats = off_plan.stats["offload"]
+    stats = off_plan.stats.offload
     assert stats["host_state_bytes"] == state_bytes   # replicated under ddp: every rank holds all of it
     assert off_plan.memory_per_device <= on_dev.memory_per_device - state_bytes
     param_bytes = sum(graph.vars[v].numel * 4 for v in graph.inputs if graph.vars[v].role == "parameter")
@@ -126,7 +126,7 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
     assert stats["transfer_seconds"] == pytest.approx(3 * param_bytes / a100.host_link)
     assert off_plan.compute_seconds - on_dev.compute_seconds >= stats["transfer_seconds"] * (1 - 1e-9)
     on_cpu = plan_graph(graph, mesh, offload="optimizer", **common).plan
-    assert on_cpu.stats["offload"]["transfer_seconds"] == 0.0
+    assert on_cpu.stats.offload["transfer_seconds"] == 0.0
 
 
 def test_a_frontend_that_cannot_offload_says_so():

@@ -25,6 +25,7 @@ from metadist_core.driver.compile import plan_graph, replicated_plan  # noqa: E4
 from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_core.levers.recompute_segments import SUFFIX, is_random, order, rewrite, segments  # noqa: E402
 from metadist_core.levers.recompute import RecomputeBudgetError  # noqa: E402
+from metadist_core.plan.planstats import PlanStats  # noqa: E402
 from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
@@ -103,7 +104,7 @@ class _Priced:
     """A plan of a scripted solve: only its objective (seconds) is read (recompute.step_seconds)."""
 
     def __init__(self, objective):
-        self.objective, self.stats, self.choices = objective, {}, None
+        self.objective, self.stats, self.choices = objective, PlanStats(), None
 
 
 @pytest.mark.parametrize("shape", ["more_is_faster", "fewer_is_faster", "more_is_faster_above_half"])
@@ -187,18 +188,18 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
     assert without > lean > 0, (without, lean)
     half = (without + lean) // 2   # halfway: a plan recomputes and fits, whichever way it is chosen
     res = plan_graph(g, mesh, settings=load_settings(memory_budget=half))
-    assert res.plan.recompute and res.plan.stats["peak_with_buffers"] <= half, res.plan.stats["recompute"]
+    assert res.plan.recompute and res.plan.stats.peak_with_buffers <= half, res.plan.stats.recompute
     # three quarters of the way the ILP's own choice fits (halfway, with HiGHS 1.16, the 2 segments it picks
     # leave no room for the collectives' buffers, which its memory terms do not count, and the search decides)
     budget = lean + 3 * (without - lean) // 4
     res = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
     assert res.plan.recompute, "the plan meets the budget without recomputing?"
-    assert res.plan.stats["recompute"]["chosen_by"].startswith("the solver"), res.plan.stats["recompute"]
-    assert res.plan.memory_per_device <= budget and res.plan.stats["peak_with_buffers"] <= budget
+    assert res.plan.stats.recompute["chosen_by"].startswith("the solver"), res.plan.stats.recompute
+    assert res.plan.memory_per_device <= budget and res.plan.stats.peak_with_buffers <= budget
     # the figures are budgets, the collectives' buffers and the headroom counted: the one without
     # recomputation is met without it
     at = plan_graph(g, mesh, settings=load_settings(memory_budget=without))
-    assert not at.plan.recompute and at.plan.stats["peak_with_buffers"] <= without
+    assert not at.plan.recompute and at.plan.stats.peak_with_buffers <= without
     assert "recomputed for the backward" in str(res.plan)
     assert res.graph is not g and len(res.graph.ops) == len(g.ops) + len(res.plan.recompute)
     free = plan_graph(g, mesh, settings=load_settings())
@@ -208,7 +209,7 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
     import metadist_core.levers.recompute as rc
     monkeypatch.setattr(rc, "price_segments", lambda problem, *a: problem)
     searched = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
-    assert searched.plan.stats["recompute"]["chosen_by"].startswith("search")
+    assert searched.plan.stats.recompute["chosen_by"].startswith("search")
     assert res.plan.objective <= searched.plan.objective * 1.01, (res.plan.objective, searched.plan.objective)
     with pytest.raises(RecomputeBudgetError, match="recompute=False") as e:
         plan_graph(g, mesh, settings=load_settings(memory_budget=budget, recompute=False))

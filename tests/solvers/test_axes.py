@@ -86,13 +86,13 @@ def test_the_ilp_plugin_takes_the_descent_when_asked_or_when_the_one_ilp_is_too_
     p = _problem(lambda: linear_step(16, 8, 16))
     exact = pm.solve("ilp", p, {"method": "whole"})
     axes = pm.solve("ilp", p, {"method": "axes"})
-    assert "descent" in axes.stats["status"] and axes.lower_bound is None
+    assert "descent" in axes.stats.status and axes.lower_bound is None
     assert axes.objective >= exact.objective * (1 - 1e-9)
-    assert axes.objective <= axes.stats["start_ms"] * 1e-3 * (1 + 1e-12)
+    assert axes.objective <= axes.stats.extra["start_ms"] * 1e-3 * (1 + 1e-12)
     monkeypatch.setattr(ilp, "AXES_ABOVE", 10)
-    assert "descent" in pm.solve("ilp", p, {}).stats["status"]
+    assert "descent" in pm.solve("ilp", p, {}).stats.status
     one_axis = build_problem(linear_step(16, 8, 16), rulebook(linear_step(16, 8, 16)), Mesh((8,)))
-    assert "descent" not in (pm.solve("ilp", one_axis, {}).stats.get("status") or "")   # nothing to slice
+    assert "descent" not in (pm.solve("ilp", one_axis, {}).stats.status or "")   # nothing to slice
     with pytest.raises(ValueError, match="method='both'"):
         pm.solve("ilp", p, {"method": "both"})
 

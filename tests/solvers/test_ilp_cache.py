@@ -35,9 +35,9 @@ def _entries(d: Path) -> list[Path]:
 def test_the_same_problem_is_answered_from_the_cache(pm, tmp_path):
     opts = {"cache_dir": str(tmp_path), "coarsen": False}
     first = pm.solve("ilp", _problem(), opts)
-    assert first.stats.get("cached") == 0 and len(_entries(tmp_path)) == 1
+    assert first.stats.extra.get("cached") == 0 and len(_entries(tmp_path)) == 1
     again = pm.solve("ilp", _problem(), opts)   # built afresh: equal, not the same object
-    assert again.stats.get("cached") == 1
+    assert again.stats.extra.get("cached") == 1
     assert again.objective == pytest.approx(first.objective, rel=1e-12)
     assert [again.choices[k] for k in sorted(first.choices)] == [first.choices[k] for k in sorted(first.choices)]
     assert again.gap == pytest.approx(first.gap) and len(_entries(tmp_path)) == 1
@@ -50,10 +50,10 @@ def test_a_changed_problem_is_solved_again(pm, tmp_path):
     a = pm.solve("ilp", _problem(alpha=1e-7), opts)
     b = pm.solve("ilp", _problem(alpha=1e-3), opts)   # other link costs: another MILP
     c = pm.solve("ilp", _problem(mesh=(2, 3), make=lambda: mm_only(6, 6, 6)), opts)
-    assert [p.stats.get("cached") for p in (a, b, c)] == [0, 0, 0]
+    assert [p.stats.extra.get("cached") for p in (a, b, c)] == [0, 0, 0]
     assert len(_entries(tmp_path)) == 3
     tighter = pm.solve("ilp", _problem(), {**opts, "mip_rel_gap": 1e-9})   # the gap is part of the key
-    assert tighter.stats.get("cached") == 0
+    assert tighter.stats.extra.get("cached") == 0
 
 
 def test_an_infeasible_budget_is_a_kept_proof(pm, tmp_path):
@@ -84,7 +84,7 @@ def test_only_proofs_are_kept_and_a_broken_entry_is_solved_again(pm, tmp_path, c
         f.write_bytes(b"not an npz")
     with caplog.at_level(logging.WARNING, logger="metadist.solve"):
         again = pm.solve("ilp", _problem(), opts)
-    assert again.stats.get("cached") == 0 and again.objective == pytest.approx(first.objective, rel=1e-12)
+    assert again.stats.extra.get("cached") == 0 and again.objective == pytest.approx(first.objective, rel=1e-12)
     assert "unreadable" in caplog.text
 
 
@@ -121,7 +121,7 @@ def test_the_planner_keeps_answers_beside_its_rules(tmp_path):
     g = transformer_block()
     one = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)
     two = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)
-    assert _entries(tmp_path) and two.plan.stats.get("cached", 0) >= 1
+    assert _entries(tmp_path) and two.plan.stats.extra.get("cached", 0) >= 1
     assert two.plan.choices == one.plan.choices and two.plan.objective == one.plan.objective
 
 

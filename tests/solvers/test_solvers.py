@@ -102,7 +102,7 @@ def test_ilp_out_of_time_with_lazy_memory_rows_still_honours_the_budget(pm, monk
                         real(model, [], float("inf"), deadline, gap, peak_var))
     plan = pm.solve("ilp", p.with_budget(budget), {})
     assert plan.memory_per_device <= budget < free_plan.memory_per_device
-    assert "repaired" in plan.stats["status"]
+    assert "repaired" in plan.stats.status
 
 
 def test_an_ilp_stopped_by_its_time_limit_returns_no_worse_than_a_beam_sweep(pm, monkeypatch):
@@ -130,7 +130,7 @@ def test_an_ilp_stopped_by_its_time_limit_returns_no_worse_than_a_beam_sweep(pm,
     beam = pm.solve("beam", p, {"coarsen": False})
     assert worst["objective"] > beam.objective * 1.01          # the stopped incumbent is really worse
     assert plan.objective == pytest.approx(min(worst["objective"], beam.objective), rel=1e-9)
-    assert plan.objective >= best * (1 - 1e-9) and "beam sweep" in plan.stats["status"]
+    assert plan.objective >= best * (1 - 1e-9) and "beam sweep" in plan.stats.status
 
 
 def test_plans_carry_collectives_and_figures(pm):
@@ -173,13 +173,13 @@ def test_presolve_on_constrained_problems_keeps_the_brute_force_optimum(pm, make
     g = make()
     free = build_problem(g, rulebook(g), Mesh(mesh, alpha=1e-7, beta=1e-9))
     plan = pm.solve("ilp", free, {"coarsen": False})
-    assert plan.stats["presolve"] is False
+    assert plan.stats.extra["presolve"] is False
     assert plan.objective == pytest.approx(brute_force(free)[0], rel=1e-6)
     for forbid in (Forbid(Replicate(), var="w", axis=0), Forbid(Partial("sum"))):
         p = build_problem(g, rulebook(g), Mesh(mesh, alpha=1e-7, beta=1e-9), constraints=[forbid])
         assert not all(a.all() for a in p.allowed)
         auto = pm.solve("ilp", p, {"coarsen": False})
         off = pm.solve("ilp", p, {"coarsen": False, "presolve": False})
-        assert auto.stats["presolve"] is True and off.stats["presolve"] is False
+        assert auto.stats.extra["presolve"] is True and off.stats.extra["presolve"] is False
         best = brute_force(p)[0]
         assert auto.objective == pytest.approx(best, rel=1e-6) and off.objective == pytest.approx(best, rel=1e-6)

@@ -76,15 +76,15 @@ def test_ilp_toggles_equal_brute_force(pm, seed):
         best, _ = _brute_force(p, budget)
         plan = pm.solve("ilp", p.with_budget(budget), {"coarsen": False})
         st = plan.stats
-        assert st["objective_with_toggles"] == pytest.approx(best, rel=1e-6, abs=1e-12), budget
+        assert st.extra["objective_with_toggles"] == pytest.approx(best, rel=1e-6, abs=1e-12), budget
         if budget is not None:
-            assert st["peak_with_toggles"] <= budget
+            assert st.extra["peak_with_toggles"] <= budget
         # what the plan says it costs is what its choices and toggles cost on the fine terms
         on = np.zeros(len(p.toggles), dtype=bool)
-        on[st["toggles_on"]] = True
-        assert p.terms().objective(np.asarray(plan.choices), on) == pytest.approx(st["objective_with_toggles"])
+        on[st.toggles_on] = True
+        assert p.terms().objective(np.asarray(plan.choices), on) == pytest.approx(st.extra["objective_with_toggles"])
         try:   # coarsened: the followers pass restricts the space, so never better, and equal unbudgeted
-            co = pm.solve("ilp", p.with_budget(budget), {}).stats["objective_with_toggles"]
+            co = pm.solve("ilp", p.with_budget(budget), {}).stats.extra["objective_with_toggles"]
         except InfeasibleBudgetError:
             assert budget is not None
             continue
@@ -130,4 +130,4 @@ def test_solvers_that_do_not_price_toggles_leave_them_off(pm):
     plain = pm.solve("beam", p, {})
     p.toggles = _random_toggles(p, np.random.default_rng(1))
     plan = pm.solve("beam", p, {})
-    assert "toggles_on" not in plan.stats and plan.objective == pytest.approx(plain.objective)
+    assert plan.stats.toggles_on is None and plan.objective == pytest.approx(plain.objective)
