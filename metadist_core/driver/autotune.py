@@ -25,6 +25,8 @@ import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+import dataclasses
+from metadist_core.progress import Ticker
 
 log = logging.getLogger("metadist.autotune")
 
@@ -291,9 +293,7 @@ def autotune_result(res: Any, mesh: Any, s: Any, user_constraints: Sequence[Any]
     preset's that ran faster when both were timed, and the kept plan's trial (None when nothing was timed).
     ``solve_on(mesh, settings)`` solves the compile's problem under other settings; ``make_trials(plan)``
     gives the frontend's trials of a plan (its ``lower`` of :class:`~metadist_core.driver.frontend.Trials`)."""
-    import dataclasses
 
-    from metadist_core.progress import Ticker
     why = skip_reason(s, res.plan, user_constraints) if mesh.size > 1 else "one device"
     if why is not None:
         log.debug("autotune: not timing plans: %s", why)

@@ -8,6 +8,24 @@ import logging
 import sys
 from pathlib import Path
 from typing import Sequence
+from metadist_core.ir.ir import MetaIR
+from metadist_core.ir.recorded import load_recorded_graph
+from metadist_core.plugins import PluginManager
+from metadist_core.discovery.discover import discover_op
+from metadist_core.discovery.rules import RuleBook
+from metadist_core.discovery.discover import discover
+from metadist_core.config import load_settings
+from metadist_core.driver import planonly
+from metadist_core.driver.planner import plan_graph
+from metadist_core.cost.profile import load_profile
+from metadist_core.config import check_strategy
+from metadist_core.plan.explain import draw_plan, explain_plan, problem_path
+from metadist_core.plan.plan import ShardingPlan
+from metadist_core.problem.problem import ShardingProblem
+import runpy
+from metadist_core.driver.planonly import PlanOnlyDone, plan_only
+from metadist_core.ir.mesh import Mesh
+from metadist_core.plugins import UnknownFrontendError
 
 log = logging.getLogger("metadist")
 
@@ -37,7 +55,6 @@ def _parse_attr(text: str) -> tuple[str, object]:
 
 def load_graph(path: str):
     """A MetaIR from a JSON file: a MetaIR dump (``ops``) or a recorded fx graph (``nodes``)."""
-    from metadist_core.ir.ir import MetaIR
 
     p = Path(path)
     if not p.is_file():
@@ -47,7 +64,6 @@ def load_graph(path: str):
     except json.JSONDecodeError as e:
         raise CliError(f"{path} is not JSON: {e}") from None
     if "nodes" in data:
-        from metadist_core.ir.recorded import load_recorded_graph
         return load_recorded_graph(p)
     if "ops" in data:
         return MetaIR.from_json(data)
@@ -58,7 +74,6 @@ def load_graph(path: str):
 
 
 def cmd_plugins(args) -> int:
-    from metadist_core.plugins import PluginManager
 
     pm = PluginManager()
     rows = [("kind", "name", "module", "distribution", "status")]
@@ -69,16 +84,11 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_rules(args) -> int:
-    from metadist_core.discovery.discover import discover_op
-    from metadist_core.ir.ir import MetaIR
-    from metadist_core.plugins import PluginManager
-    from metadist_core.discovery.rules import RuleBook
 
     pm = PluginManager()
     if args.target.endswith(".json"):
         graph = load_graph(args.target)
         book = RuleBook.load(args.cache_dir) if not args.no_cache else RuleBook()
-        from metadist_core.discovery.discover import discover
         discover(graph, pm, book, axis_sizes=(args.axis_size,), save=not args.no_cache)
         rows: list[tuple[str, ...]] = [("op signature", "status", "#rules", "rules")]
         for sig, op in graph.unique_signatures().items():
@@ -137,8 +147,6 @@ def _infer_out_shape(pm, g, op) -> None:
 
 def _settings(args):
     """The settings of this command: its options over the environment and pyproject; the solver checked."""
-    from metadist_core.config import load_settings
-    from metadist_core.plugins import PluginManager
 
     s = load_settings(solver=getattr(args, "solver", None), memory_budget=getattr(args, "memory_budget", None),
                       cache_dir=getattr(args, "cache_dir", None), mesh_profile=getattr(args, "profile", None))
@@ -148,19 +156,15 @@ def _settings(args):
 
 
 def cmd_plan(args) -> int:
-    from metadist_core.driver import planonly
-    from metadist_core.driver.planner import plan_graph
 
     settings, pm = _settings(args)
     if args.strategy:
-        from metadist_core.config import check_strategy
         settings.strategy = check_strategy(args.strategy)
     request = planonly.PlanOnly(mesh=_mesh_shape(args.mesh), out=args.out, solver=args.solver,
                                 memory_budget=args.memory_budget, cache_dir=args.cache_dir, profile=args.profile,
                                 strategy=args.strategy, compare=args.compare)
     if args.target.endswith(".py"):
         return _plan_script(args, request)
-    from metadist_core.cost.profile import load_profile
     graph = load_graph(args.target)
     result = plan_graph(graph, load_profile(settings.mesh_profile).mesh(request.mesh), plugins=pm, settings=settings)
     out = planonly.show_and_save(result, args.out or f"{Path(args.target).stem}.plan.json")
@@ -170,9 +174,6 @@ def cmd_plan(args) -> int:
 
 def cmd_explain(args) -> int:
     """The plan explained (its problem read from beside it, or --problem); --png draws it."""
-    from metadist_core.plan.explain import draw_plan, explain_plan, problem_path
-    from metadist_core.plan.plan import ShardingPlan
-    from metadist_core.problem.problem import ShardingProblem
 
     path = Path(args.plan)
     if not path.is_file():
@@ -200,9 +201,7 @@ def cmd_explain(args) -> int:
 def _plan_script(args, request) -> int:
     """Run SCRIPT until its first metadist_compile'd step, which the driver plans for ``request``
     (:mod:`metadist_core.driver.planonly`), ending the script."""
-    import runpy
 
-    from metadist_core.driver.planonly import PlanOnlyDone, plan_only
 
     script = Path(args.target)
     if not script.is_file():
@@ -224,7 +223,6 @@ def _plan_script(args, request) -> int:
 
 def _mesh_shape(text: str) -> tuple[int, ...]:
     """The mesh shape of a ``--mesh`` option (``8``, ``2x4``); a malformed one is a CliError."""
-    from metadist_core.ir.placement import Mesh
 
     try:
         return Mesh.parse(text).shape
@@ -233,7 +231,6 @@ def _mesh_shape(text: str) -> tuple[int, ...]:
 
 
 def _frontend(pm, name: str, job: str):
-    from metadist_core.plugins import UnknownFrontendError
 
     try:
         return pm.frontend(name)
@@ -255,7 +252,6 @@ def cmd_demo(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from metadist_core.plugins import PluginManager
 
     profile = _frontend(PluginManager(), args.frontend, "calibrate").calibrate(args.out, args.nprocs)
     print(f"{profile.backend}: {profile.nodes} node(s) x {profile.devices_per_node} devices, "

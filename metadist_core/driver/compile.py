@@ -30,9 +30,16 @@ from metadist_core.driver.planner import CompileResult, op_costs, plan_graph, re
 from metadist_core.driver.pipeplan import plan_with_pipeline
 from metadist_core.driver.pricing import Pricing, price, replicated_only
 from metadist_core.ir.ir import MetaIR
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plugins import PluginManager
 from metadist_core.problem.constraints import as_constraint_list
+from metadist_core.levers.microbatch import split_batch
+from metadist_core.cost.profile import load_profile
+from metadist_core.driver.pipeplan import plan_only_pipeline
+from metadist_core.driver.pipeplan import check_stages
+from metadist_core.driver.autotune import autotune_result
+from metadist_core.levers.recompute_segments import rewrite
+from metadist_core.levers.microbatch import micro_batch_program
 
 log = logging.getLogger("metadist.pipeline")
 
@@ -111,20 +118,17 @@ def one_micro_batch(job: Job, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     traits = job.frontend.traits
     if traits.batch_leaves is None:
         raise not_supported(job.frontend.name, MicroBatches(None, ()))
-    from metadist_core.levers.microbatch import split_batch
     return split_batch(args, kwargs, m, traits.batch_leaves, job.frontend.name)[0]
 
 
 def plan_only_step(job: Job, request: planonly.PlanOnly, fn: Callable | None, args: tuple, kwargs: dict) -> None:
     """Trace the step, plan it on the requested mesh (no engine needed), print and save the plan, and end
     the run with :class:`~metadist_core.driver.planonly.PlanOnlyDone`."""
-    from metadist_core.cost.profile import load_profile
     s = request.settings(job.settings)
     traced = job.frontend.trace(fn, args, kwargs)
     mesh = load_profile(s.mesh_profile).mesh(tuple(request.mesh))
     graph, pm = traced.graph, job.plugins
     if s.pipeline_stages is not None and s.pipeline_stages > 1:   # priced for every frontend, JAX included
-        from metadist_core.driver.pipeplan import plan_only_pipeline
         result = plan_only_pipeline(graph, mesh, s, pm, job.solver_options, job.constraints_on(graph, mesh))
     else:
         result = plan_graph(graph, mesh, plugins=pm, settings=s, solver_options=job.solver_options,
@@ -152,7 +156,6 @@ def trace(job: Job, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
 
 def resolve(job: Job, mesh: Any) -> Resolved:
     """The mesh this process runs on and the engine's own, priced with the ``mesh_profile`` setting."""
-    from metadist_core.cost.profile import load_profile
     return job.frontend.resolve_mesh(mesh, load_profile(job.settings.mesh_profile))
 
 
@@ -163,7 +166,6 @@ def check_pipeline(job: Job, traced: Traced, resolved: Resolved) -> None:
     k = s.pipeline_stages
     if k is None or k <= 1:
         return
-    from metadist_core.driver.pipeplan import check_stages
     if not job.frontend.traits.pipelines:   # `metadist plan` prices it, running it cannot
         raise not_supported(job.frontend.name, Stages(None))
     check_stages(k, resolved.mesh, s.schedule, s.micro_batches)
@@ -221,7 +223,6 @@ def solve(job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: 
           kwargs: dict) -> tuple[CompileResult, Any]:
     """Discover, build and solve on the planning process: a pipeline where one is asked for or needed,
     then the presets timed beside the plan (autotune); the result and the kept plan's trial."""
-    from metadist_core.driver.autotune import autotune_result
     solve_on = Solver(job, traced.graph, pricing)
     res = plan_with_pipeline(traced.graph, resolved.mesh, job.settings, solve_on, job.frontend)
     if res is None:
@@ -242,7 +243,6 @@ def adopt(job: Job, traced: Traced, planned: Planned) -> tuple[Job, Traced]:
     if first is not None:
         job = dataclasses.replace(job, settings=dataclasses.replace(job.settings, first_bucket_mb=float(first)))
     if getattr(plan, "recompute", None):
-        from metadist_core.levers.recompute import rewrite
         traced = dataclasses.replace(traced, graph=rewrite(traced.graph, plan.recompute))
     return job, traced
 
@@ -255,7 +255,6 @@ def lower(job: Job, traced: Traced, resolved: Resolved, planned: Planned) -> Low
     if getattr(plan, "stages", None):
         lowered = job.frontend.lower(traced, Stages(plan), resolved, s)
     elif s.micro_batches > 1:
-        from metadist_core.levers.microbatch import micro_batch_program
         cut, plans = micro_batch_program(traced, plan, s)
         lowered = job.frontend.lower(traced, MicroBatches(cut, plans), resolved, s)
     elif planned.tuned is not None and planned.tuned.runnable is not None and planned.result is not None \

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover - types only
     from metadist_core.discovery.shardcombine import OpSpec
     from metadist_core.driver.autotune import Trial
     from metadist_core.ir.ir import MetaIR, MetaOp
-    from metadist_core.ir.placement import Mesh
+    from metadist_core.ir.mesh import Mesh
     from metadist_core.levers.microbatch import GradientCut
     from metadist_core.plan.plan import ShardingPlan
 

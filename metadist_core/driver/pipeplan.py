@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from metadist_core.ir.ir import MetaIR
 from metadist_core.levers.microbatch import cut_at_gradients
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.ir import DTYPE_BYTES
 from metadist_core.ir.ir import STATE_ROLES, forward_ops
 from metadist_core.plan.stage import StageError, describe
 from metadist_core.levers.stages import CutChoice, best_cuts, build_stages, crossing_bytes, owner_positions, positions, stage_devices
+from metadist_core.cost.model import send_recv_cost
+from metadist_core.driver.planner import CompileResult, plan_graph, replicated_plan
+from metadist_core.discovery.rules import RuleBook
 
 if TYPE_CHECKING:
     from metadist_core.config import Settings
@@ -52,7 +55,6 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
     optimizer state, as the stage's update keeps them whole) to the first reader of each parameter;
     activation bytes (each forward value, per device under the plan) to its producer. A cut costs
     ``send_recv_cost(bytes, alpha, beta)`` of the whole values crossing it, forward and back."""
-    from metadist_core.cost.model import send_recv_cost
 
     ops = forward_ops(graph)
     core, pos = positions(graph, ops)
@@ -116,7 +118,8 @@ def _state_bytes(graph: MetaIR, core: list) -> list[float]:
 
 def _activation_bytes(graph: MetaIR, plan: Any, pos: dict[str, int], n: int) -> list[float]:
     """Per forward op, the bytes per device of the values it produces under ``plan``."""
-    from metadist_core.ir.placement import Mesh, Sharding, shard_shape
+    from metadist_core.ir.placement import Sharding, shard_shape
+    from metadist_core.ir.mesh import Mesh
     mesh_shape = tuple(plan.mesh_shape)
     mesh = Mesh(mesh_shape)
     rep = Sharding.replicated(len(mesh_shape))
@@ -238,8 +241,6 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
 def plan_only_pipeline(graph: MetaIR, mesh: Mesh, settings: Any, plugins: Any, solver_options: Any,
                        constraints: list) -> Any:
     """``metadist plan`` with ``pipeline_stages=k``: the stages priced on ``mesh`` (no engine needed)."""
-    from metadist_core.driver.planner import CompileResult, plan_graph, replicated_plan
-    from metadist_core.discovery.rules import RuleBook
     check_stages(settings.pipeline_stages, mesh, settings.schedule, settings.micro_batches)
 
     def solve(m: Mesh, st: Any) -> Any:

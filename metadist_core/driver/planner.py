@@ -21,14 +21,20 @@ from metadist_core.discovery.discover import discover
 from metadist_core.driver.frontend import FrontendTraits, Traced
 from metadist_core.cost.fusion import fused_bytes
 from metadist_core.ir.ir import RECOMPUTED_SUFFIX, MetaIR
-from metadist_core.plan.memprofile import HEADROOM, leanest_with_buffers
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
 from metadist_core.plugins import PluginManager
 from metadist_core.problem.presets import gathers_parameters, steer
 from metadist_core.progress import Ticker
 from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, InfeasibleBudgetError
-from metadist_core.levers.recompute import needed
 from metadist_core.discovery.rules import RuleBook
+from metadist_core.problem.build import estimate_op_cost
+from metadist_core.cost.profile import load_profile
+from metadist_core.plan.plan import ShardingPlan
+from metadist_core.problem.build import build_problem
+from metadist_core.levers.offload import apply_offload
+from metadist_core.levers.offload import offload_stats
+from metadist_core.levers import recompute
+from metadist_core.plan import memprofile
 
 log = logging.getLogger("metadist.planner")
 
@@ -56,7 +62,6 @@ def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, fl
         c = plugins.op_cost(op, graph)
         if c is not None:
             out[op.id] = tuple(c)
-    from metadist_core.problem.build import estimate_op_cost
     for i, nbytes in fused_bytes(graph, plugins.fuses).items():
         flops, _, *rest = out.get(i) or estimate_op_cost(graph.op(i), graph)
         out[i] = (flops, nbytes, *rest)
@@ -102,8 +107,8 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     except InfeasibleBudgetError as e:
         if getattr(e, "need_with_buffers", None) is None:
             raise
-        raise InfeasibleBudgetError(e.budget, needed(e), mesh,
-                                    f"needs, with its collectives' buffers and {HEADROOM:.0%} headroom,") from e
+        raise InfeasibleBudgetError(e.budget, recompute.needed(e), mesh,
+                                    f"needs, with its collectives' buffers and {memprofile.HEADROOM:.0%} headroom,") from e
     _record_stats(plan, problem, segs, planner.settings, local_timer)
     log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
     return CompileResult(graph, book, problem, plan, None, timings)
@@ -115,7 +120,6 @@ def _planner(graph: MetaIR, mesh: Mesh, book: RuleBook, pm: PluginManager, s: Se
     """The planner of ``graph`` on ``mesh``: the device priced, the first bucket resolved, the constraints
     split and the solver's options gathered."""
     if device is None and s.mesh_profile:
-        from metadist_core.cost.profile import load_profile
         device = load_profile(s.mesh_profile).device
     # DDP's small first gradient bucket only where the device hides a collective behind compute; the plan
     # records the size it was priced with, and every rank lowers that (compile_step)
@@ -151,7 +155,6 @@ def _priced_costs(graph: MetaIR, pm: PluginManager, op_slowdowns: Callable | Non
 def _record_stats(plan: Any, problem: Any, segs: list, s: Settings, local_timer: Any) -> None:
     """What the plan records beside its choices: recomputation, strategy, local times, the first bucket
     every rank lowers, the peak with the collectives' buffers."""
-    from metadist_core.plan.memprofile import peak_with_buffers
     if segs:
         plan.recompute = [i for seg in segs for i in seg.recompute]
         stats = plan.stats
@@ -165,7 +168,7 @@ def _record_stats(plan: Any, problem: Any, segs: list, s: Settings, local_timer:
         plan.stats.local_times = local_timer.stats()
     if s.coalesce:
         plan.stats.first_bucket_mb = s.first_bucket_mb
-    plan.stats.peak_with_buffers = peak_with_buffers(problem, plan)
+    plan.stats.peak_with_buffers = memprofile.peak_with_buffers(problem, plan)
 
 
 @dataclass
@@ -198,7 +201,6 @@ class GraphPlanner:
 
     def build(self, g: MetaIR) -> tuple[Any, Any, dict]:
         """The problem of ``g`` steered by the user, its offload region and its ops' costs."""
-        from metadist_core.problem.build import build_problem
         if g is self.graph and self.plain_built is not None:   # a shallow copy: a proposal sets toggles on it
             problem, region, g_costs = self.plain_built
             return copy.copy(problem), region, g_costs
@@ -214,7 +216,6 @@ class GraphPlanner:
                                 gather_share=self.gather_share, local_timer=self.local_timer)
         region = None
         if s.offload:   # optimizer state and update on the host, priced (metadist_core.levers.offload)
-            from metadist_core.levers.offload import apply_offload
             region = apply_offload(problem, g, g_costs)
         # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.problem.presets)
         problem = steer(problem, s.strategy, self.named, getattr(g, "annotations", None))
@@ -237,15 +238,13 @@ class GraphPlanner:
                 try:
                     plan = self._solve(problem)
                 except InfeasibleBudgetError as e:   # the solver's figure lacks the buffers: priced when asked
-                    e.need_with_buffers = functools.partial(leanest_with_buffers, problem, e.needed, self._solve)
+                    e.need_with_buffers = functools.partial(memprofile.leanest_with_buffers, problem, e.needed, self._solve)
                     raise
                 if s.memory_budget is not None:   # the budget holds with the collectives' buffers (memprofile)
-                    from metadist_core.plan.memprofile import fit_with_buffers
-                    plan = fit_with_buffers(problem, plan, self._solve)
+                    plan = memprofile.fit_with_buffers(problem, plan, self._solve)
             finally:
                 self.timings["solve"] += time.perf_counter() - t1
         if region is not None:
-            from metadist_core.levers.offload import offload_stats
             plan.stats.offload = offload_stats(region, problem, plan)
         return problem, plan
 
@@ -257,15 +256,14 @@ class GraphPlanner:
         if s.memory_budget is None:
             raise ValueError("recomputed segments are proposed only under a memory budget, and memory_budget is "
                              "None; set memory_budget (bytes per device) to recompute")
-        from metadist_core.levers.recompute import price_segments
         t0 = time.perf_counter()
         problem, _, _ = self.build(self.graph)
-        price_segments(problem, self.graph, segs)
+        recompute.price_segments(problem, self.graph, segs)
         limit = min(float(self.options.get("time_limit") or PROPOSAL_SECONDS), PROPOSAL_SECONDS)
         with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions, {len(segs)} recompute segments)",
                     enabled=s.progress):
             try:   # under the headroom, less what an earlier proposal overshot with its buffers
-                plan = self.pm.solve(s.solver, problem.with_budget(int(s.memory_budget * (1.0 - HEADROOM)) - cut),
+                plan = self.pm.solve(s.solver, problem.with_budget(int(s.memory_budget * (1.0 - memprofile.HEADROOM)) - cut),
                                      {**self.options, "least_peak": False, "time_limit": limit})
             except (InfeasibleBudgetError, RuntimeError) as e:
                 log.info("no plan with recomputation priced in the ILP (%s); searching segment counts", e)
@@ -278,11 +276,10 @@ class GraphPlanner:
     def under_budget(self) -> tuple[MetaIR, tuple[Any, Any], list]:
         """The graph planned (recomputing forward segments where no plan meets the memory budget), its
         problem and plan, and the recomputed segments."""
-        from metadist_core.levers.recompute import choose
         s = self.settings
         flops = {i: c[0] for i, c in self.costs.items()} if s.memory_budget is not None else None
         try:
-            return choose(self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose)
+            return recompute.choose(self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose)
         except InfeasibleBudgetError:
             if s.memory_budget is None or not (s.coalesce and self.traits.shard_buckets and s.shard_bucket_bytes):
                 raise
@@ -292,12 +289,10 @@ class GraphPlanner:
         log.info("no plan with its input gathers priced in buckets meets the budget; pricing each gather whole")
         self.gather_share = GATHER_SHARE
         self.plain_built = None
-        return choose(self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose)
+        return recompute.choose(self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose)
 
 
 def replicated_plan(graph: MetaIR, mesh: Mesh) -> tuple[Any, Any]:
     """The all-replicated plan and its problem (a mesh of one device: nothing to discover or solve)."""
-    from metadist_core.plan.plan import ShardingPlan
-    from metadist_core.problem.build import build_problem
     problem = build_problem(graph, RuleBook(), mesh)
     return ShardingPlan.replicated(problem), problem

@@ -17,6 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+from metadist_core.plan.explain import report_plan_only
+from metadist_core.config import check_strategy
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,6 @@ class PlanOnly:
     def settings(self, settings: Any) -> Any:
         """``settings`` with what the command line asked for (solver, budget, cache dir, profile, strategy)
         on top."""
-        from metadist_core.config import check_strategy
         over: dict[str, Any] = {k: getattr(self, k) for k in ("solver", "memory_budget", "cache_dir")
                                 if getattr(self, k) is not None}
         if self.profile:
@@ -88,7 +89,6 @@ def show_and_save(result: Any, out: str | Path | None, mesh: Any = None) -> Path
 
 def report(result: Any, request: PlanOnly, out: Path, settings: Any, plugins: Any) -> None:
     """The problem beside the plan (for `metadist explain`) and, with ``compare``, every preset's price."""
-    from metadist_core.plan.explain import report_plan_only
     report_plan_only(result, {"out": str(out), "compare": request.compare}, settings, plugins)
 
 

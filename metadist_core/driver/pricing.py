@@ -12,7 +12,12 @@ from metadist_core.cost.localtime import LocalTimer
 from metadist_core.cost.profile import MeshProfile
 from metadist_core.driver.frontend import Frontend, Resolved, Traced
 from metadist_core.ir.ir import MetaIR
-from metadist_core.ir.placement import Mesh
+from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.mesh import DEFAULT_ALPHA, DEFAULT_BETA
+from metadist_core.cost.profile import profile_for
+from metadist_core.cost.profile import beside_profile
+from metadist_core.cost.model import DEVICE_PRESETS
+from metadist_core.cost.optimes import whole_slowdowns
 
 if TYPE_CHECKING:
     from metadist_core.driver.compile import Job
@@ -42,7 +47,6 @@ class OpTimer:
 
     def __call__(self, graph: MetaIR, costs: dict) -> Mapping[str, float]:
         if self.measured is None:
-            from metadist_core.cost.optimes import whole_slowdowns
             traced = self.traced if self.traced.graph is graph else None
 
             def time_ops(requests: list, program: bool) -> Any:
@@ -55,7 +59,6 @@ class OpTimer:
 
 def _own_link_costs(mesh: Any) -> bool:
     """Is ``mesh`` a metadist Mesh whose link costs differ from the built-in ones (set by its maker)?"""
-    from metadist_core.ir.placement import DEFAULT_ALPHA, DEFAULT_BETA
     return isinstance(mesh, Mesh) and (any(a != DEFAULT_ALPHA for a in mesh.alpha)
                                        or any(b != DEFAULT_BETA for b in mesh.beta) or bool(mesh.links))
 
@@ -69,7 +72,6 @@ def price(job: "Job", traced: Traced, resolved: Resolved, mesh_arg: Any) -> tupl
     s, fe = job.settings, job.frontend
     pricing = Pricing()
     if resolved.mesh.size > 1:
-        from metadist_core.cost.profile import profile_for
         t = time.perf_counter()
         pricing.profile = profile_for(fe, resolved, s)
         if not _own_link_costs(mesh_arg):
@@ -90,7 +92,6 @@ def price(job: "Job", traced: Traced, resolved: Resolved, mesh_arg: Any) -> tupl
 
 def _beside(s: Settings, key: dict | None, suffix: str) -> str | None:
     """A file kept beside this machine's cached profile (None: the profile is not one kept by key)."""
-    from metadist_core.cost.profile import beside_profile
     return str(beside_profile(s.cache_dir, key, suffix)) if key else None
 
 
@@ -100,7 +101,6 @@ def _local_times(frontend: Frontend, resolved: Resolved, requests: list, mesh: M
         else Resolved(mesh)
     got = frontend.time_ops(requests, where)
     if got is None:
-        from metadist_core.cost.model import DEVICE_PRESETS
         return [None] * len(requests), DEVICE_PRESETS["cpu"]
     return list(got.seconds), got.device
 

@@ -12,9 +12,10 @@ Uneven splits follow ``torch.chunk``: every device but the last few holds
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
-from metadist_core.ir.mesh import DEFAULT_ALPHA, DEFAULT_BETA, Mesh  # noqa: F401  (the driver imports them from here)
+if TYPE_CHECKING:  # pragma: no cover - types only
+    from metadist_core.ir.mesh import Mesh
 
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "max", "min")
 
