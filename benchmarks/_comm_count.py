@@ -6,6 +6,7 @@ the convention of MetaDist's own ``CommStats`` and of the cost model: an all_red
 all_gather its gathered output, a reduce_scatter its unscattered input, an all_to_all its input.
 The mode costs Python time per op: count in a step that is not timed.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,9 +22,16 @@ def _nbytes(x) -> int:
 
 
 def _kind(name: str) -> str | None:
-    for key, kind in (("reduce_scatter", "reduce_scatter"), ("allgather", "all_gather"),
-                      ("all_gather", "all_gather"), ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"),
-                      ("alltoall", "all_to_all"), ("all_to_all", "all_to_all"), ("broadcast", "broadcast")):
+    for key, kind in (
+        ("reduce_scatter", "reduce_scatter"),
+        ("allgather", "all_gather"),
+        ("all_gather", "all_gather"),
+        ("allreduce", "all_reduce"),
+        ("all_reduce", "all_reduce"),
+        ("alltoall", "all_to_all"),
+        ("all_to_all", "all_to_all"),
+        ("broadcast", "broadcast"),
+    ):
         if key in name:
             return kind
     return None
@@ -44,9 +52,9 @@ class CountCollectives(TorchDispatchMode):
             name = func._schema.name.split("::")[-1]
             kind = _kind(name)
             if kind is not None:
-                if ns == "c10d":       # in place: (outputs, inputs, ...) for gathers/scatters, (tensors, ...) else
+                if ns == "c10d":  # in place: (outputs, inputs, ...) for gathers/scatters, (tensors, ...) else
                     n = _nbytes(args[1]) if kind == "reduce_scatter" else _nbytes(args[0])
-                else:                  # functional: the result is the gathered output / reduced buffer
+                else:  # functional: the result is the gathered output / reduced buffer
                     n = _nbytes(args[0]) if kind == "reduce_scatter" else _nbytes(out)
                 self.bytes[kind] = self.bytes.get(kind, 0) + n
                 self.calls[kind] = self.calls.get(kind, 0) + 1

@@ -1,4 +1,5 @@
 """Helpers for benchmarks: timing, and writing results/NAME.json, NAME.md and NAME.png."""
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ def williams_order(n: int, r: int) -> list[int]:
     return order[::-1] if n % 2 and (r // n) % 2 else order
 
 
-def interleaved(runs: "dict[str, Callable[[int], object]]", rounds: int, start: int = 0,
-                before: Callable[[], object] | None = None) -> dict[str, list[float]]:
+def interleaved(
+    runs: "dict[str, Callable[[int], object]]", rounds: int, start: int = 0, before: Callable[[], object] | None = None
+) -> dict[str, list[float]]:
     """Seconds of each of ``runs`` (name -> ``run(i)``, one step on batch ``i``) over ``rounds`` rounds of one
     call each, in the orders of :func:`williams_order` (two systems alternate), so that a slow spell of a
     shared machine, and what one system's step leaves behind for the next (freed memory, cold caches), fall
@@ -61,6 +63,7 @@ def interleaved(runs: "dict[str, Callable[[int], object]]", rounds: int, start: 
 
 def machine() -> str:
     import os
+
     return f"{platform.machine()} {os.cpu_count()} CPU cores, Python {platform.python_version()}"
 
 
@@ -88,13 +91,16 @@ def write_results(name: str, records: Sequence[dict], columns: Sequence[str], ti
     return path
 
 
-def plot_predicted(records: Sequence[dict], path: Path, title: str, label: Callable[[dict], str],
-                   xlabel: str = "measured step (ms)") -> None:
+def plot_predicted(
+    records: Sequence[dict], path: Path, title: str, label: Callable[[dict], str], xlabel: str = "measured step (ms)"
+) -> None:
     """A PNG of each record's ``predicted_ms`` against its ``step_ms`` (records without a prediction left
     out), with the diagonal and the +-25 % band the cost model is held to."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 5))
     pts = [r for r in records if r.get("predicted_ms") and r.get("step_ms")]
     for r in pts:

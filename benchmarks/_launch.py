@@ -12,6 +12,7 @@ A benchmark using it has two halves in one file:
   worker ends with :func:`write_gathered` (every rank's result, as a list in rank order) or
   :func:`write_rank0` (one result that the ranks already agreed on).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,6 +33,7 @@ TAIL = 40
 class Launched:
     """What one launch left: ``data``, the JSON the ranks wrote to ``--out``; ``output``, their stdout and
     stderr, merged in the order written."""
+
     data: Any
     output: str
 
@@ -54,9 +56,16 @@ def _tail(output: str) -> str:
     return "\n".join(output.splitlines()[-TAIL:])
 
 
-def launch(script: str | os.PathLike, nproc: int, args: Sequence[str] = (), *, timeout: float,
-           cache: bool = False, unset_env: Sequence[str] = (),
-           show: Callable[[str], bool] | None = None) -> Launched | None:
+def launch(
+    script: str | os.PathLike,
+    nproc: int,
+    args: Sequence[str] = (),
+    *,
+    timeout: float,
+    cache: bool = False,
+    unset_env: Sequence[str] = (),
+    show: Callable[[str], bool] | None = None,
+) -> Launched | None:
     """Run ``script`` on ``nproc`` local ranks under torchrun with ``--worker --out FILE`` and ``args``, and
     read what the ranks wrote to FILE.
 
@@ -67,6 +76,7 @@ def launch(script: str | os.PathLike, nproc: int, args: Sequence[str] = (), *, t
     wrote nothing, after printing which, with the ranks' last lines.
     """
     from metadist_torch.demo import torchrun_cmd
+
     name = Path(script).stem
     with tempfile.TemporaryDirectory(prefix=f"metadist-{name}-") as tmp:
         out = Path(tmp) / "ranks.json"
@@ -75,13 +85,22 @@ def launch(script: str | os.PathLike, nproc: int, args: Sequence[str] = (), *, t
             wargs += ["--cache-dir", os.environ.get("METADIST_CACHE_DIR") or str(Path(tmp) / "cache")]
         cmd = torchrun_cmd(Path(script), nproc, [*wargs, *args])
         try:
-            proc = subprocess.run(cmd, env=worker_env(unset_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, cwd=str(REPO), timeout=timeout)
+            proc = subprocess.run(
+                cmd,
+                env=worker_env(unset_env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=str(REPO),
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired as e:
             output = _text(e.stdout)
             _show(output, show)
-            print(f"{name}: the {nproc} ranks ran past {timeout:g} s and were stopped; run with fewer "
-                  f"models or systems, or --quick. Their last lines:\n{_tail(output)}")
+            print(
+                f"{name}: the {nproc} ranks ran past {timeout:g} s and were stopped; run with fewer "
+                f"models or systems, or --quick. Their last lines:\n{_tail(output)}"
+            )
             return None
         _show(proc.stdout, show)
         if proc.returncode != 0 or not out.exists():
@@ -110,14 +129,16 @@ def finish(code: int) -> NoReturn:
     """End a rank with ``code``: the process group torn down and the interpreter left without its teardown,
     where gloo ranks have aborted after their work was done (``metadist_torch.engine.finish_worker``)."""
     from metadist_torch.engine import finish_worker
+
     finish_worker(code)
-    raise SystemExit(code)   # not reached: finish_worker exits the process
+    raise SystemExit(code)  # not reached: finish_worker exits the process
 
 
 def write_gathered(out: str | os.PathLike, mine: Any) -> None:
     """Every rank's ``mine``, gathered in rank order; rank 0 writes the list to ``out`` as JSON. Call on
     every rank."""
     import torch.distributed as dist
+
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     write_rank0(out, gathered)
@@ -127,5 +148,6 @@ def write_rank0(out: str | os.PathLike, data: Any) -> None:
     """Rank 0 writes ``data`` to ``out`` as JSON (values JSON does not know as their ``str``); the other ranks
     write nothing."""
     import torch.distributed as dist
+
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(data, default=str))

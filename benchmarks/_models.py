@@ -6,6 +6,7 @@ begin/end (and padding, for LLaMA), no dropout for GPT-2 (a compiled step and th
 against then draw no random masks), and ``torch.manual_seed(seed)`` before the weights are made, so that
 two builds are equal. A keyword the caller passes wins over these.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
@@ -21,12 +22,14 @@ LLAMA_DEFAULTS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
 
 def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
+
     hf_logging.set_verbosity_error()
 
 
 def _seeded(seed: int | None) -> None:
     if seed is not None:
         import torch
+
         torch.manual_seed(seed)
 
 
@@ -34,6 +37,7 @@ def _build(cls, cfg, device: str | None):
     if device is None:
         return cls(cfg)
     import torch
+
     with torch.device(device):
         return cls(cfg)
 
@@ -44,6 +48,7 @@ def gpt2(seed: int | None = 0, device: str | None = None, released: bool = False
     after ``torch.manual_seed(seed)`` (``None``: the global generator as it is), made on ``device``
     (``"meta"``: shapes only, nothing allocated)."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     _quiet_transformers()
     _seeded(seed)
     return _build(GPT2LMHeadModel, GPT2Config(**{**({} if released else GPT2_DEFAULTS), **config}), device)
@@ -53,6 +58,7 @@ def llama(seed: int | None = 0, device: str | None = None, **config) -> "torch.n
     """transformers' ``LlamaForCausalLM(LlamaConfig(**config))`` with :data:`LLAMA_DEFAULTS` under ``config``;
     ``seed`` and ``device`` as for :func:`gpt2`."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     _quiet_transformers()
     _seeded(seed)
     return _build(LlamaForCausalLM, LlamaConfig(**{**LLAMA_DEFAULTS, **config}), device)
@@ -61,6 +67,7 @@ def llama(seed: int | None = 0, device: str | None = None, **config) -> "torch.n
 def adamw(model: "torch.nn.Module", lr: float) -> "torch.optim.Optimizer":
     """AdamW over all of ``model``'s parameters at learning rate ``lr`` (torch's other defaults)."""
     import torch
+
     return torch.optim.AdamW(model.parameters(), lr=lr)
 
 
@@ -68,6 +75,7 @@ def tokens(vocab: int, batch: int, seq: int, seeds: int | Sequence[int]) -> "lis
     """Token-id batches of ``batch`` x ``seq`` below ``vocab``, one per seed (an int ``n``: seeds ``0..n-1``),
     each drawn from its own generator so that batch ``i`` is the same whichever others are made."""
     import torch
+
     seeds = range(seeds) if isinstance(seeds, int) else seeds
     return [torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(s)) for s in seeds]
 
@@ -82,8 +90,9 @@ def lm_step(model: "torch.nn.Module", opt: "torch.optim.Optimizer", ids: "torch.
     return loss
 
 
-def lm_step_labels(model: "torch.nn.Module", opt: "torch.optim.Optimizer", ids: "torch.Tensor",
-                   labels: "torch.Tensor") -> "torch.Tensor":
+def lm_step_labels(
+    model: "torch.nn.Module", opt: "torch.optim.Optimizer", ids: "torch.Tensor", labels: "torch.Tensor"
+) -> "torch.Tensor":
     """:func:`lm_step` with the labels passed apart from the inputs."""
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()

@@ -19,6 +19,7 @@ and the CUDA allocator's peak over the second step (:func:`metadist_torch.memory
 allocator's peak less what it held besides the state and the batch, ``outside_mb``), and MetaDist's own
 ``step.memory`` (its first call) beside its prediction. Results go to ``--out`` (JSON) and stdout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,9 @@ import sys
 import time
 import traceback
 
-from ._models import adamw, gpt2, lm_step as _step   # the CPU memory benchmark's model and step
+from ._models import adamw, gpt2, lm_step as _step  # the CPU memory benchmark's model and step
 
-MB = 2 ** 20
+MB = 2**20
 
 
 def _build(layers: int, seed: int = 0):
@@ -40,17 +41,20 @@ def _build(layers: int, seed: int = 0):
 
 def _run(name: str, layers: int, batches: list, ref: list | None, **kw) -> dict:
     import torch
+
     model, opt = _build(layers)
     if name == "eager":
         fn = _step
     else:
         from metadist_torch import metadist_compile
+
         fn = metadist_compile(cache_dir="/tmp/metadist-cuda-cache", **kw)(_step)
     t0 = time.perf_counter()
     losses = [float(fn(model, opt, batches[0]))]
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
     from metadist_torch.memory import measure_peak, state_tensors
+
     # the second call, for every system alike: the allocator's peak less what it held besides the state and
     # the batch (the cuBLAS workspace; offloaded state lives on the host and is not the GPU's)
     out, m = measure_peak(lambda: fn(model, opt, batches[1]), state_tensors(model, opt) + [batches[1]])
@@ -62,16 +66,28 @@ def _run(name: str, layers: int, batches: list, ref: list | None, **kw) -> dict:
         losses.append(float(fn(model, opt, b)))
         torch.cuda.synchronize()
         ts.append(time.perf_counter() - t)
-    rec = {"system": name, "layers": layers, "step_ms": statistics.median(ts) * 1e3, "first_call_s": first_s,
-           "peak_mb": m.peak_bytes / MB, "before_mb": m.baseline_bytes / MB,
-           "outside_mb": m.outside_bytes / MB, "losses": losses}
+    rec = {
+        "system": name,
+        "layers": layers,
+        "step_ms": statistics.median(ts) * 1e3,
+        "first_call_s": first_s,
+        "peak_mb": m.peak_bytes / MB,
+        "before_mb": m.baseline_bytes / MB,
+        "outside_mb": m.outside_bytes / MB,
+        "losses": losses,
+    }
     if ref is not None:
         rec["max_rel_loss_diff"] = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref))
     mem = getattr(fn, "memory", None)
     if mem:
-        rec.update({"method": mem.get("method"), "measured_peak_mb": mem.get("measured_peak_bytes", 0) / MB,
-                    "predicted_peak_mb": mem.get("predicted_peak_bytes", 0) / MB,
-                    "predicted_solver_mb": mem.get("predicted_solver_bytes", 0) / MB})
+        rec.update(
+            {
+                "method": mem.get("method"),
+                "measured_peak_mb": mem.get("measured_peak_bytes", 0) / MB,
+                "predicted_peak_mb": mem.get("predicted_peak_bytes", 0) / MB,
+                "predicted_solver_mb": mem.get("predicted_solver_bytes", 0) / MB,
+            }
+        )
     plan = getattr(fn, "plan", None)
     if plan is not None:
         rec["plan"] = plan.summary()
@@ -87,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
+
     if not torch.cuda.is_available():
         print("benchmarks.cuda_memory needs a CUDA device; none is visible here", file=sys.stderr)
         return 2
@@ -98,8 +115,13 @@ def main(argv=None) -> int:
     plain_pred = None
     # (system, options, budget as a fraction of the plain plan's predicted peak: under it the solver must
     # recompute or rely on the offload)
-    runs = [("eager", {}, None), ("metadist", {}, None), ("metadist_offload", {"offload": "optimizer"}, None),
-            ("metadist_budget", {}, 0.8), ("metadist_budget_offload", {"offload": "optimizer"}, 0.9)]
+    runs = [
+        ("eager", {}, None),
+        ("metadist", {}, None),
+        ("metadist_offload", {"offload": "optimizer"}, None),
+        ("metadist_budget", {}, 0.8),
+        ("metadist_budget_offload", {"offload": "optimizer"}, 0.9),
+    ]
     for name, kw, fraction in runs:
         if fraction is not None:
             if plain_pred is None:
@@ -107,7 +129,7 @@ def main(argv=None) -> int:
             kw = {**kw, "memory_budget": int(plain_pred * fraction * MB)}
         try:
             r = _run(name, args.layers, batches, ref, **kw)
-        except Exception as e:   # report and go on: one system failing must not hide the others
+        except Exception as e:  # report and go on: one system failing must not hide the others
             r = {"system": name, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
         r["options"] = dict(kw)
         records.append(r)

@@ -16,6 +16,7 @@ runs the same code here, for its tests). A machine with one GPU cannot run NCCL 
   the plan is the same (every value whole, nothing recomputed);
 - ``max_rel_loss_diff``: the largest relative difference of MetaDist's losses from eager's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ import traceback
 
 from .torch_step import MODELS
 
-BIG_BUDGET = 1 << 40   # bytes: far above any step here; makes a one-device step planned on measured rates
+BIG_BUDGET = 1 << 40  # bytes: far above any step here; makes a one-device step planned on measured rates
 
 
 def _to(dev, batch):
@@ -40,13 +41,15 @@ def run_model(name: str, rounds: int, warmup: int, dev: str, cache: str) -> list
     import torch
     from metadist_core.plan.overlap import predict
     from metadist_torch import metadist_compile
+
     m = MODELS[name](False, rounds + warmup)
     sync = (lambda: torch.cuda.synchronize()) if dev == "cuda" else (lambda: None)
     batches = [_to(dev, b) for b in m.batches]
 
     def built():
-        model, opt = m.build()   # the optimizer holds the parameters, which .to() moves in place
+        model, opt = m.build()  # the optimizer holds the parameters, which .to() moves in place
         return model.to(dev), opt
+
     me, oe = built()
     mc, oc = built()
     step = metadist_compile(cache_dir=cache, memory_budget=BIG_BUDGET)(m.step)
@@ -68,16 +71,30 @@ def run_model(name: str, rounds: int, warmup: int, dev: str, cache: str) -> list
     pr = predict(step.plan, step.problem)
     device = step.problem.device
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(lc, le))
-    base = {"model": name, "model_desc": m.desc, "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-            "rounds": len(tc)}
+    base = {
+        "model": name,
+        "model_desc": m.desc,
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+        "rounds": len(tc),
+    }
     eager = {**base, "system": "eager", "step_ms": statistics.median(te) * 1e3}
-    mine = {**base, "system": "metadist", "step_ms": statistics.median(tc) * 1e3,
-            "predicted_ms": pr.step * 1e3, "pred_error": (pr.step - statistics.median(tc)) / statistics.median(tc),
-            "ratio_vs_eager": statistics.median(tc) / statistics.median(te), "first_call_s": first_s,
-            "max_rel_loss_diff": rel, "ops": sum(1 for n in step.problem.nodes if n.kind == "op"),
-            "plan": step.plan.summary(),
-            "device_rates": {"peak_flops": device.peak_flops, "mem_bandwidth": device.mem_bandwidth,
-                             "op_overhead": device.op_overhead}}
+    mine = {
+        **base,
+        "system": "metadist",
+        "step_ms": statistics.median(tc) * 1e3,
+        "predicted_ms": pr.step * 1e3,
+        "pred_error": (pr.step - statistics.median(tc)) / statistics.median(tc),
+        "ratio_vs_eager": statistics.median(tc) / statistics.median(te),
+        "first_call_s": first_s,
+        "max_rel_loss_diff": rel,
+        "ops": sum(1 for n in step.problem.nodes if n.kind == "op"),
+        "plan": step.plan.summary(),
+        "device_rates": {
+            "peak_flops": device.peak_flops,
+            "mem_bandwidth": device.mem_bandwidth,
+            "op_overhead": device.op_overhead,
+        },
+    }
     return [eager, mine]
 
 
@@ -90,18 +107,27 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="JSON file for the records (default: stdout only)")
     args = ap.parse_args(argv)
     import torch
+
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("benchmarks.cuda_step needs a CUDA device; none is visible here (--device cpu runs it on the CPU)",
-              file=sys.stderr)
+        print(
+            "benchmarks.cuda_step needs a CUDA device; none is visible here (--device cpu runs it on the CPU)",
+            file=sys.stderr,
+        )
         return 2
     records = []
     with tempfile.TemporaryDirectory() as cache:
         for name in args.models.split(","):
             try:
                 recs = run_model(name, args.rounds, args.warmup, args.device, cache)
-            except Exception as e:   # one model failing must not hide the others
-                recs = [{"model": name, "system": "metadist", "error": f"{type(e).__name__}: {e}",
-                         "trace": traceback.format_exc()[-3000:]}]
+            except Exception as e:  # one model failing must not hide the others
+                recs = [
+                    {
+                        "model": name,
+                        "system": "metadist",
+                        "error": f"{type(e).__name__}: {e}",
+                        "trace": traceback.format_exc()[-3000:],
+                    }
+                ]
             for r in recs:
                 print(json.dumps(r, default=str), flush=True)
             records += recs

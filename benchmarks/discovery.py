@@ -7,6 +7,7 @@ PyTorch frontend is installed, the recorded 2-layer GPT-2 training step
 (forward, backward, AdamW) from tests/data/graphs. Writes
 benchmarks/results/discovery.{json,md,png}.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,6 +36,7 @@ def graphs(quick: bool):
             logging.warning("metadist_torch is not importable; skipping the recorded GPT-2 graph")
             return
         from metadist_core.ir.recorded import load_recorded_graph
+
         yield "GPT-2 2-layer step (recorded)", load_recorded_graph(tiny)
 
 
@@ -54,29 +56,61 @@ def main(argv=None) -> None:
             warm = time.perf_counter() - t
         sigs = g.unique_signatures()
         statuses = [book.get(s).status for s in sigs]
-        per_graph.append({"graph": name, "ops": len(g.ops), "signatures": len(sigs),
-                          "replicated_only": statuses.count("replicated"),
-                          "rules": sum(len(book.get(s).rules) for s in sigs),
-                          "cold_s": round(cold, 3), "warm_s": round(warm, 4),
-                          "warm_cache_hits": warm_book.cache_hits, "system": "MetaDist ShardCombine"})
+        per_graph.append(
+            {
+                "graph": name,
+                "ops": len(g.ops),
+                "signatures": len(sigs),
+                "replicated_only": statuses.count("replicated"),
+                "rules": sum(len(book.get(s).rules) for s in sigs),
+                "cold_s": round(cold, 3),
+                "warm_s": round(warm, 4),
+                "warm_cache_hits": warm_book.cache_hits,
+                "system": "MetaDist ShardCombine",
+            }
+        )
         for s, op in sigs.items():
             e = book.get(s)
-            per_op.append({"graph": name, "op": op.key, "shapes": s.split("|")[1], "seconds": round(e.seconds, 4),
-                           "rules": len(e.rules), "status": e.status, "note": e.note[:80]})
+            per_op.append(
+                {
+                    "graph": name,
+                    "op": op.key,
+                    "shapes": s.split("|")[1],
+                    "seconds": round(e.seconds, 4),
+                    "rules": len(e.rules),
+                    "status": e.status,
+                    "note": e.note[:80],
+                }
+            )
         print(f"{name}: {len(sigs)} signatures, cold {cold:.2f}s, warm {warm:.3f}s", flush=True)
     per_op.sort(key=lambda r: -r["seconds"])
-    write_results("discovery", per_graph + per_op,
-                  ["graph", "ops", "signatures", "replicated_only", "rules", "cold_s", "warm_s",
-                   "op", "shapes", "seconds", "status"],
-                  "ShardCombine discovery time",
-                  "Per graph: cold discovery of every op signature, then warm (read from the rule cache). "
-                  "Per op signature (slowest first): seconds, rules found, status.")
+    write_results(
+        "discovery",
+        per_graph + per_op,
+        [
+            "graph",
+            "ops",
+            "signatures",
+            "replicated_only",
+            "rules",
+            "cold_s",
+            "warm_s",
+            "op",
+            "shapes",
+            "seconds",
+            "status",
+        ],
+        "ShardCombine discovery time",
+        "Per graph: cold discovery of every op signature, then warm (read from the rule cache). "
+        "Per op signature (slowest first): seconds, rules found, status.",
+    )
     _plot(per_op)
 
 
 def _plot(per_op) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

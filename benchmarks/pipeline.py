@@ -18,6 +18,7 @@ computing (time outside ``forward_one_chunk``/``backward_one_chunk``, mean over
 ranks) -- against the schedule's ``(p-1)/(m+p-1)``. Results:
 results/pipeline.json and results/pipeline.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,6 +73,7 @@ def _busy_timer(runnable):
                     return _f(*a, **k)
                 finally:
                     box["s"] += time.perf_counter() - t0
+
             setattr(st, meth, wrapped)
     return box
 
@@ -80,6 +82,7 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
     from metadist_torch import metadist_compile
+
     torch.set_num_threads(1)
     quick = args.quick
     ms = [1, 4] if quick else [1, 2, 4, 8]
@@ -90,7 +93,7 @@ def worker(args) -> int:
     for system, mesh, k, schedules in systems:
         for sched in schedules:
             for m in ms:
-                if sched == "1f1b" and m < k:   # torch's 1F1B needs m >= p (a clear error from metadist)
+                if sched == "1f1b" and m < k:  # torch's 1F1B needs m >= p (a clear error from metadist)
                     continue
                 model, opt, desc = _model(quick)
                 kw = dict(mesh=mesh, pipeline_stages=k, micro_batches=m)
@@ -98,8 +101,13 @@ def worker(args) -> int:
                     kw["schedule"] = sched
                 step = metadist_compile(**kw)(_step)
                 ids = tokens(256, batch, seq, steps + warm)
-                rec = {"system": system, "schedule": sched, "micro_batches": m, "mesh": "x".join(map(str, mesh)),
-                       "model": desc}
+                rec = {
+                    "system": system,
+                    "schedule": sched,
+                    "micro_batches": m,
+                    "mesh": "x".join(map(str, mesh)),
+                    "model": desc,
+                }
                 try:
                     for i in range(warm):
                         step(model, opt, ids[i])
@@ -113,13 +121,17 @@ def worker(args) -> int:
                         ts.append(time.perf_counter() - t0)
                     plan = step.plan
                     pl = plan.stats.pipeline
-                    measured = (step.memory or {}).get("measured_peak_bytes")   # the first call, tensor bytes
-                    rec.update(step_s=statistics.median(ts), peak_rss=_peak(), busy_s=busy["s"] / steps,
-                               measured_peak=measured,
-                               predicted_s=pl["step_time"] if pl else m * plan.objective,
-                               predicted_bytes=max(s.memory for s in plan.stages) if plan.stages
-                               else plan.memory_per_device,
-                               bubble_model=pl["bubble"] if pl else 0.0, stages=len(plan.stages))
+                    measured = (step.memory or {}).get("measured_peak_bytes")  # the first call, tensor bytes
+                    rec.update(
+                        step_s=statistics.median(ts),
+                        peak_rss=_peak(),
+                        busy_s=busy["s"] / steps,
+                        measured_peak=measured,
+                        predicted_s=pl["step_time"] if pl else m * plan.objective,
+                        predicted_bytes=max(s.memory for s in plan.stages) if plan.stages else plan.memory_per_device,
+                        bubble_model=pl["bubble"] if pl else 0.0,
+                        stages=len(plan.stages),
+                    )
                 except Exception as e:  # pragma: no cover - recorded, the table shows it
                     rec["error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(rec)
@@ -138,6 +150,7 @@ def main(argv=None) -> int:
     if args.worker:
         finish(worker(args))
     from benchmarks._common import write_results
+
     # no cache=True: the user's rule cache, discovery once per machine
     got = launch(__file__, args.nproc, ["--quick"] if args.quick else [], timeout=3000)
     if got is None:
@@ -154,22 +167,43 @@ def main(argv=None) -> int:
         step_s = max(p["step_s"] for p in per)
         busy = statistics.mean(p["busy_s"] for p in per)
         p_, m = {"none": 1, "pp2x2": 2, "pp4": 4}[r0["system"]], r0["micro_batches"]
-        rec.update(step_ms=step_s * 1e3, predicted_ms=r0["predicted_s"] * 1e3,
-                   peak_rss_mb=max(p["peak_rss"] for p in per) / 2**20,
-                   predicted_mb=r0["predicted_bytes"] / 2**20,
-                   measured_peak_mb=(max(p["measured_peak"] for p in per) / 2**20
-                                     if all(p.get("measured_peak") for p in per) else None),
-                   bubble_measured=(1 - busy / step_s) if r0["stages"] else 0.0,
-                   bubble_model=(p_ - 1) / (m + p_ - 1))
+        rec.update(
+            step_ms=step_s * 1e3,
+            predicted_ms=r0["predicted_s"] * 1e3,
+            peak_rss_mb=max(p["peak_rss"] for p in per) / 2**20,
+            predicted_mb=r0["predicted_bytes"] / 2**20,
+            measured_peak_mb=(
+                max(p["measured_peak"] for p in per) / 2**20 if all(p.get("measured_peak") for p in per) else None
+            ),
+            bubble_measured=(1 - busy / step_s) if r0["stages"] else 0.0,
+            bubble_model=(p_ - 1) / (m + p_ - 1),
+        )
         records.append(rec)
-    cols = ["system", "mesh", "schedule", "micro_batches", "step_ms", "predicted_ms", "measured_peak_mb",
-            "predicted_mb", "peak_rss_mb", "bubble_measured", "bubble_model", "error"]
-    path = write_results(NAME, records, cols, "Pipeline parallelism: GPT-2 on 4 gloo ranks",
-                         notes=f"{records[0].get('model', '')}; step_ms: median of the slowest rank; predicted_ms: "
-                               "the cost model (pipelines: (m+p-1) x the slowest stage; none: m x the micro-batch "
-                               "plan); bubble_measured: share of the step a stage is not in forward/backward "
-                               "chunks (mean over ranks; it includes the optimizer update and the state "
-                               "broadcast); bubble_model: (p-1)/(m+p-1).")
+    cols = [
+        "system",
+        "mesh",
+        "schedule",
+        "micro_batches",
+        "step_ms",
+        "predicted_ms",
+        "measured_peak_mb",
+        "predicted_mb",
+        "peak_rss_mb",
+        "bubble_measured",
+        "bubble_model",
+        "error",
+    ]
+    path = write_results(
+        NAME,
+        records,
+        cols,
+        "Pipeline parallelism: GPT-2 on 4 gloo ranks",
+        notes=f"{records[0].get('model', '')}; step_ms: median of the slowest rank; predicted_ms: "
+        "the cost model (pipelines: (m+p-1) x the slowest stage; none: m x the micro-batch "
+        "plan); bubble_measured: share of the step a stage is not in forward/backward "
+        "chunks (mean over ranks; it includes the optimizer update and the state "
+        "broadcast); bubble_model: (p-1)/(m+p-1).",
+    )
     print(path.read_text())
     return 0
 

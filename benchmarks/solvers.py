@@ -17,6 +17,7 @@ residual); the remaining per-op choices are then filled in as cheaply as that
 layout allows (an exact ILP under the pins), so each hand plan is the best
 plan of its family on this cost model.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,14 +46,26 @@ MESHES = [(8,), (2, 4), (2, 2, 2)]
 HAND_PLANS = {
     (8,): {"DP": ("dp",), "FSDP": ("fsdp",), "Megatron-TP": ("tp",)},
     (2, 4): {"DP": ("dp", "dp"), "FSDP": ("fsdp", "fsdp"), "Megatron-TP": ("tp", "tp"), "TPxDP": ("dp", "tp")},
-    (2, 2, 2): {"DP": ("dp", "dp", "dp"), "FSDP": ("fsdp", "fsdp", "fsdp"), "Megatron-TP": ("tp", "tp", "tp"),
-                "TPxDP": ("dp", "dp", "tp")},
+    (2, 2, 2): {
+        "DP": ("dp", "dp", "dp"),
+        "FSDP": ("fsdp", "fsdp", "fsdp"),
+        "Megatron-TP": ("tp", "tp", "tp"),
+        "TPxDP": ("dp", "dp", "tp"),
+    },
 }
-TP_PARAM = {"col_w": Shard(1), "col_b": Shard(0), "row_w": Shard(0), "row_b": Replicate(), "ln": Replicate(),
-            "wte": Shard(0), "wpe": Replicate()}
+TP_PARAM = {
+    "col_w": Shard(1),
+    "col_b": Shard(0),
+    "row_w": Shard(0),
+    "row_b": Replicate(),
+    "ln": Replicate(),
+    "wte": Shard(0),
+    "wpe": Replicate(),
+}
 
 
 # -- rule sources: the hook point -----------------------------------------------
+
 
 def synthetic_source(model: str):
     """(graph info, RuleBook) from the synthetic generator and hand-derived rules."""
@@ -95,10 +108,22 @@ def discovered_info(graph, costs) -> Gpt2Graph:
     if len(kinds) != len(params):
         raise ValueError(f"{path}: {len(params)} parameters do not fit the GPT-2 layout (2 + 12 per block + 2)")
     i = {v: k for k, v in enumerate(params)}
-    states = {p: tuple(v for v in graph.inputs if graph.vars[v].role == "optimizer_state"
-                       and v.rsplit("_", 1)[-1] == p.rsplit("_", 1)[-1]) for p in params}
-    return Gpt2Graph(graph, costs, {p: kinds[i[p]] for p in params}, states,
-                     [v for v in graph.inputs if graph.vars[v].role == "input"], [])
+    states = {
+        p: tuple(
+            v
+            for v in graph.inputs
+            if graph.vars[v].role == "optimizer_state" and v.rsplit("_", 1)[-1] == p.rsplit("_", 1)[-1]
+        )
+        for p in params
+    }
+    return Gpt2Graph(
+        graph,
+        costs,
+        {p: kinds[i[p]] for p in params},
+        states,
+        [v for v in graph.inputs if graph.vars[v].role == "input"],
+        [],
+    )
 
 
 RULE_SOURCES = {"synthetic": synthetic_source, "discovered": discovered_source}
@@ -106,9 +131,10 @@ RULE_SOURCES = {"synthetic": synthetic_source, "discovered": discovered_source}
 
 # -- hand plans ------------------------------------------------------------------
 
+
 def _fits(shape, placements, mesh_shape) -> bool:
     if any(isinstance(p, Shard) and not -len(shape) <= p.dim < len(shape) for p in placements):
-        return False   # a 0-d optimizer step count (traced graphs) has no dim to split
+        return False  # a 0-d optimizer step count (traced graphs) has no dim to split
     return largest_local_shape(tuple(shape), tuple(placements), tuple(mesh_shape)) is not None
 
 
@@ -120,7 +146,7 @@ def hand_pins(info, mesh_shape, roles) -> list[Pin]:
     def pin(var, per_axis):
         shape = g.vars[var].shape
         pl = []
-        for a, p in enumerate(per_axis):      # drop a split that would leave a device nothing
+        for a, p in enumerate(per_axis):  # drop a split that would leave a device nothing
             trial = pl + [p] + [Replicate()] * (len(per_axis) - a - 1)
             pl.append(p if _fits(shape, trial, mesh_shape) else Replicate())
         pins.append(Pin(var, Sharding(pl)))
@@ -147,17 +173,29 @@ def constrained(problem, pins):
 
 # -- the run ---------------------------------------------------------------------
 
+
 def run_case(pm, model, mesh_shape, rules, time_limit, beam_width, check_coarsening):
     info, book = RULE_SOURCES[rules](model)
     mesh = load_profile().mesh(mesh_shape)
-    build_s, prob = timed(lambda: build_problem(info.graph, book, mesh, op_costs=info.op_costs,
-                                                device=DEVICE_PRESETS["a100"]))
+    build_s, prob = timed(
+        lambda: build_problem(info.graph, book, mesh, op_costs=info.op_costs, device=DEVICE_PRESETS["a100"])
+    )
     coarse_s, co = timed(lambda: coarsen(prob))
     fine, small = co.fine, co.terms.size()
-    base = dict(model=model, mesh="x".join(map(str, mesh_shape)), rules=rules, graph_ops=len(info.graph.ops),
-                nodes=fine["nodes"], options=fine["options"], edge_cells=fine["edge_cells"],
-                nodes_coarse=small["nodes"], options_coarse=small["options"], edge_cells_coarse=small["edge_cells"],
-                build_s=build_s, coarsen_s=coarse_s)
+    base = dict(
+        model=model,
+        mesh="x".join(map(str, mesh_shape)),
+        rules=rules,
+        graph_ops=len(info.graph.ops),
+        nodes=fine["nodes"],
+        options=fine["options"],
+        edge_cells=fine["edge_cells"],
+        nodes_coarse=small["nodes"],
+        options_coarse=small["options"],
+        edge_cells_coarse=small["edge_cells"],
+        build_s=build_s,
+        coarsen_s=coarse_s,
+    )
     recs = []
     plans = {}
     for solver, opts in (("ilp", {"time_limit": time_limit}), ("beam", {"beam_width": beam_width}), ("greedy", {})):
@@ -165,18 +203,37 @@ def run_case(pm, model, mesh_shape, rules, time_limit, beam_width, check_coarsen
         plan = pm.solve(solver, prob, opts)
         wall = time.perf_counter() - t0
         plans[solver] = plan
-        recs.append({**base, "system": solver, "kind": "solver", "solve_s": wall,
-                     "search_s": plan.stats.extra.get("search_seconds"), "objective_ms": plan.objective * 1e3,
-                     "lower_bound_ms": None if plan.lower_bound is None else plan.lower_bound * 1e3,
-                     "gap": plan.gap, "memory_MiB": plan.memory_per_device / 2**20,
-                     "ilp_vars": plan.stats.extra.get("variables"), "status": plan.stats.status or ""})
+        recs.append(
+            {
+                **base,
+                "system": solver,
+                "kind": "solver",
+                "solve_s": wall,
+                "search_s": plan.stats.extra.get("search_seconds"),
+                "objective_ms": plan.objective * 1e3,
+                "lower_bound_ms": None if plan.lower_bound is None else plan.lower_bound * 1e3,
+                "gap": plan.gap,
+                "memory_MiB": plan.memory_per_device / 2**20,
+                "ilp_vars": plan.stats.extra.get("variables"),
+                "status": plan.stats.status or "",
+            }
+        )
     for name, roles in HAND_PLANS[tuple(mesh_shape)].items():
         q = constrained(prob, hand_pins(info, mesh_shape, roles))
         t0 = time.perf_counter()
         plan = pm.solve("ilp", q, {"time_limit": time_limit})
-        recs.append({**base, "system": name, "kind": "hand", "solve_s": time.perf_counter() - t0,
-                     "objective_ms": plan.objective * 1e3, "gap": plan.gap, "memory_MiB": plan.memory_per_device / 2**20,
-                     "status": plan.stats.status or ""})
+        recs.append(
+            {
+                **base,
+                "system": name,
+                "kind": "hand",
+                "solve_s": time.perf_counter() - t0,
+                "objective_ms": plan.objective * 1e3,
+                "gap": plan.gap,
+                "memory_MiB": plan.memory_per_device / 2**20,
+                "status": plan.stats.status or "",
+            }
+        )
     ilp = plans["ilp"].objective
     best_hand = min(r["objective_ms"] for r in recs if r["kind"] == "hand")
     for r in recs:
@@ -185,17 +242,29 @@ def run_case(pm, model, mesh_shape, rules, time_limit, beam_width, check_coarsen
     if check_coarsening:
         t0 = time.perf_counter()
         full = pm.solve("ilp", prob, {"time_limit": time_limit, "coarsen": False})
-        recs.append({**base, "system": "ilp-uncoarsened", "kind": "check", "nodes_coarse": fine["nodes"],
-                     "solve_s": time.perf_counter() - t0, "objective_ms": full.objective * 1e3,
-                     "lower_bound_ms": None if full.lower_bound is None else full.lower_bound * 1e3, "gap": full.gap,
-                     "memory_MiB": full.memory_per_device / 2**20, "vs_ilp": full.objective / ilp,
-                     "ilp_vars": full.stats.extra.get("variables"), "status": full.stats.status or ""})
+        recs.append(
+            {
+                **base,
+                "system": "ilp-uncoarsened",
+                "kind": "check",
+                "nodes_coarse": fine["nodes"],
+                "solve_s": time.perf_counter() - t0,
+                "objective_ms": full.objective * 1e3,
+                "lower_bound_ms": None if full.lower_bound is None else full.lower_bound * 1e3,
+                "gap": full.gap,
+                "memory_MiB": full.memory_per_device / 2**20,
+                "vs_ilp": full.objective / ilp,
+                "ilp_vars": full.stats.extra.get("variables"),
+                "status": full.stats.status or "",
+            }
+        )
     return recs
 
 
 def plot(records, path):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -250,21 +319,50 @@ def main(argv=None) -> None:
     records = []
     for model, mesh_shape in cases:
         t0 = time.perf_counter()
-        recs = run_case(pm, model, mesh_shape, args.rules, tl, args.beam_width,
-                        check_coarsening=model == "gpt2-tiny-2l" and not (args.quick and len(mesh_shape) > 2))
+        recs = run_case(
+            pm,
+            model,
+            mesh_shape,
+            args.rules,
+            tl,
+            args.beam_width,
+            check_coarsening=model == "gpt2-tiny-2l" and not (args.quick and len(mesh_shape) > 2),
+        )
         records += recs
         ilp = next(r for r in recs if r["system"] == "ilp")
-        print(f"{model} on {'x'.join(map(str, mesh_shape))}: nodes {ilp['nodes']} -> {ilp['nodes_coarse']}, "
-              f"ilp {ilp['objective_ms']:.3f} ms in {ilp['solve_s']:.2f} s; "
-              + ", ".join(f"{r['system']} x{r['vs_ilp']:.3f}" for r in recs if r["system"] != "ilp")
-              + f"  [{time.perf_counter() - t0:.1f} s]", flush=True)
-    cols = ["model", "mesh", "system", "kind", "nodes", "nodes_coarse", "options", "options_coarse", "build_s",
-            "solve_s", "objective_ms", "lower_bound_ms", "gap", "vs_ilp", "vs_best_hand", "memory_MiB", "ilp_vars"]
-    notes = ("Cost: seconds per step on the cost model (A100-like fp32 roofline, default mesh profile: intra-node "
-             "alpha 10 us, 25 GB/s). `solve_s` is coarsening + search (problem build is `build_s`). "
-             "`nodes -> nodes_coarse`: decisions before and after coarsening (followers, fixed, tied layers). "
-             "`ilp-uncoarsened` solves the full problem to check that coarsening did not make the optimum worse. "
-             "Hand plans are the best plan of their family (pinned layouts, the rest filled in by the ILP).")
+        print(
+            f"{model} on {'x'.join(map(str, mesh_shape))}: nodes {ilp['nodes']} -> {ilp['nodes_coarse']}, "
+            f"ilp {ilp['objective_ms']:.3f} ms in {ilp['solve_s']:.2f} s; "
+            + ", ".join(f"{r['system']} x{r['vs_ilp']:.3f}" for r in recs if r["system"] != "ilp")
+            + f"  [{time.perf_counter() - t0:.1f} s]",
+            flush=True,
+        )
+    cols = [
+        "model",
+        "mesh",
+        "system",
+        "kind",
+        "nodes",
+        "nodes_coarse",
+        "options",
+        "options_coarse",
+        "build_s",
+        "solve_s",
+        "objective_ms",
+        "lower_bound_ms",
+        "gap",
+        "vs_ilp",
+        "vs_best_hand",
+        "memory_MiB",
+        "ilp_vars",
+    ]
+    notes = (
+        "Cost: seconds per step on the cost model (A100-like fp32 roofline, default mesh profile: intra-node "
+        "alpha 10 us, 25 GB/s). `solve_s` is coarsening + search (problem build is `build_s`). "
+        "`nodes -> nodes_coarse`: decisions before and after coarsening (followers, fixed, tied layers). "
+        "`ilp-uncoarsened` solves the full problem to check that coarsening did not make the optimum worse. "
+        "Hand plans are the best plan of their family (pinned layouts, the rest filled in by the ILP)."
+    )
     name = NAME if args.rules == "synthetic" else f"{NAME}_{args.rules}"
     write_results(name, records, cols, "Solvers: greedy, beam and ILP vs hand-written plans", notes)
     png = plot(records, RESULTS / f"{name}.png")

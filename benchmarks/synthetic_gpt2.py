@@ -4,6 +4,7 @@ Same sizes as the recorded graphs in tests/data/graphs (2/12/48 layers, widths
 128/768/1600, vocab 1024/50257, batch 8 x seq 128), written directly with aten
 op keys so that the solver benchmark needs no frontend. Scalars are attributes.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,11 +22,11 @@ CONFIGS = {
 @dataclass
 class Gpt2Graph:
     graph: MetaIR
-    op_costs: dict                       # op id -> (flops, bytes)
-    params: dict = field(default_factory=dict)     # param var -> kind (col_w, col_b, row_w, row_b, ln, wte, wpe)
-    states: dict = field(default_factory=dict)     # param var -> (exp_avg var, exp_avg_sq var)
-    batch: list = field(default_factory=list)      # the token inputs
-    residual: list = field(default_factory=list)   # the residual stream values between blocks
+    op_costs: dict  # op id -> (flops, bytes)
+    params: dict = field(default_factory=dict)  # param var -> kind (col_w, col_b, row_w, row_b, ln, wte, wpe)
+    states: dict = field(default_factory=dict)  # param var -> (exp_avg var, exp_avg_sq var)
+    batch: list = field(default_factory=list)  # the token inputs
+    residual: list = field(default_factory=list)  # the residual stream values between blocks
 
 
 class _B:
@@ -51,8 +52,12 @@ class _B:
     def ew(self, name, *xs, scalar=None):
         attrs = {} if scalar is None else {"scalar": scalar}
         shp = max((self.shape(x) for x in xs), key=len)
-        return self.op(f"aten.{name}.Tensor" if name in ("add", "sub", "mul", "div") else f"aten.{name}.default",
-                       list(xs), [(shp, "float32")], attrs)
+        return self.op(
+            f"aten.{name}.Tensor" if name in ("add", "sub", "mul", "div") else f"aten.{name}.default",
+            list(xs),
+            [(shp, "float32")],
+            attrs,
+        )
 
     def view(self, x, shape):
         return self.op("aten.view.default", [x], [(tuple(shape), self.g.vars[x].dtype)], {"size": list(shape)})
@@ -99,11 +104,23 @@ def build_gpt2(name: str = "gpt2-tiny-2l", batch: int = 8, seq: int = 128, layer
     wpe = param("wpe", (seq, H), "wpe")
     layer_params = []
     for i in range(L):
-        p = {k: param(f"h{i}.{k}", shp, kind) for k, shp, kind in (
-            ("ln1.w", (H,), "ln"), ("ln1.b", (H,), "ln"), ("attn.w", (H, 3 * H), "col_w"), ("attn.b", (3 * H,), "col_b"),
-            ("proj.w", (H, H), "row_w"), ("proj.b", (H,), "row_b"), ("ln2.w", (H,), "ln"), ("ln2.b", (H,), "ln"),
-            ("fc.w", (H, 4 * H), "col_w"), ("fc.b", (4 * H,), "col_b"), ("proj2.w", (4 * H, H), "row_w"),
-            ("proj2.b", (H,), "row_b"))}
+        p = {
+            k: param(f"h{i}.{k}", shp, kind)
+            for k, shp, kind in (
+                ("ln1.w", (H,), "ln"),
+                ("ln1.b", (H,), "ln"),
+                ("attn.w", (H, 3 * H), "col_w"),
+                ("attn.b", (3 * H,), "col_b"),
+                ("proj.w", (H, H), "row_w"),
+                ("proj.b", (H,), "row_b"),
+                ("ln2.w", (H,), "ln"),
+                ("ln2.b", (H,), "ln"),
+                ("fc.w", (H, 4 * H), "col_w"),
+                ("fc.b", (4 * H,), "col_b"),
+                ("proj2.w", (4 * H, H), "row_w"),
+                ("proj2.b", (H,), "row_b"),
+            )
+        }
         layer_params.append(p)
     lnf_w, lnf_b = param("lnf.w", (H,), "ln"), param("lnf.b", (H,), "ln")
     for pid in list(out.params):
@@ -117,9 +134,13 @@ def build_gpt2(name: str = "gpt2-tiny-2l", batch: int = 8, seq: int = 128, layer
 
     # -- forward ----------------------------------------------------------
     def ln(x, w, bb):
-        return b.op("aten.native_layer_norm.default", [x, w, bb],
-                    [(b.shape(x), "float32"), (b.shape(x)[:-1] + (1,), "float32"), (b.shape(x)[:-1] + (1,), "float32")],
-                    {"normalized_shape": [H], "eps": 1e-5}, flops=8 * math.prod(b.shape(x)))
+        return b.op(
+            "aten.native_layer_norm.default",
+            [x, w, bb],
+            [(b.shape(x), "float32"), (b.shape(x)[:-1] + (1,), "float32"), (b.shape(x)[:-1] + (1,), "float32")],
+            {"normalized_shape": [H], "eps": 1e-5},
+            flops=8 * math.prod(b.shape(x)),
+        )
 
     emb = b.op("aten.embedding.default", [wte, ids], [((batch, seq, H), "float32")])
     h = b.ew("add", emb, wpe)
@@ -133,8 +154,13 @@ def build_gpt2(name: str = "gpt2-tiny-2l", batch: int = 8, seq: int = 128, layer
         q, k, v = b.op("aten.split.Tensor", [qkv3], [((batch, seq, H), "float32")] * 3, {"dim": 2, "size": H})
         heads = [b.transpose(b.view(z, (batch, seq, nh, hd)), 1, 2) for z in (q, k, v)]
         att_fl = 4 * batch * nh * seq * seq * hd
-        ao, lse = b.op("aten._scaled_dot_product_flash_attention_for_cpu.default", heads,
-                       [((batch, nh, seq, hd), "float32"), ((batch, nh, seq), "float32")], {"causal": True}, flops=att_fl)
+        ao, lse = b.op(
+            "aten._scaled_dot_product_flash_attention_for_cpu.default",
+            heads,
+            [((batch, nh, seq, hd), "float32"), ((batch, nh, seq), "float32")],
+            {"causal": True},
+            flops=att_fl,
+        )
         aot = b.transpose(ao, 1, 2)
         aov = b.view(aot, (T, H))
         pr = b.addmm(p["proj.b"], aov, p["proj.w"])
@@ -146,34 +172,56 @@ def build_gpt2(name: str = "gpt2-tiny-2l", batch: int = 8, seq: int = 128, layer
         pr2 = b.addmm(p["proj2.b"], ge, p["proj2.w"])
         h2 = b.ew("add", h1, b.view(pr2, (batch, seq, H)))
         out.residual.append(h2)
-        saved.append(dict(h=h, x1=x1, mean1=mean1, rstd1=rstd1, x1v=x1v, heads=heads, ao=ao, lse=lse, aov=aov,
-                          h1=h1, x2=x2, mean2=mean2, rstd2=rstd2, x2v=x2v, fc=fc, ge=ge))
+        saved.append(
+            dict(
+                h=h,
+                x1=x1,
+                mean1=mean1,
+                rstd1=rstd1,
+                x1v=x1v,
+                heads=heads,
+                ao=ao,
+                lse=lse,
+                aov=aov,
+                h1=h1,
+                x2=x2,
+                mean2=mean2,
+                rstd2=rstd2,
+                x2v=x2v,
+                fc=fc,
+                ge=ge,
+            )
+        )
         h = h2
     xf, meanf, rstdf = ln(h, lnf_w, lnf_b)
     xfv = b.view(xf, (T, H))
     wte_t = b.t(wte)
     logits = b.mm(xfv, wte_t)
     logp = b.op("aten._log_softmax.default", [logits], [((T, V), "float32")], {"dim": 1}, flops=4 * T * V)
-    loss, tw = b.op("aten.nll_loss_forward.default", [logp, labels], [((), "float32"), ((), "float32")],
-                    {"reduction": 1})
+    loss, tw = b.op(
+        "aten.nll_loss_forward.default", [logp, labels], [((), "float32"), ((), "float32")], {"reduction": 1}
+    )
 
     # -- backward ---------------------------------------------------------
     grads: dict = {}
     gl = b.op("aten.ones_like.default", [loss], [((), "float32")])
     dlogp = b.op("aten.nll_loss_backward.default", [gl, logp, labels, tw], [((T, V), "float32")], {"reduction": 1})
-    dlogits = b.op("aten._log_softmax_backward_data.default", [dlogp, logp], [((T, V), "float32")],
-                   {"dim": 1})
+    dlogits = b.op("aten._log_softmax_backward_data.default", [dlogp, logp], [((T, V), "float32")], {"dim": 1})
     dxfv = b.mm(dlogits, wte)
     grads[wte] = b.mm(b.t(dlogits), xfv)
 
     def ln_bw(dy, x, mean, rstd, w, bb):
-        dx, dw, db = b.op("aten.native_layer_norm_backward.default", [dy, x, mean, rstd, w, bb],
-                          [(b.shape(x), "float32"), ((H,), "float32"), ((H,), "float32")], {"normalized_shape": [H]},
-                          flops=12 * math.prod(b.shape(x)))
+        dx, dw, db = b.op(
+            "aten.native_layer_norm_backward.default",
+            [dy, x, mean, rstd, w, bb],
+            [(b.shape(x), "float32"), ((H,), "float32"), ((H,), "float32")],
+            {"normalized_shape": [H]},
+            flops=12 * math.prod(b.shape(x)),
+        )
         grads[w], grads[bb] = dw, db
         return dx
 
-    def linear_bw(dy, x, bias, w):   # y = x @ w + bias, dy (T, N)
+    def linear_bw(dy, x, bias, w):  # y = x @ w + bias, dy (T, N)
         grads[w] = b.mm(b.t(x), dy)
         grads[bias] = b.sum0(dy, [0])
         return b.mm(dy, b.t(w))
@@ -184,17 +232,29 @@ def build_gpt2(name: str = "gpt2-tiny-2l", batch: int = 8, seq: int = 128, layer
         dge = linear_bw(dpr2, s["ge"], p["proj2.b"], p["proj2.w"])
         dfc = b.op("aten.gelu_backward.default", [dge, s["fc"]], [((T, 4 * H), "float32")], {"approximate": "tanh"})
         dx2v = linear_bw(dfc, s["x2v"], p["fc.b"], p["fc.w"])
-        dh1 = b.ew("add", dh, ln_bw(b.view(dx2v, (batch, seq, H)), s["x2"], s["mean2"], s["rstd2"], p["ln2.w"], p["ln2.b"]))
+        dh1 = b.ew(
+            "add", dh, ln_bw(b.view(dx2v, (batch, seq, H)), s["x2"], s["mean2"], s["rstd2"], p["ln2.w"], p["ln2.b"])
+        )
         dpr = b.view(dh1, (T, H))
         daov = linear_bw(dpr, s["aov"], p["proj.b"], p["proj.w"])
         dao = b.transpose(b.view(daov, (batch, seq, nh, hd)), 1, 2)
-        dq, dk, dv = b.op("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-                          [dao, *s["heads"], s["ao"], s["lse"]], [((batch, nh, seq, hd), "float32")] * 3,
-                          {"causal": True}, flops=2 * 4 * batch * nh * seq * seq * hd)
-        dqkv = b.op("aten.cat.default", [b.view(b.transpose(z, 1, 2), (batch, seq, H)) for z in (dq, dk, dv)],
-                    [((batch, seq, 3 * H), "float32")], {"dim": 2})
+        dq, dk, dv = b.op(
+            "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+            [dao, *s["heads"], s["ao"], s["lse"]],
+            [((batch, nh, seq, hd), "float32")] * 3,
+            {"causal": True},
+            flops=2 * 4 * batch * nh * seq * seq * hd,
+        )
+        dqkv = b.op(
+            "aten.cat.default",
+            [b.view(b.transpose(z, 1, 2), (batch, seq, H)) for z in (dq, dk, dv)],
+            [((batch, seq, 3 * H), "float32")],
+            {"dim": 2},
+        )
         dx1v = linear_bw(b.view(dqkv, (T, 3 * H)), s["x1v"], p["attn.b"], p["attn.w"])
-        dh = b.ew("add", dh1, ln_bw(b.view(dx1v, (batch, seq, H)), s["x1"], s["mean1"], s["rstd1"], p["ln1.w"], p["ln1.b"]))
+        dh = b.ew(
+            "add", dh1, ln_bw(b.view(dx1v, (batch, seq, H)), s["x1"], s["mean1"], s["rstd1"], p["ln1.w"], p["ln1.b"])
+        )
     grads[wpe] = b.sum0(dh, [0])
     dwte_emb = b.op("aten.embedding_dense_backward.default", [dh, ids], [((V, H), "float32")], {"num_weights": V})
     grads[wte] = b.ew("add", grads[wte], dwte_emb)

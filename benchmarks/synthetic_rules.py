@@ -4,6 +4,7 @@ Stands in for ShardCombine discovery until the PyTorch op runner exists; see
 ``benchmarks.solvers.RULE_SOURCES`` for the hook point that swaps in
 discovered rules. Scalars are op attributes, never tensor inputs.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -15,8 +16,8 @@ from metadist_core.discovery.rules import OpRules, RuleBook, ShardingRule
 R, P, PA = Replicate(), Partial("sum"), Partial("avg")
 S = Shard
 
-LINEAR_ALL = {"add", "sub"}              # (P, P) -> P
-LINEAR_FIRST = {"mul", "div"}            # (P, R) -> P when the other is a tensor; P -> P with a scalar
+LINEAR_ALL = {"add", "sub"}  # (P, P) -> P
+LINEAR_FIRST = {"mul", "div"}  # (P, R) -> P when the other is a tensor; P -> P with a scalar
 NONLINEAR = {"sqrt", "tanh", "gelu", "exp", "neg", "relu"}
 
 
@@ -31,8 +32,7 @@ def _bcast(in_shapes: Sequence[Sequence[int]], out_shape: Sequence[int], d: int)
 
 
 def elementwise(name: str, in_shapes, out_shape, scalar_other: bool) -> list[ShardingRule]:
-    rules = [ShardingRule(_bcast(in_shapes, out_shape, d), (S(d),)) for d in range(len(out_shape))
-             if out_shape[d] > 1]
+    rules = [ShardingRule(_bcast(in_shapes, out_shape, d), (S(d),)) for d in range(len(out_shape)) if out_shape[d] > 1]
     n = len(in_shapes)
     if name in LINEAR_ALL:
         rules.append(ShardingRule((P,) * n, (P,)))
@@ -75,8 +75,11 @@ def rules_for_op(op: MetaOp, g: MetaIR) -> list[ShardingRule]:
     if name == "mm":
         return [ShardingRule((S(0), R), (S(0),)), ShardingRule((R, S(1)), (S(1),)), ShardingRule((S(1), S(0)), (P,))]
     if name == "addmm":
-        return [ShardingRule((R, S(0), R), (S(0),)), ShardingRule((S(0), R, S(1)), (S(1),)),
-                ShardingRule((P, S(1), S(0)), (P,))]
+        return [
+            ShardingRule((R, S(0), R), (S(0),)),
+            ShardingRule((S(0), R, S(1)), (S(1),)),
+            ShardingRule((P, S(1), S(0)), (P,)),
+        ]
     if name in ("view", "_unsafe_view"):
         return [ShardingRule((S(x),), (S(y),)) for x, y in view_groups(ins[0], outs[0])] + [ShardingRule((P,), (P,))]
     if name in ("t", "transpose"):
@@ -86,18 +89,23 @@ def rules_for_op(op: MetaOp, g: MetaIR) -> list[ShardingRule]:
     if name == "split":
         dim = a["dim"]
         k = len(outs)
-        return [ShardingRule((S(d),), (S(d),) * k) for d in range(len(ins[0])) if d != dim] + \
-               [ShardingRule((P,), (P,) * k)]
+        return [ShardingRule((S(d),), (S(d),) * k) for d in range(len(ins[0])) if d != dim] + [
+            ShardingRule((P,), (P,) * k)
+        ]
     if name == "cat":
         dim = a["dim"]
-        return [ShardingRule((S(d),) * len(ins), (S(d),)) for d in range(len(outs[0])) if d != dim] + \
-               [ShardingRule((P,) * len(ins), (P,))]
+        return [ShardingRule((S(d),) * len(ins), (S(d),)) for d in range(len(outs[0])) if d != dim] + [
+            ShardingRule((P,) * len(ins), (P,))
+        ]
     if name == "sum":
         dims = set(a["dims"])
         keep = [d for d in range(len(ins[0])) if d not in dims]
-        return [ShardingRule((S(d),), (S(keep.index(d)),)) for d in keep] + \
-               [ShardingRule((S(d),), (P,)) for d in dims] + [ShardingRule((P,), (P,))]
-    if name == "native_layer_norm":       # x, w, b -> out, mean, rstd
+        return (
+            [ShardingRule((S(d),), (S(keep.index(d)),)) for d in keep]
+            + [ShardingRule((S(d),), (P,)) for d in dims]
+            + [ShardingRule((P,), (P,))]
+        )
+    if name == "native_layer_norm":  # x, w, b -> out, mean, rstd
         return [ShardingRule((S(d), R, R), (S(d), S(d), S(d))) for d in range(len(ins[0]) - 1)]
     if name == "native_layer_norm_backward":  # dout, x, mean, rstd, w, b -> dx, dw, db
         return [ShardingRule((S(d), S(d), S(d), S(d), R, R), (S(d), P, P)) for d in range(len(ins[0]) - 1)]
@@ -108,16 +116,19 @@ def rules_for_op(op: MetaOp, g: MetaIR) -> list[ShardingRule]:
         return [ShardingRule((S(0),), (S(0),))]
     if name == "_log_softmax_backward_data":
         return [ShardingRule((S(0), S(0)), (S(0),))]
-    if name == "nll_loss_forward":       # logp, target -> loss (mean), total_weight
+    if name == "nll_loss_forward":  # logp, target -> loss (mean), total_weight
         return [ShardingRule((S(0), S(0)), (PA, P))]
-    if name == "nll_loss_backward":      # grad, logp, target, total_weight -> grad_logp
+    if name == "nll_loss_backward":  # grad, logp, target, total_weight -> grad_logp
         return [ShardingRule((R, S(0), S(0), R), (S(0),))]
-    if name == "embedding":              # weight, ids -> out
-        return [ShardingRule((R, S(0)), (S(0),)), ShardingRule((R, S(1)), (S(1),)),
-                ShardingRule((S(1), R), (S(2),)), ShardingRule((S(0), R), (P,))]
-    if name == "embedding_dense_backward":   # grad, ids -> dweight
-        return [ShardingRule((S(0), S(0)), (P,)), ShardingRule((S(1), S(1)), (P,)),
-                ShardingRule((S(2), R), (S(1),))]
+    if name == "embedding":  # weight, ids -> out
+        return [
+            ShardingRule((R, S(0)), (S(0),)),
+            ShardingRule((R, S(1)), (S(1),)),
+            ShardingRule((S(1), R), (S(2),)),
+            ShardingRule((S(0), R), (P,)),
+        ]
+    if name == "embedding_dense_backward":  # grad, ids -> dweight
+        return [ShardingRule((S(0), S(0)), (P,)), ShardingRule((S(1), S(1)), (P,)), ShardingRule((S(2), R), (S(1),))]
     return []
 
 
@@ -126,6 +137,9 @@ def synthetic_rulebook(graph: MetaIR) -> RuleBook:
     book = RuleBook()
     for _sig, op in graph.unique_signatures().items():
         rules = rules_for_op(op, graph)
-        book.add_op(op, graph, OpRules(op.key, rules, 2, "ok" if rules else "replicated",
-                              "" if rules else "no hand-derived rule"))
+        book.add_op(
+            op,
+            graph,
+            OpRules(op.key, rules, 2, "ok" if rules else "replicated", "" if rules else "no hand-derived rule"),
+        )
     return book

@@ -23,6 +23,7 @@ FSDP2 and the TP plans: at the dispatcher in one more, untimed step),
 and the peak RSS. Results: results/torch_step.json (one record per model and
 system, rank medians), .md, and torch_step.png (predicted against measured).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ NAME = "torch_step"
 def _gpt():
     sys.path.insert(0, str(REPO / "examples" / "torch"))
     import gpt  # noqa: E402
+
     return gpt
 
 
@@ -96,15 +98,27 @@ def _gpt_model(quick: bool, steps: int) -> Model:
 
     def tp_plan(model):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
         # the MLP of every block, Megatron-style (the fused qkv is split by width after it: left whole)
-        return {f"blocks.{i}.{n}": (ColwiseParallel() if n == "fc" else RowwiseParallel())
-                for i in range(c.layers) for n in ("fc", "out")}
+        return {
+            f"blocks.{i}.{n}": (ColwiseParallel() if n == "fc" else RowwiseParallel())
+            for i in range(c.layers)
+            for n in ("fc", "out")
+        }
+
     # the hand plan keeps the attention whole: so does MetaDist's price of it (the tp preset leaves an attention
     # whose weights the user pins whole to the solver)
     whole_attention = {f"blocks.*.{n}.*": "R" for n in ("qkv", "proj")}
-    return Model("gpt", f"GPT example vocab {c.vocab} width {c.width} layers {c.layers} seq {c.seq} batch {c.batch}",
-                 lambda: gpt.build(c), gpt.train_step, [gpt.batch(c, s) for s in range(steps)], tp_plan,
-                 lambda m: list(m.blocks), whole_attention)
+    return Model(
+        "gpt",
+        f"GPT example vocab {c.vocab} width {c.width} layers {c.layers} seq {c.seq} batch {c.batch}",
+        lambda: gpt.build(c),
+        gpt.train_step,
+        [gpt.batch(c, s) for s in range(steps)],
+        tp_plan,
+        lambda m: list(m.blocks),
+        whole_attention,
+    )
 
 
 def _gpt2_model(quick: bool, steps: int) -> Model:
@@ -113,32 +127,56 @@ def _gpt2_model(quick: bool, steps: int) -> Model:
     def build():
         m = gpt2(n_positions=seq, n_layer=layers, n_embd=width, n_head=4, vocab_size=vocab)
         return m, adamw(m, 1e-4)
+
     ids = [(b,) for b in tokens(vocab, batch, seq, steps)]
     # GPT-2's layers are transformers' Conv1D, which ColwiseParallel/RowwiseParallel do not take: no TP plan
-    return Model("gpt2", f"GPT-2 (transformers) {layers} layers width {width} vocab {vocab} seq {seq} batch {batch}",
-                 build, _hf_step, ids, None, lambda m: list(m.transformer.h))
+    return Model(
+        "gpt2",
+        f"GPT-2 (transformers) {layers} layers width {width} vocab {vocab} seq {seq} batch {batch}",
+        build,
+        _hf_step,
+        ids,
+        None,
+        lambda m: list(m.transformer.h),
+    )
 
 
 def _llama_model(quick: bool, steps: int) -> Model:
     layers, width, seq, vocab, batch = (1, 64, 32, 256, 8) if quick else (2, 128, 64, 512, 8)
 
     def build():
-        m = llama(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=seq)
+        m = llama(
+            vocab_size=vocab,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=seq,
+        )
         return m, adamw(m, 1e-4)
 
     def tp_plan(model):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
         plan = {}
-        for i in range(layers):   # torchtitan's plan for attention and MLP (heads divide the TP size)
+        for i in range(layers):  # torchtitan's plan for attention and MLP (heads divide the TP size)
             for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
                 plan[f"model.layers.{i}.{n}"] = ColwiseParallel()
             for n in ("self_attn.o_proj", "mlp.down_proj"):
                 plan[f"model.layers.{i}.{n}"] = RowwiseParallel()
         return plan
+
     ids = [(b,) for b in tokens(vocab, batch, seq, steps)]
-    return Model("llama", f"LLaMA-style (LlamaConfig) {layers} layers width {width} vocab {vocab} seq {seq} "
-                 f"batch {batch}", build, _hf_step, ids, tp_plan, lambda m: list(m.model.layers))
+    return Model(
+        "llama",
+        f"LLaMA-style (LlamaConfig) {layers} layers width {width} vocab {vocab} seq {seq} batch {batch}",
+        build,
+        _hf_step,
+        ids,
+        tp_plan,
+        lambda m: list(m.model.layers),
+    )
 
 
 MODELS = {"gpt": _gpt_model, "gpt2": _gpt2_model, "llama": _llama_model}
@@ -146,7 +184,7 @@ MODELS = {"gpt": _gpt_model, "gpt2": _gpt2_model, "llama": _llama_model}
 
 def _shard_batch(b, rank, world):
     per = b[0].shape[0] // world
-    return tuple(x[rank * per:(rank + 1) * per] for x in b)
+    return tuple(x[rank * per : (rank + 1) * per] for x in b)
 
 
 # -- the ranks ---------------------------------------------------------------------
@@ -163,6 +201,7 @@ class System:
 def _counted(run_step) -> dict:
     """Bytes by kind of one more (untimed) step, counted at the dispatcher (benchmarks._comm_count)."""
     from benchmarks._comm_count import CountCollectives
+
     with CountCollectives() as c:
         run_step()
     return {"comm_bytes_counted": c.total, "comm_bytes_by_kind": dict(c.bytes), "comm_calls_by_kind": dict(c.calls)}
@@ -175,9 +214,13 @@ def _counted(run_step) -> dict:
 # keeps them from the forward to the backward. MetaDist's torch lowering moves a value again for its readers
 # after the forward, so it gathers a parameter again where the backward reads the parameter itself. Both
 # FSDP2 rows take the fsdp layout's price.)
-HAND = {"ddp": ("metadist_ddp", "ddp", None), "fsdp2": ("metadist_fsdp", "fsdp", None),
-        "fsdp2_no_reshard": ("metadist_fsdp", "fsdp", None),
-        "tp": ("metadist_tp", "tp", None), "tp_x_dp": ("metadist_tp_x_dp", "tp+dp", (2, 2))}
+HAND = {
+    "ddp": ("metadist_ddp", "ddp", None),
+    "fsdp2": ("metadist_fsdp", "fsdp", None),
+    "fsdp2_no_reshard": ("metadist_fsdp", "fsdp", None),
+    "tp": ("metadist_tp", "tp", None),
+    "tp_x_dp": ("metadist_tp_x_dp", "tp+dp", (2, 2)),
+}
 
 
 _MESHES: dict = {}
@@ -193,6 +236,7 @@ def device_mesh(shape: tuple[int, ...]):
     links MetaDist measured at the first compile (LLaMA's tp layout +29..+66 % over its step)."""
     if shape not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
+
         names = ("tp",) if len(shape) == 1 else ("dp", "tp")
         _MESHES[shape] = init_device_mesh("cpu", shape, mesh_dim_names=names)
     return _MESHES[shape]
@@ -202,6 +246,7 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
     """Every system of the run for model ``m``, compiled and warmed up by ``warmup`` steps (peak RSS of each
     while it is built); a system this model does not take is ``{"error": ...}``."""
     import torch.distributed as dist
+
     cache = args.cache_dir
     local = [_shard_batch(b, rank, world) for b in m.batches]
 
@@ -212,6 +257,7 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
     def metadist(strategy="auto", mesh=None):
         from metadist_core.plan.overlap import predict
         from metadist_torch import metadist_compile
+
         model, opt = m.build()
         pins = m.tp_pins if strategy.startswith("tp") else None
         step = metadist_compile(cache_dir=cache, strategy=strategy, mesh=mesh, constraints=pins)(m.step)
@@ -221,25 +267,36 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
 
         def run(i):
             return step(model, opt, *m.batches[i % len(m.batches)])
+
         warm(run)
         step.comm_stats.reset()
         info = {"first_call_s": first, "compile": step.timings, "plan": step.plan.summary()}
-        if step.problem is not None:   # only the planning rank holds the problem: it predicts
+        if step.problem is not None:  # only the planning rank holds the problem: it predicts
             pr = predict(step.plan, step.problem)
-            info.update({"predicted_ms": pr.step * 1e3, "predicted_compute_ms": pr.compute * 1e3,
-                         "predicted_comm_ms": pr.comm * 1e3, "comm_bytes_predicted": pr.comm_bytes})
+            info.update(
+                {
+                    "predicted_ms": pr.step * 1e3,
+                    "predicted_compute_ms": pr.compute * 1e3,
+                    "predicted_comm_ms": pr.comm * 1e3,
+                    "comm_bytes_predicted": pr.comm_bytes,
+                }
+            )
 
         def after(rounds):
             n = max(1, rounds)
-            return {"comm_bytes_counted": step.comm_stats.total / n,
-                    "comm_bytes_by_kind": {k: v / n for k, v in step.comm_stats.bytes.items()},
-                    # the plan's collectives per step (a bucket counts its members), not the calls on the wire
-                    "plan_collectives_by_kind": {k: v / n for k, v in step.comm_stats.calls.items()}}
+            return {
+                "comm_bytes_counted": step.comm_stats.total / n,
+                "comm_bytes_by_kind": {k: v / n for k, v in step.comm_stats.bytes.items()},
+                # the plan's collectives per step (a bucket counts its members), not the calls on the wire
+                "plan_collectives_by_kind": {k: v / n for k, v in step.comm_stats.calls.items()},
+            }
+
         return System(run, info, after)
 
     def ddp():
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         model, opt = m.build()
         d = DDP(model)
         counted = [0, 0]
@@ -247,23 +304,27 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
         def hook(state, bucket):
             counted[0] += bucket.buffer().numel() * bucket.buffer().element_size()
             return default_hooks.allreduce_hook(state, bucket)
+
         d.register_comm_hook(None, hook)
 
         def run(i):
             counted[1] += 1
             return m.step(d, opt, *local[i % len(local)])
+
         warm(run)
         return System(run, after=lambda rounds: {"comm_bytes_counted": counted[0] / max(1, counted[1])})
 
     def hand_sharded(mesh_shape, tp_plan: bool, reshard_after_forward: bool = True):
         from torch.distributed.fsdp import fully_shard
+
         model, opt = m.build()
         batches = local
         if tp_plan:
             from torch.distributed.tensor.parallel import parallelize_module
+
             dm = device_mesh(mesh_shape)
             parallelize_module(model, dm["tp"], m.tp_plan(model))
-            batches = m.batches          # every TP rank reads the whole batch
+            batches = m.batches  # every TP rank reads the whole batch
         if len(mesh_shape) == 2 or not tp_plan:
             dp_mesh = dm["dp"] if tp_plan else None
             for blk in m.blocks(model):
@@ -276,6 +337,7 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
 
         def run(i):
             return m.step(model, opt, *batches[i % len(batches)])
+
         warm(run)
         return System(run, after=lambda rounds: _counted(lambda: run(0)))
 
@@ -287,10 +349,18 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
             continue
         if mine not in (n for n, _ in makers):
             makers.append((mine, lambda preset=preset, mesh=mesh: metadist(preset, mesh and device_mesh(mesh))))
-        makers.append((hand, {"ddp": ddp, "fsdp2": lambda: hand_sharded((world,), False),
-                              "fsdp2_no_reshard": lambda: hand_sharded((world,), False, False),
-                              "tp": lambda: hand_sharded((world,), True),
-                              "tp_x_dp": lambda: hand_sharded((2, 2), True)}[hand]))
+        makers.append(
+            (
+                hand,
+                {
+                    "ddp": ddp,
+                    "fsdp2": lambda: hand_sharded((world,), False),
+                    "fsdp2_no_reshard": lambda: hand_sharded((world,), False, False),
+                    "tp": lambda: hand_sharded((world,), True),
+                    "tp_x_dp": lambda: hand_sharded((2, 2), True),
+                }[hand],
+            )
+        )
     out: dict = {}
     for name, make in makers:
         gc.collect()
@@ -301,7 +371,7 @@ def build_systems(m: Model, args, rank: int, world: int, warmup: int) -> dict[st
             _, peak = _rss()
             sysm.info.update({"peak_rss_mb": peak / 2**20, "rss_rise_mb": max(0, peak - before) / 2**20})
             out[name] = sysm
-        except Exception as e:   # a hand plan this model does not take: say so, go on
+        except Exception as e:  # a hand plan this model does not take: say so, go on
             out[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         dist.barrier()
     return out
@@ -318,14 +388,16 @@ def run_model(m: Model, args, rank: int, world: int) -> dict:
     on all of them alike. Per system: the median step, and per round its time over DDP's in the same round."""
     import torch.distributed as dist
     from benchmarks._common import interleaved
+
     warmup, rounds = _steps(args)
     systems = build_systems(m, args, rank, world, warmup)
-    if not args.rounds:   # whole Williams designs: n rounds for n systems, 2n when n is odd
+    if not args.rounds:  # whole Williams designs: n rounds for n systems, 2n when n is odd
         n = sum(1 for s in systems.values() if isinstance(s, System))
         design = n if n % 2 == 0 else 2 * n
         rounds = -(-rounds // design) * design
-    times = interleaved({n: s.run for n, s in systems.items() if isinstance(s, System)}, rounds, start=warmup,
-                        before=dist.barrier)
+    times = interleaved(
+        {n: s.run for n, s in systems.items() if isinstance(s, System)}, rounds, start=warmup, before=dist.barrier
+    )
     res: dict = {}
     for name, s in systems.items():
         if not isinstance(s, System):
@@ -338,22 +410,27 @@ def run_model(m: Model, args, rank: int, world: int) -> dict:
             rec.update(s.after(rounds))
         res[name] = rec
         dist.barrier()
-    for hand, (mine, _, _) in HAND.items():   # a hand plan's prediction: MetaDist's price of its layout
+    for hand, (mine, _, _) in HAND.items():  # a hand plan's prediction: MetaDist's price of its layout
         if hand in res and mine in res and "predicted_ms" in res[mine]:
-            res[hand].update({k: res[mine][k] for k in ("predicted_ms", "predicted_compute_ms",
-                                                         "predicted_comm_ms", "comm_bytes_predicted")},
-                             predicted_plan=res[mine].get("plan"))
+            res[hand].update(
+                {
+                    k: res[mine][k]
+                    for k in ("predicted_ms", "predicted_compute_ms", "predicted_comm_ms", "comm_bytes_predicted")
+                },
+                predicted_plan=res[mine].get("plan"),
+            )
     return res
 
 
 def worker(args) -> int:
     import torch
     from metadist_torch.engine import ensure_process_group
+
     torch.set_num_threads(1)
     rank, world = ensure_process_group()
     device_mesh((world,))
     if world == 4:
-        device_mesh((2, 2))   # every process group of the run exists before the links are measured
+        device_mesh((2, 2))  # every process group of the run exists before the links are measured
     steps = sum(_steps(args))
     res = {}
     for name in args.models.split(","):
@@ -370,6 +447,7 @@ def single(quick: bool) -> dict:
     """Eager and compiled steps interleaved (one of each per round), medians after warm-up."""
     import torch
     from metadist_torch import metadist_compile
+
     torch.set_num_threads(1)
     gpt = _gpt()
     c = _config(quick)
@@ -392,8 +470,14 @@ def single(quick: bool) -> dict:
 
 def plot(records, path: Path) -> None:
     from benchmarks._common import plot_predicted
-    plot_predicted(records, path, "torch_step: predicted against measured, 4 gloo ranks",
-                   lambda r: f"{r['model']}/{r['system']}", "measured step (ms, median over ranks)")
+
+    plot_predicted(
+        records,
+        path,
+        "torch_step: predicted against measured, 4 gloo ranks",
+        lambda r: f"{r['model']}/{r['system']}",
+        "measured step (ms, median over ranks)",
+    )
 
 
 def main(argv=None) -> int:
@@ -401,8 +485,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller models and fewer steps")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--models", default="gpt,gpt2,llama", help="comma-separated: " + ",".join(MODELS))
-    ap.add_argument("--rounds", type=int, default=0,
-                    help="timed rounds, each one step of every system (default 15; 6 with --quick)")
+    ap.add_argument(
+        "--rounds", type=int, default=0, help="timed rounds, each one step of every system (default 15; 6 with --quick)"
+    )
     ap.add_argument("--single", action="store_true", help="also the world-size-1 comparison with eager")
     add_worker_args(ap, cache=True)
     args = ap.parse_args(argv)
@@ -410,65 +495,108 @@ def main(argv=None) -> int:
         finish(worker(args))
 
     from benchmarks._common import RESULTS, write_results
+
     t_all = time.perf_counter()
-    got = launch(__file__, args.nproc, ["--models", args.models, "--rounds", str(args.rounds)]
-                 + (["--quick"] if args.quick else []), timeout=3000, cache=True,
-                 unset_env=["METADIST_MESH_PROFILE"])   # unset: the first compile measures the costs
+    got = launch(
+        __file__,
+        args.nproc,
+        ["--models", args.models, "--rounds", str(args.rounds)] + (["--quick"] if args.quick else []),
+        timeout=3000,
+        cache=True,
+        unset_env=["METADIST_MESH_PROFILE"],
+    )  # unset: the first compile measures the costs
     if got is None:
         return 1
     ranks = got.data
-    (RESULTS / f"{NAME}_ranks.json").write_text(json.dumps(ranks, default=str))   # every rank's figures
+    (RESULTS / f"{NAME}_ranks.json").write_text(json.dumps(ranks, default=str))  # every rank's figures
     records = []
     lines = []
     for model in args.models.split(","):
         per = [r[model] for r in ranks]
         ok = [s for s in per[0] if s != "desc" and all("step_s" in p.get(s, {}) for p in per)]
-        best = min((statistics.median(p[s]["step_s"] for p in per) for s in ok if not s.startswith("metadist")), default=None)
+        best = min(
+            (statistics.median(p[s]["step_s"] for p in per) for s in ok if not s.startswith("metadist")), default=None
+        )
         for system in [s for s in per[0] if s != "desc"]:
             r0 = per[0][system]
-            rec = {"benchmark": NAME, "model": model, "model_desc": per[0]["desc"], "system": system,
-                   "mesh": "2x2" if system.endswith("tp_x_dp") else str(args.nproc)}
+            rec = {
+                "benchmark": NAME,
+                "model": model,
+                "model_desc": per[0]["desc"],
+                "system": system,
+                "mesh": "2x2" if system.endswith("tp_x_dp") else str(args.nproc),
+            }
             errs = [p[system]["error"] for p in per if "error" in p[system]]
             if errs:
                 rec["error"] = errs[0]
                 records.append(rec)
                 continue
             step_ms = statistics.median(p[system]["step_s"] for p in per) * 1e3
-            rec.update({"step_ms": step_ms, "predicted_ms": r0.get("predicted_ms"),
-                        "pred_error": (r0["predicted_ms"] - step_ms) / step_ms if r0.get("predicted_ms") else None,
-                        "comm_bytes_predicted": r0.get("comm_bytes_predicted"),
-                        "comm_bytes_counted": r0.get("comm_bytes_counted"),
-                        "peak_rss_mb": max(p[system]["peak_rss_mb"] for p in per),
-                        "ratio_vs_best_hand": step_ms / best / 1e3 if best else None,
-                        # the median over ranks of each rank's median, over rounds, of this step over DDP's
-                        "ratio_vs_ddp_by_round": statistics.median(statistics.median(p[system]["ratio_vs_ddp_by_round"])
-                                                                   for p in per)
-                        if "ratio_vs_ddp_by_round" in r0 else None,
-                        "plan": r0.get("plan") or r0.get("predicted_plan")})
+            rec.update(
+                {
+                    "step_ms": step_ms,
+                    "predicted_ms": r0.get("predicted_ms"),
+                    "pred_error": (r0["predicted_ms"] - step_ms) / step_ms if r0.get("predicted_ms") else None,
+                    "comm_bytes_predicted": r0.get("comm_bytes_predicted"),
+                    "comm_bytes_counted": r0.get("comm_bytes_counted"),
+                    "peak_rss_mb": max(p[system]["peak_rss_mb"] for p in per),
+                    "ratio_vs_best_hand": step_ms / best / 1e3 if best else None,
+                    # the median over ranks of each rank's median, over rounds, of this step over DDP's
+                    "ratio_vs_ddp_by_round": statistics.median(
+                        statistics.median(p[system]["ratio_vs_ddp_by_round"]) for p in per
+                    )
+                    if "ratio_vs_ddp_by_round" in r0
+                    else None,
+                    "plan": r0.get("plan") or r0.get("predicted_plan"),
+                }
+            )
             if system == "metadist":
                 rec["compile_s"] = sum(v for k, v in r0["compile"].items())
                 rec["profile_s"] = r0["compile"].get("profile")
-                lines.append(f"{model}: MetaDist {step_ms:.1f} ms vs best hand plan {best * 1e3:.1f} ms "
-                             f"(ratio {step_ms / best / 1e3:.2f}; over DDP by round {rec['ratio_vs_ddp_by_round']:.2f}), "
-                             f"predicted {r0['predicted_ms']:.1f} ms; "
-                             f"plan {r0['plan']}")
+                lines.append(
+                    f"{model}: MetaDist {step_ms:.1f} ms vs best hand plan {best * 1e3:.1f} ms "
+                    f"(ratio {step_ms / best / 1e3:.2f}; over DDP by round {rec['ratio_vs_ddp_by_round']:.2f}), "
+                    f"predicted {r0['predicted_ms']:.1f} ms; "
+                    f"plan {r0['plan']}"
+                )
             records.append(rec)
     if args.single:
         one = single(args.quick)
-        records.append({"benchmark": NAME, "model": "gpt", "system": "metadist", "mesh": "1",
-                        "step_ms": one["metadist_step_s"] * 1e3, "eager_step_ms": one["eager_step_s"] * 1e3})
-    notes = (f"{args.nproc} gloo ranks on this machine ({os.cpu_count()} cores), one thread each, one launch. "
-             + " ".join(lines) + f" Whole run {time.perf_counter() - t_all:.0f} s. Systems timed in interleaved "
-             f"rounds (one step of each per round, Williams orders: each system in each position and after each other "
-             f"system equally often). step_ms: median over ranks of "
-             "each rank's median step; vs_ddp_by_round: median over ranks of each rank's median, over rounds, of "
-             "the step over DDP's step in the same round; predicted_ms: metadist_core.plan.overlap.predict of MetaDist's plan, or of "
-             "MetaDist's lowering of the hand plan's layout (the metadist_<layout> row, its strategy preset); comm bytes per rank per step.")
-    cols = ["model", "system", "mesh", "step_ms", "predicted_ms", "pred_error", "ratio_vs_best_hand",
-            "ratio_vs_ddp_by_round",
-            "comm_bytes_predicted", "comm_bytes_counted", "peak_rss_mb", "error"]
-    path = write_results(NAME, records, cols, "MetaDist vs DDP, FSDP2 and hand TP plans, measured and predicted",
-                         notes)
+        records.append(
+            {
+                "benchmark": NAME,
+                "model": "gpt",
+                "system": "metadist",
+                "mesh": "1",
+                "step_ms": one["metadist_step_s"] * 1e3,
+                "eager_step_ms": one["eager_step_s"] * 1e3,
+            }
+        )
+    notes = (
+        f"{args.nproc} gloo ranks on this machine ({os.cpu_count()} cores), one thread each, one launch. "
+        + " ".join(lines)
+        + f" Whole run {time.perf_counter() - t_all:.0f} s. Systems timed in interleaved "
+        f"rounds (one step of each per round, Williams orders: each system in each position and after each other "
+        f"system equally often). step_ms: median over ranks of "
+        "each rank's median step; vs_ddp_by_round: median over ranks of each rank's median, over rounds, of "
+        "the step over DDP's step in the same round; predicted_ms: metadist_core.plan.overlap.predict of MetaDist's plan, or of "
+        "MetaDist's lowering of the hand plan's layout (the metadist_<layout> row, its strategy preset); comm bytes per rank per step."
+    )
+    cols = [
+        "model",
+        "system",
+        "mesh",
+        "step_ms",
+        "predicted_ms",
+        "pred_error",
+        "ratio_vs_best_hand",
+        "ratio_vs_ddp_by_round",
+        "comm_bytes_predicted",
+        "comm_bytes_counted",
+        "peak_rss_mb",
+        "error",
+    ]
+    path = write_results(NAME, records, cols, "MetaDist vs DDP, FSDP2 and hand TP plans, measured and predicted", notes)
     try:
         plot(records, RESULTS / f"{NAME}.png")
     except Exception as e:  # matplotlib missing: the table still stands

@@ -1,6 +1,7 @@
 """MetaDist core: placements, MetaIR, ShardCombine, rules, cost model, problems, plans and the one driver.
 Pure Python and numpy: no framework import. Frontends and users import the names below from here; the
 folders follow the flow trace -> discover -> solve -> share -> lower (see CONTRIBUTING.md)."""
+
 from metadist_core.config import Settings, load_settings
 from metadist_core.discovery.rules import OpRules, ShardingRule
 from metadist_core.discovery.shardcombine import OpSpec, Unrunnable, discover_rules
@@ -17,7 +18,34 @@ from metadist_core.plugins import PluginManager
 from metadist_core.problem.problem import ShardingProblem
 from metadist_core.version import __version__
 
-__all__ = ["CompiledStep", "Frontend", "Mesh", "MetaIR", "MetaOp", "MetaVar", "NotSupported", "OpRules", "OpSpec",
-           "Partial", "Placement", "PluginManager", "Replicate", "Settings", "Shard", "Sharding", "ShardingPlan",
-           "ShardingProblem", "ShardingRule", "Stage", "Traced", "Unrunnable", "Watch", "__version__", "compile_step",
-           "discover_rules", "hookimpl", "load_settings", "plan_graph"]
+__all__ = [
+    "CompiledStep",
+    "Frontend",
+    "Mesh",
+    "MetaIR",
+    "MetaOp",
+    "MetaVar",
+    "NotSupported",
+    "OpRules",
+    "OpSpec",
+    "Partial",
+    "Placement",
+    "PluginManager",
+    "Replicate",
+    "Settings",
+    "Shard",
+    "Sharding",
+    "ShardingPlan",
+    "ShardingProblem",
+    "ShardingRule",
+    "Stage",
+    "Traced",
+    "Unrunnable",
+    "Watch",
+    "__version__",
+    "compile_step",
+    "discover_rules",
+    "hookimpl",
+    "load_settings",
+    "plan_graph",
+]

@@ -6,6 +6,7 @@ Every setting is a field of :class:`Settings` that carries its own documentation
 settings, their environment variables, pyproject keys and defaults is generated from those fields into
 docs/configuration.md by ``python scripts/gen_docs.py``; read it there.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,8 @@ except ImportError:  # pragma: no cover - Python 3.10
     tomllib = None
 
 DEFAULT_SOLVER = "ilp"
-SCHEDULES = ("1f1b", "gpipe", "interleaved")   # torch.distributed.pipelining's schedules
-DDP_FIRST_BUCKET_MB = 1.0   # DDP's first gradient bucket: it closes early so that its all_reduce overlaps the backward
+SCHEDULES = ("1f1b", "gpipe", "interleaved")  # torch.distributed.pipelining's schedules
+DDP_FIRST_BUCKET_MB = 1.0  # DDP's first gradient bucket: it closes early so that its all_reduce overlaps the backward
 # a device whose measured overlap (DeviceSpec.overlap) is below this hides nothing behind the backward
 NO_OVERLAP = 0.05
 ENV_PREFIX = "METADIST_"
@@ -45,8 +46,10 @@ def check_strategy(name: str) -> str:
     """``name`` as a strategy setting ("auto" or a preset); an unknown name is a ValueError listing them."""
     key = str(name).strip().lower()
     if key not in STRATEGIES:
-        raise ValueError(f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)} "
-                         f"(fsdp is zero3; a preset is a set of constraints on the same plan search)")
+        raise ValueError(
+            f"unknown strategy {name!r}; choose one of {', '.join(STRATEGIES)} "
+            f"(fsdp is zero3; a preset is a set of constraints on the same plan search)"
+        )
     return key
 
 
@@ -61,13 +64,14 @@ def check_offload(value: Any) -> str | None:
     if text in ("", "none", "false", "0", "off"):
         return None
     if text not in OFFLOAD_CHOICES:
-        raise ValueError(f"unknown offload {value!r}; choose None (keep everything on the device) or "
-                         f"{' | '.join(repr(c) for c in OFFLOAD_CHOICES)} (optimizer state and update on the host)")
+        raise ValueError(
+            f"unknown offload {value!r}; choose None (keep everything on the device) or "
+            f"{' | '.join(repr(c) for c in OFFLOAD_CHOICES)} (optimizer state and update on the host)"
+        )
     return text
 
 
-GRAD_COMPRESSION: dict[str, str] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16",
-                                    "float16": "float16"}
+GRAD_COMPRESSION: dict[str, str] = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
 def compression_dtype(mode: str | None) -> str | None:
@@ -85,93 +89,139 @@ def compression_dtype(mode: str | None) -> str | None:
     return GRAD_COMPRESSION[key]
 
 
-
 @dataclass
 class Settings:
     solver: str = _setting(
-        DEFAULT_SOLVER, "The solver that picks the plan: `ilp` (exact: scipy's MILP, HiGHS), `beam` or "
-        "`greedy`, or any solver plugin installed (`metadist plugins` lists them).")
-    memory_budget: int | None = _setting(
-        None, "Bytes per device the plan must fit in.", shown="none (no limit)")
+        DEFAULT_SOLVER,
+        "The solver that picks the plan: `ilp` (exact: scipy's MILP, HiGHS), `beam` or "
+        "`greedy`, or any solver plugin installed (`metadist plugins` lists them).",
+    )
+    memory_budget: int | None = _setting(None, "Bytes per device the plan must fit in.", shown="none (no limit)")
     cache_dir: str | None = _setting(
-        None, "Where the rule cache, measured mesh profiles and the ILP's kept answers live.",
-        shown="the user cache dir (platformdirs)")
+        None,
+        "Where the rule cache, measured mesh profiles and the ILP's kept answers live.",
+        shown="the user cache dir (platformdirs)",
+    )
     mesh_profile: str | None = _setting(
-        None, "A mesh profile file (written by `metadist calibrate`) that prices the links between devices.",
-        shown="none (built-in defaults, or measured)")
+        None,
+        "A mesh profile file (written by `metadist calibrate`) that prices the links between devices.",
+        shown="none (built-in defaults, or measured)",
+    )
     axis_size: int = _setting(
-        2, "The axis size `metadist rules` discovers rules on (planning discovers on the mesh's own axis "
-        "sizes); at least 2.")
+        2,
+        "The axis size `metadist rules` discovers rules on (planning discovers on the mesh's own axis "
+        "sizes); at least 2.",
+    )
     time_limit: float = _setting(60.0, "Seconds the solver may take.", shown="60 (seconds)")
     coalesce: bool = _setting(
-        True, "Bucket the gradient all-reduces (as DDP does) instead of one collective per gradient.")
+        True, "Bucket the gradient all-reduces (as DDP does) instead of one collective per gradient."
+    )
     bucket_mb: float = _setting(25.0, "MiB per gradient all-reduce bucket.", shown="25 (MiB)")
     first_bucket_mb: float | None = _setting(
-        None, "MiB of the first gradient bucket, which closes early so that its all-reduce overlaps the rest "
+        None,
+        "MiB of the first gradient bucket, which closes early so that its all-reduce overlaps the rest "
         "of the backward. auto: DDP's 1 MiB where the device is measured to overlap communication with "
-        "compute, else `bucket_mb`; 0: the same as `bucket_mb`.", shown="auto")
+        "compute, else `bucket_mb`; 0: the same as `bucket_mb`.",
+        shown="auto",
+    )
     shard_bucket_mb: float = _setting(
-        4.0, "MiB per bucket of the parameter all_gathers and gradient reduce_scatters of sharded layouts; "
-        "0 turns bucketing them off.", shown="4 (MiB)")
+        4.0,
+        "MiB per bucket of the parameter all_gathers and gradient reduce_scatters of sharded layouts; "
+        "0 turns bucketing them off.",
+        shown="4 (MiB)",
+    )
     beam_width: int = _setting(8, "Width of the `beam` solver's beam.")
     verify_draws: int = _setting(2, "Random draws that verify each discovered sharding rule; at least 1.")
     measure_links: bool = _setting(
-        True, "On the first multi-rank compile, measure the links and the device and time the step's ops, "
+        True,
+        "On the first multi-rank compile, measure the links and the device and time the step's ops, "
         "and cache them; off prices with the built-in defaults (plans then do not change with the machine's "
-        "load).")
+        "load).",
+    )
     max_real_discovery: int = _setting(
-        2 ** 24, "Elements below which an op that no smaller proxy can stand for is discovered at its real "
-        "size.", shown="16777216 (2**24)")
+        2**24,
+        "Elements below which an op that no smaller proxy can stand for is discovered at its real size.",
+        shown="16777216 (2**24)",
+    )
     discovery_workers: int = _setting(
-        0, "Processes that discover op patterns side by side. 0: one forked process per CPU core (at most 8) "
+        0,
+        "Processes that discover op patterns side by side. 0: one forked process per CPU core (at most 8) "
         "when 12 or more patterns are new and every frontend involved can fork; 1: this process only.",
-        shown="0 (one per core)")
+        shown="0 (one per core)",
+    )
     progress: bool | None = _setting(
-        None, "Show progress bars (tqdm) on stderr: true forces them, false hides them.",
-        shown="auto (when stderr is a terminal)")
+        None,
+        "Show progress bars (tqdm) on stderr: true forces them, false hides them.",
+        shown="auto (when stderr is a terminal)",
+    )
     strategy: str = _setting(
-        "auto", "`auto` (the solver plans freely) or a preset: ddp, zero1, zero2, zero3, fsdp (= zero3), tp, "
-        "tp+dp -- constraints on the same plan search.")
+        "auto",
+        "`auto` (the solver plans freely) or a preset: ddp, zero1, zero2, zero3, fsdp (= zero3), tp, "
+        "tp+dp -- constraints on the same plan search.",
+    )
     grad_compression: str | None = _setting(
-        None, "Send the collectives on gradients compressed: `bf16` or `fp16`.", shown="none (uncompressed)")
+        None, "Send the collectives on gradients compressed: `bf16` or `fp16`.", shown="none (uncompressed)"
+    )
     micro_batches: int = _setting(
-        1, "Cut the batch (dim 0 of every tensor input) into this many equal parts; gradients accumulate "
-        "over them within one call.", shown="1 (no accumulation)")
+        1,
+        "Cut the batch (dim 0 of every tensor input) into this many equal parts; gradients accumulate "
+        "over them within one call.",
+        shown="1 (no accumulation)",
+    )
     pipeline_stages: int | None = _setting(
-        None, "Pipeline stages along mesh axis 0: none lets the planner decide, 1 is no pipeline, k > 1 is "
-        "k stages (axis 0 must have size k).", shown="none (the planner decides)")
+        None,
+        "Pipeline stages along mesh axis 0: none lets the planner decide, 1 is no pipeline, k > 1 is "
+        "k stages (axis 0 must have size k).",
+        shown="none (the planner decides)",
+    )
     schedule: str = _setting("1f1b", "The pipeline schedule: `1f1b`, `gpipe` or `interleaved`.")
     measure_memory: bool = _setting(
-        True, "Measure the peak tensor bytes of the first call after each compile (`step.memory`), beside "
-        "the plan's prediction.")
+        True,
+        "Measure the peak tensor bytes of the first call after each compile (`step.memory`), beside "
+        "the plan's prediction.",
+    )
     recompute: bool = _setting(
-        True, "Recompute forward segments in the backward when no plan meets `memory_budget` without it "
-        "(only then).")
+        True, "Recompute forward segments in the backward when no plan meets `memory_budget` without it (only then)."
+    )
     offload: str | None = _setting(
-        None, "`optimizer`: keep the optimizer state in host memory and run its update on the host CPU.",
-        shown="none (everything on the device)")
+        None,
+        "`optimizer`: keep the optimizer state in host memory and run its update on the host CPU.",
+        shown="none (everything on the device)",
+    )
     ilp_cache_mb: float = _setting(
-        512.0, "MiB of disk the ILP's kept answers may take under `cache_dir`/milp; the least recently used "
-        "go first.", shown="512 (MiB)")
+        512.0,
+        "MiB of disk the ILP's kept answers may take under `cache_dir`/milp; the least recently used go first.",
+        shown="512 (MiB)",
+    )
     autotune: bool = _setting(
-        True, "With measured costs, time the solver's plan beside the ddp, zero1 and fsdp presets' plans on "
+        True,
+        "With measured costs, time the solver's plan beside the ddp, zero1 and fsdp presets' plans on "
         "the live devices at the first call and keep the fastest (unless a strategy or constraints were "
-        "chosen; frontends that can time a plan alone, such as JAX).")
+        "chosen; frontends that can time a plan alone, such as JAX).",
+    )
     autotune_seconds: float = _setting(
-        60.0, "Autotune's time budget: programs not compiled when it is spent are left untimed (never the "
-        "solver's plan); more than 0.", shown="60 (seconds)")
+        60.0,
+        "Autotune's time budget: programs not compiled when it is spent are left untimed (never the "
+        "solver's plan); more than 0.",
+        shown="60 (seconds)",
+    )
     local_time_seconds: float = _setting(
-        10.0, "With measured costs, the time a compile may spend timing matmuls at each strategy's local "
+        10.0,
+        "With measured costs, the time a compile may spend timing matmuls at each strategy's local "
         "shapes, the dearest first; 0 times none and prices every op at its roofline (frontends that time "
-        "them: JAX).", shown="10 (seconds)")
+        "them: JAX).",
+        shown="10 (seconds)",
+    )
     max_replans: int = _setting(
-        8, "Re-plans of a compiled step after failed guards before one warning says that the loop re-plans "
-        "every call.")
+        8, "Re-plans of a compiled step after failed guards before one warning says that the loop re-plans every call."
+    )
     guard_cache: int = _setting(
-        8, "Compiled programs kept per call signature, so that an earlier state that returns reuses its "
-        "own; at least 1.")
+        8,
+        "Compiled programs kept per call signature, so that an earlier state that returns reuses its own; at least 1.",
+    )
     sync_guards: bool = _setting(
-        True, "On many ranks, every rank takes the same guard decision (one small CPU all_reduce per call).")
+        True, "On many ranks, every rank takes the same guard decision (one small CPU all_reduce per call)."
+    )
 
     @property
     def bucket_bytes(self) -> int:
@@ -198,8 +248,10 @@ def check_setting_names(names: Any) -> None:
     known = {f.name for f in fields(Settings)}
     bad = sorted(set(names) - known)
     if bad:
-        raise ValueError(f"unknown setting{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; "
-                         f"the settings are: {', '.join(sorted(known))}")
+        raise ValueError(
+            f"unknown setting{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))}; "
+            f"the settings are: {', '.join(sorted(known))}"
+        )
 
 
 def env_var(name: str) -> str:
@@ -252,20 +304,43 @@ def load_settings(**explicit: Any) -> Settings:
             value = file_vals.get(f.name)
         if value is None:
             continue
-        if f.name in ("coalesce", "progress", "measure_links", "recompute", "measure_memory", "autotune",
-                      "sync_guards"):
+        if f.name in (
+            "coalesce",
+            "progress",
+            "measure_links",
+            "recompute",
+            "measure_memory",
+            "autotune",
+            "sync_guards",
+        ):
             value = _bool(f.name, value)
-        elif f.name in ("memory_budget", "axis_size", "beam_width", "verify_draws", "max_real_discovery",
-                        "micro_batches", "discovery_workers",
-                        "pipeline_stages", "max_replans", "guard_cache"):
+        elif f.name in (
+            "memory_budget",
+            "axis_size",
+            "beam_width",
+            "verify_draws",
+            "max_real_discovery",
+            "micro_batches",
+            "discovery_workers",
+            "pipeline_stages",
+            "max_replans",
+            "guard_cache",
+        ):
             try:
                 value = int(float(value))
             except ValueError:
                 raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
         elif f.name == "first_bucket_mb" and str(value).strip().lower() == "auto":
             value = None
-        elif f.name in ("time_limit", "bucket_mb", "first_bucket_mb", "shard_bucket_mb", "ilp_cache_mb",
-                        "autotune_seconds", "local_time_seconds"):
+        elif f.name in (
+            "time_limit",
+            "bucket_mb",
+            "first_bucket_mb",
+            "shard_bucket_mb",
+            "ilp_cache_mb",
+            "autotune_seconds",
+            "local_time_seconds",
+        ):
             try:
                 value = float(value)
             except ValueError:
@@ -284,17 +359,19 @@ def load_settings(**explicit: Any) -> Settings:
     if s.schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {s.schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if s.strategy != "auto":
-        s.strategy = check_strategy(s.strategy)   # an unknown name: ValueError listing the presets
+        s.strategy = check_strategy(s.strategy)  # an unknown name: ValueError listing the presets
     if s.first_bucket_mb is not None and s.first_bucket_mb < 0:
         raise ValueError(f"first_bucket_mb must be 0 (the same as bucket_mb) or more, got {s.first_bucket_mb}")
     if s.shard_bucket_mb < 0:
         raise ValueError(f"shard_bucket_mb must be 0 (off) or more, got {s.shard_bucket_mb}")
     if s.autotune_seconds <= 0:
-        raise ValueError(f"autotune_seconds must be more than 0 (turn autotune off with autotune=False), "
-                         f"got {s.autotune_seconds}")
+        raise ValueError(
+            f"autotune_seconds must be more than 0 (turn autotune off with autotune=False), got {s.autotune_seconds}"
+        )
     if s.local_time_seconds < 0:
-        raise ValueError(f"local_time_seconds must be 0 (time no op at its local shapes) or more, "
-                         f"got {s.local_time_seconds}")
+        raise ValueError(
+            f"local_time_seconds must be 0 (time no op at its local shapes) or more, got {s.local_time_seconds}"
+        )
     if s.max_replans < 0:
         raise ValueError(f"max_replans must be 0 or more (re-plans before the warning), got {s.max_replans}")
     if s.guard_cache < 1:
@@ -302,13 +379,15 @@ def load_settings(**explicit: Any) -> Settings:
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
     if s.grad_compression is not None:
-        wire = compression_dtype(s.grad_compression)   # an unknown name: ValueError naming the choices
+        wire = compression_dtype(s.grad_compression)  # an unknown name: ValueError naming the choices
         s.grad_compression = None if wire is None else {"bfloat16": "bf16", "float16": "fp16"}[wire]
     if s.offload is not None:
-        s.offload = check_offload(s.offload)   # an unknown name: ValueError naming the choices
+        s.offload = check_offload(s.offload)  # an unknown name: ValueError naming the choices
         if s.offload and (s.micro_batches > 1 or (s.pipeline_stages or 1) > 1):
-            raise ValueError(f"offload={s.offload!r} does not combine with micro_batches={s.micro_batches} or "
-                             f"pipeline_stages={s.pipeline_stages} yet; use one or the other")
+            raise ValueError(
+                f"offload={s.offload!r} does not combine with micro_batches={s.micro_batches} or "
+                f"pipeline_stages={s.pipeline_stages} yet; use one or the other"
+            )
     return s
 
 
@@ -338,4 +417,3 @@ def resolve_first_bucket(s: Settings, overlap: float | None) -> Settings:
         return s
     hides = overlap is None or overlap >= NO_OVERLAP
     return dataclasses.replace(s, first_bucket_mb=DDP_FIRST_BUCKET_MB if hides else 0.0)
-

@@ -5,6 +5,7 @@ Frontends (entry-point group ``metadist.frontends``) implement one hook,
 ``metadist.solvers``) implement the solver hooks. A hook implementation whose
 name no spec here knows is an error that names it (``check_pending``).
 """
+
 from __future__ import annotations
 
 import pluggy

@@ -1,4 +1,5 @@
 """The PluginManager: loads frontends and solvers from their entry-point groups."""
+
 from __future__ import annotations
 
 import logging
@@ -26,11 +27,11 @@ class UnknownFrontendError(ValueError):
 
 @dataclass(frozen=True)
 class PluginRecord:
-    kind: str          # "frontend" | "solver"
-    name: str          # entry-point name, the name users pass
-    module: str        # the module it came from
+    kind: str  # "frontend" | "solver"
+    name: str  # entry-point name, the name users pass
+    module: str  # the module it came from
     distribution: str  # the distribution that declared it ("" when registered by hand)
-    error: str = ""    # why it failed to load, when it did
+    error: str = ""  # why it failed to load, when it did
 
 
 class PluginManager:
@@ -59,8 +60,14 @@ class PluginManager:
                     module = ep.load()
                 except Exception as e:  # a broken plugin must not take the others down
                     msg = f"{type(e).__name__}: {e}"
-                    log.warning("metadist %s plugin %r (%s, from %s) failed to load and is skipped: %s",
-                                kind, ep.name, ep.value, dist or "?", msg)
+                    log.warning(
+                        "metadist %s plugin %r (%s, from %s) failed to load and is skipped: %s",
+                        kind,
+                        ep.name,
+                        ep.value,
+                        dist or "?",
+                        msg,
+                    )
                     self.records.append(PluginRecord(kind, ep.name, ep.value, dist, msg))
                     continue
                 try:
@@ -87,8 +94,9 @@ class PluginManager:
         except pluggy.PluginValidationError as e:
             self.pm.unregister(name=pname)
             known = ", ".join(sorted(n for n in dir(hookspecs) if n.startswith("metadist_")))
-            raise ValueError(f"{kind} plugin {name!r} ({getattr(plugin, '__name__', plugin)}): {e}; "
-                             f"the hooks are {known}") from None
+            raise ValueError(
+                f"{kind} plugin {name!r} ({getattr(plugin, '__name__', plugin)}): {e}; the hooks are {known}"
+            ) from None
         mod = getattr(plugin, "__name__", type(plugin).__module__)
         self.records.append(PluginRecord(kind, name, mod, distribution))
         self._adapters = None
@@ -117,8 +125,9 @@ class PluginManager:
         )
         result = caller(problem=problem, options=dict(options or {}))
         if result is None:
-            raise RuntimeError(f"solver plugin {name!r} ({getattr(plugin, '__name__', plugin)}) "
-                               f"returned no plan from metadist_solve")
+            raise RuntimeError(
+                f"solver plugin {name!r} ({getattr(plugin, '__name__', plugin)}) returned no plan from metadist_solve"
+            )
         return result
 
     def frontends(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 Shown when stderr is a terminal, or when the ``progress`` setting is on
 (``METADIST_PROGRESS=1``); hidden with ``METADIST_PROGRESS=0``.
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,8 +33,14 @@ class Progress:
 
     def __enter__(self) -> "Progress":
         if self.enabled:
-            self._bar = tqdm(total=self.total, desc=self.desc, file=sys.stderr, leave=True, dynamic_ncols=True,
-                             bar_format="{desc} [{bar:28}] {n_fmt}/{total_fmt} {elapsed} {postfix}")
+            self._bar = tqdm(
+                total=self.total,
+                desc=self.desc,
+                file=sys.stderr,
+                leave=True,
+                dynamic_ncols=True,
+                bar_format="{desc} [{bar:28}] {n_fmt}/{total_fmt} {elapsed} {postfix}",
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,2 +1,3 @@
 """The version of the metadist distribution."""
+
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@
 >>> @metadist_compile(mesh=(2, 4))                       # doctest: +SKIP
 ... def train_step(params, opt_state, batch): ...
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -17,6 +18,7 @@ def metadist_compile(fn: Any = None, **kwargs: Any) -> Any:
     see :func:`metadist_jax.compile.metadist_compile`.
     """
     from . import compile as jax_compile
+
     return jax_compile.metadist_compile(fn, **kwargs)
 
 
@@ -29,6 +31,7 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2, **params: Any):
     >>> rules_for(jax.numpy.matmul, np.ones((8, 4)), np.ones((4, 6)))   # doctest: +SKIP
     """
     from . import oprunner
+
     return oprunner.rules_for(op, *example_inputs, axis_size=axis_size, **params)
 
 

@@ -12,6 +12,7 @@ first call and again whenever the structure, shapes or dtypes of its arguments
 change. Parameters and optimizer state come back as jax.Arrays with the plan's
 NamedShardings; feed them to the next call as they are.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
@@ -33,24 +34,51 @@ class JaxStep(CompiledStep):
     PartitionSpecs and NamedShardings, and places arguments as the plan stores them.
     """
 
-    def __init__(self, fn: Callable, *, mesh: Any = None, solver: str | None = None,
-                 memory_budget: int | None = None, cache_dir: str | None = None,
-                 constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
-                 progress: bool | None = None, plugins: PluginManager | None = None, micro_batches: int | None = None,
-                 pipeline_stages: int | None = None, schedule: str | None = None,
-                 strategy: str | None = None, recompute: bool | None = None,
-                 autotune: bool | None = None) -> None:
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        mesh: Any = None,
+        solver: str | None = None,
+        memory_budget: int | None = None,
+        cache_dir: str | None = None,
+        constraints: Iterable[Any] | None = None,
+        solver_options: dict | None = None,
+        progress: bool | None = None,
+        plugins: PluginManager | None = None,
+        micro_batches: int | None = None,
+        pipeline_stages: int | None = None,
+        schedule: str | None = None,
+        strategy: str | None = None,
+        recompute: bool | None = None,
+        autotune: bool | None = None,
+    ) -> None:
         pm = plugins or PluginManager()
-        super().__init__(pm.frontend(JaxFrontend.name), fn, mesh=mesh, constraints=constraints, solver_options=solver_options,
-                         plugins=pm, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
-                         progress=progress, micro_batches=micro_batches, pipeline_stages=pipeline_stages,
-                         schedule=schedule, strategy=strategy, recompute=recompute, autotune=autotune)
+        super().__init__(
+            pm.frontend(JaxFrontend.name),
+            fn,
+            mesh=mesh,
+            constraints=constraints,
+            solver_options=solver_options,
+            plugins=pm,
+            solver=solver,
+            memory_budget=memory_budget,
+            cache_dir=cache_dir,
+            progress=progress,
+            micro_batches=micro_batches,
+            pipeline_stages=pipeline_stages,
+            schedule=schedule,
+            strategy=strategy,
+            recompute=recompute,
+            autotune=autotune,
+        )
 
     def lowered(self) -> LoweredStep:
         """The lowered step of the last compile (an error before the first call)."""
         if self.last is None or self.last.runnable is None:
-            raise RuntimeError("the step has not been compiled yet: call it (or .compile(...)) with its "
-                               "arguments first")
+            raise RuntimeError(
+                "the step has not been compiled yet: call it (or .compile(...)) with its arguments first"
+            )
         return self.last.runnable
 
     @property
@@ -94,13 +122,24 @@ class JaxStep(CompiledStep):
         return f"<JaxStep {getattr(self.fn, '__name__', 'step')}, {len(self.cache)} compiled>"
 
 
-def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: str | None = None,
-                     memory_budget: int | None = None, cache_dir: str | None = None,
-                     constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
-                     progress: bool | None = None, plugins: PluginManager | None = None,
-                     micro_batches: int | None = None, pipeline_stages: int | None = None,
-                     schedule: str | None = None, strategy: str | None = None,
-                     recompute: bool | None = None, autotune: bool | None = None) -> Any:
+def metadist_compile(
+    fn: Callable | None = None,
+    *,
+    mesh: Any = None,
+    solver: str | None = None,
+    memory_budget: int | None = None,
+    cache_dir: str | None = None,
+    constraints: Iterable[Any] | None = None,
+    solver_options: dict | None = None,
+    progress: bool | None = None,
+    plugins: PluginManager | None = None,
+    micro_batches: int | None = None,
+    pipeline_stages: int | None = None,
+    schedule: str | None = None,
+    strategy: str | None = None,
+    recompute: bool | None = None,
+    autotune: bool | None = None,
+) -> Any:
     """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``.
 
     :param mesh: None (every device of every process as one axis), a shape
@@ -129,11 +168,25 @@ def metadist_compile(fn: Callable | None = None, *, mesh: Any = None, solver: st
 
     Use as ``@metadist_compile`` or ``@metadist_compile(mesh=(2, 4))``; returns a :class:`JaxStep`.
     """
+
     def wrap(f: Callable) -> JaxStep:
-        return JaxStep(f, mesh=mesh, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
-                       constraints=constraints, solver_options=solver_options, progress=progress, plugins=plugins,
-                       micro_batches=micro_batches, pipeline_stages=pipeline_stages, schedule=schedule,
-                       strategy=strategy, recompute=recompute, autotune=autotune)
+        return JaxStep(
+            f,
+            mesh=mesh,
+            solver=solver,
+            memory_budget=memory_budget,
+            cache_dir=cache_dir,
+            constraints=constraints,
+            solver_options=solver_options,
+            progress=progress,
+            plugins=plugins,
+            micro_batches=micro_batches,
+            pipeline_stages=pipeline_stages,
+            schedule=schedule,
+            strategy=strategy,
+            recompute=recompute,
+            autotune=autotune,
+        )
 
     return wrap(fn) if fn is not None else wrap
 

@@ -7,6 +7,7 @@ process sees the devices of all processes (its own are
 :func:`agree_on_plan` (the adapter's ``share``) checks that they reached the
 same plan and makes them adopt process 0's if not.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ class MeshMismatchError(ValueError):
     """The mesh asked for does not use exactly the devices JAX has."""
 
 
-def resolve_mesh(mesh: Any = None, profile: MeshProfile | None = None, devices: Sequence[Any] | None = None
-                 ) -> tuple[Mesh, jax.sharding.Mesh]:
+def resolve_mesh(
+    mesh: Any = None, profile: MeshProfile | None = None, devices: Sequence[Any] | None = None
+) -> tuple[Mesh, jax.sharding.Mesh]:
     """The planning Mesh and the ``jax.sharding.Mesh`` for ``mesh``.
 
     ``mesh`` is None (all devices as one axis), an int, a shape such as
@@ -55,16 +57,21 @@ def resolve_mesh(mesh: Any = None, profile: MeshProfile | None = None, devices: 
     elif isinstance(mesh, int) or (isinstance(mesh, (tuple, list)) and all(isinstance(s, int) for s in mesh)):
         md = prof.mesh((mesh,) if isinstance(mesh, int) else tuple(mesh))
     else:
-        raise TypeError(f"mesh must be None, an int, a shape like (2, 4), a metadist Mesh or a "
-                        f"jax.sharding.Mesh; got {mesh!r}")
+        raise TypeError(
+            f"mesh must be None, an int, a shape like (2, 4), a metadist Mesh or a jax.sharding.Mesh; got {mesh!r}"
+        )
     if md.size != len(devs):
         procs = jax.process_count()
-        where = (f"{procs} processes with {jax.local_device_count()} local devices each"
-                 if procs > 1 else f"one process with {len(devs)} {devs[0].platform} devices")
+        where = (
+            f"{procs} processes with {jax.local_device_count()} local devices each"
+            if procs > 1
+            else f"one process with {len(devs)} {devs[0].platform} devices"
+        )
         raise MeshMismatchError(
             f"mesh {tuple(md.shape)} needs {md.size} devices, but JAX has {len(devs)} ({where}); pass a mesh "
             f"whose sizes multiply to {len(devs)}, e.g. mesh=({len(devs)},), or change the device count "
-            f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)")
+            f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N before importing jax)"
+        )
     return md, jax.sharding.Mesh(np.asarray(devs, dtype=object).reshape(md.shape), md.axis_names)
 
 
@@ -89,7 +96,7 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
         try:
             have = x.sharding
             if have is sharding or have == sharding or have.is_equivalent_to(sharding, x.ndim):
-                return x   # (the step's own outputs come back with the very shardings it asks for)
+                return x  # (the step's own outputs come back with the very shardings it asks for)
         except Exception:
             pass
         if jax.process_count() == 1 or not x.is_fully_addressable:
@@ -107,6 +114,7 @@ def to_host(x: jax.Array) -> np.ndarray:
     if x.sharding.is_fully_replicated:
         return np.asarray(x.addressable_data(0))
     from jax.experimental import multihost_utils
+
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -136,4 +144,3 @@ def agree_on_plan(plan: Any) -> Any:
     buf[: min(n, text.size)] = text[:n]
     got = np.asarray(multihost_utils.broadcast_one_to_all(buf)).astype(np.uint8)
     return ShardingPlan.from_json(json.loads(got.tobytes().decode()))
-

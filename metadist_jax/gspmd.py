@@ -30,6 +30,7 @@ can run faster than the shard_map of the same plan. Autotune
 keeps the fastest. The collectives of a GSPMD lowering are XLA's, so its bytes are
 read from the compiled HLO (:mod:`metadist_jax.hlo`), not from the plan.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -79,6 +80,7 @@ class GlobalCollectives(Collectives):
 def whole_op_runner(graph: MetaIR, constrain: _Constrain) -> Any:
     """``run_op`` for the interpreter in the global view: the op bound on whole values, its outputs held in
     their planned layouts."""
+
     def run_op(op: MetaOp, ins: list, out_sh: list[Sharding]) -> list:
         full_in = [tuple(graph.vars[v].shape) for v in op.inputs]
         payload = op_payload(op)
@@ -93,8 +95,14 @@ def _unconstrained(x: Any, sharding: Sharding) -> Any:
     return x
 
 
-def lower_gspmd(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: Any,
-                output_ids: Sequence[str] | None = None, hold_layouts: bool = True) -> Program:
+def lower_gspmd(
+    graph: MetaIR,
+    plan: Any,
+    mesh: Mesh,
+    jax_mesh: Any,
+    output_ids: Sequence[str] | None = None,
+    hold_layouts: bool = True,
+) -> Program:
     """``plan`` as one ``jax.jit`` over ``jax_mesh`` that GSPMD partitions, inputs and outputs stored as planned.
 
     ``hold_layouts``: every value the plan splits is held in its layout (:data:`LOWERING`); False: only the
@@ -102,8 +110,15 @@ def lower_gspmd(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: Any,
     output_ids = list(output_ids if output_ids is not None else graph.outputs)
     mesh, in_specs, out_specs = program_ends(graph, plan, mesh, jax_mesh, output_ids)
     constrain = _Constrain(jax_mesh, mesh.axis_names) if hold_layouts else _unconstrained
-    body = build_body(graph, plan, mesh, output_ids, whole_op_runner(graph, constrain), GlobalCollectives(constrain),
-                      reduce_after=None)   # whole values: XLA places the collectives itself
+    body = build_body(
+        graph,
+        plan,
+        mesh,
+        output_ids,
+        whole_op_runner(graph, constrain),
+        GlobalCollectives(constrain),
+        reduce_after=None,
+    )  # whole values: XLA places the collectives itself
     in_sh = [NamedSharding(jax_mesh, s) for s in in_specs]
     out_sh = [NamedSharding(jax_mesh, s) for s in out_specs]
     fn = jax.jit(body, in_shardings=tuple(in_sh), out_shardings=tuple(out_sh))

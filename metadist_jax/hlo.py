@@ -7,17 +7,40 @@ plan placed, and GSPMD places its own. Bytes follow the cost model's conventions
 all-gather its gathered output, a reduce-scatter its input (the result times the
 group size). Shapes in a partitioned module are per device already.
 """
+
 from __future__ import annotations
 
 import re
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
-         "all-to-all": "all_to_all", "collective-permute": "collective_permute"}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+KINDS = {
+    "all-reduce": "all_reduce",
+    "all-gather": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-to-all": "all_to_all",
+    "collective-permute": "collective_permute",
+}
 # `%name = <shape> <op>(` where <op> is a collective, optionally its async `-start` half
-_LINE = re.compile(r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
-                   r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_LINE = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+"
+    r"(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
@@ -56,7 +79,7 @@ def collectives(hlo_text: str) -> list[tuple[str, int]]:
             # their async start's tuple holds the operands, then the results (a permute's then two u32
             # contexts): count the results only; an all-reduce-start's shape is its results already
             parts = _ARRAY.findall(shape)
-            parts = parts[len(parts) // 2:] if op == "all-gather" else parts[1:2]
+            parts = parts[len(parts) // 2 :] if op == "all-gather" else parts[1:2]
             shape = " ".join(f"{dt}[{dims}]" for dt, dims in parts)
         nbytes = _shape_bytes(shape)
         if kind == "reduce_scatter":

@@ -9,6 +9,7 @@ Each op is bound on arrays of its local shapes inside one jitted ``shard_map`` o
 the devices share the host's cores as in a step), timed in the same interleaved rounds as the device's
 rates (:mod:`metadist_jax.calibrate`), less a trivial program's time timed there (the call's own dispatch).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,12 +37,12 @@ def timed(op: Any) -> bool:
     """Is ``op`` one the JAX frontend times at its local shapes? Its primitive is in :data:`TIMED` and
     every operand is one of its tensor inputs (no literal)."""
     payload = getattr(op, "payload", None)
-    return (getattr(payload, "name", None) in TIMED
-            and all(isinstance(slot, int) for slot in payload.layout))
+    return getattr(payload, "name", None) in TIMED and all(isinstance(slot, int) for slot in payload.layout)
 
 
-def measure_local(requests: Sequence[tuple[Any, tuple, tuple]], jax_mesh: "jax.sharding.Mesh",
-                  iters: int = ITERS) -> tuple[list[float | None], DeviceSpec]:
+def measure_local(
+    requests: Sequence[tuple[Any, tuple, tuple]], jax_mesh: "jax.sharding.Mesh", iters: int = ITERS
+) -> tuple[list[float | None], DeviceSpec]:
     """Seconds of one run of each (op, local input shapes, dtypes) with every device of ``jax_mesh``
     running it at once (None where the op refuses the shapes), and the device's rates timed in the same
     rounds."""
@@ -55,22 +56,33 @@ def measure_local(requests: Sequence[tuple[Any, tuple, tuple]], jax_mesh: "jax.s
     index: list[int | None] = []
     for op, shapes, dtypes in requests:
         try:
-            args = tuple(jax.device_put((rng.standard_normal((n_all,) + tuple(s)) / np.sqrt(max(s[-1] if s else 1, 1)))
-                                        .astype(np.dtype(dt)), sharding) for s, dt in zip(shapes, dtypes))
+            args = tuple(
+                jax.device_put(
+                    (rng.standard_normal((n_all,) + tuple(s)) / np.sqrt(max(s[-1] if s else 1, 1))).astype(
+                        np.dtype(dt)
+                    ),
+                    sharding,
+                )
+                for s, dt in zip(shapes, dtypes)
+            )
 
             def body(*xs, payload=op.payload):
                 outs = bind_payload(payload, [x[0] for x in xs])
                 return tuple(o[None] for o in outs)
-            f = jax.jit(jax.shard_map(body, mesh=jax_mesh, in_specs=(spec,) * len(args), out_specs=spec,
-                                      check_vma=False))
+
+            f = jax.jit(
+                jax.shard_map(body, mesh=jax_mesh, in_specs=(spec,) * len(args), out_specs=spec, check_vma=False)
+            )
             jax.block_until_ready(f(*args))
             index.append(progs.add(lambda a, f=f: f(*a), args))
-        except Exception as e:   # a dtype numpy lacks, shapes the op refuses: untimed (metadist_core.cost.localtime)
+        except Exception as e:  # a dtype numpy lacks, shapes the op refuses: untimed (metadist_core.cost.localtime)
             log.debug("op %s not timed at local shapes %s: %s: %s", op.id, shapes, type(e).__name__, e)
             index.append(None)
     secs = progs.run(iters)
     rates = rates_of(secs)
-    device = DeviceSpec("jax-local-times", rates["peak_flops"], rates["mem_bandwidth"], op_overhead=rates["op_overhead"])
+    device = DeviceSpec(
+        "jax-local-times", rates["peak_flops"], rates["mem_bandwidth"], op_overhead=rates["op_overhead"]
+    )
     base = rates["call_seconds"]
     return [None if i is None else max(secs[i] - base, 1e-7) for i in index], device
 

@@ -12,6 +12,7 @@ GSPMD propagation: the body is manual over every mesh axis.
 Graph inputs enter with the plan's ``input_shardings`` as PartitionSpecs;
 updated state leaves with the sharding of its input, the loss replicated.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,6 +57,7 @@ def partition_spec(sharding: Sharding, ndim: int, axis_names: Sequence[str]) -> 
 
 def check_even(plan: Any, graph: MetaIR, mesh: Mesh) -> None:
     """Raise :class:`IndivisibleError` if any layout of the plan splits a dim unevenly (shard_map needs even)."""
+
     def check(var: str, sh: Sharding, where: str) -> None:
         shape = graph.vars[var].shape
         if shape is None:
@@ -88,8 +90,10 @@ _ALL_REDUCE = {"sum": lax.psum, "max": lax.pmax, "min": lax.pmin}
 def _local_slice(x: Any, dim: int, n: int, name: str) -> Any:
     size = x.shape[dim]
     if size % n:
-        raise IndivisibleError(f"a local split of dim {dim} ({size} elements) over mesh axis {name!r} of "
-                               f"{n} devices is uneven; shard_map needs even splits")
+        raise IndivisibleError(
+            f"a local split of dim {dim} ({size} elements) over mesh axis {name!r} of "
+            f"{n} devices is uneven; shard_map needs even splits"
+        )
     part = size // n
     return lax.dynamic_slice_in_dim(x, lax.axis_index(name) * part, part, axis=dim)
 
@@ -99,8 +103,10 @@ def _reduce(x: Any, reduce: str, name: str, n: int) -> Any:
     if reduce == "avg":
         return (lax.psum(x, name) / n).astype(x.dtype)
     if reduce not in _ALL_REDUCE:
-        raise LoweringError(f"no all-reduce {reduce!r} over mesh axis {name!r}; the reductions are "
-                            f"{', '.join(sorted(_ALL_REDUCE))} and avg")
+        raise LoweringError(
+            f"no all-reduce {reduce!r} over mesh axis {name!r}; the reductions are "
+            f"{', '.join(sorted(_ALL_REDUCE))} and avg"
+        )
     return _ALL_REDUCE[reduce](x, name)
 
 
@@ -108,7 +114,7 @@ class JaxCollectives(Collectives):
     """The plan's collectives on local values inside shard_map (the semantics of metadist_core.plan.simulate)."""
 
     def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh    # axis names are the jax mesh's
+        self.mesh = mesh  # axis names are the jax mesh's
 
     def _axis(self, c: Collective) -> tuple[str, int]:
         return self.mesh.axis_names[c.axis], self.mesh.shape[c.axis]
@@ -125,8 +131,10 @@ class JaxCollectives(Collectives):
         name, n = self._axis(c)
         d = c.dims[0]
         if x.shape[d] % n:
-            raise IndivisibleError(f"reduce_scatter of dim {d} ({x.shape[d]} elements) over mesh axis "
-                                   f"{name!r} of {n} devices is uneven; shard_map needs even splits")
+            raise IndivisibleError(
+                f"reduce_scatter of dim {d} ({x.shape[d]} elements) over mesh axis "
+                f"{name!r} of {n} devices is uneven; shard_map needs even splits"
+            )
         if c.reduce in ("sum", "avg"):
             y = lax.psum_scatter(x, name, scatter_dimension=d, tiled=True)
             return (y / n).astype(x.dtype) if c.reduce == "avg" else y
@@ -136,8 +144,10 @@ class JaxCollectives(Collectives):
         name, n = self._axis(c)
         src, dst = c.dims
         if x.shape[dst] % n:
-            raise IndivisibleError(f"all_to_all into dim {dst} ({x.shape[dst]} elements) over mesh axis "
-                                   f"{name!r} of {n} devices is uneven; shard_map needs even splits")
+            raise IndivisibleError(
+                f"all_to_all into dim {dst} ({x.shape[dst]} elements) over mesh axis "
+                f"{name!r} of {n} devices is uneven; shard_map needs even splits"
+            )
         return lax.all_to_all(x, name, split_axis=dst, concat_axis=src, tiled=True)
 
     def local_split(self, x: Any, c: Collective, shape: tuple[int, ...]) -> Any:
@@ -154,8 +164,10 @@ class JaxCollectives(Collectives):
 def apply_collective(x: Any, c: Collective, mesh: Mesh) -> Any:
     """Apply one cost-model Collective to a local value inside shard_map (same semantics as simulate)."""
     if c.kind not in COLLECTIVE_KINDS:
-        raise LoweringError(f"the shard_map lowering has no collective {c.kind!r} (mesh axis {c.axis}); "
-                            f"it runs {', '.join(COLLECTIVE_KINDS)}")
+        raise LoweringError(
+            f"the shard_map lowering has no collective {c.kind!r} (mesh axis {c.axis}); "
+            f"it runs {', '.join(COLLECTIVE_KINDS)}"
+        )
     return getattr(JaxCollectives(mesh), c.kind)(x, c, ())
 
 
@@ -168,8 +180,10 @@ def op_payload(op: MetaOp) -> OpPayload:
         return op.payload
     if op.key == COPY_KEY:
         return IDENTITY
-    raise LoweringError(f"op {op.id} ({op.key}) carries no primitive to run; trace the step with "
-                        f"metadist_jax so that every op keeps its JAX primitive")
+    raise LoweringError(
+        f"op {op.id} ({op.key}) carries no primitive to run; trace the step with "
+        f"metadist_jax so that every op keeps its JAX primitive"
+    )
 
 
 def local_op_runner(graph: MetaIR, mesh: Mesh) -> Any:
@@ -178,13 +192,16 @@ def local_op_runner(graph: MetaIR, mesh: Mesh) -> Any:
     Binds the op's primitive on the local pieces (shape params localized) and
     checks every local output against the shape its sharding gives.
     """
+
     def run_op(op: MetaOp, ins: list, out_sh: list[Sharding]) -> list:
         payload = op_payload(op)
         full_in = [tuple(graph.vars[v].shape) for v in op.inputs]
-        want = [None if graph.vars[v].shape is None else tuple(shard_shape(graph.vars[v].shape, sh, mesh, even=True))
-                for v, sh in zip(op.outputs, out_sh)]
+        want = [
+            None if graph.vars[v].shape is None else tuple(shard_shape(graph.vars[v].shape, sh, mesh, even=True))
+            for v, sh in zip(op.outputs, out_sh)
+        ]
         reshape_to = want[0] if payload.name == "reshape" else None
-        if op.id.endswith(RECOMPUTED):   # a recomputed copy: XLA must not merge it with the forward's op
+        if op.id.endswith(RECOMPUTED):  # a recomputed copy: XLA must not merge it with the forward's op
             arrays = [k for k, x in enumerate(ins) if isinstance(x, jax.Array)]
             fenced = jax.lax.optimization_barrier(tuple(ins[k] for k in arrays))
             ins = list(ins)
@@ -196,7 +213,8 @@ def local_op_runner(graph: MetaIR, mesh: Mesh) -> Any:
                 raise LoweringError(
                     f"op {op.id} ({op.key}) made a local {v} of shape {tuple(x.shape)} under {sh}, but the "
                     f"plan expects {w} (full shape {graph.vars[v].shape}); its inputs were "
-                    f"{[tuple(i.shape) for i in ins]}")
+                    f"{[tuple(i.shape) for i in ins]}"
+                )
         return outs
 
     return run_op
@@ -209,8 +227,8 @@ def local_op_runner(graph: MetaIR, mesh: Mesh) -> Any:
 class Program:
     """The lowered step: a jitted shard_map over flat graph inputs, with the shardings of both ends."""
 
-    fn: Any                               # jitted: (*graph inputs) -> (*outputs in output-leaf order)
-    input_ids: list[str]                  # graph inputs, in the order fn takes them
+    fn: Any  # jitted: (*graph inputs) -> (*outputs in output-leaf order)
+    input_ids: list[str]  # graph inputs, in the order fn takes them
     in_specs: list[PartitionSpec]
     out_specs: list[PartitionSpec]
     in_shardings: list[NamedSharding]
@@ -238,9 +256,15 @@ def moves_only(op: MetaOp) -> tuple[int, ...] | None:
     return tuple(perm) if perm is not None else None
 
 
-def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str], run_op: Any = None,
-               collectives: Collectives | None = None,
-               reduce_after: Callable[[MetaOp], tuple[int, ...] | None] | None = moves_only) -> Any:
+def build_body(
+    graph: MetaIR,
+    plan: Any,
+    mesh: Mesh,
+    output_ids: Sequence[str],
+    run_op: Any = None,
+    collectives: Collectives | None = None,
+    reduce_after: Callable[[MetaOp], tuple[int, ...] | None] | None = moves_only,
+) -> Any:
     """The per-device function: local graph inputs -> local outputs in ``output_ids`` order (``run_op`` and
     ``collectives``: another view of the same walk, :mod:`metadist_jax.gspmd`'s whole values;
     ``reduce_after``: :func:`metadist_core.plan.interpret.interpret`'s)."""
@@ -249,15 +273,17 @@ def build_body(graph: MetaIR, plan: Any, mesh: Mesh, output_ids: Sequence[str], 
     collectives = collectives or JaxCollectives(mesh)
 
     def body(*inputs: Any) -> tuple:
-        res = interpret(graph, plan, mesh, dict(zip(graph.inputs, inputs)), run_op, collectives,
-                        reduce_after=reduce_after)
+        res = interpret(
+            graph, plan, mesh, dict(zip(graph.inputs, inputs)), run_op, collectives, reduce_after=reduce_after
+        )
         return tuple(res.state[state_of[o]] if o in state_of else res.outputs[o] for o in output_ids)
 
     return body
 
 
-def program_ends(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh, output_ids: Sequence[str]
-                 ) -> tuple[Mesh, list[PartitionSpec], list[PartitionSpec]]:
+def program_ends(
+    graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh, output_ids: Sequence[str]
+) -> tuple[Mesh, list[PartitionSpec], list[PartitionSpec]]:
     """``plan`` checked for a program over ``jax_mesh`` (even splits, its ends, every op runnable): the
     planning mesh under the JAX mesh's axis names, and the PartitionSpecs of the inputs and ``output_ids``."""
     names = list(jax_mesh.axis_names)
@@ -267,7 +293,7 @@ def program_ends(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Me
     check_even(plan, graph, mesh)
     check_plan_ends(graph, plan, mesh)
     for op in graph.ops:
-        op_payload(op)   # every op can run, before anything is traced
+        op_payload(op)  # every op can run, before anything is traced
     rep = Sharding.replicated(mesh.ndim)
     in_sh = [plan.input_shardings.get(v, rep) for v in graph.inputs]
     in_specs = [partition_spec(s, graph.vars[v].ndim, names) for v, s in zip(graph.inputs, in_sh)]
@@ -276,18 +302,31 @@ def program_ends(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Me
     return mesh, in_specs, out_specs
 
 
-def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh,
-               output_ids: Sequence[str] | None = None) -> Program:
+def lower_plan(
+    graph: MetaIR, plan: Any, mesh: Mesh, jax_mesh: jax.sharding.Mesh, output_ids: Sequence[str] | None = None
+) -> Program:
     """Turn ``plan`` into a jitted shard_map program over ``jax_mesh``."""
     output_ids = list(output_ids if output_ids is not None else graph.outputs)
     mesh, in_specs, out_specs = program_ends(graph, plan, mesh, jax_mesh, output_ids)
-    mapped = jax.shard_map(build_body(graph, plan, mesh, output_ids), mesh=jax_mesh, in_specs=tuple(in_specs),
-                           out_specs=tuple(out_specs), check_vma=False)
+    mapped = jax.shard_map(
+        build_body(graph, plan, mesh, output_ids),
+        mesh=jax_mesh,
+        in_specs=tuple(in_specs),
+        out_specs=tuple(out_specs),
+        check_vma=False,
+    )
     n_coll = sum(1 for _, c in plan.collectives() if not c.is_free)
     log.info("lowered %s to shard_map over mesh %s: %d collectives", graph.name, mesh, n_coll)
-    return Program(jax.jit(mapped), list(graph.inputs), in_specs, out_specs,
-                   [NamedSharding(jax_mesh, s) for s in in_specs], [NamedSharding(jax_mesh, s) for s in out_specs],
-                   n_coll, jax_mesh)
+    return Program(
+        jax.jit(mapped),
+        list(graph.inputs),
+        in_specs,
+        out_specs,
+        [NamedSharding(jax_mesh, s) for s in in_specs],
+        [NamedSharding(jax_mesh, s) for s in out_specs],
+        n_coll,
+        jax_mesh,
+    )
 
 
 class LoweredStep:
@@ -320,10 +359,24 @@ class LoweredStep:
         once (or given ``operands``, placed already: another lowering of the same plan takes the same), each
         ``run()`` runs the program and waits for it. Nothing is donated, so the arguments stay as they were."""
         from metadist_core.driver.autotune import Trial
+
         if operands is None:
             operands = self.operands(args, kwargs)
         return Trial(lambda: jax.block_until_ready(self.program.fn(*operands)), self, lowering)
 
 
-__all__ = ["JaxCollectives", "LoweredStep", "LoweringError", "Program", "apply_collective", "build_body",
-           "moves_only", "check_even", "local_op_runner", "lower_plan", "output_shardings", "partition_spec", "program_ends"]
+__all__ = [
+    "JaxCollectives",
+    "LoweredStep",
+    "LoweringError",
+    "Program",
+    "apply_collective",
+    "build_body",
+    "moves_only",
+    "check_even",
+    "local_op_runner",
+    "lower_plan",
+    "output_shardings",
+    "partition_spec",
+    "program_ends",
+]

@@ -9,6 +9,7 @@ Partial gradient stays Partial until the update reads it, so its all-reduce
 runs once), then walks the update part once. Outputs leave as the whole
 step's plan says (state as its input is stored, the loss replicated).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,6 +47,7 @@ def batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
     def rebuild(lv: list) -> tuple[tuple, dict]:
         a, kw = jax.tree_util.tree_unflatten(tree, lv)
         return tuple(a), kw
+
     return BatchLeaves(leaves, pos, rebuild, "batch leaf")
 
 
@@ -62,7 +64,7 @@ class MicroBatchedStep:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         if tree != self.context.in_tree:
             raise TypeError(f"the step was compiled for arguments shaped {self.context.in_tree}, got {tree}")
-        leaves = self.context.dynamic(leaves)   # static leaves are fixed in the trace
+        leaves = self.context.dynamic(leaves)  # static leaves are fixed in the trace
         placed = []
         for i, (x, s) in enumerate(zip(leaves, self.in_shardings)):
             if i in self.batch_idx:
@@ -74,8 +76,9 @@ class MicroBatchedStep:
         return jax.tree_util.tree_unflatten(self.context.out_tree, list(outs))
 
 
-def lower_micro_batches(graph: Any, context: Any, cut: GradientCut, plans: tuple, plan: Any, mesh: Mesh,
-                        jax_mesh: Any, m: int) -> MicroBatchedStep:
+def lower_micro_batches(
+    graph: Any, context: Any, cut: GradientCut, plans: tuple, plan: Any, mesh: Mesh, jax_mesh: Any, m: int
+) -> MicroBatchedStep:
     """One jitted shard_map running ``m`` micro-batches of ``cut`` under the whole step's ``plan``."""
     names = list(jax_mesh.axis_names)
     mesh = Mesh(mesh.shape, names, mesh.alpha, mesh.beta, mesh.links or None)
@@ -85,11 +88,14 @@ def lower_micro_batches(graph: Any, context: Any, cut: GradientCut, plans: tuple
     in_specs = []
     for v in graph.inputs:
         spec = partition_spec(plan.input_shardings.get(v, rep), graph.vars[v].ndim, names)
-        in_specs.append(PartitionSpec(None, *spec, *([None] * (graph.vars[v].ndim - len(spec)))) if v in batch_ids
-                        else spec)
+        in_specs.append(
+            PartitionSpec(None, *spec, *([None] * (graph.vars[v].ndim - len(spec)))) if v in batch_ids else spec
+        )
     out_ids = list(context.output_ids)
-    out_specs = [partition_spec(s, graph.vars[v].ndim, names)
-                 for v, s in zip(out_ids, output_shardings(graph, plan, mesh, out_ids))]
+    out_specs = [
+        partition_spec(s, graph.vars[v].ndim, names)
+        for v, s in zip(out_ids, output_shardings(graph, plan, mesh, out_ids))
+    ]
     state_of = {o: s for s, o in graph.aliases.items()}
     run_grad = local_op_runner(cut.grad_graph, mesh)
     run_update = local_op_runner(cut.update_graph, mesh)
@@ -99,22 +105,25 @@ def lower_micro_batches(graph: Any, context: Any, cut: GradientCut, plans: tuple
         sums: dict[str, Any] = {}
         per_out: dict[str, list] = {o: [] for o in cut.user_outputs}
         for i in range(m):
-            g_in = {v: None if v in cut.acc_of else env[v][i] if v in batch_ids else env[v]
-                    for v in cut.grad_graph.inputs}
-            res = interpret(cut.grad_graph, plans[0], mesh, g_in, run_grad, JaxCollectives(mesh),
-                            reduce_after=moves_only)
+            g_in = {
+                v: None if v in cut.acc_of else env[v][i] if v in batch_ids else env[v] for v in cut.grad_graph.inputs
+            }
+            res = interpret(
+                cut.grad_graph, plans[0], mesh, g_in, run_grad, JaxCollectives(mesh), reduce_after=moves_only
+            )
             for s_in, x in res.state.items():
                 if s_in in cut.acc_of:
                     g = cut.acc_of[s_in]
                     sums[g] = x if g not in sums else sums[g] + x
                 else:
-                    env[s_in] = x          # a buffer: the next micro-batch reads its new value
+                    env[s_in] = x  # a buffer: the next micro-batch reads its new value
             for o in cut.user_outputs:
                 per_out[o].append(res.outputs[o])
         scale = 1.0 / m if cut.reduction == "mean" else 1.0
         u_in = {v: (sums[v] * scale if v in sums else env[v]) for v in cut.update_graph.inputs}
-        res_u = interpret(cut.update_graph, plans[1], mesh, u_in, run_update, JaxCollectives(mesh),
-                          reduce_after=moves_only)
+        res_u = interpret(
+            cut.update_graph, plans[1], mesh, u_in, run_update, JaxCollectives(mesh), reduce_after=moves_only
+        )
         outs = []
         for o in out_ids:
             s_in = state_of.get(o)
@@ -124,8 +133,7 @@ def lower_micro_batches(graph: Any, context: Any, cut: GradientCut, plans: tuple
                 outs.append(combine(per_out[o], cut.combine_mode(o), lambda xs: jnp.concatenate(xs, axis=0)))
         return tuple(outs)
 
-    mapped = jax.shard_map(body, mesh=jax_mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs),
-                           check_vma=False)
+    mapped = jax.shard_map(body, mesh=jax_mesh, in_specs=tuple(in_specs), out_specs=tuple(out_specs), check_vma=False)
     in_shardings = [NamedSharding(jax_mesh, s) for s in in_specs]
     return MicroBatchedStep(jax.jit(mapped), context, in_shardings, batch_ids, m)
 

@@ -13,6 +13,7 @@ localized from the piece's shape (:func:`metadist_jax.payload.localize`), the
 same way in discovery and in the lowered program, so that a rule verified here
 is the rule lowered.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,10 +41,20 @@ def _seed(text: str) -> int:
 
 
 # operands that index into another operand: an unknown example is 0 there (always in range)
-_INDEX_OPERANDS = {"gather": (1,), "scatter": (1,), "scatter-add": (1,), "scatter_add": (1,), "scatter-mul": (1,),
-                   "scatter_mul": (1,), "scatter-min": (1,), "scatter-max": (1,), "scatter_min": (1,),
-                   "scatter_max": (1,), "dynamic_slice": tuple(range(1, 64)),
-                   "dynamic_update_slice": tuple(range(2, 64))}
+_INDEX_OPERANDS = {
+    "gather": (1,),
+    "scatter": (1,),
+    "scatter-add": (1,),
+    "scatter_add": (1,),
+    "scatter-mul": (1,),
+    "scatter_mul": (1,),
+    "scatter-min": (1,),
+    "scatter-max": (1,),
+    "scatter_min": (1,),
+    "scatter_max": (1,),
+    "dynamic_slice": tuple(range(1, 64)),
+    "dynamic_update_slice": tuple(range(2, 64)),
+}
 
 
 def _example(aval: Any, rng: np.random.Generator, x64: bool, known: np.ndarray | None, index: bool) -> np.ndarray:
@@ -72,6 +83,7 @@ def _no_traceback_filtering():
     """Rejected candidates raise often; JAX's traceback filtering would cost more than the runs."""
     try:
         from jax._src.config import traceback_filtering  # a private switch: fall back quietly without it
+
         return traceback_filtering("off")
     except Exception:
         return contextlib.nullcontext()
@@ -104,9 +116,12 @@ class _Runner:
         with jax.enable_x64(self.x64):
             hit = _CACHE.get(ck)
             if hit is None:
+
                 def f(*ts):
-                    return bind_payload(self.payload, ts, full_shapes=self.full_shapes, reshape_to=reshape_to,
-                                        x64=self.x64)
+                    return bind_payload(
+                        self.payload, ts, full_shapes=self.full_shapes, reshape_to=reshape_to, x64=self.x64
+                    )
+
                 try:
                     hit = _compile(f, [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in xs])
                 except Exception as e:  # the op refuses these shapes: remembered, re-raised each time
@@ -134,11 +149,12 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
             payload = IDENTITY
         else:
             raise Unrunnable(f"{op.key} ({op.id}) carries no primitive: trace the step with metadist_jax to run it")
-    if payload.prim is not None and (payload.prim.name.startswith("random_") or payload.name in
-                                     ("rng_bit_generator", "rng_uniform", "threefry2x32")):
+    if payload.prim is not None and (
+        payload.prim.name.startswith("random_") or payload.name in ("rng_bit_generator", "rng_uniform", "threefry2x32")
+    ):
         raise Unrunnable(f"{op.key} draws random numbers")
     hint = getattr(graph, "proxy_sizes", None)
-    if hint:   # the op at proxy sizes (metadist_core.discovery.patterns.proxy_op): its params follow
+    if hint:  # the op at proxy sizes (metadist_core.discovery.patterns.proxy_op): its params follow
         payload = proxied_payload(payload, hint["map"], hint["small"])
     avals = getattr(ctx, "avals", {}) or {}
     examples_known = getattr(ctx, "examples", {}) or {}
@@ -150,16 +166,18 @@ def op_spec(op: Any, graph: Any) -> OpSpec:
     x64 = payload.runs_in_float64()
     rng = np.random.default_rng(_seed(op.signature(graph)))
     examples = []
-    index_slots = {payload.layout[pos] for pos in _INDEX_OPERANDS.get(payload.name, ())
-                   if pos < len(payload.layout) and isinstance(payload.layout[pos], int)}
+    index_slots = {
+        payload.layout[pos]
+        for pos in _INDEX_OPERANDS.get(payload.name, ())
+        if pos < len(payload.layout) and isinstance(payload.layout[pos], int)
+    }
     for slot, v in enumerate(op.inputs):
         aval = avals.get(v) or jax.ShapeDtypeStruct(graph.vars[v].shape, np.dtype(graph.vars[v].dtype))
         examples.append(_example(aval, rng, x64, examples_known.get(v), slot in index_slots))
     full_shapes = [tuple(graph.vars[v].shape) for v in op.inputs]
     run = _Runner(payload, full_shapes, x64, key=_runner_key(op, full_shapes))
     if payload.name == "reshape":
-        return OpSpec(run, examples, op.key, reshape_fn=run.reshape,
-                      out_shape=tuple(graph.vars[op.outputs[0]].shape))
+        return OpSpec(run, examples, op.key, reshape_fn=run.reshape, out_shape=tuple(graph.vars[op.outputs[0]].shape))
     return OpSpec(run, examples, op.key)
 
 
@@ -170,7 +188,7 @@ def _map_sizes(value: Any, sizes: dict, small: int) -> Any:
         return value
     if isinstance(value, (int, np.integer)):
         return type(value)(proxy_int(int(value), sizes, small))
-    if hasattr(value, "_fields") and hasattr(value, "_replace"):   # a NamedTuple (dimension numbers)
+    if hasattr(value, "_fields") and hasattr(value, "_replace"):  # a NamedTuple (dimension numbers)
         return value._replace(**{f: _map_sizes(getattr(value, f), sizes, small) for f in value._fields})
     if isinstance(value, (tuple, list)):
         return type(value)(_map_sizes(v, sizes, small) for v in value)
@@ -194,14 +212,17 @@ def proxied_payload(payload: OpPayload, sizes: dict, small: int) -> OpPayload:
             raise NoProxy(f"a literal operand of shape {np.shape(lit[1])}")
     sizes = {int(k): int(v) for k, v in sizes.items()}
     params = {k: _map_sizes(v, sizes, small) for k, v in payload.params.items()}
-    outs = tuple(jax.ShapeDtypeStruct(tuple(sizes.get(int(d), int(d)) for d in a.shape), a.dtype)
-                 if hasattr(a, "shape") else a for a in payload.out_avals)
+    outs = tuple(
+        jax.ShapeDtypeStruct(tuple(sizes.get(int(d), int(d)) for d in a.shape), a.dtype) if hasattr(a, "shape") else a
+        for a in payload.out_avals
+    )
     return OpPayload(payload.prim, params, payload.layout, outs)
 
 
 def _runner_key(op: Any, full_shapes: list[tuple]) -> str:
     """What decides a compiled piece program besides the piece shapes: key, params, literals, full shapes."""
     import json
+
     return json.dumps([op.key, op.attrs, [list(s) for s in full_shapes]], sort_keys=True, default=str)
 
 
@@ -248,8 +269,13 @@ def _single_op_spec(call: Any, arrays: list[np.ndarray], name: str) -> OpSpec:
     ins = [("var", b.add_input(f"x{i}", a, "input")) for i, a in enumerate(closed.in_avals)]
     outs = b.walk(closed.jaxpr, closed.consts, ins)
     ops = b.ir.ops
-    if len(ops) == 1 and not b.const_ids and [o[1] for o in outs] == ops[0].outputs and \
-            sorted(ops[0].inputs) == sorted(b.ir.inputs) and len(set(ops[0].inputs)) == len(ops[0].inputs):
+    if (
+        len(ops) == 1
+        and not b.const_ids
+        and [o[1] for o in outs] == ops[0].outputs
+        and sorted(ops[0].inputs) == sorted(b.ir.inputs)
+        and len(set(ops[0].inputs)) == len(ops[0].inputs)
+    ):
         # one primitive: run it exactly as inside a traced step
         op = ops[0]
         b.ir.payload = types.SimpleNamespace(avals=b.avals, examples={})
@@ -304,8 +330,18 @@ def eqn_flops(name: str, params: dict, in_avals: Sequence[Any], out_avals: Seque
         return 2.0 * out_n * spatial * cin
     if name in ("scan", "while", "cond"):
         return float(sum(_jaxpr_flops(j) for j in _sub_jaxprs(params)) * (params.get("length") or 1))
-    if name in ("reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin", "cumsum",
-                "cumprod", "cummax", "cumlogsumexp"):
+    if name in (
+        "reduce_sum",
+        "reduce_max",
+        "reduce_min",
+        "reduce_prod",
+        "argmax",
+        "argmin",
+        "cumsum",
+        "cumprod",
+        "cummax",
+        "cumlogsumexp",
+    ):
         return float(sum(_numel(a) for a in in_avals))
     return float(out_n)
 
@@ -313,7 +349,7 @@ def eqn_flops(name: str, params: dict, in_avals: Sequence[Any], out_avals: Seque
 def _sub_jaxprs(params: dict) -> list:
     out = []
     for v in params.values():
-        for x in (v if isinstance(v, (tuple, list)) else [v]):
+        for x in v if isinstance(v, (tuple, list)) else [v]:
             if isinstance(x, jcore.ClosedJaxpr):
                 out.append(x.jaxpr)
             elif isinstance(x, jcore.Jaxpr):

@@ -7,6 +7,7 @@ shapes (``reshape``, ``broadcast_in_dim``, ``slice``, ``dynamic_slice``,
 ``gather``) binds on a piece with those params localized from the piece's
 shape (:func:`localize`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class OpPayload:
         return all(scalar_combiner(v) for v in self.params.values() if holds_jaxpr(v))
 
 
-IDENTITY = OpPayload(None, {}, [0], ())   # the payload of a copy op loaded without one
+IDENTITY = OpPayload(None, {}, [0], ())  # the payload of a copy op loaded without one
 
 
 def holds_jaxpr(v: Any) -> bool:
@@ -94,7 +95,7 @@ def x64_params(params: dict) -> dict:
     for k, v in params.items():
         if (isinstance(v, np.dtype) or (isinstance(v, type) and issubclass(v, np.generic))) and is_float_dtype(v):
             v = np.dtype(np.float64)
-        elif scalar_combiner(v):   # a scatter's update_jaxpr: add of two float32 scalars -> of two float64
+        elif scalar_combiner(v):  # a scatter's update_jaxpr: add of two float32 scalars -> of two float64
             v = _combiner_x64(v)
         out[k] = v
     return out
@@ -139,8 +140,14 @@ def operand_shapes(payload: OpPayload, tensor_shapes: Sequence[tuple]) -> list[t
     return [tuple(tensor_shapes[l]) if isinstance(l, int) else tuple(np.shape(l[1])) for l in payload.layout]
 
 
-def bind_payload(payload: OpPayload, tensors: Sequence[Any], *, full_shapes: Sequence[tuple] | None = None,
-                 reshape_to: tuple | None = None, x64: bool = False) -> list[Any]:
+def bind_payload(
+    payload: OpPayload,
+    tensors: Sequence[Any],
+    *,
+    full_shapes: Sequence[tuple] | None = None,
+    reshape_to: tuple | None = None,
+    x64: bool = False,
+) -> list[Any]:
     """Bind the op's primitive on ``tensors`` (its tensor inputs, in order); a list of outputs.
 
     ``full_shapes`` are the unsplit input shapes (for :func:`localize`),
@@ -163,11 +170,21 @@ def bind_payload(payload: OpPayload, tensors: Sequence[Any], *, full_shapes: Seq
         params = {**params, "new_sizes": tuple(int(s) for s in reshape_to), "dimensions": None}
     elif full_shapes is not None:
         local = [tuple(np.shape(t)) for t in tensors]
-        params = localize(payload.name, params, operand_shapes(payload, full_shapes),
-                          operand_shapes(payload, local))
+        params = localize(payload.name, params, operand_shapes(payload, full_shapes), operand_shapes(payload, local))
     out = payload.prim.bind(*operands, **params)
     return list(out) if payload.prim.multiple_results else [out]
 
 
-__all__ = ["OpPayload", "IDENTITY", "KEY_PREFIX", "COPY_KEY", "bind_payload", "localize", "operand_shapes",
-           "x64_params", "holds_jaxpr", "is_float_dtype", "scalar_combiner"]
+__all__ = [
+    "OpPayload",
+    "IDENTITY",
+    "KEY_PREFIX",
+    "COPY_KEY",
+    "bind_payload",
+    "localize",
+    "operand_shapes",
+    "x64_params",
+    "holds_jaxpr",
+    "is_float_dtype",
+    "scalar_combiner",
+]

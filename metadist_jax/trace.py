@@ -11,6 +11,7 @@ its params, where scalar literals sit among its operands) for running it during
 discovery and for lowering. Static params go into ``attrs`` in a JSON-able form
 (they key the rule cache); literals go into ``attrs["literals"]``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -36,9 +37,16 @@ RUNNER_VERSION = 1
 
 # primitive name -> the param holding the jaxpr that is inlined in its place
 _INLINE = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-    "checkpoint": "jaxpr", "remat": "jaxpr", "remat2": "jaxpr",
-    "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
 # identity primitives that carry no computation
 _IDENTITY = {"sharding_constraint", "optimization_barrier_identity", "pvary", "copy", "copy_p"}
@@ -55,17 +63,17 @@ class TraceError(ValueError):
 class TraceContext:
     """What lowering needs beyond the MetaIR: the pytrees, the constants and the real avals."""
 
-    in_tree: Any                          # treedef of (args, kwargs)
-    out_tree: Any                         # treedef of the step's output
-    input_ids: list[str]                  # graph input id per input leaf
-    const_ids: list[str]                  # graph input ids of captured constants
-    const_values: dict[str, np.ndarray]   # their values
-    output_ids: list[str]                 # graph output var per output leaf
-    avals: dict[str, Any]                 # var id -> jax ShapedArray (real dtype)
+    in_tree: Any  # treedef of (args, kwargs)
+    out_tree: Any  # treedef of the step's output
+    input_ids: list[str]  # graph input id per input leaf
+    const_ids: list[str]  # graph input ids of captured constants
+    const_values: dict[str, np.ndarray]  # their values
+    output_ids: list[str]  # graph output var per output leaf
+    avals: dict[str, Any]  # var id -> jax ShapedArray (real dtype)
     examples: dict[str, np.ndarray] = field(default_factory=dict)  # concrete integer values seen at trace
     n_params: int = 0
     n_state: int = 0
-    static: dict[int, Any] = field(default_factory=dict)   # leaf index -> static value, fixed in the trace
+    static: dict[int, Any] = field(default_factory=dict)  # leaf index -> static value, fixed in the trace
 
     def dynamic(self, leaves: Sequence[Any]) -> list[Any]:
         """The leaves of a call that are graph inputs (in ``input_ids`` order): all but the static ones."""
@@ -98,8 +106,10 @@ def jsonable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, np.dtype) or (isinstance(value, type) and issubclass(value, np.generic)):
         return str(np.dtype(value))
     if isinstance(value, np.ndarray):
-        return {"array": value.tolist() if value.size <= 64 else hashlib.sha1(value.tobytes()).hexdigest(),
-                "dtype": str(value.dtype)}
+        return {
+            "array": value.tolist() if value.size <= 64 else hashlib.sha1(value.tobytes()).hexdigest(),
+            "dtype": str(value.dtype),
+        }
     if isinstance(value, (jcore.ClosedJaxpr, jcore.Jaxpr)):
         return {"jaxpr": hashlib.sha1(_stable(str(value)).encode()).hexdigest()}
     if isinstance(value, dict):
@@ -182,8 +192,7 @@ class GraphBuilder:
                 return self.walk(sub, [], ins)
         if name in _IDENTITY and len(ins) == len(eqn.outvars):
             return list(ins)
-        return self.op(KEY_PREFIX + name, eqn.primitive, dict(eqn.params), ins,
-                       [v.aval for v in eqn.outvars])
+        return self.op(KEY_PREFIX + name, eqn.primitive, dict(eqn.params), ins, [v.aval for v in eqn.outvars])
 
     def op(self, key: str, prim: Any, params: dict, ins: list[tuple[str, Any]], out_avals: list) -> list:
         layout: list[Any] = []
@@ -197,7 +206,7 @@ class GraphBuilder:
                 layout.append(("lit", val))
                 literals.append([pos, jsonable(val), str(val.dtype)])
         out_ids = []
-        base = key[len(KEY_PREFIX):].replace("-", "_")
+        base = key[len(KEY_PREFIX) :].replace("-", "_")
         outs = []
         for aval in out_avals:
             vid = self.fresh(base)
@@ -210,8 +219,7 @@ class GraphBuilder:
         if literals:
             attrs["literals"] = literals
         payload = OpPayload(prim, params, layout, tuple(out_avals))
-        self.ir.add_op(key, inputs, [self.ir.vars[o] for o in out_ids], attrs, id=f"op_{out_ids[0]}",
-                       payload=payload)
+        self.ir.add_op(key, inputs, [self.ir.vars[o] for o in out_ids], attrs, id=f"op_{out_ids[0]}", payload=payload)
         return outs
 
     def copy(self, src: tuple[str, Any]) -> str:
@@ -234,8 +242,9 @@ def static_leaves(flat_with_path: Sequence[tuple[Any, Any]]) -> dict[int, Any]:
     outside the parameters and optimizer state. Such a value steers the step's Python code (a flag, a mode),
     so it is fixed in the trace and keys the compile, as ``jax.jit``'s ``static_argnames`` would make it; a
     Python int or float stays a traced input, so that a new value needs no new compile."""
-    return {i: x for i, (path, x) in enumerate(flat_with_path)
-            if isinstance(x, (bool, str)) and not is_state_path(path)}
+    return {
+        i: x for i, (path, x) in enumerate(flat_with_path) if isinstance(x, (bool, str)) and not is_state_path(path)
+    }
 
 
 def call_signature(args: tuple, kwargs: dict) -> Any:
@@ -243,10 +252,14 @@ def call_signature(args: tuple, kwargs: dict) -> Any:
     of every static leaf (:func:`static_leaves`)."""
     flat, tree = jax.tree_util.tree_flatten_with_path((tuple(args), dict(kwargs)))
     static = static_leaves(flat)
-    return tree, tuple(("static", type(x).__name__, x) if i in static
-                       else (x.shape, x.dtype) if isinstance(x, (jax.Array, np.ndarray))
-                       else (tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
-                       for i, (_, x) in enumerate(flat))
+    return tree, tuple(
+        ("static", type(x).__name__, x)
+        if i in static
+        else (x.shape, x.dtype)
+        if isinstance(x, (jax.Array, np.ndarray))
+        else (tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
+        for i, (_, x) in enumerate(flat)
+    )
 
 
 def unplaced(x: Any) -> Any:
@@ -270,8 +283,9 @@ def _leaf_name(prefix: str, path: Any) -> str:
     return "/".join([prefix, *parts]) if parts else prefix
 
 
-def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | None = None
-               ) -> tuple[MetaIR, TraceContext]:
+def trace_step(
+    fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | None = None
+) -> tuple[MetaIR, TraceContext]:
     """Trace ``fn(*args, **kwargs)`` into a MetaIR and the context lowering needs.
 
     ``args[0]`` are the parameters and ``args[1]`` the optimizer state; the
@@ -309,8 +323,9 @@ def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | 
     try:
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(unplaced, leaves))
     except Exception as e:
-        raise TraceError(f"jax.make_jaxpr could not trace {getattr(fn, '__name__', fn)!r}: "
-                         f"{type(e).__name__}: {e}") from e
+        raise TraceError(
+            f"jax.make_jaxpr could not trace {getattr(fn, '__name__', fn)!r}: {type(e).__name__}: {e}"
+        ) from e
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     b = GraphBuilder(name or getattr(fn, "__name__", "step"))
     in_vals = []
@@ -339,7 +354,8 @@ def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | 
             if in_t != out_t:
                 raise TraceError(
                     f"the step returns a new {'params' if pos == 0 else 'opt_state'} shaped {out_t}, but takes "
-                    f"{in_t}; a step must return (loss, params, opt_state) with the same structure it takes")
+                    f"{in_t}; a step must return (loss, params, opt_state) with the same structure it takes"
+                )
         i_leaf = [i for i, r in enumerate(roles) if r in ("parameter", "optimizer_state")]
         first = len(jax.tree_util.tree_leaves(out_shape[0]))
         o_leaf = list(range(first, first + len(i_leaf)))
@@ -348,8 +364,18 @@ def trace_step(fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | 
         n_params = sum(1 for r in roles if r == "parameter")
         n_state = sum(1 for r in roles if r == "optimizer_state")
     b.ir.validate()
-    ctx = TraceContext(in_tree, out_tree, ids, b.const_ids, b.const_values, out_ids, b.avals,
-                       n_params=n_params, n_state=n_state, static=static)
+    ctx = TraceContext(
+        in_tree,
+        out_tree,
+        ids,
+        b.const_ids,
+        b.const_values,
+        out_ids,
+        b.avals,
+        n_params=n_params,
+        n_state=n_state,
+        static=static,
+    )
     ctx.examples = integer_examples(b.ir, ctx, dict(zip(ids, leaves)))
     b.ir.payload = ctx  # frontend-private data for lowering (not serialised)
     log.info("traced %s: %d ops over %d inputs", b.ir.name, len(b.ir.ops), len(b.ir.inputs))
@@ -365,8 +391,9 @@ def _is_int(aval: Any) -> bool:
     return np.issubdtype(dt, np.integer) or dt == np.bool_
 
 
-def integer_examples(ir: MetaIR, ctx: TraceContext, inputs: dict[str, Any], limit: int = 1 << 20
-                     ) -> dict[str, np.ndarray]:
+def integer_examples(
+    ir: MetaIR, ctx: TraceContext, inputs: dict[str, Any], limit: int = 1 << 20
+) -> dict[str, np.ndarray]:
     """Concrete values of the integer vars computable from integer inputs alone (labels, indices, iotas).
 
     Discovery draws integer inputs from the range of these examples, so that

@@ -1,4 +1,5 @@
 """MetaDist's PyTorch frontend."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -16,31 +17,49 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2):
     >>> rules_for(torch.ops.aten.mm.default, torch.randn(8, 4), torch.randn(4, 6))  # doctest: +SKIP
     """
     from .oprunner import rules_for as _rules_for
+
     return _rules_for(op, *example_inputs, axis_size=axis_size)
 
 
-def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget: int | None = None,
-                     cache_dir: str | None = None, *, constraints: Any = None, plugins: Any = None,
-                     **options: Any):
+def metadist_compile(
+    mesh: Any = None,
+    solver: str | None = None,
+    memory_budget: int | None = None,
+    cache_dir: str | None = None,
+    *,
+    constraints: Any = None,
+    plugins: Any = None,
+    **options: Any,
+):
     """Decorate a training step so that MetaDist traces, plans and runs it split over ``mesh``.
 
     See :func:`metadist_torch.compile.metadist_compile` (``options``: micro_batches, pipeline_stages, schedule).
     """
     from .compile import metadist_compile as _metadist_compile
-    return _metadist_compile(mesh=mesh, solver=solver, memory_budget=memory_budget, cache_dir=cache_dir,
-                             constraints=constraints, plugins=plugins, **options)
+
+    return _metadist_compile(
+        mesh=mesh,
+        solver=solver,
+        memory_budget=memory_budget,
+        cache_dir=cache_dir,
+        constraints=constraints,
+        plugins=plugins,
+        **options,
+    )
 
 
 def annotate(tensor: Any, *placements: Any) -> Any:
     """Pin how ``tensor`` is split inside a compiled step (one Placement for every mesh axis, or one per
     axis); the identity on the numbers. See :mod:`metadist_torch.annotate`."""
     from .annotate import annotate as _annotate
+
     return _annotate(tensor, *placements)
 
 
 def to_dtensor_placements(plan: Any) -> dict:
     """``{parameter name: torch.distributed.tensor placements}`` of a ShardingPlan."""
     from .annotate import to_dtensor_placements as _to
+
     return _to(plan)
 
 
@@ -50,7 +69,8 @@ def save_checkpoint(path: Any, model: Any, optimizer: Any = None) -> float:
     Layout-independent: see :func:`metadist_torch.checkpoint.save_checkpoint`.
     """
     from .checkpoint import save_checkpoint as _save
-    return _save(path, model, optimizer)   # seconds taken
+
+    return _save(path, model, optimizer)  # seconds taken
 
 
 def load_checkpoint(path: Any, model: Any, optimizer: Any = None) -> float:
@@ -58,8 +78,8 @@ def load_checkpoint(path: Any, model: Any, optimizer: Any = None) -> float:
     on any mesh or at world size 1. See :func:`metadist_torch.checkpoint.load_checkpoint`.
     """
     from .checkpoint import load_checkpoint as _load
-    return _load(path, model, optimizer)   # seconds taken
+
+    return _load(path, model, optimizer)  # seconds taken
 
 
-__all__ = ["rules_for", "metadist_compile", "annotate", "to_dtensor_placements", "save_checkpoint",
-           "load_checkpoint"]
+__all__ = ["rules_for", "metadist_compile", "annotate", "to_dtensor_placements", "save_checkpoint", "load_checkpoint"]

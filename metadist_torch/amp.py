@@ -30,6 +30,7 @@ The scaler's ``_scale`` and ``_growth_tracker`` are state of the step (as an
 optimizer's state is): :mod:`metadist_torch.state` lists them and makes them
 eagerly (:func:`init_scalers`).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -66,7 +67,8 @@ def check_scalers(scalers: Sequence[Any], optimizers: Sequence[torch.optim.Optim
             f"metadist: a torch.amp.GradScaler is passed to the step with {', '.join(bad)} "
             f"(not fused): GradScaler.step() then calls .item() on found_inf, a host sync that one traced step "
             f"cannot hold. Build the optimizer with fused=True (torch.optim.AdamW/Adam/SGD(..., fused=True)): "
-            f"its step takes grad_scale and found_inf as tensors and skips the update on the device")
+            f"its step takes grad_scale and found_inf as tensors and skips the update on the device"
+        )
 
 
 # -- per-tensor decompositions of the list kernels (used while tracing) ---------------------------
@@ -81,8 +83,9 @@ def _unscaled(grad: torch.Tensor, grad_scale: torch.Tensor | None, maximize: boo
     return -g if maximize else g
 
 
-def _non_finite_check_and_unscale(grads: Sequence[torch.Tensor], found_inf: torch.Tensor,
-                                  inv_scale: torch.Tensor) -> None:
+def _non_finite_check_and_unscale(
+    grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor
+) -> None:
     if not grads:
         return
     bad = None
@@ -94,8 +97,24 @@ def _non_finite_check_and_unscale(grads: Sequence[torch.Tensor], found_inf: torc
 
 
 def _adam(decoupled: bool) -> Callable[..., None]:
-    def fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2,
-              weight_decay, eps, amsgrad, maximize, grad_scale=None, found_inf=None) -> None:
+    def fused(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        state_steps,
+        *,
+        lr,
+        beta1,
+        beta2,
+        weight_decay,
+        eps,
+        amsgrad,
+        maximize,
+        grad_scale=None,
+        found_inf=None,
+    ) -> None:
         for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
             g = _unscaled(g, grad_scale, maximize)
             p_new = p
@@ -120,11 +139,25 @@ def _adam(decoupled: bool) -> Callable[..., None]:
             m.copy_(_skip(found_inf, m, m_new))
             v.copy_(_skip(found_inf, v, v_new))
             p.copy_(_skip(found_inf, p, p_new))
+
     return fused
 
 
-def _fused_sgd(params, grads, momentum_buffer_list, *, weight_decay, momentum, lr, dampening, nesterov,
-               maximize, is_first_step, grad_scale=None, found_inf=None) -> None:
+def _fused_sgd(
+    params,
+    grads,
+    momentum_buffer_list,
+    *,
+    weight_decay,
+    momentum,
+    lr,
+    dampening,
+    nesterov,
+    maximize,
+    is_first_step,
+    grad_scale=None,
+    found_inf=None,
+) -> None:
     for i, (p, g) in enumerate(zip(params, grads)):
         g = _unscaled(g, grad_scale, maximize)
         grads[i].copy_(_skip(found_inf, grads[i], g))
@@ -138,14 +171,19 @@ def _fused_sgd(params, grads, momentum_buffer_list, *, weight_decay, momentum, l
         p.copy_(_skip(found_inf, p, p - g * lr))
 
 
-def _update_scale(scale: torch.Tensor, growth_tracker: torch.Tensor, found_inf: torch.Tensor,
-                  growth_factor: float, backoff_factor: float, growth_interval: int) -> torch.Tensor:
+def _update_scale(
+    scale: torch.Tensor,
+    growth_tracker: torch.Tensor,
+    found_inf: torch.Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> torch.Tensor:
     found = found_inf > 0
     successful = growth_tracker + 1
     grow = successful == growth_interval
     grown = scale * growth_factor
-    new_scale = torch.where(found, scale * backoff_factor,
-                            torch.where(grow & torch.isfinite(grown), grown, scale))
+    new_scale = torch.where(found, scale * backoff_factor, torch.where(grow & torch.isfinite(grown), grown, scale))
     new_tracker = torch.where(found | grow, torch.zeros_like(successful), successful)
     scale.copy_(new_scale)
     growth_tracker.copy_(new_tracker)
@@ -156,19 +194,25 @@ def _foreach(op: Callable[..., torch.Tensor], list_arg: bool) -> Callable[..., N
     def each(tensors, other, **kw) -> None:
         for i, t in enumerate(tensors):
             t.copy_(op(t, other[i] if list_arg else other, **kw))
+
     return each
 
 
 def amp_decompositions() -> dict:
     """``{OpOverload: per-tensor function}`` for make_fx: the fused optimizers and the scaler's kernels."""
-    table: dict = {aten._amp_foreach_non_finite_check_and_unscale_.default: _non_finite_check_and_unscale,
-                   aten._amp_update_scale_.default: _update_scale,
-                   aten._foreach_add_.Scalar: _foreach(torch.add, False),
-                   aten._foreach_add_.List: _foreach(torch.add, True),
-                   aten._foreach_sub_.Scalar: _foreach(torch.sub, False),
-                   aten._foreach_sub_.List: _foreach(torch.sub, True)}
-    for packet, fn in ((aten._fused_adamw_, _adam(True)), (aten._fused_adam_, _adam(False)),
-                       (aten._fused_sgd_, _fused_sgd)):
+    table: dict = {
+        aten._amp_foreach_non_finite_check_and_unscale_.default: _non_finite_check_and_unscale,
+        aten._amp_update_scale_.default: _update_scale,
+        aten._foreach_add_.Scalar: _foreach(torch.add, False),
+        aten._foreach_add_.List: _foreach(torch.add, True),
+        aten._foreach_sub_.Scalar: _foreach(torch.sub, False),
+        aten._foreach_sub_.List: _foreach(torch.sub, True),
+    }
+    for packet, fn in (
+        (aten._fused_adamw_, _adam(True)),
+        (aten._fused_adam_, _adam(False)),
+        (aten._fused_sgd_, _fused_sgd),
+    ):
         table[packet.default] = fn
         table[packet.tensor_lr] = fn
     return table

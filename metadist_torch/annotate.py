@@ -11,6 +11,7 @@ It is the identity on the numbers: traced, it becomes a pin on that value
 returns its input. ``to_dtensor_placements(plan)`` gives each parameter's
 ``torch.distributed.tensor`` placements under a plan.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
@@ -42,15 +43,19 @@ _annotate_op.register_autograd(_annotate_backward)
 
 def _encode(placements: tuple) -> str:
     if not placements:
-        raise TypeError("annotate(tensor, *placements) needs at least one placement, such as Shard(0) or "
-                        "Replicate() (one for every mesh axis, or one per axis)")
+        raise TypeError(
+            "annotate(tensor, *placements) needs at least one placement, such as Shard(0) or "
+            "Replicate() (one for every mesh axis, or one per axis)"
+        )
     out = []
     for p in placements:
         if isinstance(p, str):
             p = parse_placement(p)
         if not isinstance(p, Placement):
-            raise TypeError(f"annotate: {p!r} is not a placement; use metadist_core.ir.placement's Shard(dim), "
-                            f"Replicate() or Partial(reduce)")
+            raise TypeError(
+                f"annotate: {p!r} is not a placement; use metadist_core.ir.placement's Shard(dim), "
+                f"Replicate() or Partial(reduce)"
+            )
         out.append(str(p))
     return ",".join(out)
 

@@ -5,6 +5,7 @@ local processes itself (gloo on CPU, NCCL when CUDA is there). Timings are
 medians after a warm-up; alpha and beta per link level are fitted with
 :func:`metadist_core.cost.profile.fit_alpha_beta`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,12 +29,19 @@ if TYPE_CHECKING:  # pragma: no cover - types only
 
 log = logging.getLogger("metadist.calibrate")
 
-DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)   # bytes
+DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)  # bytes
 KINDS = ("all_reduce", "all_gather")
 
 
-def _time(fn, iters: int, sync, before=None, reps: int = 1, window: float = 0.0,
-          pick: Callable[[list[float]], float] = statistics.median) -> float:
+def _time(
+    fn,
+    iters: int,
+    sync,
+    before=None,
+    reps: int = 1,
+    window: float = 0.0,
+    pick: Callable[[list[float]], float] = statistics.median,
+) -> float:
     """Median (``pick``) seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()``
     runs untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time).
     ``window``: more calls per timing, until one timing lasts about that many seconds."""
@@ -79,9 +87,11 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5) -> list[dict]:
     return samples
 
 
-def _worker(rank: int, nprocs: int, init_file: str, out_path: str, sizes, iters: int,
-            refresh: Callable[[], object] | None) -> None:
+def _worker(
+    rank: int, nprocs: int, init_file: str, out_path: str, sizes, iters: int, refresh: Callable[[], object] | None
+) -> None:
     import torch.distributed as dist
+
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(nprocs))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=nprocs)
     try:
@@ -94,8 +104,14 @@ def _worker(rank: int, nprocs: int, init_file: str, out_path: str, sizes, iters:
         dist.destroy_process_group()
 
 
-def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, sizes: Sequence[int] = DEFAULT_SIZES,
-                  iters: int = 5, refresh: Callable[[], object] | None = None) -> MeshProfile:
+def run_calibrate(
+    out_path: str | os.PathLike,
+    *,
+    nprocs: int | None = None,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    iters: int = 5,
+    refresh: Callable[[], object] | None = None,
+) -> MeshProfile:
     """Measure collectives and write the profile to ``out_path``; returns it.
 
     Inside an initialised process group (torchrun) every rank measures and rank
@@ -125,9 +141,11 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
     if n < 2:
         raise ValueError(f"calibrate needs at least 2 processes to time collectives; got nprocs={n}")
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(n, os.path.join(d, "init"), str(out), tuple(sizes), iters, refresh), nprocs=n,
-                 join=True)
+        mp.spawn(
+            _worker, args=(n, os.path.join(d, "init"), str(out), tuple(sizes), iters, refresh), nprocs=n, join=True
+        )
     from metadist_core.cost.profile import load_profile
+
     return load_profile(out)
 
 
@@ -136,7 +154,7 @@ def run_calibrate(out_path: str | os.PathLike, *, nprocs: int | None = None, siz
 # bytes per all_reduce timed on each mesh axis: up to 16 MiB, where the bandwidth term outweighs the
 # latency and the ranks' uneven arrival (with small messages only, the fit can read beta as 0)
 LIVE_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24)
-SHARE_SECONDS = 0.1   # about how long the mixed compute that measures the ranks' share of the device runs
+SHARE_SECONDS = 0.1  # about how long the mixed compute that measures the ranks' share of the device runs
 #: alone/at-once pairs the share is the median of (one pair can read far off when a slow spell of the machine
 #: falls on it)
 SHARE_ROUNDS = 3
@@ -154,6 +172,7 @@ def measure_share(dev, iters: int = 5) -> float:
     One rank per device (NCCL, one GPU each): about 1."""
     import torch
     import torch.distributed as dist
+
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     a = torch.randn(128, 128, device=dev)
     x = torch.randn(1 << 16, device=dev)
@@ -164,7 +183,9 @@ def measure_share(dev, iters: int = 5) -> float:
             a @ a
         x.add(1.0)
         prog()
+
     from metadist_core.cost.timing import calls_per_window
+
     unit()
     sync()
     t0 = time.perf_counter()
@@ -172,30 +193,33 @@ def measure_share(dev, iters: int = 5) -> float:
     sync()
     reps = calls_per_window(time.perf_counter() - t0, SHARE_SECONDS)
     t = torch.tensor([reps], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)   # every rank runs the same work
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)  # every rank runs the same work
     reps = int(t.item())
 
     def work():
         for _ in range(reps):
             unit()
         sync()
+
     # all at once: from a barrier to the barrier after every rank's work, on each rank, the longest of them. A
     # rank's own work timed from when the scheduler first runs it would read about its alone time where the
     # ranks take turns on the cores, and the share would come out near 1
     def together():
         work()
         dist.barrier()
+
     together()
     ratios = []
-    for _ in range(SHARE_ROUNDS):   # alone and at once in turns: a slow spell of the machine falls on one ratio
+    for _ in range(SHARE_ROUNDS):  # alone and at once in turns: a slow spell of the machine falls on one ratio
         alone = torch.zeros(1, dtype=torch.float64, device=dev)
         dist.barrier()
         if dist.get_rank() == 0:
             alone[0] = _time(work, iters, lambda: None, pick=min)
         dist.barrier()
-        dist.all_reduce(alone)   # rank 0's figure on every rank
-        both = torch.tensor([_time(together, iters, lambda: None, before=dist.barrier)], dtype=torch.float64,
-                            device=dev)
+        dist.all_reduce(alone)  # rank 0's figure on every rank
+        both = torch.tensor(
+            [_time(together, iters, lambda: None, before=dist.barrier)], dtype=torch.float64, device=dev
+        )
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         ratios.append(float(both.item()) / max(float(alone.item()), 1e-9))
     return max(1.0, statistics.median(ratios))
@@ -203,7 +227,7 @@ def measure_share(dev, iters: int = 5) -> float:
 
 # float32 elements of the adds that time the memory rate by size (DeviceSpec.mem_curve); 16x on a GPU (1 GiB at most)
 CURVE_ELEMENTS = (1 << 14, 1 << 17, 1 << 20, 1 << 22, 1 << 24)
-LOW_DTYPES = ("bfloat16", "float16")   # the matmul rates timed beside float32's (DeviceSpec.flops_by_dtype)
+LOW_DTYPES = ("bfloat16", "float16")  # the matmul rates timed beside float32's (DeviceSpec.flops_by_dtype)
 
 
 def curve_elements(dev) -> tuple[int, ...]:
@@ -221,6 +245,7 @@ def dispatch_program(dev, n: int = DISPATCH_OPS) -> Callable[[], object]:
     program pays it (a Python loop of ``t.add(1.0)`` calls pays more a call than the program does)."""
     import torch
     import torch.fx as fx
+
     g = fx.Graph()
     x = g.placeholder("x")
     y = x
@@ -232,8 +257,7 @@ def dispatch_program(dev, n: int = DISPATCH_OPS) -> Callable[[], object]:
     return lambda: gm(tiny)
 
 
-def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone: bool = False,
-                         dev=None) -> dict:
+def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone: bool = False, dev=None) -> dict:
     """This process's matmul FLOP/s, memory-bound bytes/s (also by bytes moved: ``mem_curve``) and per-op
     overhead (medians). ``before``: a barrier, so that the ranks of one machine measure at once and the
     figures include what they take from each other (ranks that share cores read far lower rates so than
@@ -244,6 +268,7 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
     :mod:`metadist_torch.optime` divides an op's own fastest time by). ``dev``: the device (default: the
     rank's, :func:`metadist_torch.engine.device`)."""
     import torch
+
     dev = dev if dev is not None else device()
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     n = 2048 if dev.type == "cuda" else 256
@@ -253,20 +278,26 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
 
     def timed(fn, reps: int = 1) -> float:
         return _time(fn, iters, sync, before, reps=1 if alone else reps, window=window, pick=pick)
+
     mm = timed(lambda: a @ b, 20)
     add = timed(lambda: x.add(1.0), 5)
     over = timed(dispatch_program(dev)) / DISPATCH_OPS
-    low = {}   # bf16/fp16 matmul rates: tensor cores (or AMX on a CPU) make them far faster, or far slower
+    low = {}  # bf16/fp16 matmul rates: tensor cores (or AMX on a CPU) make them far faster, or far slower
     for name, dt in ((k, getattr(torch, k)) for k in LOW_DTYPES):
         a16, b16 = a.to(dt), b.to(dt)
-        low[name] = 2 * n ** 3 / max(timed(lambda: a16 @ b16, 5) - over, 1e-9)
-    curve = []   # bytes/s by bytes moved: in cache, streamed, and with a fresh output's pages faulted in
+        low[name] = 2 * n**3 / max(timed(lambda: a16 @ b16, 5) - over, 1e-9)
+    curve = []  # bytes/s by bytes moved: in cache, streamed, and with a fresh output's pages faulted in
     for k in curve_elements(dev):
         y = torch.randn(k, device=dev)
         t = timed(lambda: y.add(1.0), max(1, (1 << 18) // k))
         curve.append((2 * k * 4, 2 * k * 4 / max(t - over, 1e-9)))
-    return {"peak_flops": 2 * n ** 3 / max(mm - over, 1e-9), "mem_bandwidth": 2 * x.numel() * 4 / max(add - over, 1e-9),
-            "op_overhead": over, "flops_by_dtype": low, "mem_curve": curve}
+    return {
+        "peak_flops": 2 * n**3 / max(mm - over, 1e-9),
+        "mem_bandwidth": 2 * x.numel() * 4 / max(add - over, 1e-9),
+        "op_overhead": over,
+        "flops_by_dtype": low,
+        "mem_curve": curve,
+    }
 
 
 def measure_device(seconds: float = 0.5, on: "torch.device | None" = None) -> "DeviceSpec":
@@ -277,18 +308,30 @@ def measure_device(seconds: float = 0.5, on: "torch.device | None" = None) -> "D
     ``seconds / 2``)."""
     import torch
     from metadist_core.cost.model import DeviceSpec
+
     dev = on if on is not None else device()
     r = measure_device_rates(iters=7, alone=True, dev=dev)
-    link = None   # a CPU is its own host (metadist_core.levers.offload): no link to price
+    link = None  # a CPU is its own host (metadist_core.levers.offload): no link to price
     if dev.type == "cuda":
         h = torch.empty(1 << 24, pin_memory=True)
         x = torch.empty(h.shape, device=dev)
-        best = time_call(lambda: x.copy_(h, non_blocking=True), None, sync=lambda: torch.cuda.synchronize(dev),
-                         budget=seconds / 2, pick=min)
+        best = time_call(
+            lambda: x.copy_(h, non_blocking=True),
+            None,
+            sync=lambda: torch.cuda.synchronize(dev),
+            budget=seconds / 2,
+            pick=min,
+        )
         link = h.numel() * 4 / best
-    return DeviceSpec(f"measured-{dev.type}", float(r["peak_flops"]), float(r["mem_bandwidth"]), host_link=link,
-                      op_overhead=float(r["op_overhead"]), flops_by_dtype=r["flops_by_dtype"],
-                      mem_curve=r["mem_curve"])
+    return DeviceSpec(
+        f"measured-{dev.type}",
+        float(r["peak_flops"]),
+        float(r["mem_bandwidth"]),
+        host_link=link,
+        op_overhead=float(r["op_overhead"]),
+        flops_by_dtype=r["flops_by_dtype"],
+        mem_curve=r["mem_curve"],
+    )
 
 
 # bytes per collective for the kinds timed apart from the all_reduces (all_gather: per rank, the output is n x)
@@ -306,7 +349,7 @@ def _measure_kinds(axes: Sequence[tuple], dev, work, base: float, iters: int, sy
     import torch.distributed as dist
     from metadist_core.cost.profile import collective_factors, fit_alpha_beta
 
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # the newer names first
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer names first
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rows: list[dict[str, list | None]] = [{"all_gather": [], "reduce_scatter": [], "all_to_all": []} for _ in axes]
     for nbytes in KIND_SIZES:
@@ -316,27 +359,33 @@ def _measure_kinds(axes: Sequence[tuple], dev, work, base: float, iters: int, sy
             gathered = torch.empty(numel * n, dtype=torch.float32, device=dev)
             piece = torch.empty(numel // n, dtype=torch.float32, device=dev)
             out = torch.empty_like(x)
-            calls = {"all_gather": (lambda: gather(gathered, x, group=group), numel * 4 * n),
-                     "reduce_scatter": (lambda: scatter(piece, x, group=group), numel * 4),
-                     "all_to_all": (lambda: dist.all_to_all_single(out, x, group=group), numel * 4)}
+            calls = {
+                "all_gather": (lambda: gather(gathered, x, group=group), numel * 4 * n),
+                "reduce_scatter": (lambda: scatter(piece, x, group=group), numel * 4),
+                "all_to_all": (lambda: dist.all_to_all_single(out, x, group=group), numel * 4),
+            }
             for kind, (fn, size) in calls.items():
                 if rows[ax][kind] is None:
                     continue
                 try:
                     fn()
-                except (RuntimeError, NotImplementedError, ValueError) as e:   # a backend without it: not priced apart
+                except (RuntimeError, NotImplementedError, ValueError) as e:  # a backend without it: not priced apart
                     log.debug("calibrate: %s on this backend: %s", kind, e)
                     rows[ax][kind] = None
                     continue
                 both = _time(lambda: (work(), fn()), iters, sync)
                 rows[ax][kind].append((kind, n, size, max(both - base, 1e-7)))
     one = torch.ones(1, dtype=torch.float32, device=dev)
-    tiny = [max(_time(lambda: (work(), dist.all_reduce(one, group=group)), iters, sync) - base, 1e-7)
-            for group, _, _ in axes]
-    flat = [[r for rs in rows[ax].values() if rs for r in rs] + [("all_reduce_tiny", n, 4, tiny[ax])]
-            for ax, (_, n, _) in enumerate(axes)]
+    tiny = [
+        max(_time(lambda: (work(), dist.all_reduce(one, group=group)), iters, sync) - base, 1e-7)
+        for group, _, _ in axes
+    ]
+    flat = [
+        [r for rs in rows[ax].values() if rs for r in rs] + [("all_reduce_tiny", n, 4, tiny[ax])]
+        for ax, (_, n, _) in enumerate(axes)
+    ]
     t = torch.tensor([r[3] for f in flat for r in f], dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)   # every rank prices alike: the slowest rank's timings
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank prices alike: the slowest rank's timings
     it = iter(t.tolist())
     out_axes = []
     for ax, (_, n, beta) in enumerate(axes):
@@ -367,6 +416,7 @@ def measure_overlap(group, dev, work, iters: int, sync) -> float:
     collective on its own stream: near 1."""
     import torch
     import torch.distributed as dist
+
     ops, name = _ops(), _group_name(group)
     x = torch.ones(OVERLAP_ELEMENTS, dtype=torch.float32, device=dev)
 
@@ -376,10 +426,11 @@ def measure_overlap(group, dev, work, iters: int, sync) -> float:
     def barrier():
         dist.barrier(group=group)
 
-    def timed(fn) -> float:   # the slowest rank's median
+    def timed(fn) -> float:  # the slowest rank's median
         t = torch.tensor([_time(fn, iters, sync, before=barrier)], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return float(t.item())
+
     # as much compute as the all_reduce takes (else the smaller one's noise is all the figure says)
     reps = max(1, min(200, round(timed(comm) / max(timed(work), 1e-7))))
 
@@ -391,8 +442,9 @@ def measure_overlap(group, dev, work, iters: int, sync) -> float:
         pending = ops.all_reduce(x, "sum", name)
         compute()
         ops.wait_tensor(pending)
+
     fractions = []
-    for _ in range(3):   # the median of three measurements
+    for _ in range(3):  # the median of three measurements
         tc, tm, tb = timed(compute), timed(comm), timed(both)
         fractions.append(min(1.0, max(0.0, (tc + tm - tb) / max(min(tc, tm), 1e-9))))
     return statistics.median(fractions)
@@ -412,9 +464,9 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     groups = engine.groups()
     axes, samples = [], []
     a = torch.randn(192, 192, device=dev)
-    work = (lambda: [a @ a for _ in range(8)])      # the compute a collective sits between in a step
+    work = lambda: [a @ a for _ in range(8)]  # the compute a collective sits between in a step
     for group in groups:
-        for _ in range(3):   # the first collectives of a group set its connections up: not timed
+        for _ in range(3):  # the first collectives of a group set its connections up: not timed
             dist.all_reduce(torch.ones(1, device=dev), group=group)
     base = _time(work, iters, sync)
     rows: list[list] = [[] for _ in groups]
@@ -430,15 +482,27 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
             t = torch.tensor([max(both - base, 1e-7)], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rows[axis].append(("all_reduce", n, x.numel() * 4, float(t.item())))
-            samples.append({"level": f"axis{axis}", "kind": "all_reduce", "n": n, "nbytes": x.numel() * 4,
-                            "seconds": float(t.item())})
+            samples.append(
+                {
+                    "level": f"axis{axis}",
+                    "kind": "all_reduce",
+                    "n": n,
+                    "nbytes": x.numel() * 4,
+                    "seconds": float(t.item()),
+                }
+            )
     for axis in range(len(groups)):
         n = mesh.shape[axis]
         fa, fb = fit_alpha_beta(rows[axis]) if n > 1 else (0.0, 0.0)
         axes.append({"alpha": fa, "beta": fb})
     wide_axes = [ax for ax in range(len(groups)) if mesh.shape[ax] > 1]
-    measured = _measure_kinds([(groups[ax], mesh.shape[ax], axes[ax]["beta"]) for ax in wide_axes], dev, work,
-                              base, iters, sync) if wide_axes else []
+    measured = (
+        _measure_kinds(
+            [(groups[ax], mesh.shape[ax], axes[ax]["beta"]) for ax in wide_axes], dev, work, base, iters, sync
+        )
+        if wide_axes
+        else []
+    )
     for ax, (kinds, more) in zip(wide_axes, measured):
         axes[ax]["kinds"] = kinds
         samples += [{"level": f"axis{ax}", **m} for m in more]
@@ -457,20 +521,32 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     dist.barrier()
     if dist.get_rank() == 0:
         rates = measure_device_rates(iters=7, alone=True, dev=dev)
-        vec = torch.tensor([rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]]
-                           + [rates["flops_by_dtype"][k] for k in low] + [r for _, r in rates["mem_curve"]],
-                           dtype=torch.float64, device=dev)
+        vec = torch.tensor(
+            [rates["peak_flops"], rates["mem_bandwidth"], -rates["op_overhead"]]
+            + [rates["flops_by_dtype"][k] for k in low]
+            + [r for _, r in rates["mem_curve"]],
+            dtype=torch.float64,
+            device=dev,
+        )
     dist.broadcast(vec, 0)
     vec[0] /= share
     vec[1] /= share
     vec[2] *= share
     vec[3:] /= share
-    log.info("measured device: %.1f GFLOP/s alone, %.2fx slower with every rank computing at once",
-             float(vec[0]) * share / 1e9, share)
-    device_spec = DeviceSpec(f"measured-{dev.type}", float(vec[0]), float(vec[1]), op_overhead=float(-vec[2]),
-                             flops_by_dtype={k: float(vec[3 + i]) for i, k in enumerate(low)},
-                             mem_curve=[(b, float(vec[3 + len(low) + i])) for i, (b, _) in enumerate(curve)],
-                             overlap=hidden)
+    log.info(
+        "measured device: %.1f GFLOP/s alone, %.2fx slower with every rank computing at once",
+        float(vec[0]) * share / 1e9,
+        share,
+    )
+    device_spec = DeviceSpec(
+        f"measured-{dev.type}",
+        float(vec[0]),
+        float(vec[1]),
+        op_overhead=float(-vec[2]),
+        flops_by_dtype={k: float(vec[3 + i]) for i, k in enumerate(low)},
+        mem_curve=[(b, float(vec[3 + len(low) + i])) for i, (b, _) in enumerate(curve)],
+        overlap=hidden,
+    )
     shape_key = "x".join(map(str, mesh.shape))
     if cached is not None:
         prof = MeshProfile.from_json(cached.to_json())
@@ -478,8 +554,13 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
         world = dist.get_world_size()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         inner = axes[-1] if axes else {"alpha": 1e-5, "beta": 1e-10}
-        prof = MeshProfile(max(1, world // local), local, {"intra": dict(inner), "inter": dict(axes[0] if axes else inner)},
-                           dist.get_backend(), True)
+        prof = MeshProfile(
+            max(1, world // local),
+            local,
+            {"intra": dict(inner), "inter": dict(axes[0] if axes else inner)},
+            dist.get_backend(),
+            True,
+        )
     prof.device = device_spec
     prof.axis_costs[shape_key] = axes
     prof.samples = list(prof.samples) + samples

@@ -5,6 +5,7 @@ with ``{"$in": i}`` where tensor input ``i`` goes, ``{"$item": i}`` where it goe
 (a 0-d tensor of the param groups' numbers, :mod:`metadist_torch.hyper`), ``{"$dtype": ...}``,
 ``{"$device": ...}`` and ``{"$torch": ...}`` for torch constants.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
@@ -16,9 +17,18 @@ from metadist_core.discovery.shardcombine import Unrunnable
 LOW_FLOATS = ("float32", "float16", "bfloat16")
 FLOATS = LOW_FLOATS + ("float64",)
 TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-    "bool": torch.bool, "complex64": torch.complex64, "complex128": torch.complex128,
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
 }
 
 
@@ -42,8 +52,10 @@ def resolve_overload(key: str) -> torch._ops.OpOverload:
 # query's), so a view that was legal in the trace (the transposed attention output merged into one dim) may
 # not be. They run as reshape: a view where the strides allow one, else a copy; the same values either way
 # in the functional per-rank program.
-STRIDE_FREE = {"aten.view.default": torch.ops.aten.reshape.default,
-               "aten._unsafe_view.default": torch.ops.aten.reshape.default}
+STRIDE_FREE = {
+    "aten.view.default": torch.ops.aten.reshape.default,
+    "aten._unsafe_view.default": torch.ops.aten.reshape.default,
+}
 
 
 def resolve_target(key: str) -> torch._ops.OpOverload:
@@ -54,9 +66,10 @@ def resolve_target(key: str) -> torch._ops.OpOverload:
         try:
             return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
         except (AttributeError, RuntimeError):
-            raise ValueError(f"op {key} of the traced step is not registered in this process (torch.ops."
-                             f"{parts[0]}.{parts[1]}.{parts[2]}); import the module that defines it on every rank"
-                             ) from None
+            raise ValueError(
+                f"op {key} of the traced step is not registered in this process (torch.ops."
+                f"{parts[0]}.{parts[1]}.{parts[2]}); import the module that defines it on every rank"
+            ) from None
     return resolve_overload(key)
 
 
@@ -72,6 +85,7 @@ def schema_arg(overload, args: Sequence[Any], kwargs: Mapping[str, Any], name: s
             return a.default_value if a.has_default_value() and a.default_value is not None else default
     return default
 
+
 def _item(t: Any) -> Any:
     """A 0-d tensor's number; a meta tensor's (shapes and FLOPs only) stands as 1."""
     if getattr(t, "device", None) is not None and t.device.type == "meta":
@@ -79,8 +93,14 @@ def _item(t: Any) -> Any:
     return t.item()
 
 
-def rebuild(template: Any, tensors: Sequence[Any], *, upcast: bool = False, device: Any = None,
-            item: Callable[[Any], Any] = _item) -> Any:
+def rebuild(
+    template: Any,
+    tensors: Sequence[Any],
+    *,
+    upcast: bool = False,
+    device: Any = None,
+    item: Callable[[Any], Any] = _item,
+) -> Any:
     """Put ``tensors`` and torch constants back where ``template`` marks them.
 
     ``upcast`` turns float32/float16/bfloat16 dtype arguments into float64 (as
@@ -90,7 +110,7 @@ def rebuild(template: Any, tensors: Sequence[Any], *, upcast: bool = False, devi
     if isinstance(template, dict):
         if "$in" in template:
             return tensors[template["$in"]]
-        if "$item" in template:   # a tensor input passed as its number
+        if "$item" in template:  # a tensor input passed as its number
             return item(tensors[template["$item"]])
         if "$dtype" in template:
             dt = template["$dtype"]
@@ -122,5 +142,14 @@ def in_index(x: Any) -> int | None:
     return x["$in"] if isinstance(x, dict) and "$in" in x else None
 
 
-__all__ = ["resolve_overload", "resolve_target", "schema_arg", "rebuild", "find_inputs", "in_index", "TORCH_DTYPES", "LOW_FLOATS",
-           "FLOATS"]
+__all__ = [
+    "resolve_overload",
+    "resolve_target",
+    "schema_arg",
+    "rebuild",
+    "find_inputs",
+    "in_index",
+    "TORCH_DTYPES",
+    "LOW_FLOATS",
+    "FLOATS",
+]

@@ -26,6 +26,7 @@ An optimizer whose lazy state does not exist yet (a fresh one) gets it made
 first (:func:`metadist_torch.state.init_optimizer_state`), so that there is
 something to load into. Every rank of the job must call these functions.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,9 +63,11 @@ def _optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
         for p in g["params"]:
             name = names.get(id(p))
             if name is None:
-                raise CheckpointError(f"param group {gi} of the optimizer holds a parameter of shape "
-                                      f"{tuple(p.shape)} that the model does not; save the model that owns "
-                                      f"every optimized parameter")
+                raise CheckpointError(
+                    f"param group {gi} of the optimizer holds a parameter of shape "
+                    f"{tuple(p.shape)} that the model does not; save the model that owns "
+                    f"every optimized parameter"
+                )
             pnames.append(name)
             st = optimizer.state.get(p)
             if st:
@@ -76,17 +79,20 @@ def _optim_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
 
 def _dcp():
     import torch.distributed.checkpoint as dcp
+
     return dcp
 
 
 def _no_dist() -> bool:
     """One process without a process group (world size 1 without torchrun): DCP reads and writes alone."""
     import torch.distributed as dist
+
     return not (dist.is_available() and dist.is_initialized())
 
 
-def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> float:
+def save_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> float:
     """Save ``model`` and ``optimizer`` into the folder ``path``; every rank calls it. Returns seconds taken.
 
     Parameters, buffers and optimizer state are saved as they live (DTensor
@@ -99,14 +105,15 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     if optimizer is not None:
         init_optimizer_state([optimizer])
         sd["optim"] = _optim_state(model, optimizer)
-    with warnings.catch_warnings():   # DCP says "assuming ... a single process" even when told so
+    with warnings.catch_warnings():  # DCP says "assuming ... a single process" even when told so
         warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
         _dcp().save(sd, checkpoint_id=os.fspath(path), no_dist=_no_dist())
     return time.perf_counter() - t0
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer | None = None) -> float:
+def load_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> float:
     """Load the checkpoint in ``path`` into ``model`` and ``optimizer`` in place; returns seconds taken.
 
     Works on any mesh and at world size 1, before or after the first compiled
@@ -117,23 +124,25 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
     t0 = time.perf_counter()
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint folder at {path!r}; save one with save_checkpoint(path, model, "
-                                f"optimizer) first")
+        raise FileNotFoundError(
+            f"no checkpoint folder at {path!r}; save one with save_checkpoint(path, model, optimizer) first"
+        )
     sd: dict[str, Any] = {"format": "", "model": model.state_dict()}
     if optimizer is not None:
         init_optimizer_state([optimizer])
         sd["optim"] = _optim_state(model, optimizer)
     live = {k: v for k, v in sd["model"].items()}
     try:
-        with warnings.catch_warnings():   # DCP says "assuming ... a single process" even when told so
+        with warnings.catch_warnings():  # DCP says "assuming ... a single process" even when told so
             warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
             _dcp().load(sd, checkpoint_id=path, no_dist=_no_dist())
     except Exception as e:
-        raise CheckpointError(f"cannot load {path!r} into this model/optimizer: {type(e).__name__}: {e}; "
-                              f"build them as the saved ones were (same names, shapes, optimizer)") from e
+        raise CheckpointError(
+            f"cannot load {path!r} into this model/optimizer: {type(e).__name__}: {e}; "
+            f"build them as the saved ones were (same names, shapes, optimizer)"
+        ) from e
     if sd["format"] != FORMAT:
-        raise CheckpointError(f"{path!r} is not a MetaDist checkpoint (format {sd['format']!r}, "
-                              f"expected {FORMAT!r})")
+        raise CheckpointError(f"{path!r} is not a MetaDist checkpoint (format {sd['format']!r}, expected {FORMAT!r})")
     _put_back(model, live, sd["model"])
     if optimizer is not None:
         _load_groups(optimizer, sd["optim"]["param_groups"])
@@ -164,8 +173,10 @@ def _put_back(model: torch.nn.Module, live: dict[str, Any], loaded: dict[str, An
 
 def _load_groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> None:
     if len(saved) != len(optimizer.param_groups):
-        raise CheckpointError(f"the checkpoint has {len(saved)} optimizer param groups, this optimizer "
-                              f"{len(optimizer.param_groups)}; build the optimizer as the saved one was")
+        raise CheckpointError(
+            f"the checkpoint has {len(saved)} optimizer param groups, this optimizer "
+            f"{len(optimizer.param_groups)}; build the optimizer as the saved one was"
+        )
     for g, s in zip(optimizer.param_groups, saved):
         for k, v in s["hyper"].items():
             cur = g.get(k)

@@ -7,6 +7,7 @@ all_gathers, which the program issues one bucket ahead. Other all_gathers and al
 so ``avg`` is the sum divided by the axis size. :mod:`metadist_torch.lower` calls these from the
 rank program it builds.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,10 @@ def _ops():
 
 def _group_name(group: Any) -> str:
     import torch.distributed._functional_collectives as fc
+
     try:
         return fc._group_or_group_name(fc._resolve_group(group, ""))
-    except (AttributeError, TypeError):   # the helpers moved: a ProcessGroup names itself
+    except (AttributeError, TypeError):  # the helpers moved: a ProcessGroup names itself
         return group.group_name
 
 
@@ -107,7 +109,7 @@ def _flatten(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     flat = xs[0].new_empty(sum(x.numel() for x in xs))
     off = 0
     for x in xs:
-        flat[off:off + x.numel()].view(x.shape).copy_(x)
+        flat[off : off + x.numel()].view(x.shape).copy_(x)
         off += x.numel()
     return flat
 
@@ -151,15 +153,17 @@ class AxisComm:
 
     def _finish(self, back: torch.dtype | None, divide: bool) -> Callable[[torch.Tensor], torch.Tensor]:
         """Cast back from the wire dtype, divide an ``avg``: in the collective's own result buffer."""
+
         def post(y: torch.Tensor) -> torch.Tensor:
             if back is not None:
                 y = y.to(back)
             return _divide(y, self.n) if divide else y
+
         return post
 
     def start_all_reduce(self, x: torch.Tensor, reduce: str, wire: torch.dtype | None = None) -> Pending:
         """``wire``: the dtype the value travels in (grad_compression), cast back after; None: its own."""
-        pre = wire is not None and reduce == "avg"     # a compressed avg travels pre-divided
+        pre = wire is not None and reduce == "avg"  # a compressed avg travels pre-divided
         t, back = _send(x, wire, self.n if pre else 1)
         self.stats.add("all_reduce", _nbytes(t))
         raw = _ops().all_reduce(t.contiguous(), "sum" if reduce == "avg" else reduce, self.gname)
@@ -168,14 +172,15 @@ class AxisComm:
     def all_reduce(self, x: torch.Tensor, reduce: str, wire: torch.dtype | None = None) -> torch.Tensor:
         return self.start_all_reduce(x, reduce, wire).wait()
 
-    def start_all_reduce_bucket(self, xs: Sequence[torch.Tensor], reduce: str,
-                                wire: torch.dtype | None = None) -> Pending:
+    def start_all_reduce_bucket(
+        self, xs: Sequence[torch.Tensor], reduce: str, wire: torch.dtype | None = None
+    ) -> Pending:
         """Several independent all_reduces of one dtype as one call on a flat buffer (same bytes, one latency)."""
         shapes = [x.shape for x in xs]
         numels = [x.numel() for x in xs]
         pre = wire is not None and reduce == "avg"
         t, back = _send(_flatten(xs), wire, self.n if pre else 1)
-        self.stats.add("all_reduce", _nbytes(t), calls=len(xs))   # calls count the plan's collectives
+        self.stats.add("all_reduce", _nbytes(t), calls=len(xs))  # calls count the plan's collectives
         # the flat buffer is this call's own: reduced in place (the functional all_reduce would copy it first)
         raw = _ops().all_reduce_(t, "sum" if reduce == "avg" else reduce, self.gname)
         finish = self._finish(back, reduce == "avg" and not pre)
@@ -189,8 +194,9 @@ class AxisComm:
         ops = _ops()
         return ops.wait_tensor(ops.all_gather_into_tensor(t.contiguous(), self.n, self.gname))
 
-    def all_gather(self, x: torch.Tensor, dim: int, sizes: Sequence[int],
-                   wire: torch.dtype | None = None) -> torch.Tensor:
+    def all_gather(
+        self, x: torch.Tensor, dim: int, sizes: Sequence[int], wire: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Concatenate the members' pieces along ``dim``; member ``i`` holds ``sizes[i]`` of it."""
         c = max(sizes)
 
@@ -199,14 +205,16 @@ class AxisComm:
             if dim != 0 or any(s != c for s in sizes):
                 pieces = y.chunk(self.n, 0)
                 whole = torch.cat([pieces[i].narrow(dim, 0, s) for i, s in enumerate(sizes) if s], dim=dim)
-                _release(y)   # the stacked pieces, copied out: not read again
+                _release(y)  # the stacked pieces, copied out: not read again
                 y = whole
             self.stats.add("all_gather", _nbytes(y))
             return y
+
         return compressed(x, wire, run)
 
-    def start_all_gather_bucket(self, xs: Sequence[torch.Tensor], dims: Sequence[int],
-                                sizes: Sequence[Sequence[int]]) -> Pending:
+    def start_all_gather_bucket(
+        self, xs: Sequence[torch.Tensor], dims: Sequence[int], sizes: Sequence[Sequence[int]]
+    ) -> Pending:
         """Several all_gathers as one call on a flat buffer: each piece padded to its chunk, flattened and
         concatenated; the gathered buffer is cut back into each member's pieces, concatenated along its
         ``dims[i]`` (member ``i``'s ranks hold ``sizes[i]`` of it). Same values as one all_gather each.
@@ -223,20 +231,21 @@ class AxisComm:
             outs, off = [], 0
             for shape, d, s in zip(shapes, dims, sizes):
                 k = math.prod(shape)
-                pieces = y[:, off:off + k].reshape(self.n, *shape)
+                pieces = y[:, off : off + k].reshape(self.n, *shape)
                 outs.append(torch.cat([pieces[i].narrow(d, 0, c) for i, c in enumerate(s) if c], dim=d))
                 off += k
             self.stats.add("all_gather", sum(_nbytes(o) for o in outs), calls=len(outs))
-            _release(y, flat)   # every member is a new tensor (torch.cat): neither buffer is read again
-            return outs   # a list: Pending.take hands each member over
+            _release(y, flat)  # every member is a new tensor (torch.cat): neither buffer is read again
+            return outs  # a list: Pending.take hands each member over
+
         return Pending(raw, post)
 
-    def all_gather_bucket(self, xs: Sequence[torch.Tensor], dims: Sequence[int],
-                          sizes: Sequence[Sequence[int]]) -> tuple:
+    def all_gather_bucket(
+        self, xs: Sequence[torch.Tensor], dims: Sequence[int], sizes: Sequence[Sequence[int]]
+    ) -> tuple:
         return tuple(self.start_all_gather_bucket(xs, dims, sizes).wait())
 
-    def start_reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int,
-                             wire: torch.dtype | None = None) -> Pending:
+    def start_reduce_scatter(self, x: torch.Tensor, reduce: str, dim: int, wire: torch.dtype | None = None) -> Pending:
         n = self.n
         sizes = chunk_sizes(x.shape[dim], n)
         c = max(sizes)
@@ -244,7 +253,7 @@ class AxisComm:
         t, back = _send(x, wire, n if pre else 1)
         self.stats.add("reduce_scatter", _nbytes(t))
         t = _pad(t, dim, c * n)
-        if dim != 0:   # this rank's chunk along dim is what reduce_scatter_tensor leaves along dim 0
+        if dim != 0:  # this rank's chunk along dim is what reduce_scatter_tensor leaves along dim 0
             t = torch.cat(t.chunk(n, dim), dim=0)
         raw = _ops().reduce_scatter_tensor(t.contiguous(), "sum" if reduce == "avg" else reduce, n, self.gname)
         finish = self._finish(back, reduce == "avg" and not pre)
@@ -274,8 +283,8 @@ class AxisComm:
         flat = xs[0].new_empty(n * sum(numels))
         rows, off = flat.view(n, -1), 0
         for x, d, shape, k in zip(xs, dims, shapes, numels):
-            chunks = _pad(x, d, shape[d] * n).unflatten(d, (n, shape[d])).movedim(d, 0)   # a view, unless padded
-            rows[:, off:off + k].view(n, *shape).copy_(chunks)
+            chunks = _pad(x, d, shape[d] * n).unflatten(d, (n, shape[d])).movedim(d, 0)  # a view, unless padded
+            rows[:, off : off + k].view(n, *shape).copy_(chunks)
             off += k
         self.stats.add("reduce_scatter", sum(_nbytes(x) for x in xs), calls=len(xs))
         raw = _ops().reduce_scatter_tensor(flat, "sum" if reduce == "avg" else reduce, n, self.gname)
@@ -288,13 +297,15 @@ class AxisComm:
                 piece = piece.view(shape)
                 outs.append(piece.narrow(d, 0, size) if size != c else piece)
             return tuple(outs)
+
         return Pending(raw, post)
 
     def reduce_scatter_bucket(self, xs: Sequence[torch.Tensor], reduce: str, dims: Sequence[int]) -> tuple:
         return self.start_reduce_scatter_bucket(xs, reduce, dims).wait()
 
-    def all_to_all(self, x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int],
-                   wire: torch.dtype | None = None) -> torch.Tensor:
+    def all_to_all(
+        self, x: torch.Tensor, src: int, dst: int, src_sizes: Sequence[int], wire: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Gather ``src`` (member ``i`` holds ``src_sizes[i]`` of it) while splitting ``dst``."""
         if wire is not None and x.dtype != wire and x.dtype.is_floating_point:
             return self.all_to_all(x.to(wire), src, dst, src_sizes).to(x.dtype)

@@ -25,6 +25,7 @@ Random ops run replicated; at the first compile with random ops every rank
 takes rank 0's random state, so all ranks (and a single-device run seeded the
 same way) draw the same numbers.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,7 +57,8 @@ class TorchStep(CompiledStep):
         measured = self.__dict__.setdefault("_memory", {})
         if not self.settings.measure_memory or id(res) in measured:
             return res.runnable(*args, **kwargs)
-        from .memory import measure_compiled   # the first call after a compile: peak memory measured
+        from .memory import measure_compiled  # the first call after a compile: peak memory measured
+
         t = time.perf_counter()
         out, measured[id(res)] = measure_compiled(res, args, kwargs)
         res.timings["measure_memory"] = time.perf_counter() - t
@@ -75,13 +77,23 @@ class TorchStep(CompiledStep):
         return dict(self.__dict__.get("_memory", {}).get(id(self.last), {}))
 
 
-def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget: int | None = None,
-                     cache_dir: str | None = None, *, constraints: Iterable[Any] | None = None,
-                     plugins: PluginManager | None = None, micro_batches: int | None = None,
-                     pipeline_stages: int | None = None, schedule: str | None = None,
-                     grad_compression: str | None = None, offload: str | None = None,
-                     recompute: bool | None = None,
-                     strategy: str | None = None, **settings: Any) -> Callable[[Callable], TorchStep]:
+def metadist_compile(
+    mesh: Any = None,
+    solver: str | None = None,
+    memory_budget: int | None = None,
+    cache_dir: str | None = None,
+    *,
+    constraints: Iterable[Any] | None = None,
+    plugins: PluginManager | None = None,
+    micro_batches: int | None = None,
+    pipeline_stages: int | None = None,
+    schedule: str | None = None,
+    grad_compression: str | None = None,
+    offload: str | None = None,
+    recompute: bool | None = None,
+    strategy: str | None = None,
+    **settings: Any,
+) -> Callable[[Callable], TorchStep]:
     """Decorate a training step so that it runs split over the devices of ``mesh``.
 
     :param mesh: None (the whole world as one axis), a shape such as ``(2, 2)``,
@@ -117,10 +129,24 @@ def metadist_compile(mesh: Any = None, solver: str | None = None, memory_budget:
     check_setting_names(settings)
 
     def wrap(fn: Callable) -> TorchStep:
-        return TorchStep(TorchFrontend(), fn, mesh=mesh, constraints=constraints, plugins=plugins, solver=solver,
-                         memory_budget=memory_budget, cache_dir=cache_dir, micro_batches=micro_batches,
-                         pipeline_stages=pipeline_stages, schedule=schedule, grad_compression=grad_compression,
-                         strategy=strategy, offload=offload, recompute=recompute, **settings)
+        return TorchStep(
+            TorchFrontend(),
+            fn,
+            mesh=mesh,
+            constraints=constraints,
+            plugins=plugins,
+            solver=solver,
+            memory_budget=memory_budget,
+            cache_dir=cache_dir,
+            micro_batches=micro_batches,
+            pipeline_stages=pipeline_stages,
+            schedule=schedule,
+            grad_compression=grad_compression,
+            strategy=strategy,
+            offload=offload,
+            recompute=recompute,
+            **settings,
+        )
 
     return wrap
 

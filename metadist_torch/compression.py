@@ -12,6 +12,7 @@ dtype. An ``avg`` reduction divides before the cast (as DDP's fp16 hook does),
 so that fp16 sums overflow no sooner than the mean would. The counted bytes
 (:class:`~metadist_torch.stats.CommStats`) are those of the wire tensors.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -29,8 +30,9 @@ def wire_map(graph: MetaIR, mode: str | None) -> dict[str, torch.dtype]:
     return {v: TORCH_WIRE[d] for v, d in wire_dtypes(graph, mode).items()}
 
 
-def compressed(x: torch.Tensor, wire: torch.dtype | None, run: Callable[[torch.Tensor], torch.Tensor],
-               divide: int = 1) -> torch.Tensor:
+def compressed(
+    x: torch.Tensor, wire: torch.dtype | None, run: Callable[[torch.Tensor], torch.Tensor], divide: int = 1
+) -> torch.Tensor:
     """``run`` (a collective) on ``x`` sent as ``wire``; the result back in ``x``'s dtype.
 
     ``divide`` > 1: ``x / divide`` is what travels (an ``avg`` done as a sum of pre-divided values).

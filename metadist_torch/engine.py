@@ -5,6 +5,7 @@ group is created on first use: NCCL when CUDA is available and NCCL is
 built, gloo otherwise. A plain process (no torchrun) is world size 1 and needs
 no process group at all.
 """
+
 from __future__ import annotations
 
 import logging
@@ -86,13 +87,17 @@ def resolve_mesh(mesh: Any, world_size: int) -> tuple[Mesh, Any]:
     elif isinstance(mesh, Sequence):
         m = Mesh(tuple(int(s) for s in mesh))
     else:
-        raise TypeError(f"mesh must be None, a shape such as (2, 2), a metadist Mesh or a torch DeviceMesh; "
-                        f"got {type(mesh).__name__} {mesh!r}")
+        raise TypeError(
+            f"mesh must be None, a shape such as (2, 2), a metadist Mesh or a torch DeviceMesh; "
+            f"got {type(mesh).__name__} {mesh!r}"
+        )
     if m.size != world_size:
         shape = "x".join(map(str, m.shape))
-        raise ValueError(f"mesh {shape} has {m.size} devices but the world size is {world_size}; "
-                         f"launch with torchrun --nproc_per_node={m.size} or pass a mesh of {world_size} devices "
-                         f"(the default mesh=None uses the whole world as one axis)")
+        raise ValueError(
+            f"mesh {shape} has {m.size} devices but the world size is {world_size}; "
+            f"launch with torchrun --nproc_per_node={m.size} or pass a mesh of {world_size} devices "
+            f"(the default mesh=None uses the whole world as one axis)"
+        )
     return m, dm
 
 
@@ -103,10 +108,10 @@ class Engine:
     rank: int
     world_size: int
     mesh: Mesh
-    device_mesh: Any            # torch DeviceMesh, or None at world size 1
+    device_mesh: Any  # torch DeviceMesh, or None at world size 1
     coords: tuple[int, ...]
     device: torch.device
-    rng_synced: bool = False    # rank 0's random state given to every rank (once, at the first random step)
+    rng_synced: bool = False  # rank 0's random state given to every rank (once, at the first random step)
 
     @property
     def distributed(self) -> bool:
@@ -138,8 +143,9 @@ class Engine:
         if not self.distributed or self.rng_synced:
             return
         self.rng_synced = True
-        states = self.broadcast((torch.get_rng_state(),
-                                 torch.cuda.get_rng_state() if self.device.type == "cuda" else None))
+        states = self.broadcast(
+            (torch.get_rng_state(), torch.cuda.get_rng_state() if self.device.type == "cuda" else None)
+        )
         torch.set_rng_state(states[0])
         if states[1] is not None:
             torch.cuda.set_rng_state(states[1])
@@ -152,15 +158,18 @@ def make_engine(mesh: Any = None) -> Engine:
     dev = device()
     if world > 1 and dm is None:
         from torch.distributed.device_mesh import init_device_mesh
+
         dm = init_device_mesh(dev.type, tuple(m.shape), mesh_dim_names=tuple(m.axis_names))
     coords = m.coordinates(rank)
     if dm is not None:
         got = tuple(int(c) for c in dm.get_coordinate())
         if got != coords:
-            raise ValueError(f"the DeviceMesh puts rank {rank} at {got}, but MetaDist expects the row-major "
-                             f"position {coords}; build the DeviceMesh from torch.arange(world).reshape(shape)")
+            raise ValueError(
+                f"the DeviceMesh puts rank {rank} at {got}, but MetaDist expects the row-major "
+                f"position {coords}; build the DeviceMesh from torch.arange(world).reshape(shape)"
+            )
     if world > 1:
-        cpu_group()   # made here, where every rank makes its engine: the guards agree on it at every call
+        cpu_group()  # made here, where every rank makes its engine: the guards agree on it at every call
     return Engine(rank, world, m, dm, coords, dev)
 
 
@@ -202,7 +211,7 @@ def engine_for(mesh: Any = None) -> Engine:
     key = ("device_mesh", id(dm)) if dm is not None else (m.shape, m.axis_names, world)
     hit = _ENGINES.get(key)
     if hit is None:
-        hit = _ENGINES[key] = (mesh, make_engine(mesh))   # the argument kept alive: its id stays its own
+        hit = _ENGINES[key] = (mesh, make_engine(mesh))  # the argument kept alive: its id stays its own
     return hit[1]
 
 
@@ -228,5 +237,15 @@ def finish_worker(code: int = 0) -> None:
     os._exit(int(code))
 
 
-__all__ = ["Engine", "make_engine", "engine_for", "resolve_mesh", "ensure_process_group", "world_info",
-           "default_backend", "finish_worker", "cpu_group", "agree_on"]
+__all__ = [
+    "Engine",
+    "make_engine",
+    "engine_for",
+    "resolve_mesh",
+    "ensure_process_group",
+    "world_info",
+    "default_backend",
+    "finish_worker",
+    "cpu_group",
+    "agree_on",
+]

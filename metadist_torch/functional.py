@@ -15,6 +15,7 @@ after the mutation, an op writing through an ``out=`` argument, an op with no fu
 same arguments, or a functional result whose shape or dtype is not the mutated tensor's (a type
 promotion that the in-place op would cast back).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,7 +29,7 @@ from torch import fx
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
-_IDENTITY = {aten.detach.default, aten.alias.default}   # same storage, same shape and strides
+_IDENTITY = {aten.detach.default, aten.alias.default}  # same storage, same shape and strides
 
 
 class _Decline(Exception):
@@ -56,8 +57,11 @@ def _functional_overload(target: Any, written: list[int]):
             return cand, 0
     packet = getattr(ns, name + "_functional", None)
     cand = getattr(packet, over, None) if packet is not None else None
-    if cand is not None and [a.name for a in cand._schema.arguments] == [a.name for a in schema.arguments] \
-            and len(cand._schema.returns) == len(schema.returns) + len(written):
+    if (
+        cand is not None
+        and [a.name for a in cand._schema.arguments] == [a.name for a in schema.arguments]
+        and len(cand._schema.returns) == len(schema.returns) + len(written)
+    ):
         return cand, len(schema.returns)
     raise _Decline(f"no functional overload of {schema.name}.{over}")
 
@@ -70,8 +74,10 @@ def _meta_like(v: Any) -> Any:
 
 def _check_result(fop, node: fx.Node, args, kwargs, written: list[int], extra: int) -> None:
     """The functional op, run on meta tensors, gives each written argument's shape and dtype."""
+
     def val(a):
         return _meta_like(a.meta.get("val")) if isinstance(a, fx.Node) else a
+
     try:
         out = fop(*pytree.tree_map(val, list(args)), **pytree.tree_map(val, dict(kwargs)))
     except Exception as e:  # noqa: BLE001 - any failure: the general path decides
@@ -80,8 +86,12 @@ def _check_result(fop, node: fx.Node, args, kwargs, written: list[int], extra: i
     news = outs[:1] if not extra else outs[extra:]
     for pos, new in zip(written, news):
         ref = node.args[pos].meta.get("val") if isinstance(node.args[pos], fx.Node) else None
-        if not isinstance(ref, torch.Tensor) or not isinstance(new, torch.Tensor) or \
-                tuple(new.shape) != tuple(ref.shape) or new.dtype != ref.dtype:
+        if (
+            not isinstance(ref, torch.Tensor)
+            or not isinstance(new, torch.Tensor)
+            or tuple(new.shape) != tuple(ref.shape)
+            or new.dtype != ref.dtype
+        ):
             raise _Decline(f"{fop} does not give argument {pos}'s shape and dtype")
 
 
@@ -99,7 +109,7 @@ def functionalize_in_place(gm: fx.GraphModule) -> bool:
 def _plan(gm: fx.GraphModule) -> list[tuple]:
     """Check the whole graph first (nothing is changed until every mutation is known to be safe)."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    root: dict[fx.Node, fx.Node] = {}        # node -> the storage it names (identity aliases share one)
+    root: dict[fx.Node, fx.Node] = {}  # node -> the storage it names (identity aliases share one)
     views: dict[fx.Node, list[fx.Node]] = {}  # storage -> views of it (other shapes or strides)
     view_of: dict[fx.Node, fx.Node] = {}
     plan = []
@@ -108,7 +118,7 @@ def _plan(gm: fx.GraphModule) -> list[tuple]:
             root[n] = n
             continue
         schema = _schema(n.target)
-        if schema is None:   # getitem and other Python callables: fresh names, but an item of a view is a view
+        if schema is None:  # getitem and other Python callables: fresh names, but an item of a view is a view
             root[n] = n
             src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
             if src is not None and src in view_of:
@@ -124,7 +134,7 @@ def _plan(gm: fx.GraphModule) -> list[tuple]:
             continue
         if not written:
             ret = schema.returns[0].alias_info if schema.returns else None
-            if ret is not None and isinstance(first, fx.Node):   # a view: shares the storage of its input
+            if ret is not None and isinstance(first, fx.Node):  # a view: shares the storage of its input
                 base = view_of.get(first) or root.get(first, first)
                 views.setdefault(base, []).append(n)
                 view_of[n] = base
@@ -143,7 +153,7 @@ def _plan(gm: fx.GraphModule) -> list[tuple]:
         fop, extra = _functional_overload(n.target, written)
         _check_result(fop, n, n.args, n.kwargs, written, extra)
         if written == [0]:
-            root[n] = root.get(first, first)   # the in-place result names the written storage
+            root[n] = root.get(first, first)  # the in-place result names the written storage
         else:
             root[n] = n
         plan.append((n, fop, extra, written, [root.get(n.args[p], n.args[p]) for p in written]))
@@ -152,11 +162,11 @@ def _plan(gm: fx.GraphModule) -> list[tuple]:
 
 def _apply(gm: fx.GraphModule, plan: list[tuple]) -> None:
     g = gm.graph
-    current: dict[fx.Node, fx.Node] = {}   # storage -> the node holding its newest value
+    current: dict[fx.Node, fx.Node] = {}  # storage -> the node holding its newest value
     root: dict[fx.Node, fx.Node] = {}
     todo = {n: (fop, extra, written, roots) for n, fop, extra, written, roots in plan}
 
-    def newest(a: fx.Node) -> fx.Node:   # a reader of a written storage reads its newest value
+    def newest(a: fx.Node) -> fx.Node:  # a reader of a written storage reads its newest value
         return current.get(root.get(a, a), a)
 
     for n in list(g.nodes):
@@ -171,11 +181,11 @@ def _apply(gm: fx.GraphModule, plan: list[tuple]) -> None:
         with g.inserting_after(n):
             new = g.call_function(fop, n.args, n.kwargs)
         new.meta = dict(n.meta)
-        if not extra:   # foo_ -> foo: the result is the written tensor's new value; later readers of the
-            current[roots[0]] = new        # in-place result (an alias of the storage) read its newest value
+        if not extra:  # foo_ -> foo: the result is the written tensor's new value; later readers of the
+            current[roots[0]] = new  # in-place result (an alias of the storage) read its newest value
             root[new] = roots[0]
             n.replace_all_uses_with(new)
-        else:           # foo -> foo_functional: the first results as before, then each written argument's new value
+        else:  # foo -> foo_functional: the first results as before, then each written argument's new value
             prev = new
             for k, (pos, r) in enumerate(zip(written, roots)):
                 with g.inserting_after(prev):

@@ -8,6 +8,7 @@ outputs of the traced function, so they survive functionalization; then
 Those are exactly the gradients the optimizer update reads, however the
 backward computed them (autocast casts, tied weights, accumulation).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,9 @@ import torch.utils._pytree as pytree
 
 
 @contextlib.contextmanager
-def capture_gradients(optimizers: Sequence[torch.optim.Optimizer],
-                      params: Sequence[torch.Tensor]) -> Iterator[dict[int, torch.Tensor]]:
+def capture_gradients(
+    optimizers: Sequence[torch.optim.Optimizer], params: Sequence[torch.Tensor]
+) -> Iterator[dict[int, torch.Tensor]]:
     """Record ``{index in params: clone of its .grad}`` before each ``optimizer.step()`` inside the block."""
     index = {id(p): i for i, p in enumerate(params)}
     box: dict[int, torch.Tensor] = {}
@@ -51,7 +53,7 @@ def strip_gradients(gm: fx.GraphModule, n_grads: int, recompile: bool = True) ->
         return []
     out = next(n for n in gm.graph.nodes if n.op == "output")
     flat, spec = pytree.tree_flatten(out.args[0])
-    kept, grads = flat[:len(flat) - n_grads], flat[len(flat) - n_grads:]
+    kept, grads = flat[: len(flat) - n_grads], flat[len(flat) - n_grads :]
     first: dict[tuple, fx.Node] = {}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is operator.getitem:
@@ -64,7 +66,7 @@ def strip_gradients(gm: fx.GraphModule, n_grads: int, recompile: bool = True) ->
         if isinstance(src, fx.Node) and src.op == "call_function":
             if src.target is operator.getitem:
                 src = first[(src.args[0], src.args[1])]
-            if len(src.users) == 1:   # a view functionalization made again for the clone only
+            if len(src.users) == 1:  # a view functionalization made again for the clone only
                 src = _read_twin(gm, src)
             names.append(src.name)
     out.args = (tuple(kept),)
@@ -82,8 +84,14 @@ def _read_twin(gm: fx.GraphModule, src: fx.Node) -> fx.Node:
     in-place update of a gradient (``t(t(x))`` is ``x``; ``view(view(x))`` of ``x``'s shape is ``x``;
     the same call twice is one value); ``src`` itself when there is none."""
     for n in gm.graph.nodes:
-        if n is not src and n.op == "call_function" and n.target is src.target and n.args == src.args \
-                and n.kwargs == src.kwargs and n.users:
+        if (
+            n is not src
+            and n.op == "call_function"
+            and n.target is src.target
+            and n.args == src.args
+            and n.kwargs == src.kwargs
+            and n.users
+        ):
             return n
     inner = src.args[0] if src.args else None
     if src.target in VIEWS and isinstance(inner, fx.Node) and inner.target in VIEWS and inner.args:

@@ -5,6 +5,7 @@ few CPU kernels trust their shapes and read past an input (seen to crash the
 process). Each guard checks what its kernel assumes and raises a ValueError
 (a rejected candidate) instead.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
@@ -20,8 +21,10 @@ def attention_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]
     names = {a.name for a in overload._schema.arguments}
     if not {"query", "key", "value"} <= names:
         return None
-    pos = {n: in_index(schema_arg(overload, args_t, kwargs_t, n)) for n in
-           ("query", "key", "value", "out", "grad_out", "logsumexp", "attn_mask")}
+    pos = {
+        n: in_index(schema_arg(overload, args_t, kwargs_t, n))
+        for n in ("query", "key", "value", "out", "grad_out", "logsumexp", "attn_mask")
+    }
     gqa = schema_arg(overload, args_t, kwargs_t, "enable_gqa", False) is True
     # the CPU flash kernels (forward and backward) take grouped-query shapes without a flag: torch's sdpa hands
     # them key/value with fewer heads (a divisor of the query's) when it was called with enable_gqa=True
@@ -45,14 +48,19 @@ def attention_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]
             except ValueError:
                 ok = False
         if not ok:
-            raise ValueError(f"{overload}: query/key/value/out shapes do not fit: "
-                             f"{[tuple(a.shape) for a in arrays]}")
+            raise ValueError(f"{overload}: query/key/value/out shapes do not fit: {[tuple(a.shape) for a in arrays]}")
 
     return check
 
 
-POOL_BACKWARD = {"_adaptive_avg_pool2d_backward": 2, "_adaptive_avg_pool3d_backward": 3, "avg_pool2d_backward": 2,
-                 "avg_pool3d_backward": 3, "adaptive_max_pool2d_backward": 2, "adaptive_max_pool3d_backward": 3}
+POOL_BACKWARD = {
+    "_adaptive_avg_pool2d_backward": 2,
+    "_adaptive_avg_pool3d_backward": 3,
+    "avg_pool2d_backward": 2,
+    "avg_pool3d_backward": 3,
+    "adaptive_max_pool2d_backward": 2,
+    "adaptive_max_pool3d_backward": 3,
+}
 
 
 def pool_backward_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]):
@@ -62,14 +70,19 @@ def pool_backward_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, 
     spatial = POOL_BACKWARD.get(overload._schema.name.split("::")[-1])
     if spatial is None:
         return None
-    pos = [p for p in (in_index(schema_arg(overload, args_t, kwargs_t, n)) for n in ("grad_output", "self", "indices"))
-           if p is not None]
+    pos = [
+        p
+        for p in (in_index(schema_arg(overload, args_t, kwargs_t, n)) for n in ("grad_output", "self", "indices"))
+        if p is not None
+    ]
 
     def check(arrays: Sequence[np.ndarray]) -> None:
         lead = {tuple(arrays[p].shape[:-spatial]) for p in pos}
         if len(lead) != 1:
-            raise ValueError(f"{overload}: batch/channel dims of grad, input and indices differ: "
-                             f"{[tuple(arrays[p].shape) for p in pos]}")
+            raise ValueError(
+                f"{overload}: batch/channel dims of grad, input and indices differ: "
+                f"{[tuple(arrays[p].shape) for p in pos]}"
+            )
 
     return check
 
@@ -85,8 +98,11 @@ def batch_norm_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any
     x = pos.get("input")
     if x is None:
         return None
-    per_channel = [pos[n] for n in ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd",
-                                    "mean", "invstd") if pos.get(n) is not None]
+    per_channel = [
+        pos[n]
+        for n in ("weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd", "mean", "invstd")
+        if pos.get(n) is not None
+    ]
     same = [pos[n] for n in ("grad_out", "grad_output") if pos.get(n) is not None]
 
     def check(arrays: Sequence[np.ndarray]) -> None:
@@ -94,8 +110,9 @@ def batch_norm_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any
         c = shape[1] if len(shape) >= 2 else (shape[0] if shape else 1)
         ok = all(arrays[i].shape == (c,) for i in per_channel) and all(arrays[i].shape == shape for i in same)
         if not ok:
-            raise ValueError(f"{overload}: per-channel shapes do not fit input {shape}: "
-                             f"{[tuple(a.shape) for a in arrays]}")
+            raise ValueError(
+                f"{overload}: per-channel shapes do not fit input {shape}: {[tuple(a.shape) for a in arrays]}"
+            )
 
     return check
 
@@ -107,16 +124,22 @@ def batch_norm_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any
 # decomposition, which is the same computation in checked ops and raises on such pieces; only
 # then does the native kernel run (its own checks, such as a bias matching normalized_shape, still
 # apply, and its result is the one verified).
-DECOMPOSE_FOR_DISCOVERY = {"native_layer_norm_backward", "_log_softmax_backward_data", "_softmax_backward_data",
-                           "native_group_norm_backward",
-                           # writes through indices taken from the whole input: a row piece corrupts the heap
-                           "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward"}
+DECOMPOSE_FOR_DISCOVERY = {
+    "native_layer_norm_backward",
+    "_log_softmax_backward_data",
+    "_softmax_backward_data",
+    "native_group_norm_backward",
+    # writes through indices taken from the whole input: a row piece corrupts the heap
+    "max_pool2d_with_indices_backward",
+    "max_pool3d_with_indices_backward",
+}
 
 
 def checked_call(overload, call: Callable[..., Any]) -> Callable[..., Any]:
     if overload is None or overload._schema.name.split("::")[-1] not in DECOMPOSE_FOR_DISCOVERY:
         return call
     from torch._decomp import decomposition_table
+
     reference = decomposition_table.get(overload)
     if reference is None:
         return call
@@ -130,9 +153,19 @@ def checked_call(overload, call: Callable[..., Any]) -> Callable[..., Any]:
 
 def shape_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]):
     """The guard of ``overload``'s kernel for this call, or None when it checks its own shapes."""
-    return (attention_guard(overload, args_t, kwargs_t) or batch_norm_guard(overload, args_t, kwargs_t)
-            or pool_backward_guard(overload, args_t, kwargs_t))
+    return (
+        attention_guard(overload, args_t, kwargs_t)
+        or batch_norm_guard(overload, args_t, kwargs_t)
+        or pool_backward_guard(overload, args_t, kwargs_t)
+    )
 
 
-__all__ = ["shape_guard", "attention_guard", "pool_backward_guard", "batch_norm_guard", "checked_call",
-           "DECOMPOSE_FOR_DISCOVERY", "POOL_BACKWARD"]
+__all__ = [
+    "shape_guard",
+    "attention_guard",
+    "pool_backward_guard",
+    "batch_norm_guard",
+    "checked_call",
+    "DECOMPOSE_FOR_DISCOVERY",
+    "POOL_BACKWARD",
+]

@@ -16,6 +16,7 @@ arithmetic Python does), and each place where an op took the number into
 the number eager torch passes it. :class:`Hyperparameters` fills those
 tensors from the param groups before every run and checks the branch guards.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,18 +29,35 @@ import torch
 import torch.fx as fx
 
 aten = torch.ops.aten
-ITEM = aten._local_scalar_dense.default   # a 0-d tensor's number, as an op argument
+ITEM = aten._local_scalar_dense.default  # a 0-d tensor's number, as an op argument
 ATTR_PREFIX = "_metadist_hyper"
 
 # Python arithmetic on symbolic numbers -> the aten op computing it on 0-d tensors
-_BINARY = {operator.add: aten.add.Tensor, operator.sub: aten.sub.Tensor, operator.mul: aten.mul.Tensor,
-           operator.truediv: aten.div.Tensor, operator.pow: aten.pow.Tensor_Tensor,
-           operator.floordiv: aten.floor_divide.default, operator.mod: aten.remainder.Tensor,
-           operator.eq: aten.eq.Tensor, operator.ne: aten.ne.Tensor, operator.lt: aten.lt.Tensor,
-           operator.le: aten.le.Tensor, operator.gt: aten.gt.Tensor, operator.ge: aten.ge.Tensor,
-           torch.sym_max: aten.maximum.default, torch.sym_min: aten.minimum.default}
-_UNARY = {operator.neg: aten.neg.default, operator.abs: aten.abs.default, operator.pos: None,
-          torch._sym_sqrt: aten.sqrt.default, math.sqrt: aten.sqrt.default, torch.sym_float: None}
+_BINARY = {
+    operator.add: aten.add.Tensor,
+    operator.sub: aten.sub.Tensor,
+    operator.mul: aten.mul.Tensor,
+    operator.truediv: aten.div.Tensor,
+    operator.pow: aten.pow.Tensor_Tensor,
+    operator.floordiv: aten.floor_divide.default,
+    operator.mod: aten.remainder.Tensor,
+    operator.eq: aten.eq.Tensor,
+    operator.ne: aten.ne.Tensor,
+    operator.lt: aten.lt.Tensor,
+    operator.le: aten.le.Tensor,
+    operator.gt: aten.gt.Tensor,
+    operator.ge: aten.ge.Tensor,
+    torch.sym_max: aten.maximum.default,
+    torch.sym_min: aten.minimum.default,
+}
+_UNARY = {
+    operator.neg: aten.neg.default,
+    operator.abs: aten.abs.default,
+    operator.pos: None,
+    torch._sym_sqrt: aten.sqrt.default,
+    math.sqrt: aten.sqrt.default,
+    torch.sym_float: None,
+}
 
 
 @dataclass(frozen=True)
@@ -87,27 +105,38 @@ def hyper_slots(optimizers: Sequence[torch.optim.Optimizer]) -> list[HyperSlot]:
     return out
 
 
-def symbolic_values(slots: Sequence[HyperSlot], optimizers: Sequence[torch.optim.Optimizer],
-                    shape_env: Any) -> list[Any]:
+def symbolic_values(
+    slots: Sequence[HyperSlot], optimizers: Sequence[torch.optim.Optimizer], shape_env: Any
+) -> list[Any]:
     """A symbolic float or int of ``shape_env`` per slot, hinted by its value now (no two share a symbol)."""
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic
+
     out = []
     for i, s in enumerate(slots):
         v = s.read(optimizers)
         src = ConstantSource(f"hyper{i}")
         sym = shape_env.create_unspecified_symbol(v, source=src, dynamic_dim=DimDynamic.DYNAMIC)
-        out.append(shape_env.create_symfloatnode(sym, hint=float(v), source=src) if s.kind == "float"
-                   else shape_env.create_symintnode(sym, hint=int(v), source=src))
+        out.append(
+            shape_env.create_symfloatnode(sym, hint=float(v), source=src)
+            if s.kind == "float"
+            else shape_env.create_symintnode(sym, hint=int(v), source=src)
+        )
     return out
 
 
 @contextlib.contextmanager
-def swapped_values(slots: Sequence[HyperSlot], optimizers: Sequence[torch.optim.Optimizer],
-                   values: Sequence[Any]) -> Iterator[None]:
+def swapped_values(
+    slots: Sequence[HyperSlot], optimizers: Sequence[torch.optim.Optimizer], values: Sequence[Any]
+) -> Iterator[None]:
     """The param groups hold ``values`` (the symbolic numbers) inside the block."""
-    saved = [(g, k, g[k]) for g, k in {(id(optimizers[s.opt].param_groups[s.group]), s.key):
-                                       (optimizers[s.opt].param_groups[s.group], s.key) for s in slots}.values()]
+    saved = [
+        (g, k, g[k])
+        for g, k in {
+            (id(optimizers[s.opt].param_groups[s.group]), s.key): (optimizers[s.opt].param_groups[s.group], s.key)
+            for s in slots
+        }.values()
+    ]
     try:
         for s, v in zip(slots, values):
             g = optimizers[s.opt].param_groups[s.group]
@@ -185,21 +214,26 @@ def lift(gm: fx.GraphModule, placeholders: Sequence[fx.Node], hints: Sequence[An
         reads = [a for a in _flat_nodes((n.args, n.kwargs)) if a in tensor_of]
         if not reads:
             continue
-        if not isinstance(n.target, torch._ops.OpOverload):   # arithmetic on the numbers themselves
+        if not isinstance(n.target, torch._ops.OpOverload):  # arithmetic on the numbers themselves
             source[n] = set().union(*(source[a] for a in reads))
             dtype = _dtype(n.meta.get("val"))
             table = _BINARY if len(n.args) == 2 and not n.kwargs else _UNARY if len(n.args) == 1 else {}
             if n.target not in table:
-                for i in source[n]:   # no aten counterpart: folded to its traced value, a guard
+                for i in source[n]:  # no aten counterpart: folded to its traced value, a guard
                     lifted.pinned[i] = hints[i]
                 tensor_of[n] = as_tensor(_hint(n.meta.get("val")), dtype, n)
-            elif table[n.target] is None:   # +x, float(x): the same number, in the result's dtype
+            elif table[n.target] is None:  # +x, float(x): the same number, in the result's dtype
                 tensor_of[n] = as_tensor(n.args[0], dtype, n)
             else:
                 op = table[n.target]
-                work = dtype if dtype != torch.bool else max(
-                    (_dtype(a.meta.get("val")) if isinstance(a, fx.Node) else _dtype(a) for a in n.args),
-                    key=lambda d: d.is_floating_point)
+                work = (
+                    dtype
+                    if dtype != torch.bool
+                    else max(
+                        (_dtype(a.meta.get("val")) if isinstance(a, fx.Node) else _dtype(a) for a in n.args),
+                        key=lambda d: d.is_floating_point,
+                    )
+                )
                 ins = [as_tensor(a, work, n) for a in n.args]
                 with g.inserting_before(n):
                     t = g.call_function(op, tuple(ins))
@@ -240,6 +274,7 @@ def _hint(v: Any) -> Any:
 
 def _fake_mode(gm: fx.GraphModule) -> Any:
     from torch._subclasses.fake_tensor import FakeTensor
+
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if isinstance(v, FakeTensor):
@@ -256,8 +291,13 @@ class Hyperparameters:
     0-d tensors before each run (:meth:`refresh`), and the guards on them (:meth:`changed`).
     ``feeds``: (slot index, tensor) of each number the program reads."""
 
-    def __init__(self, slots: Sequence[HyperSlot], feeds: Sequence[tuple[int, torch.Tensor]],
-                 guards: Sequence[tuple[str, Callable[[Sequence[Any]], bool]]], pinned: dict[int, Any]) -> None:
+    def __init__(
+        self,
+        slots: Sequence[HyperSlot],
+        feeds: Sequence[tuple[int, torch.Tensor]],
+        guards: Sequence[tuple[str, Callable[[Sequence[Any]], bool]]],
+        pinned: dict[int, Any],
+    ) -> None:
         self.slots, self.feeds = list(slots), list(feeds)
         self.guards = list(guards)
         self.pinned = dict(pinned)
@@ -293,17 +333,21 @@ class Hyperparameters:
                 return f"{self.slots[i].name} changed from {v!r} to {vals[i]!r} (folded into the program)"
         for text, holds in self.guards:
             if not holds(vals):
-                return f"the optimizer branched on {text}, which no longer holds " \
-                       f"({', '.join(f'{s.name}={v!r}' for s, v in zip(self.slots, vals) if s.name in text)})"
+                return (
+                    f"the optimizer branched on {text}, which no longer holds "
+                    f"({', '.join(f'{s.name}={v!r}' for s, v in zip(self.slots, vals) if s.name in text)})"
+                )
         return None
 
 
-def branch_guards(shape_env: Any, slots: Sequence[HyperSlot], symbols: Sequence[Any]
-                  ) -> tuple[list[tuple[str, Callable[[Sequence[Any]], bool]]], dict[int, Any]]:
+def branch_guards(
+    shape_env: Any, slots: Sequence[HyperSlot], symbols: Sequence[Any]
+) -> tuple[list[tuple[str, Callable[[Sequence[Any]], bool]]], dict[int, Any]]:
     """The ShapeEnv's guards on the symbolic numbers as ``(readable text, holds(values) -> bool)``, and the
     slots it replaced by a constant (``{slot index: value}``: guards on equality)."""
     import sympy
-    exprs = [getattr(s.node, "_expr", s.node.expr) for s in symbols]   # before replacements
+
+    exprs = [getattr(s.node, "_expr", s.node.expr) for s in symbols]  # before replacements
     index = {e: i for i, e in enumerate(exprs) if isinstance(e, sympy.Symbol)}
     out: list[tuple[str, Callable[[Sequence[Any]], bool]]] = []
     for guard in getattr(shape_env, "guards", []):
@@ -319,5 +363,15 @@ def branch_guards(shape_env: Any, slots: Sequence[HyperSlot], symbols: Sequence[
     return out, pinned
 
 
-__all__ = ["HyperSlot", "Hyperparameters", "hyper_slots", "is_fed", "symbolic_values", "swapped_values", "lift",
-           "branch_guards", "ITEM", "ATTR_PREFIX"]
+__all__ = [
+    "HyperSlot",
+    "Hyperparameters",
+    "hyper_slots",
+    "is_fed",
+    "symbolic_values",
+    "swapped_values",
+    "lift",
+    "branch_guards",
+    "ITEM",
+    "ATTR_PREFIX",
+]

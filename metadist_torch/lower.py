@@ -25,6 +25,7 @@ Independent all_reduces of one axis are then merged into buckets
 all_gathers of graph inputs (parameters), up to ``settings.shard_bucket_bytes``
 each, by the rule of :mod:`metadist_core.cost.gathers` (:func:`coalesce_all_gathers`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,23 +53,38 @@ from .schedule import issue_early, md_wait, prefetch_gathers
 from .stats import CommStats
 
 # ops whose second argument is the full output shape: lowered with the local output shape
-SHAPE_ARG_OPS = frozenset({"view", "_unsafe_view", "reshape", "view_copy", "_reshape_copy", "expand",
-                           "expand_copy", "_reshape_alias", "slice_backward", "select_backward"})
-DTYPE_META = "metadist_dtype"   # fx node meta: the canonical dtype of the value a node holds
-VAR_META = "metadist_var"       # fx node meta: the MetaIR value a node holds (a collective's: the value it moves)
-ASYNC_KINDS = frozenset({"all_reduce", "reduce_scatter", "all_reduce_bucket", "reduce_scatter_bucket",
-                         "all_gather_bucket"})
-WIRE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})   # take a wire dtype
+SHAPE_ARG_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "view_copy",
+        "_reshape_copy",
+        "expand",
+        "expand_copy",
+        "_reshape_alias",
+        "slice_backward",
+        "select_backward",
+    }
+)
+DTYPE_META = "metadist_dtype"  # fx node meta: the canonical dtype of the value a node holds
+VAR_META = "metadist_var"  # fx node meta: the MetaIR value a node holds (a collective's: the value it moves)
+ASYNC_KINDS = frozenset(
+    {"all_reduce", "reduce_scatter", "all_reduce_bucket", "reduce_scatter_bucket", "all_gather_bucket"}
+)
+WIRE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})  # take a wire dtype
 
 
 def _named(name: str, fn: Callable, stats: CommStats | None = None, kind: str = "") -> Callable:
     """A plain function called ``name`` (fx prints call targets by name) around ``fn``, timed into ``stats``."""
+
     def f(*a):
         t0 = time.perf_counter()
         out = fn(*a)
         if stats is not None:
             stats.timed(kind, t0)
         return out
+
     f.__name__ = f.__qualname__ = name
     return f
 
@@ -76,16 +92,25 @@ def _named(name: str, fn: Callable, stats: CommStats | None = None, kind: str = 
 class TorchCollectives(Collectives):
     """The plan's collectives as fx nodes: each call adds a node calling this rank's :class:`AxisComm`."""
 
-    def __init__(self, g: fx.Graph, mesh: Mesh, coords: Sequence[int], groups: Sequence[Any] | None,
-                 stats: CommStats, wire: Mapping[str, torch.dtype] | None = None) -> None:
+    def __init__(
+        self,
+        g: fx.Graph,
+        mesh: Mesh,
+        coords: Sequence[int],
+        groups: Sequence[Any] | None,
+        stats: CommStats,
+        wire: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
         self.g, self.mesh, self.coords, self.stats = g, mesh, tuple(int(c) for c in coords), stats
-        self.wire = dict(wire or {})   # value id -> the dtype its collectives travel in (grad_compression)
-        self.comms = [AxisComm(a, None if groups is None else groups[a], mesh.shape[a], self.coords[a], stats)
-                      for a in range(mesh.ndim)]
+        self.wire = dict(wire or {})  # value id -> the dtype its collectives travel in (grad_compression)
+        self.comms = [
+            AxisComm(a, None if groups is None else groups[a], mesh.shape[a], self.coords[a], stats)
+            for a in range(mesh.ndim)
+        ]
         self.fns: dict[tuple[int, str], Callable] = {}
-        self.reduces: dict[fx.Node, tuple] = {}   # all_reduce / reduce_scatter node -> (kind, axis, reduce, dtype,
+        self.reduces: dict[fx.Node, tuple] = {}  # all_reduce / reduce_scatter node -> (kind, axis, reduce, dtype,
         #                                           bytes): for bucketing
-        self.gathers: dict[fx.Node, tuple] = {}   # all_gather of a placeholder -> (axis, dtype, bytes): buckets
+        self.gathers: dict[fx.Node, tuple] = {}  # all_gather of a placeholder -> (axis, dtype, bytes): buckets
 
     def fn(self, axis: int, kind: str) -> Callable:
         k = (axis, kind)
@@ -111,22 +136,27 @@ class TorchCollectives(Collectives):
     def all_reduce(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         node = self._call(x, c, c.reduce)
         dtype = node.meta[DTYPE_META]
-        wire = node.args[2] if len(node.args) > 2 else None   # buckets hold one dtype, sent one way
+        wire = node.args[2] if len(node.args) > 2 else None  # buckets hold one dtype, sent one way
         size = DTYPE_BYTES.get(dtype, 4) if wire is None else wire.itemsize
-        self.reduces[node] = ("all_reduce", c.axis, c.reduce, dtype if wire is None else f"{dtype}->{wire}",
-                              math.prod(shape) * size)
+        self.reduces[node] = (
+            "all_reduce",
+            c.axis,
+            c.reduce,
+            dtype if wire is None else f"{dtype}->{wire}",
+            math.prod(shape) * size,
+        )
         return self._done(node)
 
     def all_gather(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         d = c.dims[0]
         node = self._call(x, c, d, group_extents(shape, c.before, self.mesh, self.coords, c.axis, d))
-        if x.op == "placeholder" and len(node.args) == 3:   # an input, sent in its own dtype: may be bucketed
+        if x.op == "placeholder" and len(node.args) == 3:  # an input, sent in its own dtype: may be bucketed
             self.gathers[node] = (c.axis, node.meta[DTYPE_META], int(c.nbytes))
         return node
 
     def reduce_scatter(self, x: fx.Node, c: Collective, shape: tuple[int, ...]) -> fx.Node:
         node = self._call(x, c, c.reduce, c.dims[0])
-        if len(node.args) == 3:   # sent in its own dtype: may be bucketed
+        if len(node.args) == 3:  # sent in its own dtype: may be bucketed
             self.reduces[node] = ("reduce_scatter", c.axis, c.reduce, node.meta[DTYPE_META], int(c.nbytes))
         return self._done(node)
 
@@ -143,7 +173,7 @@ class TorchCollectives(Collectives):
 
 def _select(out: Any, idx: Sequence[int]) -> tuple:
     items: list = []
-    for o in (out if isinstance(out, (tuple, list)) else [out]):
+    for o in out if isinstance(out, (tuple, list)) else [out]:
         items.extend(o if isinstance(o, (tuple, list)) else [o])
     return tuple(items[i] for i in idx)
 
@@ -151,15 +181,29 @@ def _select(out: Any, idx: Sequence[int]) -> tuple:
 md_select = _named("md_select", _select)
 
 
-def op_node(g: fx.Graph, graph: MetaIR, op: MetaOp, ins: Sequence[fx.Node], out_sh: Sequence[Sharding],
-            mesh: Mesh, coords: Sequence[int], name: str) -> list[fx.Node]:
+def op_node(
+    g: fx.Graph,
+    graph: MetaIR,
+    op: MetaOp,
+    ins: Sequence[fx.Node],
+    out_sh: Sequence[Sharding],
+    mesh: Mesh,
+    coords: Sequence[int],
+    name: str,
+) -> list[fx.Node]:
     """The fx node(s) of one aten op on local tensors: one per op output."""
-    def item(x: fx.Node) -> fx.Node:   # a 0-d tensor input passed as its number
+
+    def item(x: fx.Node) -> fx.Node:  # a 0-d tensor input passed as its number
         return g.call_function(torch.ops.aten._local_scalar_dense.default, (x,))
+
     args = rebuild(op.attrs.get("args", []), ins, item=item)
     kwargs = rebuild(op.attrs.get("kwargs", {}), ins, item=item)
-    if op.key.split(".")[1] in SHAPE_ARG_OPS and len(args) >= 2 and isinstance(args[1], (list, tuple)) \
-            and len(op.outputs) == 1:
+    if (
+        op.key.split(".")[1] in SHAPE_ARG_OPS
+        and len(args) >= 2
+        and isinstance(args[1], (list, tuple))
+        and len(op.outputs) == 1
+    ):
         args[1] = list(shard_shape(graph.vars[op.outputs[0]].shape, out_sh[0], mesh, coords))
     target = STRIDE_FREE.get(op.key) or resolve_target(op.key)
     node = g.create_node("call_function", target, tuple(args), kwargs, name=name)
@@ -189,15 +233,20 @@ class RankGraph:
     stats: CommStats = field(default_factory=CommStats)
     n_collectives: int = 0
     input_pieces: list[tuple[str, Sharding]] = field(default_factory=list)
-    inplace_updates: list[str] = field(default_factory=list)   # states updated in their own storage (reinplace)
+    inplace_updates: list[str] = field(default_factory=list)  # states updated in their own storage (reinplace)
 
     def __call__(self, *local_inputs: torch.Tensor) -> tuple:
         return self.gm(*local_inputs)
 
 
-def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, int], Callable],
-                         caps: Mapping[str, int], first_cap: int | None = None,
-                         only: Callable[[fx.Node], bool] | None = None) -> list[list[Any]]:
+def coalesce_all_reduces(
+    g: fx.Graph,
+    reduces: dict,
+    bucket_fn: Callable[[str, int], Callable],
+    caps: Mapping[str, int],
+    first_cap: int | None = None,
+    only: Callable[[fx.Node], bool] | None = None,
+) -> list[list[Any]]:
     """Merge all_reduces (and reduce_scatters) that are independent of each other into buckets, as DDP
     (and FSDP) do with gradients.
 
@@ -215,8 +264,10 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, i
     of each bucket of two or more members, in the order the buckets were opened.
     """
     order = {n: i for i, n in enumerate(g.nodes)}
-    todo = sorted((n for n in g.nodes if n in reduces and caps.get(reduces[n][0]) and (only is None or only(n))),
-                  key=lambda n: (order[n.args[0]], order[n]))
+    todo = sorted(
+        (n for n in g.nodes if n in reduces and caps.get(reduces[n][0]) and (only is None or only(n))),
+        key=lambda n: (order[n.args[0]], order[n]),
+    )
     buckets: list[dict] = []
     open_: dict[tuple, dict] = {}
     opened: dict[tuple, int] = {}
@@ -242,8 +293,9 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, i
         anchor = min(b["members"], key=lambda m: order[m])
         extra = [[m.args[2] for m in b["members"]]] if kind == "reduce_scatter" else anchor.args[2:]
         with g.inserting_before(anchor):
-            call = g.call_function(bucket_fn(kind, axis), ([m.args[0] for m in b["members"]], reduce,
-                                                           *extra))   # the dims; an all_reduce's wire dtype
+            call = g.call_function(
+                bucket_fn(kind, axis), ([m.args[0] for m in b["members"]], reduce, *extra)
+            )  # the dims; an all_reduce's wire dtype
             outs = [g.call_function(operator.getitem, (call, i)) for i in range(len(b["members"]))]
         made.append([m.meta.get(VAR_META) for m in b["members"]])
         for m, o in zip(b["members"], outs):
@@ -252,8 +304,9 @@ def coalesce_all_reduces(g: fx.Graph, reduces: dict, bucket_fn: Callable[[str, i
     return made
 
 
-def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], Callable], cap: int
-                         ) -> list[list[fx.Node]]:
+def coalesce_all_gathers(
+    g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], Callable], cap: int
+) -> list[list[fx.Node]]:
     """Merge the all_gathers of graph inputs into buckets by :func:`metadist_core.cost.gathers.bucket_in_order`.
 
     A gather counts when its input is a placeholder and only ops read its result (an edge of exactly one
@@ -262,9 +315,10 @@ def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], 
     ``md_done`` of it (:func:`metadist_torch.schedule.prefetch_gathers` then issues each bucket while the one
     before it is read). Returns the buckets made (the members' values).
     """
+
     def only_ops_read(n: fx.Node) -> bool:
-        return all(u.op == "call_function" and not getattr(u.target, "__name__", "").startswith("md_")
-                   for u in n.users)
+        return all(u.op == "call_function" and not getattr(u.target, "__name__", "").startswith("md_") for u in n.users)
+
     order = [n for n in g.nodes if n in gathers and only_ops_read(n)]
     buckets = bucket_in_order([(n, gathers[n][:2], gathers[n][2]) for n in order], cap)
     made = []
@@ -272,8 +326,9 @@ def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], 
         if len(b) < 2:
             continue
         with g.inserting_before(b[0]):
-            call = g.call_function(bucket_fn(gathers[b[0]][0]), ([m.args[0] for m in b], [m.args[1] for m in b],
-                                                                   [m.args[2] for m in b]))
+            call = g.call_function(
+                bucket_fn(gathers[b[0]][0]), ([m.args[0] for m in b], [m.args[1] for m in b], [m.args[2] for m in b])
+            )
             items = [g.call_function(operator.getitem, (call, i)) for i in range(len(b))]
             outs = [g.call_function(md_done, (it,)) for it in items]
         for m, it, o in zip(b, items, outs):
@@ -285,10 +340,21 @@ def coalesce_all_gathers(g: fx.Graph, gathers: dict, bucket_fn: Callable[[int], 
     return made
 
 
-def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], groups: Sequence[Any] | None,
-               stats: CommStats | None = None, coalesce: bool = True, bucket_bytes: int = 25 * 2**20,
-               shard_bucket_bytes: int = 0, first_bucket_bytes: int = 0,
-               wire: Mapping[str, torch.dtype] | None = None, inplace_state: bool = False) -> RankGraph:
+def lower_plan(
+    graph: MetaIR,
+    plan: Any,
+    mesh: Mesh,
+    *,
+    coords: Sequence[int],
+    groups: Sequence[Any] | None,
+    stats: CommStats | None = None,
+    coalesce: bool = True,
+    bucket_bytes: int = 25 * 2**20,
+    shard_bucket_bytes: int = 0,
+    first_bucket_bytes: int = 0,
+    wire: Mapping[str, torch.dtype] | None = None,
+    inplace_state: bool = False,
+) -> RankGraph:
     """Build this rank's fx program for ``plan`` (``groups[axis]``: the process group of each mesh axis).
 
     ``coalesce`` merges independent all_reduces of one axis into buckets of up to ``bucket_bytes`` (the
@@ -341,37 +407,45 @@ def lower_plan(graph: MetaIR, plan: Any, mesh: Mesh, *, coords: Sequence[int], g
         # the values every rank's prediction buckets (ShardingProblem.vars[v]["bucketed"]): from the graph, the
         # same on every rank (a plan shared from rank 0 carries no problem)
         grads = gradient_chain(graph)
-        reduce_buckets = coalesce_all_reduces(g, colls.reduces, lambda kind, axis: colls.fn(axis, f"{kind}_bucket"),
-                                              {"all_reduce": bucket_bytes, "reduce_scatter": shard_bucket_bytes},
-                                              first_bucket_bytes, lambda n: n.meta.get(VAR_META) in grads)
+        reduce_buckets = coalesce_all_reduces(
+            g,
+            colls.reduces,
+            lambda kind, axis: colls.fn(axis, f"{kind}_bucket"),
+            {"all_reduce": bucket_bytes, "reduce_scatter": shard_bucket_bytes},
+            first_bucket_bytes,
+            lambda n: n.meta.get(VAR_META) in grads,
+        )
         if shard_bucket_bytes:
-            gather_buckets = coalesce_all_gathers(g, colls.gathers, lambda axis: colls.fn(axis, "all_gather_bucket"),
-                                                  shard_bucket_bytes)
+            gather_buckets = coalesce_all_gathers(
+                g, colls.gathers, lambda axis: colls.fn(axis, "all_gather_bucket"), shard_bucket_bytes
+            )
     if inplace_state:
         n_out = len(output_vars)
 
         def layout(n: fx.Node) -> tuple | None:
             v, dt = n.meta.get(VAR_META), n.meta.get(DTYPE_META)
             return (tuple(graph.vars[v].shape), dt) if v in graph.vars and dt is not None else None
+
         # updates that can run in the state's own storage do (metadist_torch.reinplace); the rest are copied
         # into it as soon as the old value's last reader has run
-        inplace = reinplace_updates(g, [(inputs[v], n_out + i) for i, v in enumerate(state_inputs)], range(n_out),
-                                    layout)
+        inplace = reinplace_updates(
+            g, [(inputs[v], n_out + i) for i, v in enumerate(state_inputs)], range(n_out), layout
+        )
         write_state_in_place(g, [inputs[v] for v in state_inputs], n_out)
 
     def numel(n: fx.Node) -> int | None:
         v = n.meta.get(VAR_META)
         return graph.vars[v].numel if v in graph.vars else None
+
     # all_reduces issued as soon as their input exists (a loss's token count: at the start), waited for at their
     # first reader (one only the outputs read: at the end)
     issue_early(g, numel)
-    prefetch_gathers(g)   # the next bucket of parameters gathered while the ops reading this one run
+    prefetch_gathers(g)  # the next bucket of parameters gathered while the ops reading this one run
     n_coll = sum(1 for _, c in res.collectives if not c.is_free)
-    rg = RankGraph(fx.GraphModule(torch.nn.Module(), g), list(graph.inputs), output_vars, state_inputs, stats,
-                   n_coll)
-    rg.collectives = [(v, c) for v, c in res.collectives if not c.is_free]   # as run, before bucketing
-    rg.gather_buckets = [[o.meta.get(VAR_META) for o in outs] for outs in gather_buckets]   # values per bucket
-    rg.reduce_buckets = reduce_buckets   # values per all_reduce / reduce_scatter bucket
+    rg = RankGraph(fx.GraphModule(torch.nn.Module(), g), list(graph.inputs), output_vars, state_inputs, stats, n_coll)
+    rg.collectives = [(v, c) for v, c in res.collectives if not c.is_free]  # as run, before bucketing
+    rg.gather_buckets = [[o.meta.get(VAR_META) for o in outs] for outs in gather_buckets]  # values per bucket
+    rg.reduce_buckets = reduce_buckets  # values per all_reduce / reduce_scatter bucket
     rg.inplace_updates = [state_inputs[k - len(output_vars)] for k in inplace]
     rg.input_pieces = pieces
     return rg
@@ -398,8 +472,13 @@ def write_state_in_place(g: fx.Graph, placeholders: Sequence[fx.Node], n_outputs
         # a collective reading the old value whose result nothing has read by then may still be reading it:
         # wait for it first (a collective whose result was read was waited for there; waiting again at the
         # copy would keep its result, a gathered parameter, alive to the end of the step)
-        colls = [u for u in readers if u.op == "call_function" and getattr(u.target, "__name__", "").startswith("md_")
-                 and not any(order[x] <= order[last] for x in _value_readers(u))]
+        colls = [
+            u
+            for u in readers
+            if u.op == "call_function"
+            and getattr(u.target, "__name__", "").startswith("md_")
+            and not any(order[x] <= order[last] for x in _value_readers(u))
+        ]
         with g.inserting_after(last):
             c = g.call_function(torch.ops.aten.copy_.default, (ph, new))
         if colls:
@@ -425,5 +504,13 @@ def _safe(name: str) -> str:
     return s if s and not s[0].isdigit() else "v_" + s
 
 
-__all__ = ["lower_plan", "RankGraph", "AxisComm", "TorchCollectives", "coalesce_all_reduces", "op_node",
-           "SHAPE_ARG_OPS", "CommStats"]
+__all__ = [
+    "lower_plan",
+    "RankGraph",
+    "AxisComm",
+    "TorchCollectives",
+    "coalesce_all_reduces",
+    "op_node",
+    "SHAPE_ARG_OPS",
+    "CommStats",
+]

@@ -19,6 +19,7 @@ the figures compare like with like. What is counted: the bytes of tensor storage
 granularity (a kernel's private workspace inside one op is not seen on CPU); Python objects, the
 allocator's caching and the communication library's own buffers are not.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -43,12 +44,16 @@ class MemoryMeasurement:
     peak_bytes: int
     baseline_bytes: int
     end_bytes: int
-    ops: int = 0   # ops seen (live_storages) or 0
-    outside_bytes: int = 0   # cuda_allocator: allocated before the call and not the baseline's (left out)
+    ops: int = 0  # ops seen (live_storages) or 0
+    outside_bytes: int = 0  # cuda_allocator: allocated before the call and not the baseline's (left out)
 
     def as_dict(self) -> dict[str, Any]:
-        d = {"method": self.method, "measured_peak_bytes": self.peak_bytes,
-             "baseline_bytes": self.baseline_bytes, "end_bytes": self.end_bytes}
+        d = {
+            "method": self.method,
+            "measured_peak_bytes": self.peak_bytes,
+            "baseline_bytes": self.baseline_bytes,
+            "end_bytes": self.end_bytes,
+        }
         if self.outside_bytes:
             d["outside_bytes"] = self.outside_bytes
         return d
@@ -68,7 +73,7 @@ def _storages(t: Any) -> list[torch.UntypedStorage]:
         return []
     try:
         return [t.untyped_storage()]
-    except (RuntimeError, NotImplementedError):   # a wrapper without storage
+    except (RuntimeError, NotImplementedError):  # a wrapper without storage
         return []
 
 
@@ -82,7 +87,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.live: dict[int, tuple[weakref.ref, int]] = {}   # id(storage) -> (weak ref, bytes counted)
+        self.live: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (weak ref, bytes counted)
         self.current = 0
         self.peak_bytes = 0
         self.ops = 0
@@ -136,12 +141,13 @@ class LiveTensorTracker(TorchDispatchMode):
         orig = self._orig_resize = torch.UntypedStorage.resize_
         tracker = self
 
-        def resize_(st: torch.UntypedStorage, size: int) -> Any:   # FSDP2 frees and refills storages this way
+        def resize_(st: torch.UntypedStorage, size: int) -> Any:  # FSDP2 frees and refills storages this way
             r = orig(st, size)
             tracker._resize(st)
             tracker.peak_bytes = max(tracker.peak_bytes, tracker.current)
             return r
-        torch.UntypedStorage.resize_ = resize_   # type: ignore[method-assign]
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -149,7 +155,7 @@ class LiveTensorTracker(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             if self._orig_resize is not None:
-                torch.UntypedStorage.resize_ = self._orig_resize   # type: ignore[method-assign]
+                torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
                 self._orig_resize = None
 
 
@@ -161,8 +167,9 @@ def _device_of(tensors: Iterable[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def measure_peak(fn: Callable[[], Any], baseline: Iterable[Any] = (), device: torch.device | str | None = None
-                 ) -> tuple[Any, MemoryMeasurement]:
+def measure_peak(
+    fn: Callable[[], Any], baseline: Iterable[Any] = (), device: torch.device | str | None = None
+) -> tuple[Any, MemoryMeasurement]:
     """Run ``fn()`` once and measure the peak tensor bytes it holds on this rank: ``(result, measurement)``.
 
     ``baseline``: the tensors alive before the call that the step uses (state, inputs); on CPU they are
@@ -186,9 +193,13 @@ def measure_peak(fn: Callable[[], Any], baseline: Iterable[Any] = (), device: to
         outside = max(0, int(start) - sum(seen.values()))
         out = fn()
         torch.cuda.synchronize(dev)
-        return out, MemoryMeasurement(CUDA_ALLOCATOR, int(torch.cuda.max_memory_allocated(dev)) - outside,
-                                      int(start) - outside, int(torch.cuda.memory_allocated(dev)) - outside,
-                                      outside_bytes=outside)
+        return out, MemoryMeasurement(
+            CUDA_ALLOCATOR,
+            int(torch.cuda.max_memory_allocated(dev)) - outside,
+            int(start) - outside,
+            int(torch.cuda.memory_allocated(dev)) - outside,
+            outside_bytes=outside,
+        )
     tracker = LiveTensorTracker()
     tracker.track(base)
     start = tracker.current
@@ -223,8 +234,9 @@ def step_baseline(traced: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors a compiled step starts from: its state (``traced``: a ``TracedStep``) and the call's tensors
     (with the gradients it reads)."""
     slots = getattr(getattr(traced, "state", None), "slots", None) or []
-    return [s.get() for s in slots] + (traced.inputs(args, kwargs) if traced is not None
-                                       else user_tensors(args, kwargs))
+    return [s.get() for s in slots] + (
+        traced.inputs(args, kwargs) if traced is not None else user_tensors(args, kwargs)
+    )
 
 
 def measure_compiled(result: Any, args: tuple, kwargs: dict) -> tuple[Any, dict[str, Any]]:
@@ -246,6 +258,14 @@ def measure_compiled(result: Any, args: tuple, kwargs: dict) -> tuple[Any, dict[
     return out, d
 
 
-__all__ = ["LiveTensorTracker", "MemoryMeasurement", "measure_peak", "state_tensors", "report", "step_baseline",
-           "measure_compiled", "LIVE_STORAGES",
-           "CUDA_ALLOCATOR"]
+__all__ = [
+    "LiveTensorTracker",
+    "MemoryMeasurement",
+    "measure_peak",
+    "state_tensors",
+    "report",
+    "step_baseline",
+    "measure_compiled",
+    "LIVE_STORAGES",
+    "CUDA_ALLOCATOR",
+]

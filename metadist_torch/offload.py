@@ -28,6 +28,7 @@ State placement: :func:`state_to_host` stores optimizer state on the host
 :func:`state_to_device` brings it back for a retrace (a new call signature),
 since tracing runs the optimizer on the device.
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,13 +50,13 @@ from .state import ROLE_STATE, StepState
 log = logging.getLogger("metadist.torch.offload")
 
 HOST = torch.device("cpu")
-HOST_MESHES: dict[int, Any] = {}   # id(engine DeviceMesh) -> the host DeviceMesh of its ranks (CUDA engines)
+HOST_MESHES: dict[int, Any] = {}  # id(engine DeviceMesh) -> the host DeviceMesh of its ranks (CUDA engines)
 
 
 def md_to_host(x: torch.Tensor) -> tuple:
     """Start copying ``x`` to host memory: (host tensor, CUDA event or None). Pinned and asynchronous on CUDA."""
     if x.device.type == "cuda":
-        y = x.to(HOST, non_blocking=True)   # the result is allocated in pinned memory
+        y = x.to(HOST, non_blocking=True)  # the result is allocated in pinned memory
         ev = torch.cuda.Event()
         ev.record(torch.cuda.current_stream(x.device))
         return y, ev
@@ -88,22 +89,24 @@ class OffloadInfo:
     """What :func:`offload_graph` did to one program."""
 
     host_nodes: int = 0
-    to_host: int = 0        # values copied device -> host each step
-    to_device: int = 0      # values copied host -> device each step
+    to_host: int = 0  # values copied device -> host each step
+    to_device: int = 0  # values copied host -> device each step
     region: HostRegion | None = None
 
 
 def _is_structural(n: fx.Node) -> bool:
-    return n.op == "call_function" and (n.target is operator.getitem
-                                        or getattr(n.target, "__name__", "") == "md_select")
+    return n.op == "call_function" and (
+        n.target is operator.getitem or getattr(n.target, "__name__", "") == "md_select"
+    )
 
 
 def _is_wait(n: fx.Node) -> bool:
     return n.op == "call_function" and getattr(n.target, "__name__", "") == "md_wait"
 
 
-def offload_graph(g: fx.Graph, is_host: Callable[[fx.Node], bool], host_inputs: set[int], host_outputs: set[int],
-                  device: torch.device) -> OffloadInfo:
+def offload_graph(
+    g: fx.Graph, is_host: Callable[[fx.Node], bool], host_inputs: set[int], host_outputs: set[int], device: torch.device
+) -> OffloadInfo:
     """Rewrite ``g`` in place so that nodes ``is_host`` picks run on the host (see the module docstring).
 
     ``host_inputs``: placeholder positions whose values live on the host;
@@ -117,13 +120,13 @@ def offload_graph(g: fx.Graph, is_host: Callable[[fx.Node], bool], host_inputs: 
     info = OffloadInfo()
     for n in g.nodes:
         if n.op == "get_attr":
-            res[n] = None    # a constant: read where it is
+            res[n] = None  # a constant: read where it is
         elif n.op == "call_function":
             if _is_structural(n):
                 src = n.args[0]
                 res[n] = res.get(src) if isinstance(src, fx.Node) else "device"
             elif _is_wait(n) or n.target is torch.ops.aten._local_scalar_dense.default:
-                res[n] = None   # a wait, or a number read from a param group's 0-d tensor: used where it is
+                res[n] = None  # a wait, or a number read from a param group's 0-d tensor: used where it is
             elif is_host(n):
                 res[n] = "host"
                 info.host_nodes += 1
@@ -144,7 +147,7 @@ def offload_graph(g: fx.Graph, is_host: Callable[[fx.Node], bool], host_inputs: 
         if to == "host":
             anchor = a if a.op != "placeholder" else last_ph
             if first_host is not None and order.get(first_host, 0) > order.get(anchor, 0) + 1:
-                anchor = first_host.prev   # issue the copies once the host part begins: collectives keep overlapping
+                anchor = first_host.prev  # issue the copies once the host part begins: collectives keep overlapping
             with g.inserting_after(anchor):
                 pair = g.call_function(md_to_host, (a,))
             with g.inserting_before(reader):
@@ -178,7 +181,7 @@ def offload_graph(g: fx.Graph, is_host: Callable[[fx.Node], bool], host_inputs: 
             continue
         holder, src = out, v
         if v.target is operator.getitem and isinstance(v.args[0], fx.Node) and _is_wait(v.args[0]):
-            holder, src = v.args[0], v.args[0].args[v.args[1]]   # md_wait passes values through: move before it
+            holder, src = v.args[0], v.args[0].args[v.args[1]]  # md_wait passes values through: move before it
         want = "host" if p in host_outputs else "device"
         if not isinstance(src, fx.Node) or res.get(src) in (None, want):
             continue
@@ -199,7 +202,7 @@ def _op_of(n: fx.Node, graph: MetaIR) -> str | None:
     if not isinstance(n.target, torch._ops.OpOverload):
         return None
     todo, seen = [n], set()
-    while todo:   # a multi-output op: its value ids sit on the getitems behind md_select
+    while todo:  # a multi-output op: its value ids sit on the getitems behind md_select
         m = todo.pop()
         v = m.meta.get(VAR_META)
         if v is not None and v in graph.vars:
@@ -272,9 +275,16 @@ def state_to_host(st: StepState, engine: Any = None) -> int:
             if mesh.device_type == HOST.type:
                 continue
             from torch.distributed.tensor import DTensor
+
             local = t.to_local()
-            slot.owner[slot.key] = DTensor.from_local(_host_copy(local), host_mesh(mesh), list(t.placements),
-                                                      run_check=False, shape=t.shape, stride=t.stride())
+            slot.owner[slot.key] = DTensor.from_local(
+                _host_copy(local),
+                host_mesh(mesh),
+                list(t.placements),
+                run_check=False,
+                shape=t.shape,
+                stride=t.stride(),
+            )
             moved += local.numel() * local.element_size()
         elif t.device.type != HOST.type:
             slot.owner[slot.key] = _host_copy(t)
@@ -297,9 +307,11 @@ def state_to_device(st: StepState) -> int:
         mesh = getattr(t, "device_mesh", None)
         if mesh is not None and ref_mesh is not None and mesh.device_type == HOST.type:
             from torch.distributed.tensor import DTensor
+
             local = t.to_local()
-            slot.owner[slot.key] = DTensor.from_local(local.to(dev), ref_mesh, list(t.placements), run_check=False,
-                                                      shape=t.shape, stride=t.stride())
+            slot.owner[slot.key] = DTensor.from_local(
+                local.to(dev), ref_mesh, list(t.placements), run_check=False, shape=t.shape, stride=t.stride()
+            )
             moved += local.numel() * local.element_size()
         elif mesh is None and t.device.type == HOST.type:
             slot.owner[slot.key] = t.to(dev)
@@ -318,6 +330,7 @@ def host_mesh(mesh: Any) -> Any:
         return hit
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
+
     ranks = mesh.mesh
     groups = []
     for a in range(ranks.ndim):
@@ -344,6 +357,17 @@ def host_tensors(st: StepState) -> list[torch.Tensor]:
     return [getattr(s.get(), "_local_tensor", s.get()) for s in st.opt_states]
 
 
-__all__ = ["offload_graph", "offload_rank_graph", "offload_traced", "state_to_host", "state_to_device",
-           "host_mesh", "count_transfers", "host_tensors", "md_to_host", "md_host_wait", "md_to_device",
-           "OffloadInfo"]
+__all__ = [
+    "offload_graph",
+    "offload_rank_graph",
+    "offload_traced",
+    "state_to_host",
+    "state_to_device",
+    "host_mesh",
+    "count_transfers",
+    "host_tensors",
+    "md_to_host",
+    "md_host_wait",
+    "md_to_device",
+    "OffloadInfo",
+]

@@ -1,4 +1,5 @@
 """The cost of an aten op: FLOPs from torch's formulas on meta tensors, bytes from its tensors."""
+
 from __future__ import annotations
 
 import functools
@@ -15,6 +16,7 @@ from .calls import TORCH_DTYPES, rebuild, resolve_overload
 
 def _sdpa_cpu_flops(shapes: Sequence[tuple[int, ...]], backward: bool) -> int:
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
     if backward:
         return int(sdpa_backward_flop_count(shapes[0], shapes[1], shapes[2], shapes[3]))
     return int(sdpa_flop_count(shapes[0], shapes[1], shapes[2]))
@@ -33,8 +35,9 @@ def _is_view(overload) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _counted_flops(key: str, shapes: tuple, dtypes: tuple, attrs_json: str, out_shapes: tuple = (),
-                   out_dtypes: tuple = ()) -> int | None:
+def _counted_flops(
+    key: str, shapes: tuple, dtypes: tuple, attrs_json: str, out_shapes: tuple = (), out_dtypes: tuple = ()
+) -> int | None:
     """FLOPs of one call from torch's flop formulas on meta tensors; None when torch has no formula.
 
     The formula gets the call's arguments and its outputs (meta tensors of the traced output shapes) as
@@ -42,6 +45,7 @@ def _counted_flops(key: str, shapes: tuple, dtypes: tuple, attrs_json: str, out_
     decomposition) imports torch._dynamo, which takes seconds and which planning a recorded graph needs
     nowhere else."""
     from torch.utils.flop_counter import flop_registry
+
     overload = resolve_overload(key)
     name = overload._schema.name.split("::")[-1]
     if name in _CUSTOM_FLOPS:
@@ -54,11 +58,11 @@ def _counted_flops(key: str, shapes: tuple, dtypes: tuple, attrs_json: str, out_
     args = rebuild(attrs.get("args", []), tensors, device="meta")
     kwargs = rebuild(attrs.get("kwargs", {}), tensors, device="meta")
     n_ret = len(overload._schema.returns)
-    positions = attrs.get("select") or list(range(len(out_shapes)))   # which returns the graph kept
+    positions = attrs.get("select") or list(range(len(out_shapes)))  # which returns the graph kept
     if not out_shapes or len(positions) != len(out_shapes) or max(positions) >= n_ret:
-        out = overload(*args, **kwargs)   # the traced outputs do not say: the op's meta kernel does
+        out = overload(*args, **kwargs)  # the traced outputs do not say: the op's meta kernel does
     else:
-        full: list = [None] * n_ret   # a return the graph dropped (a masked-off gradient) stays None
+        full: list = [None] * n_ret  # a return the graph dropped (a masked-off gradient) stays None
         for pos, sh, d in zip(positions, out_shapes, out_dtypes):
             if sh is not None:
                 full[pos] = torch.empty(sh, dtype=TORCH_DTYPES[d], device="meta")
@@ -69,8 +73,7 @@ def _counted_flops(key: str, shapes: tuple, dtypes: tuple, attrs_json: str, out_
 def _out_shapes(op: MetaOp, graph: MetaIR) -> tuple[tuple, tuple]:
     """Per output position, its shape and dtype; None for one that is not a tensor (a masked-off gradient)."""
     vs = [graph.vars[v] for v in op.outputs]
-    return (tuple(v.shape if v.is_tensor else None for v in vs),
-            tuple(v.dtype if v.is_tensor else None for v in vs))
+    return (tuple(v.shape if v.is_tensor else None for v in vs), tuple(v.dtype if v.is_tensor else None for v in vs))
 
 
 def op_cost(op: MetaOp, graph: MetaIR) -> tuple[int, int]:
@@ -95,9 +98,13 @@ def op_cost(op: MetaOp, graph: MetaIR) -> tuple[int, int]:
     flops = None
     if overload is not None:
         try:
-            flops = _counted_flops(op.key, tuple(v.shape for v in tensors_in), tuple(v.dtype for v in tensors_in),
-                                   json.dumps(op.attrs, sort_keys=True, default=str),
-                                   *_out_shapes(op, graph))
+            flops = _counted_flops(
+                op.key,
+                tuple(v.shape for v in tensors_in),
+                tuple(v.dtype for v in tensors_in),
+                json.dumps(op.attrs, sort_keys=True, default=str),
+                *_out_shapes(op, graph),
+            )
         except Exception:  # no meta kernel, odd attrs: fall back to the element count
             flops = None
     if flops is None:

@@ -13,6 +13,7 @@ arguments too), so that ShardCombine's tolerance stays tight; integer and bool
 inputs keep their dtype. Index-like integer inputs (embedding indices, loss
 targets, gather/scatter indices) are drawn inside their valid range.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
@@ -52,8 +53,14 @@ def check_runnable(overload, args: Sequence[Any], kwargs: Mapping[str, Any], boo
     if name.startswith("_record_function"):
         raise Unrunnable(f"{key} is a profiler op")
     if torch.Tag.nondeterministic_seeded in tags:
-        p = next((schema_arg(overload, args, kwargs, a) for a in DROPOUT_ARGS
-                  if any(s.name == a for s in overload._schema.arguments)), None)
+        p = next(
+            (
+                schema_arg(overload, args, kwargs, a)
+                for a in DROPOUT_ARGS
+                if any(s.name == a for s in overload._schema.arguments)
+            ),
+            None,
+        )
         train = schema_arg(overload, args, kwargs, "train", True)
         if not ((isinstance(p, (int, float)) and p == 0) or train is False):
             raise Unrunnable(f"{key} is a random op; its results differ from run to run")
@@ -62,8 +69,11 @@ def check_runnable(overload, args: Sequence[Any], kwargs: Mapping[str, Any], boo
     if torch.Tag.dynamic_output_shape in tags:
         if name == "index" and not bool_inputs:
             return  # integer indexing has a static output shape
-        if name == "one_hot" and isinstance(schema_arg(overload, args, kwargs, "num_classes", -1), int) \
-                and schema_arg(overload, args, kwargs, "num_classes", -1) > 0:
+        if (
+            name == "one_hot"
+            and isinstance(schema_arg(overload, args, kwargs, "num_classes", -1), int)
+            and schema_arg(overload, args, kwargs, "num_classes", -1) > 0
+        ):
             return
         raise Unrunnable(f"{key} has an output shape that depends on the input data")
 
@@ -93,10 +103,19 @@ def _flatten_outputs(out: Any) -> list[Any]:
 # -- the OpSpec -------------------------------------------------------------------
 
 
-def build_spec(call: Callable[..., Any], args_t: Sequence[Any], kwargs_t: Mapping[str, Any],
-               metas: Sequence[InputMeta], *, name: str, overload=None, select: Sequence[int] | None = None,
-               examples: Sequence[np.ndarray] | None = None, out_shape: Sequence[int] | None = None,
-               seed: int = 0) -> OpSpec:
+def build_spec(
+    call: Callable[..., Any],
+    args_t: Sequence[Any],
+    kwargs_t: Mapping[str, Any],
+    metas: Sequence[InputMeta],
+    *,
+    name: str,
+    overload=None,
+    select: Sequence[int] | None = None,
+    examples: Sequence[np.ndarray] | None = None,
+    out_shape: Sequence[int] | None = None,
+    seed: int = 0,
+) -> OpSpec:
     """An OpSpec around ``call(*rebuild(args_t), **rebuild(kwargs_t))`` (shared by op_spec and rules_for)."""
     op_name = overload._schema.name.split("::")[-1] if overload is not None else ""
     if overload is not None:
@@ -140,8 +159,13 @@ def build_spec(call: Callable[..., Any], args_t: Sequence[Any], kwargs_t: Mappin
     if examples is not None:
         # user examples (rules_for): other integer inputs are drawn inside the examples' own range
         for i, (m, x) in enumerate(zip(metas, examples)):
-            if i not in ranges and m.dtype not in FLOATS and m.dtype != "bool" \
-                    and not m.dtype.startswith("complex") and x.size:
+            if (
+                i not in ranges
+                and m.dtype not in FLOATS
+                and m.dtype != "bool"
+                and not m.dtype.startswith("complex")
+                and x.size
+            ):
                 ranges[i] = (int(x.min()), int(x.max()) + 1)
     sampler = make_sampler(metas, ranges, positive)
     if examples is None:
@@ -155,14 +179,26 @@ def build_spec(call: Callable[..., Any], args_t: Sequence[Any], kwargs_t: Mappin
         def reshape_fn(x: np.ndarray, target: tuple[int, ...]) -> Any:
             t = _to_torch(x)
             return _to_numpy(call(t, list(target), *rebuild(args_t[2:], [t]), **rebuild(kwargs_t, [t])))
-    return OpSpec(fn=fn, example_inputs=list(examples), name=name, reshape_fn=reshape_fn,
-                  out_shape=None if reshape_fn is None else tuple(out_shape), sampler=sampler)
+
+    return OpSpec(
+        fn=fn,
+        example_inputs=list(examples),
+        name=name,
+        reshape_fn=reshape_fn,
+        out_shape=None if reshape_fn is None else tuple(out_shape),
+        sampler=sampler,
+    )
 
 
 def _grad_sizes(op_name: str, args_t: Sequence[Any]) -> Callable[[tuple[int, ...]], list[int]] | None:
     """For slice_backward/select_backward: the forward input's size given the gradient piece's shape."""
-    if op_name not in GRAD_SIZE_OPS or len(args_t) < 3 or in_index(args_t[0]) != 0 \
-            or not isinstance(args_t[1], (list, tuple)) or not isinstance(args_t[2], int):
+    if (
+        op_name not in GRAD_SIZE_OPS
+        or len(args_t) < 3
+        or in_index(args_t[0]) != 0
+        or not isinstance(args_t[1], (list, tuple))
+        or not isinstance(args_t[2], int)
+    ):
         return None
     full = [int(x) for x in args_t[1]]
     dim = args_t[2] % len(full)
@@ -175,8 +211,13 @@ def op_spec(op: MetaOp, graph: MetaIR) -> OpSpec:
     """The OpSpec of an ``aten.*`` MetaOp of ``graph``; raises Unrunnable for ops that cannot run alone."""
     overload = resolve_overload(op.key)
     if "args" not in op.attrs:  # a bare op (say from `metadist rules`): its tensor inputs, in order, are the call
-        op = MetaOp(op.id, op.key, list(op.inputs), list(op.outputs),
-                    {**op.attrs, "args": [{"$in": i} for i in range(len(op.inputs))], "kwargs": {}})
+        op = MetaOp(
+            op.id,
+            op.key,
+            list(op.inputs),
+            list(op.outputs),
+            {**op.attrs, "args": [{"$in": i} for i in range(len(op.inputs))], "kwargs": {}},
+        )
     metas = []
     for v in op.inputs:
         mv = graph.vars[v]
@@ -193,9 +234,10 @@ def op_spec(op: MetaOp, graph: MetaIR) -> OpSpec:
     out_shape = None
     if len(op.outputs) == 1 and graph.vars[op.outputs[0]].is_tensor:
         out_shape = graph.vars[op.outputs[0]].shape
-    seed = int.from_bytes(op.signature(graph).encode()[-8:], "little") % (2 ** 31)
-    return build_spec(overload, args_t, kwargs_t, metas, name=op.key, overload=overload, select=select,
-                      out_shape=out_shape, seed=seed)
+    seed = int.from_bytes(op.signature(graph).encode()[-8:], "little") % (2**31)
+    return build_spec(
+        overload, args_t, kwargs_t, metas, name=op.key, overload=overload, select=select, out_shape=out_shape, seed=seed
+    )
 
 
 def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2) -> list[ShardingRule]:
@@ -239,11 +281,24 @@ def rules_for_spec(op: Any, *example_inputs: Any) -> OpSpec:
     if overload is None and isinstance(op, torch._ops.OpOverloadPacket):
         overload = op.default
     name = str(overload) if overload is not None else getattr(op, "__name__", repr(op))
-    spec = build_spec(overload if overload is not None else op, args_t, {}, metas, name=name,
-                      overload=overload, examples=arrays)
+    spec = build_spec(
+        overload if overload is not None else op, args_t, {}, metas, name=name, overload=overload, examples=arrays
+    )
     spec.static_args = args_t
     return spec
 
 
-__all__ = ["op_spec", "op_cost", "rules_for", "resolve_overload", "rebuild", "build_spec", "make_sampler",
-           "check_runnable", "rules_for_spec", "RESHAPE_OPS", "EMPTY_OPS", "GRAD_SIZE_OPS"]
+__all__ = [
+    "op_spec",
+    "op_cost",
+    "rules_for",
+    "resolve_overload",
+    "rebuild",
+    "build_spec",
+    "make_sampler",
+    "check_runnable",
+    "rules_for_spec",
+    "RESHAPE_OPS",
+    "EMPTY_OPS",
+    "GRAD_SIZE_OPS",
+]

@@ -18,6 +18,7 @@ which depends on whether the other ranks are compiling or waiting while rank 0 t
 large to run in a few milliseconds takes the slowdown measured on the largest op of the same key and
 dtype, and none (1) when there is none. Slowdowns are cached in a JSON file beside the mesh profile.
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,10 +45,26 @@ from .oprunner import op_spec
 
 log = logging.getLogger("metadist.optime")
 
-MAX_ELEMENTS = 1 << 20        # an op whose inputs and outputs hold more elements takes its key's slowdown
+MAX_ELEMENTS = 1 << 20  # an op whose inputs and outputs hold more elements takes its key's slowdown
 FLOATS = frozenset({"float64", "float32", "float16", "bfloat16"})
-RANDOM = frozenset({"bernoulli", "native_dropout", "rand", "randn", "rand_like", "randn_like", "randint",
-                    "uniform", "normal", "randperm", "multinomial", "empty", "empty_like", "new_empty"})
+RANDOM = frozenset(
+    {
+        "bernoulli",
+        "native_dropout",
+        "rand",
+        "randn",
+        "rand_like",
+        "randn_like",
+        "randint",
+        "uniform",
+        "normal",
+        "randperm",
+        "multinomial",
+        "empty",
+        "empty_like",
+        "new_empty",
+    }
+)
 
 
 def _inputs(op: MetaOp, shapes: tuple, dtypes: tuple, graph: MetaIR | None, dev: torch.device) -> list[torch.Tensor]:
@@ -115,12 +132,18 @@ def time_ops(requests: list, dev: torch.device, step: Any = None, program: bool 
             kwargs = rebuild(op.attrs.get("kwargs", {}), tensors, device=dev)
             with torch.no_grad():
                 seconds[i] = _timed(lambda: overload(*args, **kwargs), sync)
-        except Exception as e:   # an op that cannot run alone: priced by the roofline
+        except Exception as e:  # an op that cannot run alone: priced by the roofline
             log.debug("op %s (%s) not timed: %s", op.id, op.key, e)
     whole = program_seconds(step, dev) if program else None
     r = rates()
-    device = DeviceSpec("measured", r["peak_flops"], r["mem_bandwidth"], op_overhead=r["op_overhead"],
-                        flops_by_dtype=r["flops_by_dtype"], mem_curve=r["mem_curve"])
+    device = DeviceSpec(
+        "measured",
+        r["peak_flops"],
+        r["mem_bandwidth"],
+        op_overhead=r["op_overhead"],
+        flops_by_dtype=r["flops_by_dtype"],
+        mem_curve=r["mem_curve"],
+    )
     return OpTimes(seconds, device, harness=harness, program=whole)
 
 
@@ -135,15 +158,21 @@ def _runs_alone(op: MetaOp, shapes: tuple, graph: MetaIR | None) -> bool:
     return sum(math.prod(s) for s in shapes) <= MAX_ELEMENTS
 
 
-def measure_slowdowns(graph: MetaIR, costs: dict[str, tuple], cache_file: str | os.PathLike | None = None,
-                      device: torch.device | None = None, step: Any = None) -> dict[str, float]:
+def measure_slowdowns(
+    graph: MetaIR,
+    costs: dict[str, tuple],
+    cache_file: str | os.PathLike | None = None,
+    device: torch.device | None = None,
+    step: Any = None,
+) -> dict[str, float]:
     """Per op id of ``graph``, its measured time over its roofline on ``device``
     (:func:`metadist_core.cost.optimes.whole_slowdowns` over :func:`time_ops`); ``step`` (whose graph is
     ``graph``): its program is timed whole too."""
     dev = device or engine_device()
     holder = step if step is not None else _GraphOnly(graph)
-    return whole_slowdowns(graph, costs, lambda reqs, prog: time_ops(reqs, dev, holder, prog), cache_file,
-                           program=step is not None)
+    return whole_slowdowns(
+        graph, costs, lambda reqs, prog: time_ops(reqs, dev, holder, prog), cache_file, program=step is not None
+    )
 
 
 class _GraphOnly:
@@ -171,8 +200,11 @@ def program_seconds(step: Any, device: torch.device | None = None, iters: int = 
     mesh = Mesh((1,))
     plan, _ = replicated_plan(graph, mesh)
     if plan.memory_per_device > PROGRAM_BYTES:
-        log.info("the step's program is not timed whole: its one-device peak of %s bytes is over %s",
-                 f"{int(plan.memory_per_device):,}", f"{PROGRAM_BYTES:,}")
+        log.info(
+            "the step's program is not timed whole: its one-device peak of %s bytes is over %s",
+            f"{int(plan.memory_per_device):,}",
+            f"{PROGRAM_BYTES:,}",
+        )
         return None
     try:
         # as a compiled step runs it: state updated in its own storage (here, copies of the state)
@@ -180,12 +212,13 @@ def program_seconds(step: Any, device: torch.device | None = None, iters: int = 
         n_s = len(step.state.slots)
         vals = {step.in_names[i]: slot.get().detach().clone().to(dev) for i, slot in enumerate(step.state.slots)}
         vals.update({step.in_names[n_s + j]: t.to(dev) for j, t in enumerate(step.example_inputs)})
-        vals.update({n: step.constant_on(k, dev)
-                     for k, n in enumerate(step.in_names[n_s + len(step.example_inputs):])})
+        vals.update(
+            {n: step.constant_on(k, dev) for k, n in enumerate(step.in_names[n_s + len(step.example_inputs) :])}
+        )
         args = [vals[v] for v in rg.input_vars]
         with torch.no_grad():
             return _time(lambda: rg(*args), iters, sync, pick=min)
-    except Exception as e:   # a program that cannot run alone here: the ops' times stand
+    except Exception as e:  # a program that cannot run alone here: the ops' times stand
         log.info("the step's program could not be timed whole: %s: %s", type(e).__name__, e)
         return None
 

@@ -9,6 +9,7 @@ included, until the update reads them). Buffers are written back after every
 micro-batch (BatchNorm's running statistics chain as in eager accumulation);
 parameters and optimizer state once, after the update.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -36,8 +37,10 @@ def batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
     def rebuild(lv: list) -> tuple[tuple, dict]:
         a, kw = pytree.tree_unflatten(lv, spec)
         return tuple(a), kw
-    return BatchLeaves(leaves, [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)], rebuild,
-                       "tensor input")
+
+    return BatchLeaves(
+        leaves, [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)], rebuild, "tensor input"
+    )
 
 
 def split_batch(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
@@ -49,29 +52,50 @@ class MicroBatchProgram:
     """One step as ``m`` micro-batches on this rank: ``cut.grad_graph`` per micro-batch, gradients summed or
     averaged in the plan's layout, ``cut.update_graph`` once; state written back in place."""
 
-    def __init__(self, traced: TracedStep, cut: GradientCut, plans: tuple, mesh: Mesh, engine: Engine,
-                 m: int, *, coalesce: bool = True, bucket_bytes: int = 25 * 2**20,
-                 shard_bucket_bytes: int = 0, first_bucket_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        traced: TracedStep,
+        cut: GradientCut,
+        plans: tuple,
+        mesh: Mesh,
+        engine: Engine,
+        m: int,
+        *,
+        coalesce: bool = True,
+        bucket_bytes: int = 25 * 2**20,
+        shard_bucket_bytes: int = 0,
+        first_bucket_bytes: int = 0,
+    ) -> None:
         self.traced, self.cut, self.plans, self.engine, self.m = traced, cut, plans, engine, m
         self.stats = CommStats()
-        kw = dict(coords=engine.coords, groups=engine.groups(), stats=self.stats, coalesce=coalesce,
-                  bucket_bytes=bucket_bytes, shard_bucket_bytes=shard_bucket_bytes,
-                  first_bucket_bytes=first_bucket_bytes)
+        kw = dict(
+            coords=engine.coords,
+            groups=engine.groups(),
+            stats=self.stats,
+            coalesce=coalesce,
+            bucket_bytes=bucket_bytes,
+            shard_bucket_bytes=shard_bucket_bytes,
+            first_bucket_bytes=first_bucket_bytes,
+        )
         self.grad = lower_plan(cut.grad_graph, plans[0], mesh, **kw)
         self.update = lower_plan(cut.update_graph, plans[1], mesh, **kw)
         n_s = len(traced.state.slots)
         self.slot_of = {traced.in_names[i]: i for i in range(n_s)}
         self.user_in = {traced.in_names[n_s + j]: j for j in range(traced.n_inputs)}
-        self.consts = {name: traced.constant_on(k, engine.device)
-                       for k, name in enumerate(traced.in_names[n_s + traced.n_inputs:])}
+        self.consts = {
+            name: traced.constant_on(k, engine.device)
+            for k, name in enumerate(traced.in_names[n_s + traced.n_inputs :])
+        }
         rep = Sharding.replicated(mesh.ndim)
         self.rep = rep
-        out_vars = traced.out_vars[:traced.n_tensor_outputs]
+        out_vars = traced.out_vars[: traced.n_tensor_outputs]
         missing = [v for v in out_vars if v not in self.grad.output_vars]
         if missing:
-            raise ValueError(f"with micro_batches the step must return values of the forward and backward "
-                             f"(the loss); it returns {', '.join(map(str, missing))}, which the optimizer update "
-                             f"or the state holds: return a copy (.clone()) of a forward value instead")
+            raise ValueError(
+                f"with micro_batches the step must return values of the forward and backward "
+                f"(the loss); it returns {', '.join(map(str, missing))}, which the optimizer update "
+                f"or the state holds: return a copy (.clone()) of a forward value instead"
+            )
         self.out_pos = [self.grad.output_vars.index(v) for v in out_vars]
         self.layout = next(_TOKENS)
         claim_layout(traced, plans[2], engine, self.layout)
@@ -123,33 +147,48 @@ class MicroBatchProgram:
             scale = 1.0 / self.m if self.cut.reduction == "mean" else 1.0
             grads = {g: x * scale if scale != 1.0 else x for g, x in sums.items()}
             self._write(self.update, self.update(*self._inputs(self.update, self.plans[1], [], grads)))
-        traced_out = self.traced.out_vars[:self.traced.n_tensor_outputs]
-        results = [combine(vals, self.cut.combine_mode(v), lambda xs: torch.cat(xs, dim=0))
-                   for v, vals in zip(traced_out, per_out)]
+        traced_out = self.traced.out_vars[: self.traced.n_tensor_outputs]
+        results = [
+            combine(vals, self.cut.combine_mode(v), lambda xs: torch.cat(xs, dim=0))
+            for v, vals in zip(traced_out, per_out)
+        ]
         return self.traced.unflatten_outputs(results)
 
 
-def lower_micro_batches(traced: TracedStep, cut: GradientCut, plans: tuple, mesh: Mesh, engine: Engine,
-                        settings: Any) -> MicroBatchProgram:
+def lower_micro_batches(
+    traced: TracedStep, cut: GradientCut, plans: tuple, mesh: Mesh, engine: Engine, settings: Any
+) -> MicroBatchProgram:
     """The :class:`MicroBatchProgram` of a traced step on ``engine`` (state placed as the plan stores it)."""
     _no_lasting_grads(traced, f"micro_batches={settings.micro_batches}")
     if engine.distributed:
         place_state(traced, plans[2], engine)
     if traced.random_ops:
         engine.sync_rng()
-    return MicroBatchProgram(traced, cut, plans, mesh, engine, settings.micro_batches, coalesce=settings.coalesce,
-                             bucket_bytes=settings.bucket_bytes, shard_bucket_bytes=settings.shard_bucket_bytes,
-                             first_bucket_bytes=settings.first_bucket_bytes)
+    return MicroBatchProgram(
+        traced,
+        cut,
+        plans,
+        mesh,
+        engine,
+        settings.micro_batches,
+        coalesce=settings.coalesce,
+        bucket_bytes=settings.bucket_bytes,
+        shard_bucket_bytes=settings.shard_bucket_bytes,
+        first_bucket_bytes=settings.first_bucket_bytes,
+    )
 
 
 def _no_lasting_grads(traced: TracedStep, option: str) -> None:
     """Gradients that live across calls run in one program, not with ``option`` (a clear error)."""
     if traced.grad_in or traced.grad_out:
         from metadist_core.driver.frontend import NotSupported
+
         which = traced.state.params[(traced.grad_out or traced.grad_in)[0]].name
-        raise NotSupported(f"{option}: the step leaves or reads parameters' .grad across calls ({which}.grad; "
-                           f"accumulating in the caller's loop); not yet with {option}: call optimizer.zero_grad() "
-                           f"inside the step after optimizer.step(), or use the default of this option")
+        raise NotSupported(
+            f"{option}: the step leaves or reads parameters' .grad across calls ({which}.grad; "
+            f"accumulating in the caller's loop); not yet with {option}: call optimizer.zero_grad() "
+            f"inside the step after optimizer.step(), or use the default of this option"
+        )
 
 
 __all__ = ["MicroBatchProgram", "split_batch", "lower_micro_batches"]

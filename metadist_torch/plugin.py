@@ -7,14 +7,25 @@ process group and DeviceMesh of this job, with this rank's Engine), ``share``
 (this rank's program). Importing this module imports no torch: every method imports
 what it needs on first use.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Sequence
 
-from metadist_core.driver.frontend import (BatchLeaves, Frontend, FrontendTraits, Lowered, MicroBatches, Program,
-                                           Resolved, Stages, Traced, Trials)
+from metadist_core.driver.frontend import (
+    BatchLeaves,
+    Frontend,
+    FrontendTraits,
+    Lowered,
+    MicroBatches,
+    Program,
+    Resolved,
+    Stages,
+    Traced,
+    Trials,
+)
 from metadist_core.hookspecs import hookimpl
 
 if TYPE_CHECKING:  # pragma: no cover - types only
@@ -38,6 +49,7 @@ def _discovering() -> Any:
             yield
         finally:
             torch.set_num_threads(before)
+
     return one_thread()
 
 
@@ -45,6 +57,7 @@ def _can_fork_discovery() -> bool:
     """Forked children run CPU aten ops well (as DataLoader workers do), but not once CUDA or a process
     group is up in this process (a rank of torchrun plans alone, its peers waiting)."""
     import torch
+
     if torch.cuda.is_initialized():
         return False
     return not (torch.distributed.is_available() and torch.distributed.is_initialized())
@@ -53,16 +66,17 @@ def _can_fork_discovery() -> bool:
 def _batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
     """Every tensor of the call is a batch leaf (the model and optimizer hold the state)."""
     from .pipeline import batch_leaves
+
     return batch_leaves(args, kwargs)
 
 
 TRAITS = FrontendTraits(
     op_prefixes=OP_PREFIXES,
     runner_module="metadist_torch.oprunner",
-    proxy_shapes=True,   # op specs come from the graph's shapes and op.attrs alone
-    bucket_copies=1,     # collectives.AxisComm.all_reduce_bucket: the concatenation (reduced in place)
+    proxy_shapes=True,  # op specs come from the graph's shapes and op.attrs alone
+    bucket_copies=1,  # collectives.AxisComm.all_reduce_bucket: the concatenation (reduced in place)
     shard_buckets=True,  # lower.coalesce_all_gathers and coalesce_reduces
-    whole_inputs=True,   # every rank calls the step with the whole batch (RankProgram slices it: lower_plan)
+    whole_inputs=True,  # every rank calls the step with the whole batch (RankProgram slices it: lower_plan)
     offloads=True,
     pipelines=True,
     discovering=_discovering,
@@ -84,17 +98,20 @@ class TorchFrontend(Frontend):
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         from .state import signature
+
         return signature(args, kwargs)
 
     def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
         from .state import collect_state, init_optimizer_state, optimizers_in
         from .trace import trace_step
+
         if fn is None:
             raise TypeError("the torch frontend traces a step function; got None")
         init_optimizer_state(optimizers_in(args, kwargs))
         state = collect_state(args, kwargs)
         from .offload import state_to_device
-        state_to_device(state)   # offloaded optimizer state back beside the parameters: tracing runs the optimizer
+
+        state_to_device(state)  # offloaded optimizer state back beside the parameters: tracing runs the optimizer
         step = trace_step(fn, args, kwargs, state=state)
         return Traced(step.graph, context=step)
 
@@ -103,18 +120,21 @@ class TorchFrontend(Frontend):
         ValueError quoting both)."""
         import torch
         from .engine import engine_for
+
         eng = engine_for(mesh)
         if eng.device.type == "cuda":
             kind = "cuda-" + torch.cuda.get_device_name(eng.device).replace(" ", "_")
         else:
             kind = f"cpu{torch.get_num_threads()}t"
-        return Resolved(profile.mesh(eng.mesh.shape, eng.mesh.axis_names), eng, kind,
-                        lead=eng.rank == 0 or not eng.distributed)
+        return Resolved(
+            profile.mesh(eng.mesh.shape, eng.mesh.axis_names), eng, kind, lead=eng.rank == 0 or not eng.distributed
+        )
 
     def share(self, plan_fn: Callable[[], Any], traced: Traced, resolved: Resolved) -> Any:
         """Rank 0 plans; its plan is broadcast and checked against each rank's own graph; where it fails,
         every rank raises its error."""
         from .share import share_error, share_plan
+
         eng = resolved.engine
         if not eng.distributed:
             return plan_fn()
@@ -123,36 +143,39 @@ class TorchFrontend(Frontend):
             try:
                 plan = plan_fn()
             except BaseException as e:
-                share_error(eng, e)   # the other ranks wait for a plan: tell them instead
+                share_error(eng, e)  # the other ranks wait for a plan: tell them instead
                 raise
         return share_plan(eng, plan, traced.graph)
 
     def lower(self, traced: Traced, program: Program, resolved: Resolved, settings: "Settings") -> Lowered:
         from .watch import StepWatch
+
         eng = resolved.engine
         if isinstance(program, Trials):
-            return Lowered()   # every rank takes part in a step: one process cannot time a plan alone
+            return Lowered()  # every rank takes part in a step: one process cannot time a plan alone
         if isinstance(program, Stages):
             if program.plan is None:
                 return Lowered()
             from metadist_core.levers.microbatch import cut_at_gradients
             from .stages import lower_stages
+
             g = traced.graph
             batch_in = [v for v in g.inputs if g.vars[v].role == "input" and g.vars[v].shape]
             cut = cut_at_gradients(g, g.vars[batch_in[0]].shape[0] if batch_in else None)
             run = lower_stages(traced.context, cut, list(program.plan.stages), program.plan, eng, settings)
         elif isinstance(program, MicroBatches):
             from .pipeline import lower_micro_batches
+
             run = lower_micro_batches(traced.context, program.cut, program.plans, resolved.mesh, eng, settings)
         else:
             run = _lower_whole(traced, program.plan, resolved, settings)
         return Lowered(run, StepWatch(traced.context, eng))
 
-    def time_ops(self, requests: Any, resolved: Resolved, traced: Traced | None = None,
-                 program: bool = False) -> Any:
+    def time_ops(self, requests: Any, resolved: Resolved, traced: Traced | None = None, program: bool = False) -> Any:
         """Each op run alone at the requested shapes on this rank's device (the GPU a one-device step's
         state lives on), and the step's program whole (:mod:`metadist_torch.optime`)."""
         from .optime import time_ops
+
         step = traced.context if traced is not None else None
         dev = (_state_device(step, "cuda") if resolved.mesh.size == 1 else None) or resolved.engine.device
         with _same_random_draws(dev):
@@ -166,6 +189,7 @@ class TorchFrontend(Frontend):
         is priced on that GPU; None on a CPU."""
         import torch
         import torch.distributed as dist
+
         eng = resolved.engine
         if resolved.mesh.size == 1:
             dev = _state_device(traced.context, "cuda") if traced is not None else None
@@ -173,6 +197,7 @@ class TorchFrontend(Frontend):
                 return None
             from metadist_core.cost.profile import MeshProfile
             from .calibrate import measure_device
+
             with _same_random_draws(dev):
                 return MeshProfile(nodes=1, devices_per_node=1, device=measure_device(on=dev))
         if not eng.distributed:
@@ -183,23 +208,26 @@ class TorchFrontend(Frontend):
         if int(flag.item()) == 1:
             return cached
         from .calibrate import measure_live
+
         with _same_random_draws(eng.device):
             return measure_live(eng, resolved.mesh, cached)
 
     def demo(self, args: Sequence[str]) -> int:
         """``[--nproc N] [--mesh M] [--solver S] ...``: the GPT example on N local CPU ranks under torchrun."""
         from .demo import run
+
         rest, nproc = list(args), 4
         if "--nproc" in rest:
             i = rest.index("--nproc")
             if i + 1 >= len(rest):
                 raise ValueError("--nproc needs a number of local ranks, such as --nproc 4")
             nproc = int(rest[i + 1])
-            del rest[i:i + 2]
+            del rest[i : i + 2]
         return run(nproc=nproc, args=rest)
 
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
         from .calibrate import run_calibrate
+
         return run_calibrate(out, nprocs=nprocs, refresh=refresh_cached_profile)
 
 
@@ -208,6 +236,7 @@ def refresh_cached_profile() -> "MeshProfile":
     ``metadist calibrate`` forces; later compiles on this machine read it)."""
     from metadist_core.config import load_settings
     from metadist_core.cost.profile import MeshProfile, profile_for
+
     fe = TorchFrontend()
     resolved = fe.resolve_mesh(None, MeshProfile())
     return profile_for(fe, resolved, load_settings(mesh_profile=None), force=True)
@@ -218,35 +247,46 @@ def _lower_whole(traced: Traced, plan: "ShardingPlan", resolved: Resolved, setti
     step itself)."""
     from .lower import lower_plan
     from .program import LocalProgram, RankProgram, place_state
+
     step, eng, mesh = traced.context, resolved.engine, resolved.mesh
     if not eng.distributed and not getattr(plan, "recompute", None):
-        if settings.offload:   # the optimizer update on the host (metadist_torch.offload)
+        if settings.offload:  # the optimizer update on the host (metadist_torch.offload)
             from .offload import offload_traced, state_to_host
+
             off_step, info = offload_traced(step)
             state_to_host(step.state)
-            prog = LocalProgram(off_step, reinplace=False)   # the update runs on the host copy
+            prog = LocalProgram(off_step, reinplace=False)  # the update runs on the host copy
             prog.offload = info
             return prog
-        return LocalProgram(step)   # one device: the traced step itself
+        return LocalProgram(step)  # one device: the traced step itself
     if eng.distributed:
         place_state(step, plan, eng)
-    else:   # one device recomputing: the rewritten graph, lowered as the only rank of a one-device mesh,
+    else:  # one device recomputing: the rewritten graph, lowered as the only rank of a one-device mesh,
         #     on the device the state lives on (the engine's is the CPU at world size 1)
         eng = dataclasses.replace(eng, device=_state_device(step) or eng.device)
     from .compression import wire_map
-    graph = lower_plan(traced.graph, plan, mesh, coords=eng.coords, groups=eng.groups(),
-                       coalesce=settings.coalesce, bucket_bytes=settings.bucket_bytes,
-                       shard_bucket_bytes=settings.shard_bucket_bytes,
-                       first_bucket_bytes=settings.first_bucket_bytes,
-                       wire=wire_map(traced.graph, settings.grad_compression),
-                       inplace_state=not settings.offload)   # offload moves the update to the host
+
+    graph = lower_plan(
+        traced.graph,
+        plan,
+        mesh,
+        coords=eng.coords,
+        groups=eng.groups(),
+        coalesce=settings.coalesce,
+        bucket_bytes=settings.bucket_bytes,
+        shard_bucket_bytes=settings.shard_bucket_bytes,
+        first_bucket_bytes=settings.first_bucket_bytes,
+        wire=wire_map(traced.graph, settings.grad_compression),
+        inplace_state=not settings.offload,
+    )  # offload moves the update to the host
     info = None
-    if settings.offload:   # the optimizer update on the host, its state stored there (metadist_torch.offload)
+    if settings.offload:  # the optimizer update on the host, its state stored there (metadist_torch.offload)
         from .offload import offload_rank_graph, state_to_host
+
         info = offload_rank_graph(graph, traced.graph, eng.device)
         state_to_host(step.state, eng)
     if step.random_ops:
-        eng.sync_rng()   # once per engine: every rank draws what rank 0 (and one device) would
+        eng.sync_rng()  # once per engine: every rank draws what rank 0 (and one device) would
     prog = RankProgram(step, graph, plan, eng)
     prog.offload = info
     return prog
@@ -257,6 +297,7 @@ def _same_random_draws(dev: Any) -> Any:
     step-sized program may run dropout): the step's first draws must be the ones the single-device step
     makes from the same seed (every rank starts from rank 0's state, which planning had advanced)."""
     import torch
+
     return torch.random.fork_rng(devices=[dev] if getattr(dev, "type", "cpu") == "cuda" else [])
 
 
@@ -264,6 +305,7 @@ def _state_device(step: Any, kind: str | None = None) -> Any:
     """The device a traced step's state (parameters, buffers, optimizer state) lives on (the first state
     tensor's, or the first on a device of ``kind``); None without any."""
     import torch
+
     for slot in getattr(getattr(step, "state", None), "slots", []):
         t = slot.get()
         if isinstance(t, torch.Tensor) and (kind is None or t.device.type == kind):

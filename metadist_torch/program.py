@@ -8,6 +8,7 @@ outputs and writes the new state shards back in place. :func:`place_state`
 stores parameters, buffers and optimizer state as DTensors with the plan's
 placements, so that ``torch.distributed.checkpoint`` can save them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -42,14 +43,17 @@ def moved_once(user: list[torch.Tensor], user_in: dict[str, int], device: Any) -
         if v not in moved:
             moved[v] = user[user_in[v]].to(device)
         return moved[v]
+
     return whole
 
 
 def input_pieces(lowered: RankGraph, whole: Callable[[str], torch.Tensor], engine: Engine) -> list[torch.Tensor]:
     """This rank's slice of each user input the program reads in another layout (``lowered.input_pieces``);
     ``whole(var)``: the whole input on this rank's device (:func:`moved_once`)."""
-    return [local_piece(whole(v), sh, engine.mesh, engine.coords, zeros_like=torch.zeros_like)
-            for v, sh in lowered.input_pieces]
+    return [
+        local_piece(whole(v), sh, engine.mesh, engine.coords, zeros_like=torch.zeros_like)
+        for v, sh in lowered.input_pieces
+    ]
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
@@ -58,7 +62,7 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     return lt if lt is not None else t
 
 
-LAYOUT_ATTR = "_metadist_layout"   # on each module and optimizer: the token of the program its state is placed for
+LAYOUT_ATTR = "_metadist_layout"  # on each module and optimizer: the token of the program its state is placed for
 _TOKENS = itertools.count(1)
 
 
@@ -81,20 +85,21 @@ class LocalProgram:
     def __init__(self, traced: TracedStep, reinplace: bool = True) -> None:
         self.traced = traced
         self.gm = traced.gm
-        self.inplace_updates: list[str] = []   # the state values updated in their own storage
+        self.inplace_updates: list[str] = []  # the state values updated in their own storage
         writes = [(k, o) for k, o in enumerate(traced.state_out) if o is not None]
         if reinplace and writes:
             g = fx.Graph()
-            g.output(g.graph_copy(traced.gm.graph, {}))   # node meta (the fake values) copied along
+            g.output(g.graph_copy(traced.gm.graph, {}))  # node meta (the fake values) copied along
             phs = [n for n in g.nodes if n.op == "placeholder"]
-            done = set(reinplace_updates(g, [(phs[k], o) for k, o in writes], range(traced.n_tensor_outputs),
-                                         layout_from_meta))
+            done = set(
+                reinplace_updates(g, [(phs[k], o) for k, o in writes], range(traced.n_tensor_outputs), layout_from_meta)
+            )
             if done:
                 self.gm = fx.GraphModule(traced.gm, g)
             self.inplace_updates = [traced.in_names[k] for k, o in writes if o in done]
             writes = [(k, o) for k, o in writes if o not in done]
         self.writes = writes
-        self.stats = CommStats()   # nothing to count on one device
+        self.stats = CommStats()  # nothing to count on one device
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.traced.refresh()
@@ -110,7 +115,7 @@ class LocalProgram:
                     new = new.clone()
                 vals[k].data = new
                 held.add(id(new))
-        return self.traced.unflatten_outputs(list(outs[:self.traced.n_tensor_outputs]))
+        return self.traced.unflatten_outputs(list(outs[: self.traced.n_tensor_outputs]))
 
 
 class RankProgram:
@@ -125,17 +130,20 @@ class RankProgram:
         self.user_in = {traced.in_names[n_s + j]: j for j in range(traced.n_inputs)}
         rep = Sharding.replicated(engine.mesh.ndim)
         self.const_local = {}
-        for k, name in enumerate(traced.in_names[n_s + traced.n_inputs:]):
+        for k, name in enumerate(traced.in_names[n_s + traced.n_inputs :]):
             sh = plan.input_shardings.get(name, rep)
-            self.const_local[name] = local_piece(traced.constant_on(k, engine.device), sh, engine.mesh,
-                                                 engine.coords, zeros_like=torch.zeros_like)
+            self.const_local[name] = local_piece(
+                traced.constant_on(k, engine.device), sh, engine.mesh, engine.coords, zeros_like=torch.zeros_like
+            )
         self.in_shardings = [plan.input_shardings.get(v, rep) for v in lowered.input_vars]
         out_index = {v: i for i, v in enumerate(lowered.output_vars)}
-        missing = [v for v in traced.out_vars[:traced.n_tensor_outputs] if v is not None and v not in out_index]
+        missing = [v for v in traced.out_vars[: traced.n_tensor_outputs] if v is not None and v not in out_index]
         if missing:
-            raise ValueError(f"the step returns {', '.join(missing)}, which it also writes back as state; "
-                             f"return a copy (.clone()) or a value computed from it")
-        self.out_pos = [out_index[v] for v in traced.out_vars[:traced.n_tensor_outputs]]
+            raise ValueError(
+                f"the step returns {', '.join(missing)}, which it also writes back as state; "
+                f"return a copy (.clone()) or a value computed from it"
+            )
+        self.out_pos = [out_index[v] for v in traced.out_vars[: traced.n_tensor_outputs]]
         n_out = len(lowered.output_vars)
         self.state_write = [(n_out + i, self.slot_of[s]) for i, s in enumerate(lowered.state_inputs)]
         self.layout = next(_TOKENS)
@@ -161,13 +169,14 @@ class RankProgram:
             outs = self.lowered(*local)
             for k, i in self.state_write:
                 dst = local_of(slots[i].get())
-                if outs[k] is not dst:   # an update run in place returns the state itself
+                if outs[k] is not dst:  # an update run in place returns the state itself
                     dst.copy_(outs[k])
         return self.traced.unflatten_outputs([outs[k] for k in self.out_pos])
 
 
 def _placements(sh: Sharding) -> list:
     from torch.distributed.tensor import Replicate, Shard
+
     out = []
     for p in sh:
         if p.is_shard():
@@ -183,11 +192,15 @@ def _optimizers_holding(new_param: dict[int, Any], known: list) -> list:
     """The live optimizers that hold any of the replaced parameters: those of the step, and any the user keeps
     outside it (a step that only runs the backward, its optimizer stepped in the loop)."""
     import gc
+
     seen = {id(o) for o in known}
     out = list(known)
     for o in gc.get_objects():
-        if issubclass(type(o), torch.optim.Optimizer) and id(o) not in seen and any(
-                id(p) in new_param for g in o.param_groups for p in g["params"]):
+        if (
+            issubclass(type(o), torch.optim.Optimizer)
+            and id(o) not in seen
+            and any(id(p) in new_param for g in o.param_groups for p in g["params"])
+        ):
             out.append(o)
             seen.add(id(o))
     return out
@@ -200,6 +213,7 @@ def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
     optimizer's param groups and state are re-keyed to them.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
+
     dm = engine.device_mesh
     rep = Sharding.replicated(engine.mesh.ndim)
     st = traced.state
@@ -213,8 +227,9 @@ def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
             with torch.no_grad():
                 dt = cur.redistribute(dm, want)
             if slot.role == ROLE_PARAM:
-                dt = DTensor.from_local(dt.to_local(), dm, want, run_check=False, shape=cur.shape,
-                                        stride=cur.stride())   # re-wrapped below
+                dt = DTensor.from_local(
+                    dt.to_local(), dm, want, run_check=False, shape=cur.shape, stride=cur.stride()
+                )  # re-wrapped below
         else:
             with torch.no_grad():
                 dt = distribute_tensor(cur.detach().to(engine.device), dm, want, src_data_rank=None)
@@ -242,4 +257,13 @@ def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
     st.param_objs = [new_param.get(id(p), p) for p in st.param_objs]
 
 
-__all__ = ["LocalProgram", "RankProgram", "place_state", "claim_layout", "user_tensors", "local_of", "input_pieces", "moved_once"]
+__all__ = [
+    "LocalProgram",
+    "RankProgram",
+    "place_state",
+    "claim_layout",
+    "user_tensors",
+    "local_of",
+    "input_pieces",
+    "moved_once",
+]

@@ -14,6 +14,7 @@ returns the input itself: no new tensors, no copy back. Values are unchanged: an
 computes the same result into ``self`` when the result has ``self``'s dtype and shape (a shape that does
 not fit raises, it is never cut).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -74,12 +75,16 @@ def _chain(ph: fx.Node, new: fx.Node, layout: Layout) -> list[fx.Node] | None:
     chain = [new]
     while True:
         n = chain[-1]
-        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node) \
-                or inplace_overload(n.target) is None:
+        if (
+            n.op != "call_function"
+            or not n.args
+            or not isinstance(n.args[0], fx.Node)
+            or inplace_overload(n.target) is None
+        ):
             return None
         self_ = n.args[0]
         if any(a is self_ for a in list(n.args[1:]) + list(n.kwargs.values())):
-            return None   # aten.mul_(a, a): not promised sound
+            return None  # aten.mul_(a, a): not promised sound
         lo, li = layout(n), layout(self_)
         if lo is None or li is None or lo != li:
             return None
@@ -90,8 +95,9 @@ def _chain(ph: fx.Node, new: fx.Node, layout: Layout) -> list[fx.Node] | None:
         chain.append(self_)
 
 
-def reinplace_updates(g: fx.Graph, updates: Sequence[tuple[fx.Node, int]], keep: Sequence[int],
-                      layout: Layout) -> list[int]:
+def reinplace_updates(
+    g: fx.Graph, updates: Sequence[tuple[fx.Node, int]], keep: Sequence[int], layout: Layout
+) -> list[int]:
     """Run the update chains of ``updates`` (state placeholder, index of its new value among the graph's
     outputs) in place; a new value is then the placeholder itself, returned as that output.
 
@@ -105,8 +111,13 @@ def reinplace_updates(g: fx.Graph, updates: Sequence[tuple[fx.Node, int]], keep:
     done: list[int] = []
     for ph, k in updates:
         new = vals[k]
-        if not isinstance(new, fx.Node) or new is ph or new in kept or new.op == "placeholder" \
-                or sum(1 for v in vals if v is new) > 1:
+        if (
+            not isinstance(new, fx.Node)
+            or new is ph
+            or new in kept
+            or new.op == "placeholder"
+            or sum(1 for v in vals if v is new) > 1
+        ):
             continue
         chain = _chain(ph, new, layout)
         if chain is None:
@@ -114,9 +125,9 @@ def reinplace_updates(g: fx.Graph, updates: Sequence[tuple[fx.Node, int]], keep:
         aliases, readers = _aliases(ph)
         first = chain[0]
         if any(order[r] >= order[first] for r in readers - {first}):
-            continue   # the old value is still read after the update starts
+            continue  # the old value is still read after the update starts
         if any(isinstance(a, fx.Node) and a in aliases for a in list(first.args[1:]) + list(first.kwargs.values())):
-            continue   # the first op also reads a view of what it would overwrite
+            continue  # the first op also reads a view of what it would overwrite
         for n in chain:
             n.target = inplace_overload(n.target)
         vals[k] = ph

@@ -4,6 +4,7 @@ Floats are drawn normal (or small integer-valued); index-like integer inputs
 (embedding indices, loss targets, gather/scatter indices) inside their valid
 range; the argument of sqrt/log positive; divisors nonzero.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,9 +17,18 @@ from .calls import FLOATS, in_index, schema_arg
 
 # numpy dtype used during discovery, per canonical dtype
 DISCOVERY_NP: dict[str, Any] = {
-    "float64": np.float64, "float32": np.float64, "float16": np.float64, "bfloat16": np.float64,
-    "int64": np.int64, "int32": np.int32, "int16": np.int16, "int8": np.int8, "uint8": np.uint8,
-    "bool": np.bool_, "complex64": np.complex128, "complex128": np.complex128,
+    "float64": np.float64,
+    "float32": np.float64,
+    "float16": np.float64,
+    "bfloat16": np.float64,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int16": np.int16,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+    "complex64": np.complex128,
+    "complex128": np.complex128,
 }
 # inputs whose domain is positive (sqrt, log...): drawn positive so that results stay finite
 POSITIVE_INPUT_OPS = frozenset({"sqrt", "rsqrt", "log", "log2", "log10", "lgamma", "digamma", "acosh"})
@@ -29,11 +39,12 @@ NONZERO_SECOND_INPUT_OPS = frozenset({"div", "remainder", "fmod", "floor_divide"
 @dataclass
 class InputMeta:
     shape: tuple[int, ...]
-    dtype: str   # canonical
+    dtype: str  # canonical
 
 
-def int_ranges(name: str, overload, args: Sequence[Any], kwargs: Mapping[str, Any],
-                metas: Sequence[InputMeta]) -> dict[int, tuple[int, ...]]:
+def int_ranges(
+    name: str, overload, args: Sequence[Any], kwargs: Mapping[str, Any], metas: Sequence[InputMeta]
+) -> dict[int, tuple[int, ...]]:
     """``(lo, hi)`` of the valid values of each index-like integer input, from the other inputs' shapes;
     ``(lo, hi, special)`` where the op also takes one value apart (a loss's ignore_index)."""
     ranges: dict[int, tuple[int, ...]] = {}
@@ -62,16 +73,33 @@ def int_ranges(name: str, overload, args: Sequence[Any], kwargs: Mapping[str, An
         put("indices", w[0] if w else None)
     elif name in ("embedding_dense_backward", "embedding_backward", "_embedding_bag_dense_backward"):
         put("indices", arg("num_weights"))
-    elif name in ("nll_loss_forward", "nll_loss", "nll_loss_nd", "nll_loss_backward", "cross_entropy_loss",
-                  "nll_loss2d_forward", "nll_loss2d", "nll_loss2d_backward"):
+    elif name in (
+        "nll_loss_forward",
+        "nll_loss",
+        "nll_loss_nd",
+        "nll_loss_backward",
+        "cross_entropy_loss",
+        "nll_loss2d_forward",
+        "nll_loss2d",
+        "nll_loss2d_backward",
+    ):
         s = shape_of("self")
         put("target", None if s is None else (s[1] if len(s) >= 2 else s[0] if s else None))
         # some targets hit ignore_index: a mean over the kept targets is not an average of local means
         i, ignore = in_index(arg("target")), arg("ignore_index", -100)
         if i in ranges and isinstance(ignore, int):
             ranges[i] = ranges[i] + (ignore,)
-    elif name in ("gather", "scatter", "scatter_add", "scatter_reduce", "index_select", "index_add",
-                  "index_copy", "index_fill", "index_reduce"):
+    elif name in (
+        "gather",
+        "scatter",
+        "scatter_add",
+        "scatter_reduce",
+        "index_select",
+        "index_add",
+        "index_copy",
+        "index_fill",
+        "index_reduce",
+    ):
         put("index", dim_size(shape_of("self"), arg("dim")))
     elif name == "take_along_dim":
         s = shape_of("self")
@@ -107,8 +135,9 @@ def positive_inputs(name: str, overload, args: Sequence[Any], kwargs: Mapping[st
     return set()
 
 
-def make_sampler(metas: Sequence[InputMeta], int_ranges: Mapping[int, tuple[int, ...]],
-                 positive: set[int] | frozenset = frozenset()) -> Callable[[np.random.Generator, bool], list[np.ndarray]]:
+def make_sampler(
+    metas: Sequence[InputMeta], int_ranges: Mapping[int, tuple[int, ...]], positive: set[int] | frozenset = frozenset()
+) -> Callable[[np.random.Generator, bool], list[np.ndarray]]:
     """Random inputs at the given shapes (discovery dtypes): normal or small integer-valued floats
     (positive where the op needs it), integers in their valid range ([0, 2) when unknown; one in eight
     set to the special value where there is one), random bools."""

@@ -12,6 +12,7 @@ the backward, as in DDP. The order of collectives stays the same on every rank (
 deterministic pass on the same program). Outputs pass through :func:`md_wait` before the program
 returns.
 """
+
 from __future__ import annotations
 
 import operator
@@ -23,11 +24,15 @@ import torch.fx as fx
 from .collectives import md_done
 from .reinplace import input_aliases
 
-SMALL = 1 << 16   # elements: what hoist_input_chains may make and sink_to_outputs may keep alive longer
-HOIST_OPS = 8     # ops at most in a chain hoist_input_chains moves
-GATHER_PREFIX = "md_all_gather_bucket_axis"   # issued one bucket ahead (prefetch_gathers), not as early as it can
-ASYNC_PREFIXES = ("md_all_reduce_axis", "md_all_reduce_bucket_axis", "md_reduce_scatter_axis",
-                  "md_reduce_scatter_bucket_axis")
+SMALL = 1 << 16  # elements: what hoist_input_chains may make and sink_to_outputs may keep alive longer
+HOIST_OPS = 8  # ops at most in a chain hoist_input_chains moves
+GATHER_PREFIX = "md_all_gather_bucket_axis"  # issued one bucket ahead (prefetch_gathers), not as early as it can
+ASYNC_PREFIXES = (
+    "md_all_reduce_axis",
+    "md_all_reduce_bucket_axis",
+    "md_reduce_scatter_axis",
+    "md_reduce_scatter_bucket_axis",
+)
 
 
 def md_wait(*xs: Any) -> tuple:
@@ -46,8 +51,12 @@ def is_async(node: fx.Node) -> bool:
 def _pure(node: fx.Node) -> bool:
     """An aten op that neither writes a tensor nor draws random numbers (moving it changes no value)."""
     t = node.target
-    return node.op == "call_function" and isinstance(t, torch._ops.OpOverload) and not t._schema.is_mutable \
+    return (
+        node.op == "call_function"
+        and isinstance(t, torch._ops.OpOverload)
+        and not t._schema.is_mutable
         and torch.Tag.nondeterministic_seeded not in t.tags
+    )
 
 
 def hoist_input_chains(g: fx.Graph, numel: Callable[[fx.Node], int | None]) -> int:
@@ -110,8 +119,12 @@ def sink_to_outputs(g: fx.Graph, numel: Callable[[fx.Node], int | None]) -> int:
                 part.add(u)
                 todo.extend(x for x in u.users if x is not out)
         pure = all(n is d or _pure(n) or (n.op == "call_function" and n.target is operator.getitem) for n in part)
-        small = all(x in part or x in sunk or (x not in held and (numel(x) or SMALL + 1) <= SMALL)
-                    for n in part for x in n.all_input_nodes if x is not d)
+        small = all(
+            x in part or x in sunk or (x not in held and (numel(x) or SMALL + 1) <= SMALL)
+            for n in part
+            for x in n.all_input_nodes
+            if x is not d
+        )
         if not pure or not small:
             continue
         for n in sorted(part, key=lambda n: order[n]):
@@ -184,12 +197,22 @@ def prefetch_gathers(g: fx.Graph) -> int:
         at = min(waits, key=lambda n: order[n])
         if order[at] >= order[nxt] or any(order[a] >= order[at] for a in nxt.all_input_nodes):
             continue
-        items = sorted((u for u in nxt.users if u.op == "call_function" and u.target is operator.getitem),
-                       key=lambda n: order[n])
+        items = sorted(
+            (u for u in nxt.users if u.op == "call_function" and u.target is operator.getitem), key=lambda n: order[n]
+        )
         for n in [nxt] + items:
             at.prepend(n)
         moved += 1
     return moved
 
 
-__all__ = ["issue_early", "prefetch_gathers", "is_gather_bucket", "hoist_input_chains", "sink_to_outputs", "md_wait", "is_async", "is_done"]
+__all__ = [
+    "issue_early",
+    "prefetch_gathers",
+    "is_gather_bucket",
+    "hoist_input_chains",
+    "sink_to_outputs",
+    "md_wait",
+    "is_async",
+    "is_done",
+]

@@ -7,6 +7,7 @@ all_gather) whether every rank agreed, so that a rank holding another model
 is a clear error on every rank rather than a hang. When rank 0 cannot plan it
 broadcasts the error instead, and the other ranks raise it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -38,9 +39,11 @@ def share_plan(engine: Engine, plan: ShardingPlan | None, graph: MetaIR) -> Shar
     differ = [r for r, ok in enumerate(agree) if not ok]
     if differ:
         ranks = ", ".join(map(str, differ))
-        raise PlanShareError(f"rank(s) {ranks} traced another graph than rank 0 ({len(graph.ops)} ops, "
-                             f"{len(graph.inputs)} inputs on rank {engine.rank}); every rank must build the same "
-                             f"model and optimizer and call the step with arguments of the same shapes")
+        raise PlanShareError(
+            f"rank(s) {ranks} traced another graph than rank 0 ({len(graph.ops)} ops, "
+            f"{len(graph.inputs)} inputs on rank {engine.rank}); every rank must build the same "
+            f"model and optimizer and call the step with arguments of the same shapes"
+        )
     return plan if engine.rank == 0 else ShardingPlan.from_json(payload["plan"])
 
 

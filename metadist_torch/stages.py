@@ -19,6 +19,7 @@ eagerly on the stage's parameters and optimizer state, and the new state is
 broadcast from the stage to every rank, so the model and optimizer hold the
 step's values everywhere (one broadcast of the state per step).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -42,7 +43,7 @@ SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "S
 
 def _select(out: Any, idx: Sequence[int]) -> list:
     items: list = []
-    for o in (out if isinstance(out, (tuple, list)) else [out]):
+    for o in out if isinstance(out, (tuple, list)) else [out]:
         items.extend(o if isinstance(o, (tuple, list)) else [o])
     return [items[i] for i in idx]
 
@@ -66,12 +67,13 @@ class SubMesh:
 
     def __init__(self, device_mesh: Any) -> None:
         self.dm = device_mesh
-        self.ran: dict[str, int] = {"dtensor": 0, "whole": 0}   # ops run split (DTensor) or whole (no rule)
+        self.ran: dict[str, int] = {"dtensor": 0, "whole": 0}  # ops run split (DTensor) or whole (no rule)
 
     def wrap(self, x: Any, placements: Any = None) -> Any:
         if self.dm is None or not isinstance(x, torch.Tensor):
             return x
         from torch.distributed.tensor import DTensor, Replicate
+
         if isinstance(x, DTensor):
             return x
         rep = [Replicate()] * self.dm.ndim
@@ -81,31 +83,35 @@ class SubMesh:
     def layout(self, x: Any, placements: Any) -> Any:
         """``x`` laid out as the plan says (DTensor chose its own layout for an op's output)."""
         from torch.distributed.tensor import DTensor
+
         if placements is None or not isinstance(x, DTensor) or tuple(x.placements) == tuple(placements):
             return x
         try:
             return x.redistribute(self.dm, placements)
-        except (NotImplementedError, RuntimeError, ValueError):   # a layout DTensor cannot reach: keep its own
+        except (NotImplementedError, RuntimeError, ValueError):  # a layout DTensor cannot reach: keep its own
             return x
 
     def unwrap(self, x: Any) -> Any:
         from torch.distributed.tensor import DTensor, Replicate
+
         if self.dm is not None and isinstance(x, DTensor):
             return x.redistribute(self.dm, [Replicate()] * self.dm.ndim).to_local()
         return x
 
     def run(self, op: Any, ins: list) -> list:
         if self.dm is None:
-            return run_op(op, ins, reshape_views=True)   # a value sent on is contiguous where the trace's was not
+            return run_op(op, ins, reshape_views=True)  # a value sent on is contiguous where the trace's was not
         try:
             outs = run_op(op, ins, reshape_views=True)
             self.ran["dtensor"] += 1
         except (NotImplementedError, RuntimeError, AssertionError, TypeError, ValueError):
-            outs = run_op(op, [self.unwrap(x) for x in ins])   # no DTensor rule: run it whole (replicated)
+            outs = run_op(op, [self.unwrap(x) for x in ins])  # no DTensor rule: run it whole (replicated)
             self.ran["whole"] += 1
         # every gradient flowing back through a split op made contiguous (DTensor's backward views need it)
-        return [_ContiguousGrad.apply(o) if isinstance(o, torch.Tensor) and o.requires_grad else o
-                for o in (self.wrap(o) for o in outs)]
+        return [
+            _ContiguousGrad.apply(o) if isinstance(o, torch.Tensor) and o.requires_grad else o
+            for o in (self.wrap(o) for o in outs)
+        ]
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -138,14 +144,24 @@ class StageModule(torch.nn.Module):
     """One stage: ``forward(*received)`` runs the stage's forward ops and returns what it sends on
     (the last stage: the loss, its other returned values kept aside per micro-batch)."""
 
-    def __init__(self, graph: MetaIR, stage: Stage, params: dict[str, torch.Tensor], consts: dict[str, Any],
-                 placements: dict[str, Any], sub: SubMesh, last: bool, user_outputs: list[str]) -> None:
+    def __init__(
+        self,
+        graph: MetaIR,
+        stage: Stage,
+        params: dict[str, torch.Tensor],
+        consts: dict[str, Any],
+        placements: dict[str, Any],
+        sub: SubMesh,
+        last: bool,
+        user_outputs: list[str],
+    ) -> None:
         super().__init__()
         self.graph, self.stage, self.sub, self.last = graph, stage, sub, last
         self.consts, self.placements, self.user_outputs = consts, placements, user_outputs
         self.names = list(params)
         self.weights = torch.nn.ParameterList(
-            [torch.nn.Parameter(t.detach(), requires_grad=t.dtype.is_floating_point) for t in params.values()])
+            [torch.nn.Parameter(t.detach(), requires_grad=t.dtype.is_floating_point) for t in params.values()]
+        )
         self.kept: list[list[torch.Tensor]] = []
 
     def forward(self, *received: torch.Tensor) -> Any:
@@ -158,10 +174,10 @@ class StageModule(torch.nn.Module):
             op = self.graph.op(i)
             outs = self.sub.run(op, [env[v] for v in op.inputs])
             env.update((v, self.sub.layout(o, self.placements.get(v))) for v, o in zip(op.outputs, outs))
-        outs = [self.sub.unwrap(env[v]).contiguous() for v in self.stage.outputs]   # P2P sends need it
+        outs = [self.sub.unwrap(env[v]).contiguous() for v in self.stage.outputs]  # P2P sends need it
         needs = [x for x in received if x.requires_grad]
         j = next((j for j, o in enumerate(outs) if o.requires_grad), None)
-        if needs and j is not None:   # every received value that requires grad gets one (zeros if unused)
+        if needs and j is not None:  # every received value that requires grad gets one (zeros if unused)
             outs[j] = _Anchor.apply(outs[j], *needs)
         if self.last:
             self.kept.append([x.detach() for x in outs])
@@ -176,15 +192,18 @@ def gradient_params(graph: MetaIR) -> dict[str, str]:
         dep = graph.downstream([g]).values
         ps = [p for p, o in graph.aliases.items() if o in dep and graph.vars[p].role == "parameter"]
         if len(ps) != 1:
-            raise NotSupported(f"gradient {g} feeds the update of {len(ps)} parameters ({', '.join(ps[:4])}), "
-                               f"as clipping by global norm does; pipeline_stages needs one gradient per "
-                               f"parameter: leave it out or use pipeline_stages=1")
+            raise NotSupported(
+                f"gradient {g} feeds the update of {len(ps)} parameters ({', '.join(ps[:4])}), "
+                f"as clipping by global norm does; pipeline_stages needs one gradient per "
+                f"parameter: leave it out or use pipeline_stages=1"
+            )
         out[g] = ps[0]
     return out
 
 
-def update_slices(graph: MetaIR, grad_param: dict[str, str], owner: dict[str, int],
-                  k: int) -> tuple[list[list[str]], list[list[str]], set[str]]:
+def update_slices(
+    graph: MetaIR, grad_param: dict[str, str], owner: dict[str, int], k: int
+) -> tuple[list[list[str]], list[list[str]], set[str]]:
     """Per stage: the optimizer-update ops it runs (from the gradients on) and the state inputs it writes
     (its parameters and their optimizer state); state whose update reads no gradient, such as a shared
     step counter, is written by every stage (the third result)."""
@@ -199,13 +218,17 @@ def update_slices(graph: MetaIR, grad_param: dict[str, str], owner: dict[str, in
         need = need_of[s_in] = graph.upstream([out], stop=stop).values
         batch = [v for v in need if graph.vars[v].role == "input"]
         if batch:
-            raise NotSupported(f"the optimizer update of {s_in} reads the batch ({batch[0]}) other than through "
-                               f"gradients; pipeline_stages cannot run it: use pipeline_stages=1")
+            raise NotSupported(
+                f"the optimizer update of {s_in} reads the batch ({batch[0]}) other than through "
+                f"gradients; pipeline_stages cannot run it: use pipeline_stages=1"
+            )
         st = {stage_of_grad[g] for g in need if g in stage_of_grad}
         if len(st) > 1:
-            raise NotSupported(f"the optimizer update of {s_in} reads the gradients of parameters in several "
-                               f"pipeline stages (as clipping by global norm does); pipeline_stages cannot run "
-                               f"it yet: leave it out or use pipeline_stages=1")
+            raise NotSupported(
+                f"the optimizer update of {s_in} reads the gradients of parameters in several "
+                f"pipeline stages (as clipping by global norm does); pipeline_stages cannot run "
+                f"it yet: leave it out or use pipeline_stages=1"
+            )
         if st:
             per_targets[st.pop()].append(s_in)
         elif s_in in owner:
@@ -227,30 +250,45 @@ class PipelineProgram:
     """One step on this rank as a pipeline: torch.distributed.pipelining runs the stage modules over the
     micro-batches, then this rank's stage runs its optimizer update, then the state is broadcast."""
 
-    def __init__(self, traced: TracedStep, cut: GradientCut, stages: list[Stage], placements: dict[str, Any],
-                 engine: Engine, m: int, schedule: str) -> None:
+    def __init__(
+        self,
+        traced: TracedStep,
+        cut: GradientCut,
+        stages: list[Stage],
+        placements: dict[str, Any],
+        engine: Engine,
+        m: int,
+        schedule: str,
+    ) -> None:
         import torch.distributed as dist
         from torch.distributed import pipelining as pp
-        random = [r for r in traced.random_ops if "scaled_dot_product" not in r]   # attention: dropout_p 0
+
+        random = [r for r in traced.random_ops if "scaled_dot_product" not in r]  # attention: dropout_p 0
         if random:
-            raise NotSupported(f"pipeline_stages: the step draws random numbers ({random[0]}); "
-                               f"stages cannot replay them yet (set dropout to 0 or use pipeline_stages=1)")
+            raise NotSupported(
+                f"pipeline_stages: the step draws random numbers ({random[0]}); "
+                f"stages cannot replay them yet (set dropout to 0 or use pipeline_stages=1)"
+            )
         g = cut.grad_graph
         bufs = [s for s in g.aliases if g.vars[s].role == "buffer" and s not in cut.acc_of]
         if bufs:
-            raise NotSupported(f"pipeline_stages: the step updates buffers ({bufs[0]}, BatchNorm's running "
-                               f"statistics); not yet with a pipeline: use pipeline_stages=1")
+            raise NotSupported(
+                f"pipeline_stages: the step updates buffers ({bufs[0]}, BatchNorm's running "
+                f"statistics); not yet with a pipeline: use pipeline_stages=1"
+            )
         _no_lasting_grads(traced, "pipeline_stages")
         self.traced, self.cut, self.stages, self.engine, self.m = traced, cut, stages, engine, m
         self.schedule_name = schedule
         mesh_shape = engine.mesh.shape
         p = mesh_shape[0]
-        v = len(stages) // p   # stages per rank (interleaved: 2)
+        v = len(stages) // p  # stages per rank (interleaved: 2)
         n_s = len(traced.state.slots)
         self.slot_of = {traced.in_names[i]: i for i in range(n_s)}
         self.user_in = [traced.in_names[n_s + j] for j in range(traced.n_inputs)]
-        consts = {name: traced.constant_on(k, engine.device)
-                  for k, name in enumerate(traced.in_names[n_s + traced.n_inputs:])}
+        consts = {
+            name: traced.constant_on(k, engine.device)
+            for k, name in enumerate(traced.in_names[n_s + traced.n_inputs :])
+        }
         dm = engine.device_mesh
         sub = SubMesh(None if dm is None or len(mesh_shape) == 1 else dm[tuple(engine.mesh.axis_names[1:])])
         c0 = engine.coords[0]
@@ -262,15 +300,15 @@ class PipelineProgram:
         group = dm.get_group(0) if dm is not None else None
         for si in self.mine:
             st = stages[si]
-            params = {pv: self._slot(pv) for pv in st.params if pv in self.slot_of}   # constants: below
-            mod = StageModule(g, st, params, consts, placements, sub,
-                              si == len(stages) - 1, cut.user_outputs)
+            params = {pv: self._slot(pv) for pv in st.params if pv in self.slot_of}  # constants: below
+            mod = StageModule(g, st, params, consts, placements, sub, si == len(stages) - 1, cut.user_outputs)
             self.modules[si] = mod
             last = si == len(stages) - 1
             ins = tuple(_example(g, x) for x in st.inputs)
             outs = _example(g, st.outputs[0]) if last else tuple(_example(g, x) for x in st.outputs)
-            pstages.append(pp.PipelineStage(mod, si, len(stages), engine.device, input_args=ins, output_args=outs,
-                                            group=group))
+            pstages.append(
+                pp.PipelineStage(mod, si, len(stages), engine.device, input_args=ins, output_args=outs, group=group)
+            )
         cls = getattr(pp, SCHEDULES[schedule])
         loss_fn = _first
         if schedule == "interleaved":
@@ -279,8 +317,9 @@ class PipelineProgram:
             self.sched = cls(pstages[0], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
         self.grad_param = gradient_params(traced.graph)
         self.param_grad = {p_: g_ for g_, p_ in self.grad_param.items()}
-        self.update_ops, self.update_writes, self.shared = update_slices(traced.graph, self.grad_param, owner,
-                                                                         len(stages))
+        self.update_ops, self.update_writes, self.shared = update_slices(
+            traced.graph, self.grad_param, owner, len(stages)
+        )
         self.consts = consts
         self.dist = dist
         self.stats = None
@@ -291,7 +330,7 @@ class PipelineProgram:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.traced.refresh()
         user = user_tensors(args, kwargs)
-        split_batch(args, kwargs, self.m)   # a batch m does not divide: the clear error, before any send
+        split_batch(args, kwargs, self.m)  # a batch m does not divide: the clear error, before any send
         for mod in self.modules.values():
             mod.kept.clear()
             for w in mod.weights:
@@ -304,8 +343,8 @@ class PipelineProgram:
         self.sched.step(*stage_args, return_outputs=False, **kw)
         scale = 1.0 / self.m if self.cut.reduction == "mean" else 1.0
         with torch.no_grad():
-            new = [w for si in self.mine for w in self._update(si, scale)]   # all read, then all written:
-            for s_in, x in new:                                              # a shared step counter once
+            new = [w for si in self.mine for w in self._update(si, scale)]  # all read, then all written:
+            for s_in, x in new:  # a shared step counter once
                 self._slot(s_in).copy_(x)
         self._broadcast_state()
         return self._outputs(last)
@@ -336,13 +375,13 @@ class PipelineProgram:
             for st in self.stages:
                 src = stage_devices(shape, st.index % shape[0])[0]
                 for s_in in self.update_writes[st.index]:
-                    if s_in not in self.shared:   # shared state (a step counter) is the same everywhere
+                    if s_in not in self.shared:  # shared state (a step counter) is the same everywhere
                         self.dist.broadcast(self._slot(s_in), src=src)
 
     def _outputs(self, last: bool) -> Any:
         """The user's returned values, combined over the micro-batches, on every rank (from the last stage)."""
         tr = self.traced
-        out_vars = tr.out_vars[:tr.n_tensor_outputs]
+        out_vars = tr.out_vars[: tr.n_tensor_outputs]
         mod = self.modules.get(len(self.stages) - 1)
         vals = []
         for v in out_vars:
@@ -379,6 +418,7 @@ def stage_placements(plan: Any) -> dict[str, Any]:
     """DTensor placements of every value of ``plan`` (solved on the sub-mesh): ``Shard`` as planned,
     ``Replicate`` otherwise (a planned ``Partial`` is left to DTensor, which keeps its own)."""
     from torch.distributed.tensor import Replicate, Shard
+
     out = {}
     for v, sh in {**plan.var_shardings, **plan.input_shardings}.items():
         if any(type(p).__name__ == "Partial" for p in sh):
@@ -387,8 +427,9 @@ def stage_placements(plan: Any) -> dict[str, Any]:
     return out
 
 
-def lower_stages(traced: TracedStep, cut: GradientCut, stages: list[Stage], sub_plan: Any, engine: Engine,
-                 settings: Any) -> PipelineProgram:
+def lower_stages(
+    traced: TracedStep, cut: GradientCut, stages: list[Stage], sub_plan: Any, engine: Engine, settings: Any
+) -> PipelineProgram:
     """The :class:`PipelineProgram` of a traced step cut into ``stages`` on ``engine``."""
     if not engine.distributed:
         raise NotSupported("pipeline_stages > 1 needs one process per device (torchrun); this is world size 1")
@@ -396,4 +437,12 @@ def lower_stages(traced: TracedStep, cut: GradientCut, stages: list[Stage], sub_
     return PipelineProgram(traced, cut, stages, placements, engine, settings.micro_batches, settings.schedule)
 
 
-__all__ = ["PipelineProgram", "StageModule", "lower_stages", "gradient_params", "update_slices", "stage_placements", "run_op"]
+__all__ = [
+    "PipelineProgram",
+    "StageModule",
+    "lower_stages",
+    "gradient_params",
+    "update_slices",
+    "stage_placements",
+    "run_op",
+]

@@ -9,6 +9,7 @@ grads, ``lr=0`` and ``weight_decay=0``, one ``step()``, every ``step`` counter
 back to 0. :func:`capturable_optimizers` and :func:`swapped_optimizer` are the
 two patches tracing runs the optimizers under.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,10 +33,10 @@ ROLE_PARAM, ROLE_BUFFER, ROLE_STATE, ROLE_INPUT = "parameter", "buffer", "optimi
 class StateSlot:
     """One state tensor of the step: where it lives, so that the runner can read and write it back."""
 
-    role: str                      # parameter | buffer | optimizer_state
-    name: str                      # readable: "model.fc1.weight", "opt0.state[3].exp_avg"
-    owner: Any                     # the module (param/buffer) or the optimizer state dict of one param
-    key: str                       # attribute name in the module, or the key in the state dict
+    role: str  # parameter | buffer | optimizer_state
+    name: str  # readable: "model.fc1.weight", "opt0.state[3].exp_avg"
+    owner: Any  # the module (param/buffer) or the optimizer state dict of one param
+    key: str  # attribute name in the module, or the key in the state dict
     shape: tuple[int, ...]
     dtype: torch.dtype
 
@@ -56,9 +57,9 @@ class StepState:
     params: list[StateSlot]
     buffers: list[StateSlot]
     opt_states: list[StateSlot]
-    param_objs: list[torch.nn.Parameter]      # the Parameter objects, in the order of ``params``
+    param_objs: list[torch.nn.Parameter]  # the Parameter objects, in the order of ``params``
     tied: list = field(default_factory=list)  # (module, attribute, index into params) of tied weights
-    scalers: list = field(default_factory=list)   # torch.amp.GradScaler arguments (state: metadist_torch.amp)
+    scalers: list = field(default_factory=list)  # torch.amp.GradScaler arguments (state: metadist_torch.amp)
 
     @property
     def slots(self) -> list[StateSlot]:
@@ -110,24 +111,33 @@ def collect_state(args: Sequence[Any], kwargs: dict) -> StepState:
                     continue
                 first_index[id(p)] = len(params)
                 seen_t.add(id(p))
-                params.append(StateSlot(ROLE_PARAM, prefix + (f"{mname}.{k}" if mname else k), mod, k,
-                                        tuple(p.shape), p.dtype))
+                params.append(
+                    StateSlot(ROLE_PARAM, prefix + (f"{mname}.{k}" if mname else k), mod, k, tuple(p.shape), p.dtype)
+                )
                 param_objs.append(p)
             for k, b in list(mod._buffers.items()):
                 if b is None or id(b) in seen_t:
                     continue
                 seen_t.add(id(b))
-                buffers.append(StateSlot(ROLE_BUFFER, prefix + (f"{mname}.{k}" if mname else k), mod, k,
-                                         tuple(b.shape), b.dtype))
+                buffers.append(
+                    StateSlot(ROLE_BUFFER, prefix + (f"{mname}.{k}" if mname else k), mod, k, tuple(b.shape), b.dtype)
+                )
     # optimizer parameters that no module holds are still state of the step
     for oi, opt in enumerate(optimizers):
         for g in opt.param_groups:
             for p in g["params"]:
                 if id(p) not in seen_t:
                     seen_t.add(id(p))
-                    params.append(StateSlot(ROLE_PARAM, f"opt{oi}.param{len(param_objs)}",
-                                            OptimizerParamHolder(p), "p",
-                                            tuple(p.shape), p.dtype))
+                    params.append(
+                        StateSlot(
+                            ROLE_PARAM,
+                            f"opt{oi}.param{len(param_objs)}",
+                            OptimizerParamHolder(p),
+                            "p",
+                            tuple(p.shape),
+                            p.dtype,
+                        )
+                    )
                     param_objs.append(p)
     opt_states: list[StateSlot] = []
     index = {id(p): i for i, p in enumerate(param_objs)}
@@ -140,9 +150,10 @@ def collect_state(args: Sequence[Any], kwargs: dict) -> StepState:
                 for k in sorted(st):
                     v = st[k]
                     if isinstance(v, torch.Tensor):
-                        opt_states.append(StateSlot(ROLE_STATE, f"opt{oi}.state[{index[id(p)]}].{k}", st, k,
-                                                    tuple(v.shape), v.dtype))
-    if scalers:   # a GradScaler's scale and growth tracker are state of the step, like an optimizer's
+                        opt_states.append(
+                            StateSlot(ROLE_STATE, f"opt{oi}.state[{index[id(p)]}].{k}", st, k, tuple(v.shape), v.dtype)
+                        )
+    if scalers:  # a GradScaler's scale and growth tracker are state of the step, like an optimizer's
         check_scalers(scalers, optimizers)
         init_scalers(scalers, param_objs[0].device if param_objs else torch.device("cpu"))
         for si, sc in enumerate(s for s in scalers if s.is_enabled()):
@@ -170,9 +181,12 @@ def init_optimizer_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
             continue
         for g in opt.param_groups:
             if g.get("dampening", 0) and g.get("momentum", 0):
-                warnings.warn("metadist: SGD with dampening != 0 starts its momentum buffer by cloning the first "
-                              "gradient; the compiled step uses the later-step formula from the first step on, "
-                              "so the first update differs from eager torch", stacklevel=3)
+                warnings.warn(
+                    "metadist: SGD with dampening != 0 starts its momentum buffer by cloning the first "
+                    "gradient; the compiled step uses the later-step formula from the first step on, "
+                    "so the first update differs from eager torch",
+                    stacklevel=3,
+                )
         saved_grads = {p: p.grad for g in opt.param_groups for p in g["params"]}
         saved = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in opt.param_groups]
         # only the parameters without state take this step: the others' state (moments, step counters) stays
@@ -244,8 +258,9 @@ def capturable_optimizers(optimizers: Sequence[torch.optim.Optimizer]):
 
 
 @contextlib.contextmanager
-def swapped_optimizer(opt: torch.optim.Optimizer, old_params: Sequence[torch.Tensor],
-                      new_params: Sequence[torch.Tensor]):
+def swapped_optimizer(
+    opt: torch.optim.Optimizer, old_params: Sequence[torch.Tensor], new_params: Sequence[torch.Tensor]
+):
     """Point ``opt``'s param groups and state at ``new_params`` (same order as ``old_params``)."""
     m = {id(o): n for o, n in zip(old_params, new_params)}
     saved_groups = [list(g["params"]) for g in opt.param_groups]
@@ -288,11 +303,26 @@ def _sig_leaf(x: Any) -> Any:
 def signature(args: Sequence[Any], kwargs: dict) -> tuple:
     """The compile-cache key of a call: argument structure, tensor metadata, other values by value,
     modules and optimizers by identity."""
-    leaves, spec = pytree.tree_flatten((list(args), dict(kwargs)), is_leaf=lambda x: isinstance(
-        x, (torch.nn.Module, torch.optim.Optimizer)) or is_grad_scaler(x))
+    leaves, spec = pytree.tree_flatten(
+        (list(args), dict(kwargs)),
+        is_leaf=lambda x: isinstance(x, (torch.nn.Module, torch.optim.Optimizer)) or is_grad_scaler(x),
+    )
     return (str(spec), tuple(_sig_leaf(x) for x in leaves))
 
 
-__all__ = ["signature", "StateSlot", "StepState", "OptimizerParamHolder", "collect_state", "optimizers_in", "walk_args",
-           "init_optimizer_state", "capturable_optimizers", "swapped_optimizer",
-           "ROLE_PARAM", "ROLE_BUFFER", "ROLE_STATE", "ROLE_INPUT"]
+__all__ = [
+    "signature",
+    "StateSlot",
+    "StepState",
+    "OptimizerParamHolder",
+    "collect_state",
+    "optimizers_in",
+    "walk_args",
+    "init_optimizer_state",
+    "capturable_optimizers",
+    "swapped_optimizer",
+    "ROLE_PARAM",
+    "ROLE_BUFFER",
+    "ROLE_STATE",
+    "ROLE_INPUT",
+]

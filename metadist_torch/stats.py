@@ -1,4 +1,5 @@
 """CommStats: what a lowered step's collectives moved, counted where they run (no torch import)."""
+
 from __future__ import annotations
 
 import time

@@ -5,6 +5,7 @@ the graph become buffer inputs fed after the user's inputs); each state input
 is aliased to its updated value; ops returning tuples keep the positions the
 graph uses in ``attrs["select"]``.
 """
+
 from __future__ import annotations
 
 import operator
@@ -21,7 +22,7 @@ from metadist_core.ir.ir import MetaIR, canonical_dtype
 from .hyper import ATTR_PREFIX
 from .state import ROLE_BUFFER, ROLE_INPUT, StepState
 
-ROLE_HYPER = "hyperparameter"   # a param group's number, fed at every call (metadist_torch.hyper)
+ROLE_HYPER = "hyperparameter"  # a param group's number, fed at every call (metadist_torch.hyper)
 
 
 class TraceError(RuntimeError):
@@ -42,10 +43,10 @@ class Conversion:
     """A MetaIR of a functional step graph and how the graph's inputs and outputs map onto it."""
 
     graph: MetaIR
-    in_names: list[str]             # placeholder (MetaIR input) ids, in call order, then the constants'
-    constants: list[torch.Tensor]   # values of get_attr tensor constants, fed after the user inputs
-    state_out: list[int | None]     # per state slot: index into flat outputs of its new value, or None (unchanged)
-    out_vars: list[str | None]      # per flat graph output: MetaIR var id (None for constants)
+    in_names: list[str]  # placeholder (MetaIR input) ids, in call order, then the constants'
+    constants: list[torch.Tensor]  # values of get_attr tensor constants, fed after the user inputs
+    state_out: list[int | None]  # per state slot: index into flat outputs of its new value, or None (unchanged)
+    out_vars: list[str | None]  # per flat graph output: MetaIR var id (None for constants)
     random_ops: list[str] = field(default_factory=list)
 
 
@@ -80,13 +81,17 @@ def state_label(state: StepState, i: int) -> str:
 
 def is_annotation(target: Any) -> bool:
     """Is this fx call target ``metadist::annotate`` (:func:`metadist_torch.annotate`)?"""
-    return isinstance(target, torch._ops.OpOverload) and target.namespace == "metadist" \
+    return (
+        isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "metadist"
         and target._schema.name.split("::")[-1] == "annotate"
+    )
 
 
 def decode_placements(text: str) -> tuple:
     """The placements ``metadist::annotate`` carries, from their short forms (``"S(0),R"``)."""
     from metadist_core.ir.placement import parse_placement
+
     return tuple(parse_placement(p) for p in str(text).split(","))
 
 
@@ -102,8 +107,9 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
     slots = state.slots
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(slots) + n_inputs:
-        raise TraceError(f"traced graph has {len(placeholders)} inputs; expected {len(slots)} state tensors "
-                         f"+ {n_inputs} inputs")
+        raise TraceError(
+            f"traced graph has {len(placeholders)} inputs; expected {len(slots)} state tensors + {n_inputs} inputs"
+        )
     in_names: list[str] = []
     for i, ph in enumerate(placeholders):
         meta = _val_meta(ph.meta.get("val"))
@@ -135,15 +141,19 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
             first = picks[n.args[0]][n.args[1]]
             if first is not n:
                 alias_getitem[n] = first
-    item_of: dict[fx.Node, fx.Node] = {}   # a 0-d tensor's number passed to an op (metadist_torch.hyper)
+    item_of: dict[fx.Node, fx.Node] = {}  # a 0-d tensor's number passed to an op (metadist_torch.hyper)
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
-        if n.target is torch.ops.aten._local_scalar_dense.default and isinstance(n.args[0], fx.Node) \
-                and n.args[0] in var_of and all(u.op == "call_function" for u in n.users):
-            item_of[n] = n.args[0]   # its readers take the tensor as an input, as a number: {"$item": i}
+        if (
+            n.target is torch.ops.aten._local_scalar_dense.default
+            and isinstance(n.args[0], fx.Node)
+            and n.args[0] in var_of
+            and all(u.op == "call_function" for u in n.users)
+        ):
+            item_of[n] = n.args[0]  # its readers take the tensor as an input, as a number: {"$item": i}
             continue
-        if is_annotation(n.target):   # metadist_torch.annotate: the value itself, pinned (no op of its own)
+        if is_annotation(n.target):  # metadist_torch.annotate: the value itself, pinned (no op of its own)
             src = alias_getitem.get(n.args[0], n.args[0])
             var_of[n] = var_of[src]
             g.annotations[var_of[src]] = decode_placements(n.args[1])
@@ -192,8 +202,10 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
                 continue  # nothing used
         else:
             if n.users:
-                raise TraceError(f"graph node {n.name} ({key}) returns {type(val).__name__}, not a tensor; "
-                                 f"data-dependent Python values cannot be planned")
+                raise TraceError(
+                    f"graph node {n.name} ({key}) returns {type(val).__name__}, not a tensor; "
+                    f"data-dependent Python values cannot be planned"
+                )
             continue
         g.add_op(key, op_inputs, outs, attrs, id=n.name, payload=n)
         for on in out_nodes:

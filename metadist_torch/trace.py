@@ -28,6 +28,7 @@ Caveat: SGD with ``dampening != 0`` starts its momentum buffer by a clone of
 the first gradient; the traced step always runs the later-step formula, which
 differs on the very first step. A warning says so.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,15 @@ from metadist_core.ir.ir import MetaIR
 
 from .amp import amp_decompositions
 from .hyper import Hyperparameters, branch_guards, hyper_slots, lift, swapped_values, symbolic_values
-from .state import (OptimizerParamHolder, StepState, capturable_optimizers, collect_state, init_optimizer_state,
-                    optimizers_in, swapped_optimizer)
+from .state import (
+    OptimizerParamHolder,
+    StepState,
+    capturable_optimizers,
+    collect_state,
+    init_optimizer_state,
+    optimizers_in,
+    swapped_optimizer,
+)
 from .gradients import capture_gradients, strip_gradients
 from .functional import functionalize_in_place
 from .to_ir import TraceError, target_key, to_meta_ir
@@ -60,25 +68,25 @@ PROFILER_PREFIX = ("profiler.",)
 class TracedStep:
     """A traced, functional step: the fx graph, its MetaIR and how to feed and read it."""
 
-    gm: fx.GraphModule              # (params, buffers, states, inputs, constants) -> flat outputs
+    gm: fx.GraphModule  # (params, buffers, states, inputs, constants) -> flat outputs
     graph: MetaIR
     state: StepState
-    n_inputs: int                   # user tensor inputs, then the .grad of each parameter of ``grad_in``
-    out_spec: Any                   # pytree spec of the user's return value
-    n_outputs: int                  # flat user outputs (tensors and constants)
-    n_tensor_outputs: int           # of which tensors (the graph's first outputs)
-    out_consts: dict[int, Any]      # flat output index -> non-tensor value
-    in_names: list[str]             # placeholder (MetaIR input) ids, in call order
-    constants: list[torch.Tensor]   # values of get_attr tensor constants, fed after the user inputs
-    state_out: list[int | None]     # per state slot: index into flat outputs of its new value, or None (unchanged)
-    out_vars: list[str | None]      # per flat graph output: MetaIR var id (None for constants)
+    n_inputs: int  # user tensor inputs, then the .grad of each parameter of ``grad_in``
+    out_spec: Any  # pytree spec of the user's return value
+    n_outputs: int  # flat user outputs (tensors and constants)
+    n_tensor_outputs: int  # of which tensors (the graph's first outputs)
+    out_consts: dict[int, Any]  # flat output index -> non-tensor value
+    in_names: list[str]  # placeholder (MetaIR input) ids, in call order
+    constants: list[torch.Tensor]  # values of get_attr tensor constants, fed after the user inputs
+    state_out: list[int | None]  # per state slot: index into flat outputs of its new value, or None (unchanged)
+    out_vars: list[str | None]  # per flat graph output: MetaIR var id (None for constants)
     random_ops: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    example_inputs: list[torch.Tensor] = field(default_factory=list)   # the traced call's user tensors
-    hyper: Hyperparameters = field(default_factory=Hyperparameters.none)   # the param groups' numbers, fed
-    grad_in: list[int] = field(default_factory=list)    # parameters whose .grad the step reads (inputs, last)
-    grad_out: list[int] = field(default_factory=list)   # parameters holding a .grad after it (outputs, last)
-    merged_counters: dict[int, int] = field(default_factory=dict)   # optimizer state slot -> the one read for it
+    example_inputs: list[torch.Tensor] = field(default_factory=list)  # the traced call's user tensors
+    hyper: Hyperparameters = field(default_factory=Hyperparameters.none)  # the param groups' numbers, fed
+    grad_in: list[int] = field(default_factory=list)  # parameters whose .grad the step reads (inputs, last)
+    grad_out: list[int] = field(default_factory=list)  # parameters holding a .grad after it (outputs, last)
+    merged_counters: dict[int, int] = field(default_factory=dict)  # optimizer state slot -> the one read for it
 
     def refresh(self) -> None:
         """Feed the param groups' numbers now (learning rate, betas, ...) to the program: before every run."""
@@ -121,6 +129,7 @@ def _fake_mode() -> Any:
     """The fake mode a step is traced in: static shapes; its ShapeEnv holds the param groups' numbers."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     return FakeTensorMode(allow_fallback_kernels=True, shape_env=ShapeEnv(), static_shapes=True)
 
 
@@ -134,12 +143,23 @@ def _as_fake(examples: list[Any], mode: Any) -> list[Any]:
     heads as their own dim. Fake CPU tensors over the meta storage allocate nothing.
     """
     cpu = torch.device("cpu")
-    return [mode.fake_tensor_converter.from_meta_and_device(mode, t, cpu) if t.device.type == "meta"
-            else mode.from_tensor(t) for t in examples]
+    return [
+        mode.fake_tensor_converter.from_meta_and_device(mode, t, cpu)
+        if t.device.type == "meta"
+        else mode.from_tensor(t)
+        for t in examples
+    ]
 
 
-def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *, name: str | None = None,
-               state: StepState | None = None, example_state: Sequence[torch.Tensor] | None = None) -> TracedStep:
+def trace_step(
+    fn: Callable,
+    args: Sequence[Any],
+    kwargs: dict | None = None,
+    *,
+    name: str | None = None,
+    state: StepState | None = None,
+    example_state: Sequence[torch.Tensor] | None = None,
+) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` (forward, backward, optimizer step) into a functional TracedStep.
 
     ``example_state`` (same order as ``state.slots``) gives the full-size
@@ -165,13 +185,15 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     out_box: dict[str, Any] = {}
 
     def flat(*values: Any):
-        pv, bv, sv = values[:n_p], values[n_p:n_p + n_b], values[n_p + n_b:n_p + n_b + n_s]
-        uv = values[n_p + n_b + n_s:n_p + n_b + n_s + n_user]
-        gv = values[n_p + n_b + n_s + n_user:len(values) - len(hyper)]
-        hv = values[len(values) - len(hyper):]
+        pv, bv, sv = values[:n_p], values[n_p : n_p + n_b], values[n_p + n_b : n_p + n_b + n_s]
+        uv = values[n_p + n_b + n_s : n_p + n_b + n_s + n_user]
+        gv = values[n_p + n_b + n_s + n_user : len(values) - len(hyper)]
+        hv = values[len(values) - len(hyper) :]
         # a frozen parameter (requires_grad=False) gets no gradient, so the optimizer skips it, as in eager
-        new_params = [v.detach().requires_grad_(v.dtype.is_floating_point or v.dtype.is_complex) if f else v
-                      for v, f in zip(pv, trainable)]
+        new_params = [
+            v.detach().requires_grad_(v.dtype.is_floating_point or v.dtype.is_complex) if f else v
+            for v, f in zip(pv, trainable)
+        ]
         for i, g in zip(grad_in, gv):
             new_params[i].grad = g
         groups: dict[int, tuple[torch.nn.Module, dict]] = {}
@@ -211,10 +233,15 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
         out_box["n_tensor_out"] = len(tensors_out) + len(left)
         out_box["grad_out"] = [i for i, _ in left]
         tensors_out += [g for _, g in left]
-        out_box["n_grads"] = len(grads)   # the gradients the optimizers read, as extra outputs (stripped below)
+        out_box["n_grads"] = len(grads)  # the gradients the optimizers read, as extra outputs (stripped below)
         # buffers were updated in place (BatchNorm running stats): functionalization turns that into new values
-        return (*[o.detach() for o in tensors_out], *[p.detach() for p in new_params], *bv, *new_state,
-                *[grads[i] for i in sorted(grads)])
+        return (
+            *[o.detach() for o in tensors_out],
+            *[p.detach() for p in new_params],
+            *bv,
+            *new_state,
+            *[grads[i] for i in sorted(grads)],
+        )
 
     if example_state is None:
         example_state = [s.get() for s in slots]
@@ -222,36 +249,53 @@ def trace_step(fn: Callable, args: Sequence[Any], kwargs: dict | None = None, *,
     mode = _fake_mode()
     user_tensors = [t.detach() for t in user_tensors] + [_plain(state.params[i].get().grad) for i in grad_in]
     examples = _as_fake(list(example_state) + user_tensors, mode)
-    hyper = hyper_slots(state.optimizers)   # the param groups' numbers: symbolic while tracing (metadist_torch.hyper)
+    hyper = hyper_slots(state.optimizers)  # the param groups' numbers: symbolic while tracing (metadist_torch.hyper)
     symbols = symbolic_values(hyper, state.optimizers, mode.shape_env)
     with capturable_optimizers(state.optimizers), _quiet():
         try:
             gm = make_fx(flat, tracing_mode="fake", decomposition_table=_decompositions())(*examples, *symbols)
         except Exception as e:
-            raise TraceError(f"metadist could not trace the step {getattr(fn, '__name__', fn)!r}: "
-                             f"{type(e).__name__}: {e}") from e
+            raise TraceError(
+                f"metadist could not trace the step {getattr(fn, '__name__', fn)!r}: {type(e).__name__}: {e}"
+            ) from e
     t1 = time.perf_counter()
     gm = functionalize_graph(gm, examples + symbols, recompile=False)
     grad_names = set(strip_gradients(gm, out_box["n_grads"], recompile=False))
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    lifted = lift(gm, phs[len(phs) - len(hyper):], [s.node.hint for s in symbols])
+    lifted = lift(gm, phs[len(phs) - len(hyper) :], [s.node.hint for s in symbols])
     guards, pinned = branch_guards(mode.shape_env, hyper, symbols)
-    merged = merge_step_counters(gm, state)   # in place: names kept, merged duplicates gone
-    gm.recompile()   # once: every pass above changed the graph only (a large graph's Python code is slow to make)
+    merged = merge_step_counters(gm, state)  # in place: names kept, merged duplicates gone
+    gm.recompile()  # once: every pass above changed the graph only (a large graph's Python code is slow to make)
     grad_names = [n.name for n in gm.graph.nodes if n.name in grad_names]
     t2 = time.perf_counter()
     n_user_out = out_box["n_tensor_out"]
     spec, consts = out_box["spec"], out_box["consts"]
     conv = to_meta_ir(gm, state, len(user_tensors), n_user_out, name or getattr(fn, "__name__", "step"))
-    for v in grad_names:   # role "gradient": what grad_compression compresses (metadist_core.cost.compression)
+    for v in grad_names:  # role "gradient": what grad_compression compresses (metadist_core.cost.compression)
         if v in conv.graph.vars and conv.graph.vars[v].role == "intermediate":
             conv.graph.vars[v].role = "gradient"
     timings = {"make_fx": t1 - t0, "functionalize": t2 - t1, "to_meta_ir": time.perf_counter() - t2}
-    traced = TracedStep(gm, conv.graph, state, len(user_tensors), spec,
-                        n_user_out - len(out_box["grad_out"]) + len(consts), n_user_out,
-                        consts, conv.in_names, conv.constants, conv.state_out, conv.out_vars, conv.random_ops, timings,
-                        user_tensors, Hyperparameters(hyper, lifted.feeds, guards, {**pinned, **lifted.pinned}),
-                        grad_in, out_box["grad_out"], merged)
+    traced = TracedStep(
+        gm,
+        conv.graph,
+        state,
+        len(user_tensors),
+        spec,
+        n_user_out - len(out_box["grad_out"]) + len(consts),
+        n_user_out,
+        consts,
+        conv.in_names,
+        conv.constants,
+        conv.state_out,
+        conv.out_vars,
+        conv.random_ops,
+        timings,
+        user_tensors,
+        Hyperparameters(hyper, lifted.feeds, guards, {**pinned, **lifted.pinned}),
+        grad_in,
+        out_box["grad_out"],
+        merged,
+    )
     traced.refresh()
     return traced
 
@@ -262,8 +306,9 @@ def _bn_with_stats(input, weight, bias, running_mean, running_var, training, mom
     aten = torch.ops.aten
     if running_mean is None or running_var is None:
         return aten._native_batch_norm_legit.no_stats(input, weight, bias, training, momentum, eps)
-    return aten._native_batch_norm_legit.default(input, weight, bias, running_mean, running_var, training,
-                                                 momentum, eps)
+    return aten._native_batch_norm_legit.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
+    )
 
 
 def _nll_loss_mean(self, target, weight, reduction, ignore_index):
@@ -286,8 +331,11 @@ def _nll_loss_mean(self, target, weight, reduction, ignore_index):
 
 def _decompositions() -> dict:
     # amp: the fused optimizers and GradScaler kernels take lists of tensors; traced per tensor (metadist_torch.amp)
-    return {**amp_decompositions(), torch.ops.aten.native_batch_norm.default: _bn_with_stats,
-            torch.ops.aten.nll_loss_forward.default: _nll_loss_mean}
+    return {
+        **amp_decompositions(),
+        torch.ops.aten.native_batch_norm.default: _bn_with_stats,
+        torch.ops.aten.nll_loss_forward.default: _nll_loss_mean,
+    }
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -306,6 +354,7 @@ def _store_grads(state: StepState, grad_in: Sequence[int], grad_out: Sequence[in
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
             from torch.distributed.tensor import DTensor, Replicate
+
             g = DTensor.from_local(g.to(p.to_local().device), mesh, [Replicate()] * mesh.ndim, run_check=False)
         p.grad = g
 
@@ -314,6 +363,7 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor of the full shape for tracing (DTensors are traced by their global shape)."""
     try:
         from torch.distributed.tensor import DTensor
+
         if isinstance(t, DTensor):
             return torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
     except ImportError:  # pragma: no cover
@@ -333,10 +383,11 @@ def functionalize_graph(gm: fx.GraphModule, examples: Sequence[torch.Tensor], re
     """Functionalize a captured graph (in-place ops -> functional ops) and clean it for MetaIR (``recompile``:
     make its Python code; a caller that changes the graph further does it once at the end)."""
     from torch.fx.experimental.proxy_tensor import make_fx
+
     _drop_profiler_nodes(gm)
-    if functionalize_in_place(gm):   # the common case: one pass over the nodes (metadist_torch/functional.py)
+    if functionalize_in_place(gm):  # the common case: one pass over the nodes (metadist_torch/functional.py)
         fgm = gm
-    else:                            # aliasing the pass does not follow: trace it again, functionalized
+    else:  # aliasing the pass does not follow: trace it again, functionalized
         gm.recompile()
         fgm = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*examples)
         _drop_profiler_nodes(fgm)
@@ -368,8 +419,9 @@ def _seed_by_shape(gm: fx.GraphModule) -> None:
         if not isinstance(v, torch.Tensor) or v.dim() != 0:
             continue
         with gm.graph.inserting_before(n):
-            f = gm.graph.call_function(torch.ops.aten.full.default, ([], 1),
-                                       {"dtype": v.dtype, "device": v.device, "pin_memory": False})
+            f = gm.graph.call_function(
+                torch.ops.aten.full.default, ([], 1), {"dtype": v.dtype, "device": v.device, "pin_memory": False}
+            )
         f.meta.update(n.meta)
         n.replace_all_uses_with(f)
         gm.graph.erase_node(n)
@@ -411,7 +463,7 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> dict[int, int]:
     rep = _value_numbers(gm.graph, {phs[i]: phs[i0] for i, i0 in merged.items()})
     out = next(n for n in gm.graph.nodes if n.op == "output")
     flat = pytree.tree_leaves(out.args[0])
-    outs = flat[len(flat) - len(state.slots):]
+    outs = flat[len(flat) - len(state.slots) :]
     for i, i0 in merged.items():
         if rep.get(outs[i], outs[i]) is not rep.get(outs[i0], outs[i0]):
             log.debug("step counters update differently; not merged")
@@ -438,6 +490,7 @@ def _value_numbers(graph: fx.Graph, same: dict[fx.Node, fx.Node]) -> dict[fx.Nod
     """Common subexpressions: per node, the first node of the graph computing the same value, reading the
     placeholders ``same`` maps as the ones they map to. Random and impure ops are never merged."""
     from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
+
     banned = set(get_CSE_banned_ops())
     rep: dict[fx.Node, fx.Node] = {}
     seen: dict[tuple, fx.Node] = {}
@@ -447,15 +500,23 @@ def _value_numbers(graph: fx.Graph, same: dict[fx.Node, fx.Node]) -> dict[fx.Nod
             rep[n] = same.get(n, n)
             continue
         t = n.target
-        if n.op != "call_function" or getattr(t, "overloadpacket", t) in banned or \
-                (isinstance(t, torch._ops.OpOverload) and (torch.Tag.nondeterministic_seeded in t.tags
-                                                          or t._schema.is_mutable)):
+        if (
+            n.op != "call_function"
+            or getattr(t, "overloadpacket", t) in banned
+            or (
+                isinstance(t, torch._ops.OpOverload)
+                and (torch.Tag.nondeterministic_seeded in t.tags or t._schema.is_mutable)
+            )
+        ):
             continue
-        key = (t, _frozen(fx.node.map_arg(n.args, lambda a: rep[a])),
-               _frozen(fx.node.map_arg(n.kwargs, lambda a: rep[a])))
+        key = (
+            t,
+            _frozen(fx.node.map_arg(n.args, lambda a: rep[a])),
+            _frozen(fx.node.map_arg(n.kwargs, lambda a: rep[a])),
+        )
         try:
             rep[n] = seen.setdefault(key, n)
-        except TypeError:   # an unhashable argument: left alone
+        except TypeError:  # an unhashable argument: left alone
             pass
     return rep
 
@@ -473,8 +534,12 @@ def _drop_input_copies(gm: fx.GraphModule) -> None:
     """Remove ``copy_(placeholder, value)`` that functionalization adds for mutated inputs."""
     g = gm.graph
     for n in list(g.nodes):
-        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder" \
-                and not n.users:
+        if (
+            n.op == "call_function"
+            and n.target is torch.ops.aten.copy_.default
+            and n.args[0].op == "placeholder"
+            and not n.users
+        ):
             g.erase_node(n)
 
 

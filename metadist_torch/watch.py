@@ -32,6 +32,7 @@ Guards, checked at every call by :class:`StepWatch` (a change re-plans, see
   every parameter, and torch's global module hooks;
 - a GradScaler's settings (enabled, growth and backoff factors, interval).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -44,8 +45,12 @@ from .engine import agree_on
 from .hyper import is_fed
 from .trace import TracedStep
 
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
 
 
 def _hook_keys(d: Any) -> tuple:
@@ -67,17 +72,26 @@ class StepWatch(Watch):
         self.checks: list[tuple[str, Callable[[], Any]]] = [
             ("requires_grad of the parameters", lambda: tuple(s.get().requires_grad for s in st.params)),
             ("which parameters hold a .grad", lambda: tuple(s.get().grad is not None for s in st.params)),
-            ("dtype or device of a parameter or buffer",
-             lambda: tuple((t.dtype, t.device.type) for t in (s.get() for s in st.params + st.buffers))),
+            (
+                "dtype or device of a parameter or buffer",
+                lambda: tuple((t.dtype, t.device.type) for t in (s.get() for s in st.params + st.buffers)),
+            ),
             ("a module's training flag (train()/eval())", lambda: tuple(m.training for m in self.modules)),
             ("the optimizer's param groups (add_param_group, or other parameters in a group)", self._groups),
             ("a non-numeric entry of the optimizer's param groups", self._group_flags),
             ("the optimizer's state (load_state_dict, or state of another kind)", self._opt_state),
             ("grad mode or autocast", _modes),
             ("hooks on the model or its parameters", self._hooks),
-            ("a GradScaler's settings", lambda: tuple(
-                (sc.is_enabled(), *(getattr(sc, k, None) for k in ("_growth_factor", "_backoff_factor",
-                                                                   "_growth_interval"))) for sc in st.scalers)),
+            (
+                "a GradScaler's settings",
+                lambda: tuple(
+                    (
+                        sc.is_enabled(),
+                        *(getattr(sc, k, None) for k in ("_growth_factor", "_backoff_factor", "_growth_interval")),
+                    )
+                    for sc in st.scalers
+                ),
+            ),
         ]
         self.snapshot = [fn() for _, fn in self.checks]
 
@@ -86,8 +100,10 @@ class StepWatch(Watch):
 
     def _groups(self) -> tuple:
         index = self._params_now()
-        return tuple(tuple(tuple(index.get(id(p), -1) for p in g["params"]) for g in opt.param_groups)
-                     for opt in self.traced.state.optimizers)
+        return tuple(
+            tuple(tuple(index.get(id(p), -1) for p in g["params"]) for g in opt.param_groups)
+            for opt in self.traced.state.optimizers
+        )
 
     def _group_flags(self) -> tuple:
         out = []
@@ -95,7 +111,7 @@ class StepWatch(Watch):
             for g in opt.param_groups:
                 for k in sorted(g):
                     v = g[k]
-                    if k == "params" or is_fed(v):   # the numbers are inputs (metadist_torch.hyper)
+                    if k == "params" or is_fed(v):  # the numbers are inputs (metadist_torch.hyper)
                         continue
                     out.append((k, id(v) if isinstance(v, torch.Tensor) else v))
         return tuple(out)
@@ -122,11 +138,21 @@ class StepWatch(Watch):
     def _hooks(self) -> tuple:
         """The handles of every hook (each handle's id is new: a hook removed and another added differ)."""
         import torch.nn.modules.module as mm
-        mods = [k for m in self.modules for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
-                                                  m._backward_pre_hooks) if d for k in d]
-        params = [k for s in self.traced.state.params for d in (getattr(s.get(), "_backward_hooks", None),
-                                                               getattr(s.get(), "_post_accumulate_grad_hooks", None))
-                  if d for k in d]
+
+        mods = [
+            k
+            for m in self.modules
+            for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+            if d
+            for k in d
+        ]
+        params = [
+            k
+            for s in self.traced.state.params
+            for d in (getattr(s.get(), "_backward_hooks", None), getattr(s.get(), "_post_accumulate_grad_hooks", None))
+            if d
+            for k in d
+        ]
         return tuple(mods), tuple(params), tuple(_hook_keys(getattr(mm, k, None)) for k in _GLOBAL_HOOKS)
 
     def failed(self, args: tuple, kwargs: dict, returning: bool = True) -> str | None:
@@ -140,7 +166,7 @@ class StepWatch(Watch):
 
     def token(self) -> int:
         """A number every rank computes alike from what the step reads now (the param groups' numbers)."""
-        return hash(tuple(self.traced.hyper.values(self.traced.state.optimizers))) % (2 ** 62)
+        return hash(tuple(self.traced.hyper.values(self.traced.state.optimizers))) % (2**62)
 
     def agree(self, decision: Sequence[int]) -> None:
         """Every rank holds the same ``decision`` (which compiled program runs) and the same numbers, or every
@@ -148,11 +174,14 @@ class StepWatch(Watch):
         eng = self.engine
         if eng is None or not eng.distributed:
             return
-        agree_on(eng, [*decision, self.token()],
-                 "the ranks disagree on {what}: their Python state differs (rank-dependent code in the training "
-                 "loop: a learning rate, a frozen layer or a train/eval switch set on some ranks only). Every "
-                 "rank must change the same things between calls.",
-                 ["which compiled program to run", "how many were compiled", "the optimizer's numbers"])
+        agree_on(
+            eng,
+            [*decision, self.token()],
+            "the ranks disagree on {what}: their Python state differs (rank-dependent code in the training "
+            "loop: a learning rate, a frozen layer or a train/eval switch set on some ranks only). Every "
+            "rank must change the same things between calls.",
+            ["which compiled program to run", "how many were compiled", "the optimizer's numbers"],
+        )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -165,7 +194,7 @@ def _modes() -> tuple:
     for dev in ("cpu", "cuda"):
         try:
             out += [torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)]
-        except (RuntimeError, AttributeError):   # pragma: no cover - a build without that device type
+        except (RuntimeError, AttributeError):  # pragma: no cover - a build without that device type
             out.append(None)
     return tuple(out)
 

@@ -11,6 +11,7 @@ decorated by ``@metadist_tvm.op``, then::
 ``rules_for(builder, *example_inputs, axis_size=2)`` returns the verified
 one-axis ShardingRules of one TE operator.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,21 +33,25 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2, **kwargs: Any):
     >>> rules_for(tvm.topi.nn.matmul, np.ones((8, 4)), np.ones((4, 6)))  # doctest: +SKIP
     """
     from .oprunner import rules_for as _rules_for
+
     return _rules_for(op, *example_inputs, axis_size=axis_size, **kwargs)
 
 
 def parallelize(inputs, outputs, mesh=None, **kwargs):
     """Split a TE graph over ``mesh`` and return a callable running it; see :func:`metadist_tvm.execute.parallelize`."""
     from .execute import parallelize as _parallelize
+
     return _parallelize(inputs, outputs, mesh, **kwargs)
 
 
-def __getattr__(name: str) -> Any:   # tvm is imported only when the TE parts are used
+def __getattr__(name: str) -> Any:  # tvm is imported only when the TE parts are used
     if name in ("topi", "op", "clear_records"):
         from . import record
+
         return getattr(record, name)
     if name == "kernel_cache":
         from .oprunner import kernel_cache
+
         return kernel_cache
     raise AttributeError(f"module 'metadist_tvm' has no attribute {name!r}")
 

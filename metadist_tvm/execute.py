@@ -9,6 +9,7 @@ is a :class:`~metadist_tvm.runtime.Parallelized`.
 ``engine="auto"`` picks ``torch`` when torchrun started this process with
 more than one rank and ``simulate`` else.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -21,16 +22,27 @@ def plugin_manager(plugins: Any = None) -> Any:
     """``plugins`` (default a new PluginManager) with the tvm frontend registered (say, from a checkout)."""
     from metadist_core.plugins import PluginManager
     from . import plugin
+
     pm = plugins or PluginManager()
     if pm.pm.get_plugin("frontend:tvm") is None:
         pm.register(plugin, "frontend", "tvm")
     return pm
 
 
-def parallelize(inputs: Sequence[Any], outputs: Any, mesh: Any = None, *, solver: str | None = None,
-                engine: str = "auto", memory_budget: int | None = None, cache_dir: str | None = None,
-                constraints: Any = None, plugins: Any = None, name: str = "te_graph",
-                solver_options: Mapping | None = None) -> Parallelized:
+def parallelize(
+    inputs: Sequence[Any],
+    outputs: Any,
+    mesh: Any = None,
+    *,
+    solver: str | None = None,
+    engine: str = "auto",
+    memory_budget: int | None = None,
+    cache_dir: str | None = None,
+    constraints: Any = None,
+    plugins: Any = None,
+    name: str = "te_graph",
+    solver_options: Mapping | None = None,
+) -> Parallelized:
     """Split the TE graph from placeholders ``inputs`` to ``outputs`` over ``mesh``; a callable running it.
 
     ``outputs`` is one te.Tensor (the callable then returns one array) or a
@@ -47,9 +59,17 @@ def parallelize(inputs: Sequence[Any], outputs: Any, mesh: Any = None, *, solver
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     settings = load_settings(solver=solver, memory_budget=memory_budget, cache_dir=cache_dir)
-    res = compile_step(TvmFrontend(engine), None, (inputs, outputs), {"name": name}, settings, mesh=mesh,
-                       plugins=plugin_manager(plugins), constraints=constraints,
-                       solver_options=dict(solver_options or {}))
+    res = compile_step(
+        TvmFrontend(engine),
+        None,
+        (inputs, outputs),
+        {"name": name},
+        settings,
+        mesh=mesh,
+        plugins=plugin_manager(plugins),
+        constraints=constraints,
+        solver_options=dict(solver_options or {}),
+    )
     return res.runnable.with_result(res)
 
 

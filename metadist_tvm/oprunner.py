@@ -10,6 +10,7 @@ counts the compilations.
 Discovery runs float ops in float64 (the kernels are rebuilt in float64), so
 that ShardCombine's tolerance stays tight; integer inputs keep their dtype.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,7 @@ TARGET = "llvm"
 class Kernel:
     """One compiled op at fixed input shapes and dtypes."""
 
-    func: Any                                 # the compiled "main"
+    func: Any  # the compiled "main"
     in_shapes: tuple[tuple[int, ...], ...]
     in_dtypes: tuple[str, ...]
     out_shapes: tuple[tuple[int, ...], ...]
@@ -65,8 +66,8 @@ class KernelCache:
     def __init__(self) -> None:
         self._kernels: dict[tuple, Kernel] = {}
         self._lock = threading.Lock()
-        self.builds = 0   # compilations done
-        self.hits = 0     # lookups served from the cache
+        self.builds = 0  # compilations done
+        self.hits = 0  # lookups served from the cache
 
     def __len__(self) -> int:
         return len(self._kernels)
@@ -107,12 +108,17 @@ def build_kernel(call: Call, shapes: Sequence[tuple[int, ...]], dtypes: Sequence
     for o in outs:
         if any(o.same_as(p) for p in phs):
             raise Unrunnable(f"{call.key} returns one of its inputs unchanged; nothing to compile")
-    if call.fixed:   # the compute reads its own placeholders: they are the kernel's arguments
+    if call.fixed:  # the compute reads its own placeholders: they are the kernel's arguments
         phs = list(call.inputs)
     func = te.create_prim_func([*phs, *outs])
     exe = tvm.compile(tvm.IRModule({"main": func}), target=TARGET)
-    return Kernel(exe["main"], tuple(shapes), tuple(dtypes),
-                  tuple(tuple(int(s) for s in o.shape) for o in outs), tuple(str(o.dtype) for o in outs))
+    return Kernel(
+        exe["main"],
+        tuple(shapes),
+        tuple(dtypes),
+        tuple(tuple(int(s) for s in o.shape) for o in outs),
+        tuple(str(o.dtype) for o in outs),
+    )
 
 
 def run_call(call: Call, arrays: Sequence[np.ndarray], cache: KernelCache | None = None) -> list[np.ndarray]:
@@ -146,8 +152,9 @@ def discovery_dtype(dtype: str) -> np.dtype:
     return d
 
 
-def spec_for_call(call: Call, examples: Sequence[np.ndarray], out_shape: Sequence[int] | None = None,
-                  cache: KernelCache | None = None) -> OpSpec:
+def spec_for_call(
+    call: Call, examples: Sequence[np.ndarray], out_shape: Sequence[int] | None = None, cache: KernelCache | None = None
+) -> OpSpec:
     """An OpSpec running ``call`` on numpy inputs; a reshape op gets its ``reshape_fn``."""
     cache = cache or _DEFAULT_CACHE
     examples = _runnable_examples(call, list(examples), cache)
@@ -206,7 +213,7 @@ def op_spec(op: MetaOp, graph: MetaIR, seed: int = 0) -> OpSpec:
     if call.opaque:
         raise Unrunnable(f"{op.key} cannot be rebuilt at shard shapes: {call.opaque}")
     hint = getattr(graph, "proxy_sizes", None)
-    if hint:   # the op at proxy sizes (metadist_core.discovery.patterns.proxy_op): its static arguments follow
+    if hint:  # the op at proxy sizes (metadist_core.discovery.patterns.proxy_op): its static arguments follow
         call = proxied_call(call, hint["map"], hint["small"])
     rng = np.random.default_rng(seed)
     examples = [_example(graph.vars[v].shape, graph.vars[v].dtype, rng) for v in op.inputs]
@@ -241,8 +248,9 @@ def proxied_call(call: Call, sizes: dict, small: int) -> Call:
     if call.fixed:
         raise NoProxy("it computes on its own placeholders, at their shapes")
     sizes = {int(k): int(v) for k, v in sizes.items()}
-    return dataclasses.replace(call, args=_proxied(call.args, sizes, small),
-                               kwargs=_proxied(dict(call.kwargs), sizes, small))
+    return dataclasses.replace(
+        call, args=_proxied(call.args, sizes, small), kwargs=_proxied(dict(call.kwargs), sizes, small)
+    )
 
 
 def op_cost(op: MetaOp, graph: MetaIR) -> tuple[float, float]:
@@ -258,10 +266,10 @@ def op_cost(op: MetaOp, graph: MetaIR) -> tuple[float, float]:
         red = ins[0].shape[-2] if ta else ins[0].shape[-1]
         return 2.0 * out_elems * red, nbytes
     call = op.payload
-    if isinstance(call, Call) and isinstance(call.fn, ComputeRebuilder):   # a plain compute: its loops
+    if isinstance(call, Call) and isinstance(call.fn, ComputeRebuilder):  # a plain compute: its loops
         rb = call.fn
         red = 1
-        for e in rb.extents[rb.n_axis:]:
+        for e in rb.extents[rb.n_axis :]:
             red *= e
         return (2.0 * out_elems * red if red > 1 else float(sum(v.numel for v in ins) + out_elems)), nbytes
     if k.startswith("te.topi.nn.conv") and len(ins) >= 2:
@@ -297,8 +305,10 @@ def call_from(builder: Any, example_inputs: Sequence[Any], kwargs: dict | None =
             raise ValueError(f"{call.key} takes {call.n_inputs} tensor inputs, got {len(arrays)} examples")
         return call, [np.asarray(a, dtype=discovery_dtype(str(a.dtype))) for a in arrays]
     if not callable(builder):
-        raise TypeError(f"rules_for takes a TE builder (a tvm.topi operator or a function returning te tensors) "
-                        f"or a recorded te.Tensor, got {type(builder).__name__}")
+        raise TypeError(
+            f"rules_for takes a TE builder (a tvm.topi operator or a function returning te tensors) "
+            f"or a recorded te.Tensor, got {type(builder).__name__}"
+        )
     key = getattr(builder, "__metadist_key__", None)
     fn = getattr(builder, "__wrapped__", builder) if key else builder
     if key is None:

@@ -11,6 +11,7 @@ warns once, naming it.
 
 Calls made here are remembered like recorded ones (:func:`metadist_tvm.record.lookup`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,9 +53,11 @@ class FixedOp:
     def __call__(self, *tensors: Any) -> list:
         for x, orig in zip(tensors, self.placeholders):
             if shape_of(x) != shape_of(orig) or str(x.dtype) != str(orig.dtype):
-                raise NotRebuildable(f"{op_kind(self.op)} {self.op.name!r} runs only at its own shapes; "
-                                     f"{orig.op.name!r} is {shape_of(orig)} {orig.dtype}, got {shape_of(x)} "
-                                     f"{x.dtype}")
+                raise NotRebuildable(
+                    f"{op_kind(self.op)} {self.op.name!r} runs only at its own shapes; "
+                    f"{orig.op.name!r} is {shape_of(orig)} {orig.dtype}, got {shape_of(x)} "
+                    f"{x.dtype}"
+                )
         return [self.op.output(i) for i in range(self.op.num_outputs)]
 
 
@@ -62,8 +65,18 @@ def opaque_call(op: Any, reason: str) -> Call:
     """A call running ``op`` whole, from the placeholders upstream of it (it recomputes what lies between)."""
     outs = [op.output(i) for i in range(op.num_outputs)]
     phs = upstream_placeholders(outs)
-    return Call(op_key(op), FixedOp(op, phs), tuple(Slot(i) for i in range(len(phs))), {}, len(phs),
-                list(phs), outs, fixed=True, info={"opaque": reason}, opaque=reason)
+    return Call(
+        op_key(op),
+        FixedOp(op, phs),
+        tuple(Slot(i) for i in range(len(phs))),
+        {},
+        len(phs),
+        list(phs),
+        outs,
+        fixed=True,
+        info={"opaque": reason},
+        opaque=reason,
+    )
 
 
 def plain_call(t: Any) -> Call:
@@ -78,11 +91,19 @@ def plain_call(t: Any) -> Call:
         rb = ComputeRebuilder(op)
         verify(rb)
         ins = list(rb.inputs)
-        call = Call(op_key(op), rb, tuple(Slot(i) for i in range(len(ins))), {}, len(ins), ins,
-                    [op.output(i) for i in range(op.num_outputs)], info={"body": rb.fingerprint, "tag": op.tag})
+        call = Call(
+            op_key(op),
+            rb,
+            tuple(Slot(i) for i in range(len(ins))),
+            {},
+            len(ins),
+            ins,
+            [op.output(i) for i in range(op.num_outputs)],
+            info={"body": rb.fingerprint, "tag": op.tag},
+        )
     except NotRebuildable as e:
         call = opaque_call(op, str(e))
-    except Exception as e:   # a rebuild TVM refuses: run it whole
+    except Exception as e:  # a rebuild TVM refuses: run it whole
         call = opaque_call(op, f"rebuilding it failed: {type(e).__name__}: {e}")
     if call.opaque:
         log.info("%s %r cannot be split: %s", op_kind(op), op.name, call.opaque)

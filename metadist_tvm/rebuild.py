@@ -19,6 +19,7 @@ keeps its size: a shape that would change such a dim is refused with
 Before a rebuilder is trusted, :func:`verify` checks that the rebuilt kernel
 at the original shapes gives the original compute's output.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
@@ -29,8 +30,28 @@ import tvm.tirx as tx
 from tvm import te
 
 LOAD = "te.tensor_load"
-BINARY = tuple(getattr(tx, n) for n in ("Add", "Sub", "Mul", "Div", "Mod", "FloorDiv", "FloorMod", "Min", "Max",
-                                          "EQ", "NE", "LT", "LE", "GT", "GE", "And", "Or"))
+BINARY = tuple(
+    getattr(tx, n)
+    for n in (
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Mod",
+        "FloorDiv",
+        "FloorMod",
+        "Min",
+        "Max",
+        "EQ",
+        "NE",
+        "LT",
+        "LE",
+        "GT",
+        "GE",
+        "And",
+        "Or",
+    )
+)
 
 
 class NotRebuildable(ValueError):
@@ -60,13 +81,16 @@ class ComputeRebuilder:
         self.iter_vars = list(op.axis) + list(op.reduce_axis)
         self.n_axis = len(op.axis)
         self.extents = [int(iv.dom.extent) for iv in self.iter_vars]
-        self.ties: list[set[tuple[int, int]]] = [set() for _ in self.iter_vars]   # (input, dim) bare-indexed
-        self.other_use: set[int] = set()             # iter vars used anywhere but as a bare load index
-        self.computed_dims: set[tuple[int, int]] = set()   # (input, dim) read at a computed index
+        self.ties: list[set[tuple[int, int]]] = [set() for _ in self.iter_vars]  # (input, dim) bare-indexed
+        self.other_use: set[int] = set()  # iter vars used anywhere but as a bare load index
+        self.computed_dims: set[tuple[int, int]] = set()  # (input, dim) read at a computed index
         self.fingerprint = " ; ".join(self.describe(b) for b in op.body)
-        self.free = [k not in self.other_use and int(iv.dom.min) == 0
-                     and all(self.in_shapes[i][d] == self.extents[k] for i, d in self.ties[k])
-                     for k, iv in enumerate(self.iter_vars)]
+        self.free = [
+            k not in self.other_use
+            and int(iv.dom.min) == 0
+            and all(self.in_shapes[i][d] == self.extents[k] for i, d in self.ties[k])
+            for k, iv in enumerate(self.iter_vars)
+        ]
 
     def __repr__(self) -> str:
         return f"compute.{self.op.name}"
@@ -134,11 +158,14 @@ class ComputeRebuilder:
                 if self.var_index(iv.var) is None:
                     raise NotRebuildable(f"compute {self.op.name!r} reduces over an axis it does not declare")
             comb = e.combiner
-            return (f"Reduce[{', '.join(str(r) for r in comb.result)} | {', '.join(str(x) for x in comb.identity_element)}]"
-                    f"({', '.join(d(s) for s in e.source)}; over {[self.var_index(iv.var) for iv in e.axis]}; "
-                    f"if {d(e.condition)}; init {[d(x) for x in e.init]}; #{e.value_index})")
-        raise NotRebuildable(f"compute {self.op.name!r} holds a {type(e).__name__} expression, which MetaDist "
-                             f"cannot rewrite")
+            return (
+                f"Reduce[{', '.join(str(r) for r in comb.result)} | {', '.join(str(x) for x in comb.identity_element)}]"
+                f"({', '.join(d(s) for s in e.source)}; over {[self.var_index(iv.var) for iv in e.axis]}; "
+                f"if {d(e.condition)}; init {[d(x) for x in e.init]}; #{e.value_index})"
+            )
+        raise NotRebuildable(
+            f"compute {self.op.name!r} holds a {type(e).__name__} expression, which MetaDist cannot rewrite"
+        )
 
     # -- new shapes ----------------------------------------------------------------
     def new_extents(self, shapes: Sequence[Sequence[int]]) -> list[int]:
@@ -154,10 +181,13 @@ class ComputeRebuilder:
                 if a == b:
                     continue
                 movable = (i, dim) not in self.computed_dims and all(
-                    self.free[k] for k, t in enumerate(self.ties) if (i, dim) in t)
+                    self.free[k] for k, t in enumerate(self.ties) if (i, dim) in t
+                )
                 if not movable:
-                    raise NotRebuildable(f"compute {name!r} reads dim {dim} of input {i} (size {b}) at computed "
-                                         f"indices, so it cannot take size {a}")
+                    raise NotRebuildable(
+                        f"compute {name!r} reads dim {dim} of input {i} (size {b}) at computed "
+                        f"indices, so it cannot take size {a}"
+                    )
         out = []
         for k, ext in enumerate(self.extents):
             if not self.free[k] or not self.ties[k]:
@@ -166,26 +196,30 @@ class ComputeRebuilder:
             deltas = {shapes[i][d] - self.in_shapes[i][d] for i, d in self.ties[k]}
             if len(deltas) != 1:
                 dims = ", ".join(f"input {i} dim {d} = {shapes[i][d]}" for i, d in sorted(self.ties[k]))
-                raise NotRebuildable(f"axis {self.iter_vars[k].var.name} of compute {name!r} indexes dims that "
-                                     f"must agree, got {dims}")
+                raise NotRebuildable(
+                    f"axis {self.iter_vars[k].var.name} of compute {name!r} indexes dims that must agree, got {dims}"
+                )
             out.append(ext + deltas.pop())
         return out
 
     def __call__(self, *tensors: Any) -> list:
         exts = self.new_extents([shape_of(t) for t in tensors])
-        raxes = [te.reduce_axis((0, exts[k]), name=self.iter_vars[k].var.name)
-                 for k in range(self.n_axis, len(self.iter_vars))]
+        raxes = [
+            te.reduce_axis((0, exts[k]), name=self.iter_vars[k].var.name)
+            for k in range(self.n_axis, len(self.iter_vars))
+        ]
 
         def body(*out_vars: Any) -> Any:
             env: list[Any] = list(out_vars) + [r.var for r in raxes]
             outs = [self.rewrite(b, env, raxes, tensors) for b in self.op.body]
             return outs[0] if len(outs) == 1 else outs
 
-        res = te.compute(tuple(exts[:self.n_axis]), body, name=self.op.name, tag=self.op.tag)
+        res = te.compute(tuple(exts[: self.n_axis]), body, name=self.op.name, tag=self.op.tag)
         return [res] if isinstance(res, te.Tensor) else list(res)
 
     def rewrite(self, e: Any, env: list, raxes: list, tensors: Sequence[Any]) -> Any:
         """``e`` with iter var ``k`` replaced by ``env[k]`` and loads of input ``i`` by loads of ``tensors[i]``."""
+
         def r(x: Any) -> Any:
             return self.rewrite(x, env, raxes, tensors)
 
@@ -211,8 +245,9 @@ class ComputeRebuilder:
             return tvm.ir.Call(e.op, [r(a) for a in e.args], ret_ty=e.ty)
         if isinstance(e, tx.Reduce):
             rdom = [raxes[self.var_index(iv.var) - self.n_axis] for iv in e.axis]
-            return tx.Reduce(e.combiner, [r(s) for s in e.source], rdom, r(e.condition), e.value_index,
-                             [r(x) for x in e.init])
+            return tx.Reduce(
+                e.combiner, [r(s) for s in e.source], rdom, r(e.condition), e.value_index, [r(x) for x in e.init]
+            )
         raise NotRebuildable(f"compute {self.op.name!r} holds a {type(e).__name__} expression")
 
 
@@ -278,5 +313,7 @@ def verify(rebuilder: ComputeRebuilder, seed: int = 0) -> None:
     for i, (a, b) in enumerate(zip(want, got)):
         a, b = a.numpy(), b.numpy()
         if a.shape != b.shape or not np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True):
-            raise NotRebuildable(f"compute {op.name!r} rebuilt at its own shapes does not give its output {i} "
-                                 f"(max difference {np.max(np.abs(a.astype(float) - b.astype(float))):.3g})")
+            raise NotRebuildable(
+                f"compute {op.name!r} rebuilt at its own shapes does not give its output {i} "
+                f"(max difference {np.max(np.abs(a.astype(float) - b.astype(float))):.3g})"
+            )

@@ -14,6 +14,7 @@ decorated with :func:`op`; calls for plain computes are made when tracing
 meets them (:mod:`metadist_tvm.plain`). Tracing walks the compute DAG from the
 outputs and finds, for each tensor, the call that made it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -52,9 +53,9 @@ class Call:
     n_inputs: int
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
-    fixed: bool = False   # it runs only on its own placeholders (``inputs``), at their shapes
-    info: dict = field(default_factory=dict)   # more static attrs (a rebuilt compute's body text)
-    opaque: str = ""      # why the op cannot be split (it then runs replicated), or "" when it can
+    fixed: bool = False  # it runs only on its own placeholders (``inputs``), at their shapes
+    info: dict = field(default_factory=dict)  # more static attrs (a rebuilt compute's body text)
+    opaque: str = ""  # why the op cannot be split (it then runs replicated), or "" when it can
 
     @property
     def fn_name(self) -> str:
@@ -69,12 +70,12 @@ class Call:
     def cache_key(self) -> tuple:
         """What makes two calls build the same kernel at the same shapes: key, builder, static arguments."""
         import json
+
         return (self.key, id(self.fn), json.dumps(self.attrs(), sort_keys=True))
 
     def attrs(self) -> dict:
         """The static arguments as JSON-able attrs (tensor inputs appear as ``{"$in": i}``)."""
-        return {"fn": self.fn_name, "args": to_json(list(self.args)), "kwargs": to_json(dict(self.kwargs)),
-                **self.info}
+        return {"fn": self.fn_name, "args": to_json(list(self.args)), "kwargs": to_json(dict(self.kwargs)), **self.info}
 
     def with_arg(self, position: int, value: Any) -> "Call":
         """The same call with positional argument ``position`` replaced (say, a reshape's target shape)."""
@@ -162,7 +163,7 @@ def flatten_tensors(out: Any) -> list:
 # -- the registry of recorded calls ---------------------------------------------
 
 _state = threading.local()
-_RECORDS: dict = {}   # te.Tensor -> (Call, output index)
+_RECORDS: dict = {}  # te.Tensor -> (Call, output index)
 
 
 def _depth() -> int:
@@ -207,7 +208,7 @@ def call_and_record(key: str, fn: Callable[..., Any], args: tuple, kwargs: dict)
         out = fn(*args, **kwargs)
     outs = flatten_tensors(out)
     if not outs or any(o.same_as(t) for o in outs for t in found):
-        return out   # not a tensor op, or it handed an input back (an identity): nothing to record
+        return out  # not a tensor op, or it handed an input back (an identity): nothing to record
     if any(isinstance(o.op, te.PlaceholderOp) for o in outs):
         return out
     call = Call(key, fn, targs, tkwargs, len(found), list(found), list(outs))

@@ -22,6 +22,7 @@ its numbers are those of the all_reduce bit for bit on any number of ranks (a
 gloo reduce_scatter sums in another order from 3 ranks on); ``avg`` of an
 integer tensor is cast back to its dtype, as the simulator does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,8 +49,10 @@ def start_process_group() -> tuple[int, int]:
     """(rank, world size) of the job, the default process group started on gloo when torchrun launched more
     than one rank and none is running yet (a plain process is world size 1 and needs none)."""
     if not dist.is_available():
-        raise RuntimeError("torch.distributed is not available in this torch build, so engine='torch' cannot "
-                           "run; use engine='simulate' or a torch build with distributed support")
+        raise RuntimeError(
+            "torch.distributed is not available in this torch build, so engine='torch' cannot "
+            "run; use engine='simulate' or a torch build with distributed support"
+        )
     if not dist.is_initialized() and world_info()[1] > 1:
         dist.init_process_group("gloo")
         log.info("started process group gloo: rank %d of %d", *world_info())
@@ -79,12 +82,14 @@ class RankCollectives(Collectives):
         self.mesh, self.coords = engine.mesh, engine.coords
         self.stats = CommStats()
         groups = engine.groups()
-        self.comms = [AxisComm(a, None if groups is None else groups[a], engine.mesh.shape[a], engine.coords[a],
-                               self.stats) for a in range(engine.mesh.ndim)]
+        self.comms = [
+            AxisComm(a, None if groups is None else groups[a], engine.mesh.shape[a], engine.coords[a], self.stats)
+            for a in range(engine.mesh.ndim)
+        ]
 
     def all_reduce(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
         out = self.comms[c.axis].all_reduce(t, c.reduce)
-        return out if out.dtype == t.dtype else out.to(t.dtype)   # an integer avg: back to its dtype
+        return out if out.dtype == t.dtype else out.to(t.dtype)  # an integer avg: back to its dtype
 
     def all_gather(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
         d = c.dims[0] % len(shape)
@@ -96,7 +101,8 @@ class RankCollectives(Collectives):
     def all_to_all(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
         src, dst = (d % len(shape) for d in c.dims)
         return self.comms[c.axis].all_to_all(
-            t, src, dst, group_extents(shape, c.before, self.mesh, self.coords, c.axis, src))
+            t, src, dst, group_extents(shape, c.before, self.mesh, self.coords, c.axis, src)
+        )
 
     def local_split(self, t: torch.Tensor, c: Collective, shape: tuple[int, ...]) -> torch.Tensor:
         return self.comms[c.axis].local_split(t, c.dims[0] % len(shape))
@@ -114,8 +120,9 @@ def run_kernel(kernel: Any, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.from_dlpack(o) for o in outs]
 
 
-def run_plan(graph: Any, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarray], kernel_for: Callable
-             ) -> dict[str, np.ndarray]:
+def run_plan(
+    graph: Any, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarray], kernel_for: Callable
+) -> dict[str, np.ndarray]:
     """This rank's run of ``plan``: its pieces of the whole ``inputs``, TVM kernels, metadist_torch collectives.
 
     ``kernel_for(op, local input shapes, local output shapes)`` gives the compiled kernel of an op.
@@ -127,17 +134,20 @@ def run_plan(graph: Any, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarray]
     local = {}
     for v in graph.inputs:
         t = torch.from_numpy(np.ascontiguousarray(inputs[v]))
-        local[v] = local_piece(t, plan.input_shardings.get(v, rep), mesh, coll.coords,
-                               zeros_like=torch.zeros_like).contiguous()
+        local[v] = local_piece(
+            t, plan.input_shardings.get(v, rep), mesh, coll.coords, zeros_like=torch.zeros_like
+        ).contiguous()
 
     def run_op(op: MetaOp, xs: list[torch.Tensor], out_sh: list[Sharding]) -> list[torch.Tensor]:
         shapes = [shard_shape(graph.vars[o].shape, s, mesh, coll.coords) for o, s in zip(op.outputs, out_sh)]
         res = run_kernel(kernel_for(op, [tuple(x.shape) for x in xs], shapes), xs)
         for r, want, v in zip(res, shapes, op.outputs):
             if tuple(r.shape) != tuple(want):
-                raise RuntimeError(f"rank {engine.rank}: op {op.id} ({op.key}) made {v} with local shape "
-                                   f"{tuple(r.shape)}, but the plan expects {tuple(want)}; its rule does not hold "
-                                   f"at this shape")
+                raise RuntimeError(
+                    f"rank {engine.rank}: op {op.id} ({op.key}) made {v} with local shape "
+                    f"{tuple(r.shape)}, but the plan expects {tuple(want)}; its rule does not hold "
+                    f"at this shape"
+                )
         return res
 
     result = interpret(graph, plan, mesh, local, run_op, coll)

@@ -9,6 +9,7 @@ Two engines run the same plan, both through :func:`metadist_core.plan.interpret.
   exchange buffers with torch through DLPack and the collectives are
   metadist_torch's, on ``torch.distributed`` (gloo on CPU). See :mod:`metadist_tvm.run`.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -63,8 +64,10 @@ class LocalRunner:
             outs = run_call(call, xs, self.cache)
         for o, want, v in zip(outs, out_shapes, op.outputs):
             if want is not None and tuple(o.shape) != tuple(want):
-                raise RuntimeError(f"op {op.id} ({op.key}) made {v} with local shape {tuple(o.shape)}, but the plan "
-                                   f"expects {tuple(want)}; its rule does not hold at this shape")
+                raise RuntimeError(
+                    f"op {op.id} ({op.key}) made {v} with local shape {tuple(o.shape)}, but the plan "
+                    f"expects {tuple(want)}; its rule does not hold at this shape"
+                )
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
@@ -77,8 +80,15 @@ class Parallelized:
     :func:`metadist_tvm.parallelize` made it, and ``.timings`` its seconds.
     """
 
-    def __init__(self, traced: Traced, plan: Any, mesh: Mesh, engine: str = "simulate",
-                 cache: KernelCache | None = None, result: Any = None) -> None:
+    def __init__(
+        self,
+        traced: Traced,
+        plan: Any,
+        mesh: Mesh,
+        engine: str = "simulate",
+        cache: KernelCache | None = None,
+        result: Any = None,
+    ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
         self.traced, self.plan, self.mesh, self.engine = traced, plan, mesh, engine
@@ -109,6 +119,7 @@ class Parallelized:
             inputs[v] = x.astype(g.vars[v].dtype, copy=False)
         if self.engine == "torch":
             from .run import run_plan
+
             outs = run_plan(g, self.plan, self.mesh, inputs, self.runner.kernel)
         else:
             outs, _ = simulate(g, self.plan, self.mesh, inputs, self.runner)

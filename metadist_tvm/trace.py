@@ -9,6 +9,7 @@ operator) is made by one ComputeOp, which becomes one MetaOp whose body is
 rebuilt at the shard shapes (:mod:`metadist_tvm.plain`); an extern op, a scan
 or a body that cannot be rebuilt runs replicated.
 """
+
 from __future__ import annotations
 
 import re
@@ -28,10 +29,10 @@ class Traced:
     """What tracing leaves for execution: the graph, and each op's call."""
 
     graph: MetaIR
-    calls: dict[str, Call] = field(default_factory=dict)          # op id -> Call
-    input_tensors: list = field(default_factory=list)             # the placeholders, in graph input order
+    calls: dict[str, Call] = field(default_factory=dict)  # op id -> Call
+    input_tensors: list = field(default_factory=list)  # the placeholders, in graph input order
     output_tensors: list = field(default_factory=list)
-    single_output: bool = False   # the outputs were given as one tensor: the program returns one array
+    single_output: bool = False  # the outputs were given as one tensor: the program returns one array
 
 
 def _short(key: str) -> str:
@@ -55,7 +56,7 @@ def trace(inputs: Sequence[te.Tensor], outputs: Sequence[te.Tensor] | te.Tensor,
             raise TypeError(f"outputs[{i}] must be a te.Tensor, got {type(t).__name__}")
     g = MetaIR(name)
     out = Traced(g, input_tensors=inputs, output_tensors=outputs, single_output=single)
-    var_of: dict = {}   # te.Tensor -> var id
+    var_of: dict = {}  # te.Tensor -> var id
     used: set[str] = set()
 
     def fresh(base: str) -> str:
@@ -76,8 +77,10 @@ def trace(inputs: Sequence[te.Tensor], outputs: Sequence[te.Tensor] | te.Tensor,
 
     def call_of(t: te.Tensor) -> Call:
         if isinstance(t.op, te.PlaceholderOp):
-            raise ValueError(f"placeholder {t.op.name!r} (shape {tuple(int(s) for s in t.shape)}) feeds the "
-                             f"outputs but is not in inputs; add it to the inputs of parallelize")
+            raise ValueError(
+                f"placeholder {t.op.name!r} (shape {tuple(int(s) for s in t.shape)}) feeds the "
+                f"outputs but is not in inputs; add it to the inputs of parallelize"
+            )
         return plain_call(t)
 
     # iterative post-order walk: a call's tensor inputs are defined before the call
@@ -96,7 +99,7 @@ def trace(inputs: Sequence[te.Tensor], outputs: Sequence[te.Tensor] | te.Tensor,
         if id(call) in done_calls:
             continue
         missing = [x for x in call.inputs if x not in var_of]
-        if missing:   # a cycle cannot happen in TE; an input still pending means it is on the stack below
+        if missing:  # a cycle cannot happen in TE; an input still pending means it is on the stack below
             stack.append((t, True))
             stack.extend((x, False) for x in missing)
             continue

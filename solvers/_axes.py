@@ -10,6 +10,7 @@ and its optimum never costs more than the plan it started from. Rounds go
 through every block until none improves the plan. The start is a beam sweep's
 plan. The result has no optimality bound (the plan's gap is unknown).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -33,8 +34,9 @@ def axis_codes(problem, co) -> list[np.ndarray | None]:
         got = per_strategy.get(id(opt))
         if got is None:
             shardings = tuple(opt.inputs) + tuple(opt.outputs)
-            got = np.array([intern.setdefault(tuple(s[a] for s in shardings), len(intern)) for a in range(ndim)],
-                           dtype=np.int64)
+            got = np.array(
+                [intern.setdefault(tuple(s[a] for s in shardings), len(intern)) for a in range(ndim)], dtype=np.int64
+            )
             per_strategy[id(opt)] = got
         return got
 
@@ -65,10 +67,17 @@ def _key(g: np.ndarray, fixed: tuple[int, ...]) -> np.ndarray:
     return np.unique(flat, axis=0, return_inverse=True)[1].reshape(-1)
 
 
-def descend(t: Terms, groups: list[np.ndarray | None], start: np.ndarray,
-            solve: Callable[[Terms, float], np.ndarray], deadline: float, block: int = 1,
-            max_rounds: int = 50, log: Callable[[str], None] | None = None,
-            accept: Callable[[np.ndarray], bool] | None = None) -> tuple[np.ndarray, dict]:
+def descend(
+    t: Terms,
+    groups: list[np.ndarray | None],
+    start: np.ndarray,
+    solve: Callable[[Terms, float], np.ndarray],
+    deadline: float,
+    block: int = 1,
+    max_rounds: int = 50,
+    log: Callable[[str], None] | None = None,
+    accept: Callable[[np.ndarray], bool] | None = None,
+) -> tuple[np.ndarray, dict]:
     """Improve ``start`` one block of ``block`` mesh axes at a time (see the module docstring), for at most
     ``max_rounds`` rounds through every block.
 
@@ -115,5 +124,9 @@ def descend(t: Terms, groups: list[np.ndarray | None], start: np.ndarray,
         history.append(obj)
         if not improved:
             break
-    return cur, {"descent_rounds": rounds, "descent_solves": solves, "descent_history_ms": [h * 1e3 for h in history],
-                 "descent_largest_subproblem": int(biggest)}
+    return cur, {
+        "descent_rounds": rounds,
+        "descent_solves": solves,
+        "descent_history_ms": [h * 1e3 for h in history],
+        "descent_largest_subproblem": int(biggest),
+    }

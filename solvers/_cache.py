@@ -11,6 +11,7 @@ MILP, while any change to the problem (sizes, mesh, link costs, budget, constrai
 makes a new key and a new solve. The answers take at most the ``ilp_cache_mb`` setting
 (512 MiB by default) on disk: past that, the ones least recently used go first.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,17 +25,18 @@ import numpy as np
 
 log = logging.getLogger("metadist.solve")
 
-KEPT = (0, 2)   # HiGHS statuses that are proofs: optimal within the gap, infeasible
+KEPT = (0, 2)  # HiGHS statuses that are proofs: optimal within the gap, infeasible
 SUBDIR = "milp"
-DEFAULT_MB = 512.0   # the ilp_cache_mb setting's default; one answer takes a small fraction of a MB
+DEFAULT_MB = 512.0  # the ilp_cache_mb setting's default; one answer takes a small fraction of a MB
 
 
 def milp_key(parts: Sequence[Any]) -> str:
     """A digest of the model: arrays by dtype, shape and bytes; sparse matrices by their CSR arrays."""
     import scipy
+
     h = hashlib.sha256(f"scipy {scipy.__version__}".encode())
     for p in parts:
-        if hasattr(p, "tocsr"):   # a scipy sparse matrix
+        if hasattr(p, "tocsr"):  # a scipy sparse matrix
             m = p.tocsr()
             m.sort_indices()
             h.update(f"csr{m.shape}".encode())
@@ -66,17 +68,25 @@ def load(cache_dir: str | os.PathLike | None, key: str) -> Any | None:
     if not path.exists():
         return None
     from scipy.optimize import OptimizeResult
+
     try:
         with np.load(path, allow_pickle=False) as z:
-            res = OptimizeResult(status=int(z["status"]), message=str(z["message"]), success=bool(z["success"]),
-                                 x=z["x"] if z["has_x"] else None, fun=float(z["fun"]) if z["has_x"] else None,
-                                 mip_dual_bound=float(z["mip_dual_bound"]), mip_gap=float(z["mip_gap"]),
-                                 mip_node_count=int(z["mip_node_count"]), cached=True)
+            res = OptimizeResult(
+                status=int(z["status"]),
+                message=str(z["message"]),
+                success=bool(z["success"]),
+                x=z["x"] if z["has_x"] else None,
+                fun=float(z["fun"]) if z["has_x"] else None,
+                mip_dual_bound=float(z["mip_dual_bound"]),
+                mip_gap=float(z["mip_gap"]),
+                mip_node_count=int(z["mip_node_count"]),
+                cached=True,
+            )
     except (OSError, ValueError, KeyError) as e:
         log.warning("ILP cache entry %s is unreadable (%s); solving again", path, e)
         return None
     try:
-        os.utime(path)   # used now: the last to be evicted
+        os.utime(path)  # used now: the last to be evicted
     except OSError:
         pass
     return res
@@ -93,15 +103,21 @@ def store(cache_dir: str | os.PathLike | None, key: str, res: Any, limit_mb: flo
         has_x = res.x is not None
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
         with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(f, status=res.status, message=str(res.message), success=bool(res.success),
-                                has_x=has_x, x=res.x if has_x else np.zeros(0),
-                                fun=float(res.fun) if has_x else 0.0,
-                                mip_dual_bound=_num(getattr(res, "mip_dual_bound", None)),
-                                mip_gap=_num(getattr(res, "mip_gap", None)),
-                                mip_node_count=int(getattr(res, "mip_node_count", 0) or 0))
+            np.savez_compressed(
+                f,
+                status=res.status,
+                message=str(res.message),
+                success=bool(res.success),
+                has_x=has_x,
+                x=res.x if has_x else np.zeros(0),
+                fun=float(res.fun) if has_x else 0.0,
+                mip_dual_bound=_num(getattr(res, "mip_dual_bound", None)),
+                mip_gap=_num(getattr(res, "mip_gap", None)),
+                mip_node_count=int(getattr(res, "mip_node_count", 0) or 0),
+            )
         os.replace(tmp, path)
         evict(path.parent, int(limit_mb * 2**20), keep=path)
-    except OSError as e:   # a read-only or full cache dir costs the next run a solve, nothing more
+    except OSError as e:  # a read-only or full cache dir costs the next run a solve, nothing more
         log.warning("could not keep the ILP answer in %s: %s", path.parent, e)
 
 
@@ -112,7 +128,7 @@ def evict(folder: Path, limit: int, keep: Path | None = None) -> list[Path]:
     for p in folder.glob("*.npz"):
         try:
             st = p.stat()
-        except OSError:   # removed by another rank meanwhile
+        except OSError:  # removed by another rank meanwhile
             continue
         entries.append((st.st_mtime, p, st.st_size))
     total = sum(size for _, _, size in entries)
@@ -129,8 +145,7 @@ def evict(folder: Path, limit: int, keep: Path | None = None) -> list[Path]:
         total -= size
         gone.append(p)
     if gone:
-        log.info("ILP cache: removed %d least recently used answers to stay within %.0f MiB", len(gone),
-                 limit / 2**20)
+        log.info("ILP cache: removed %d least recently used answers to stay within %.0f MiB", len(gone), limit / 2**20)
     return gone
 
 

@@ -1,4 +1,5 @@
 """Shared solver machinery: coarsen -> solve Terms -> expand -> ShardingPlan, memory repair, local search."""
+
 from __future__ import annotations
 
 import logging
@@ -33,16 +34,22 @@ def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsS
     else:
         co = coarsen(problem, tie_layers=bool(options.get("tie_layers", True)))
     t1 = time.perf_counter()
-    if problem.mesh.ndim > 1:   # what the axis descent needs to slice options by mesh axis (solvers/_axes.py)
+    if problem.mesh.ndim > 1:  # what the axis descent needs to slice options by mesh axis (solvers/_axes.py)
         from ._axes import axis_codes
+
         options = {**options, "_axis_codes": lambda: axis_codes(problem, co)}
     choice, lb, stats = fn(co.terms, options)
     t2 = time.perf_counter()
     fine = co.expand(choice)
-    stats = {**stats, "coarsen_seconds": t1 - t0, "search_seconds": t2 - t1, "sizes": co.stages,
-             "coarse_objective": co.terms.objective(np.asarray(choice))}
+    stats = {
+        **stats,
+        "coarsen_seconds": t1 - t0,
+        "search_seconds": t2 - t1,
+        "sizes": co.stages,
+        "coarse_objective": co.terms.objective(np.asarray(choice)),
+    }
     on = stats.get("toggles_on")
-    if on is not None:   # toggles priced (recomputation): the plan is a proposal whose memory counts them
+    if on is not None:  # toggles priced (recomputation): the plan is a proposal whose memory counts them
         mask = np.zeros(len(co.terms.toggles), dtype=bool)
         mask[list(on)] = True
         peak = co.terms.peak_memory(np.asarray(choice), mask)
@@ -51,13 +58,17 @@ def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsS
     plan = ShardingPlan.from_choices(problem, fine, solver=name, solve_seconds=t2 - t0, lower_bound=lb, stats=stats)
     if on is not None:
         if over_budget(peak, problem.memory_budget):
-            raise RuntimeError(f"solver {name} returned toggles and shardings of {peak:,} bytes per device over "
-                               f"the budget of {problem.memory_budget:,}; this is a solver bug")
+            raise RuntimeError(
+                f"solver {name} returned toggles and shardings of {peak:,} bytes per device over "
+                f"the budget of {problem.memory_budget:,}; this is a solver bug"
+            )
     elif problem.memory_budget is not None and plan.memory_per_device > problem.memory_budget:
-        if stats.get("status") == "trivial":   # nothing to choose (one device): the only plan is the leanest
+        if stats.get("status") == "trivial":  # nothing to choose (one device): the only plan is the leanest
             raise InfeasibleBudgetError(problem.memory_budget, plan.memory_per_device, problem.mesh)
-        raise RuntimeError(f"solver {name} returned a plan of {plan.memory_per_device:,} bytes per device over the "
-                           f"budget of {problem.memory_budget:,}; this is a solver bug")
+        raise RuntimeError(
+            f"solver {name} returned a plan of {plan.memory_per_device:,} bytes per device over the "
+            f"budget of {problem.memory_budget:,}; this is a solver bug"
+        )
     return plan
 
 
@@ -74,8 +85,9 @@ class MemIndex:
         self.by_node = {k: np.asarray(v) for k, v in self.by_node.items()}
         self.length = t.n_steps + 3
         # the toggles' terms: sign +1 (added when on) / -1 (dropped when on), and the toggle of each
-        tm = [(x, sg, j) for j, tg in enumerate(t.toggles) for sg, xs in ((1, tg.mem_add), (-1, tg.mem_drop))
-              for x in xs]
+        tm = [
+            (x, sg, j) for j, tg in enumerate(t.toggles) for sg, xs in ((1, tg.mem_add), (-1, tg.mem_drop)) for x in xs
+        ]
         self.t_node, self.t_start, self.t_stop, self.t_bytes = self._arrays([x for x, _, _ in tm])
         self.t_sign = np.array([sg for _, sg, _ in tm], dtype=float)
         self.t_toggle = np.array([j for _, _, j in tm], dtype=np.int64)
@@ -88,7 +100,7 @@ class MemIndex:
         kmax = max([len(x.nbytes) for x in m] + [1])
         b = np.zeros((len(m), kmax))
         for r, x in enumerate(m):
-            b[r, :len(x.nbytes)] = x.nbytes
+            b[r, : len(x.nbytes)] = x.nbytes
         return node, start, stop, b
 
     def profile(self, choice: np.ndarray, on: np.ndarray | None = None) -> np.ndarray:
@@ -121,8 +133,9 @@ class MemIndex:
         return self.bytes[rows[live]][:, :k].sum(axis=0) if live.any() else np.zeros(k)
 
 
-def local_costs(t: Terms, adj, choice: np.ndarray, i: int, lookahead: bool = False,
-                ref: np.ndarray | None = None) -> np.ndarray:
+def local_costs(
+    t: Terms, adj, choice: np.ndarray, i: int, lookahead: bool = False, ref: np.ndarray | None = None
+) -> np.ndarray:
     """Cost of each option of node ``i`` given its assigned neighbours (choice < 0: unassigned).
 
     An unassigned neighbour counts at its option in ``ref`` when given, else
@@ -144,8 +157,9 @@ def local_costs(t: Terms, adj, choice: np.ndarray, i: int, lookahead: bool = Fal
     return cost
 
 
-def icm(t: Terms, adj, choice: np.ndarray, mem: MemIndex | None = None, budget: float | None = None,
-        max_passes: int = 10) -> np.ndarray:
+def icm(
+    t: Terms, adj, choice: np.ndarray, mem: MemIndex | None = None, budget: float | None = None, max_passes: int = 10
+) -> np.ndarray:
     """Iterated conditional modes: move one node at a time to its best option while that lowers the cost."""
     choice = choice.copy()
     for _ in range(max_passes):
@@ -176,15 +190,20 @@ def min_memory_choice(t: Terms, mem: MemIndex) -> np.ndarray:
     for i in range(t.n_nodes):
         rows = mem.by_node.get(i)
         k = t.n_options[i]
-        w = (mem.bytes[rows][:, :k] * (mem.stop[rows] - mem.start[rows])[:, None]).sum(axis=0) if rows is not None \
+        w = (
+            (mem.bytes[rows][:, :k] * (mem.stop[rows] - mem.start[rows])[:, None]).sum(axis=0)
+            if rows is not None
             else np.zeros(k)
+        )
         w = np.where(t.allowed[i], w, np.inf)
         tie = t.unary[i] * 1e-30
         choice[i] = int(np.argmin(w + tie))
     return choice
 
 
-def repair_memory(t: Terms, adj, choice: np.ndarray, mem: MemIndex, budget: float, max_moves: int = 2000) -> np.ndarray | None:
+def repair_memory(
+    t: Terms, adj, choice: np.ndarray, mem: MemIndex, budget: float, max_moves: int = 2000
+) -> np.ndarray | None:
     """Move nodes to smaller options at the peak, cheapest cost per byte saved first, until the budget holds."""
     choice = choice.copy()
     for _ in range(max_moves):
@@ -216,7 +235,7 @@ def enforce_budget(t: Terms, adj, choice: np.ndarray, solver: str) -> np.ndarray
     """Make ``choice`` fit ``t.budget`` (repair, else the least-memory plan), or raise InfeasibleBudgetError."""
     if t.budget is None or not t.mem:
         return choice
-    if t.shared:   # local search reads pairwise terms: shared reshards charged per reader (an upper bound)
+    if t.shared:  # local search reads pairwise terms: shared reshards charged per reader (an upper bound)
         t = t.pairwise()
         adj = t.adjacency()
     mem = MemIndex(t)
@@ -259,7 +278,7 @@ def sweep(t: Terms, adj, width: int, ref: np.ndarray | None) -> tuple[float, np.
 
 def multi_sweep(t: Terms, width: int, passes: int, icm_passes: int = 10) -> tuple[np.ndarray, list[float]]:
     """Sweeps (first with lookahead, then against the best so far), each polished by ICM; also tries all-first options."""
-    t = t.pairwise()   # shared reshards charged per reader: what one-node moves can price (an upper bound)
+    t = t.pairwise()  # shared reshards charged per reader: what one-node moves can price (an upper bound)
     adj = t.adjacency()
     trace = []
     obj, best = sweep(t, adj, width, None)

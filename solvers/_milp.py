@@ -3,6 +3,7 @@ polytopes over their distinct source and destination shardings, memory rows adde
 kept on disk (solvers/_cache.py). The search strategy around it (lazy memory rows, axis descent, fallbacks) is
 solvers/ilp.py's.
 """
+
 from __future__ import annotations
 
 import time
@@ -22,14 +23,14 @@ class _Model:
 
     def __init__(self, t: Terms) -> None:
         self.t = t
-        self._keys: dict[tuple, str] = {}   # cache keys already digested (key)
+        self._keys: dict[tuple, str] = {}  # cache keys already digested (key)
         self.xoff = np.cumsum([0] + t.n_options[:-1]).astype(np.int64) if t.n_nodes else np.zeros(0, np.int64)
         nx = int(sum(t.n_options))
         c = [np.asarray(u, dtype=float) for u in t.unary]
         ub = [a.astype(float) for a in t.allowed]
         rows, cols, vals, lo, hi = [], [], [], [], []
         r = 0
-        for i, k in enumerate(t.n_options):       # one option per node
+        for i, k in enumerate(t.n_options):  # one option per node
             rows += [r] * k
             cols += list(range(self.xoff[i], self.xoff[i] + k))
             vals += [1.0] * k
@@ -63,13 +64,13 @@ class _Model:
                 r += 1
             return yidx
 
-        for e in t.edges:                           # transportation polytope per edge
+        for e in t.edges:  # transportation polytope per edge
             polytope(e)
             c.append(e.table.reshape(-1))
             ub.append(np.full(e.table.size, np.inf))
         lb_extra: dict[int, float] = {}
         self._polytopes: dict[tuple, dict] = {}
-        for g in t.shared:                          # one z per (row, column) paid once, z >= every reader's pair
+        for g in t.shared:  # one z per (row, column) paid once, z >= every reader's pair
             R, C = g.table.shape
             z0 = nv
             nv += R * C
@@ -83,7 +84,7 @@ class _Model:
                 for (rr, cc), terms in pairs.items():
                     if g.table[rr, cc] <= 0:
                         continue
-                    if not terms:            # both ends fixed: the pair is always there
+                    if not terms:  # both ends fixed: the pair is always there
                         lb_extra[int(zidx[rr, cc])] = 1.0
                         continue
                     rows += [r] * (1 + len(terms))
@@ -92,7 +93,7 @@ class _Model:
                     lo.append(0.0)
                     hi.append(np.inf)
                     r += 1
-                for extra_c, extra_ub, y_rows in self._pending:   # a transportation polytope for the pair
+                for extra_c, extra_ub, y_rows in self._pending:  # a transportation polytope for the pair
                     c.append(extra_c)
                     ub.append(extra_ub)
                     nv += len(extra_c)
@@ -111,9 +112,9 @@ class _Model:
         # HiGHS tolerances are absolute: bring costs (seconds, often 1e-9..1e-1) to order one
         self.scale = 1.0 / finite.max() * 1e3 if finite.size and finite.max() > 0 else 1.0
         self.mem_unit = float(max([1.0] + [float(np.max(m.nbytes)) for m in t.mem if len(m.nbytes)]))
-        S, U = self.scale, self.mem_unit   # toggle rows in scaled seconds and in memory units
+        S, U = self.scale, self.mem_unit  # toggle rows in scaled seconds and in memory units
         self.r_idx: list[int] = []
-        self.toggle_mem: list[tuple[object, int, int]] = []   # (MemTerm, variable, sign) for memory_row
+        self.toggle_mem: list[tuple[object, int, int]] = []  # (MemTerm, variable, sign) for memory_row
         xo = self.xoff
 
         def expr(node: int, a: np.ndarray) -> tuple[list[int], list[float], float]:
@@ -134,7 +135,7 @@ class _Model:
                     cols_ += cc
                     vals_ += vv
                     const += k0
-                for e in tg.pairs:   # a transportation polytope per pair, its cost into g
+                for e in tg.pairs:  # a transportation polytope per pair, its cost into g
                     yidx = polytope(e)
                     c.append(np.zeros(e.table.size))
                     ub.append(np.full(e.table.size, np.inf))
@@ -142,11 +143,14 @@ class _Model:
                     vals_ += e.table.reshape(-1).tolist()
                 gv = nv
                 nv += 1
-                big = const + sum(float(np.max(a)) for n_, a in tg.unary if n_ >= 0) + sum(
-                    float(np.max(e.table)) for e in tg.pairs)
-                c.append(np.full(1, 1.0 / S))           # g in scaled seconds
+                big = (
+                    const
+                    + sum(float(np.max(a)) for n_, a in tg.unary if n_ >= 0)
+                    + sum(float(np.max(e.table)) for e in tg.pairs)
+                )
+                c.append(np.full(1, 1.0 / S))  # g in scaled seconds
                 ub.append(np.full(1, np.inf))
-                rows += [r] * (2 + len(cols_))          # g - cost(x) - big r >= const - big
+                rows += [r] * (2 + len(cols_))  # g - cost(x) - big r >= const - big
                 cols += [gv, rv] + cols_
                 vals += [1.0, -big * S] + [-v * S for v in vals_]
                 lo.append((const - big) * S)
@@ -158,16 +162,16 @@ class _Model:
                     nv += 1
                     c.append(np.zeros(1))
                     ub.append(np.full(1, np.inf))
-                    cc, vv, k0 = expr(m.node, m.nbytes / U)   # w, u in memory units
+                    cc, vv, k0 = expr(m.node, m.nbytes / U)  # w, u in memory units
                     big = float(np.max(m.nbytes)) / U
-                    if sign > 0:                            # w - bytes(x) - B r >= k0 - B
+                    if sign > 0:  # w - bytes(x) - B r >= k0 - B
                         rows += [r] * (2 + len(cc))
                         cols += [mv, rv] + cc
                         vals += [1.0, -big] + [-v for v in vv]
                         lo.append(k0 - big)
                         hi.append(np.inf)
                         r += 1
-                    else:                                   # u - bytes(x) <= k0 and u - B r <= 0
+                    else:  # u - bytes(x) <= k0 and u - B r <= 0
                         rows += [r] * (1 + len(cc))
                         cols += [mv] + cc
                         vals += [1.0] + [-v for v in vv]
@@ -188,7 +192,7 @@ class _Model:
         for j, v in lb_extra.items():
             self.lb[j] = v
         self.A = coo_matrix((vals, (rows, cols)), shape=(r, nv)).tocsr()
-        self.A.eliminate_zeros()   # zero costs of toggled pairs: HiGHS stumbled on explicit zeros
+        self.A.eliminate_zeros()  # zero costs of toggled pairs: HiGHS stumbled on explicit zeros
         self.lo, self.hi = np.asarray(lo), np.asarray(hi)
         self.mem = MemIndex(t) if t.mem else None
         self.mem_rows: dict[int, tuple[np.ndarray, float]] = {}
@@ -199,8 +203,8 @@ class _Model:
     # HiGHS presolve: the ILP solver sets it (solvers/ilp.py: wants_presolve); on an unconstrained problem it
     # slows the solve down and finds the same optimum
     presolve: bool = False
-    cache_dir: str | None = None   # where proven answers are kept (solvers/_cache.py); None: not kept
-    cache_mb: float = _cache.DEFAULT_MB   # the most disk they take (the ilp_cache_mb setting)
+    cache_dir: str | None = None  # where proven answers are kept (solvers/_cache.py); None: not kept
+    cache_mb: float = _cache.DEFAULT_MB  # the most disk they take (the ilp_cache_mb setting)
     cache_hits: int = 0
 
     def _pair_indicators(self, g, node: int, m: np.ndarray, nv: int) -> dict:
@@ -225,7 +229,7 @@ class _Model:
             return out
         rows_, cols_ = np.unique(g.src_map), np.unique(m)
         key = (g.src, g.src_map.tobytes(), node, m.tobytes())
-        if key in self._polytopes:   # the same two partitions of the same two nodes: reuse the pair variables
+        if key in self._polytopes:  # the same two partitions of the same two nodes: reuse the pair variables
             return self._polytopes[key]
         yidx = nv + np.arange(len(rows_) * len(cols_)).reshape(len(rows_), len(cols_))
         y_rows = []
@@ -255,15 +259,22 @@ class _Model:
                     const += m.bytes[rr, 0]
                 else:
                     k = self.t.n_options[node]
-                    coef[self.xoff[node]:self.xoff[node] + k] += m.bytes[rr, :k]
-            for mt, mv, sign in self.toggle_mem:   # toggled terms through their variables
+                    coef[self.xoff[node] : self.xoff[node] + k] += m.bytes[rr, :k]
+            for mt, mv, sign in self.toggle_mem:  # toggled terms through their variables
                 if mt.start + 1 <= step < mt.end + 2:
                     coef[mv] += sign * self.mem_unit
             self.mem_rows[step] = (coef, const)
         return self.mem_rows[step]
 
-    def key(self, steps: list[int], budget: float, gap: float, objective: np.ndarray | None = None,
-            peak_var: bool = False, parts: tuple | None = None) -> str:
+    def key(
+        self,
+        steps: list[int],
+        budget: float,
+        gap: float,
+        objective: np.ndarray | None = None,
+        peak_var: bool = False,
+        parts: tuple | None = None,
+    ) -> str:
         """The cache key of :meth:`solve` with these memory rows (the model HiGHS would see; ``parts``: its
         :meth:`_parts`, when built already). Kept per rows and budget under the model's own objective, so
         that the recompute proposal's marker check (solvers/ilp.py) and its first solve digest it once."""
@@ -271,8 +282,9 @@ class _Model:
         if memo is not None and memo in self._keys:
             return self._keys[memo]
         c, integrality, lb, ub, cons = parts or self._parts(steps, budget, objective, peak_var)
-        key = _cache.milp_key([c, integrality, lb, ub, *[p for k in cons for p in (k.A, k.lb, k.ub)],
-                               gap, self.presolve])
+        key = _cache.milp_key(
+            [c, integrality, lb, ub, *[p for k in cons for p in (k.A, k.lb, k.ub)], gap, self.presolve]
+        )
         if memo is not None:
             self._keys[memo] = key
         return key
@@ -283,14 +295,14 @@ class _Model:
         A, lo, hi = self.A, self.lo, self.hi
         nv = self.nv
         integrality = np.zeros(nv + int(peak_var))
-        integrality[:self.nx] = 1
+        integrality[: self.nx] = 1
         integrality[self.r_idx] = 1
         ub = self.ub
         cons = [LinearConstraint(A if not peak_var else _pad(A), lo, hi)]
         if steps:
             M = np.array([self.memory_row(s)[0] for s in steps])
             consts = np.array([self.memory_row(s)[1] for s in steps])
-            if peak_var:   # minimise the peak P (in units of mem_unit): rows - P <= -const
+            if peak_var:  # minimise the peak P (in units of mem_unit): rows - P <= -const
                 M = np.hstack([M / self.mem_unit, -np.ones((len(steps), 1))])
                 cons.append(LinearConstraint(M, -np.inf, -consts / self.mem_unit))
             else:
@@ -301,18 +313,35 @@ class _Model:
         lb = np.concatenate([self.lb, np.zeros(len(ub) - len(self.lb))])
         return c, integrality, lb, ub, cons
 
-    def solve(self, steps: list[int], budget: float, time_limit: float, gap: float,
-              objective: np.ndarray | None = None, peak_var: bool = False):
+    def solve(
+        self,
+        steps: list[int],
+        budget: float,
+        time_limit: float,
+        gap: float,
+        objective: np.ndarray | None = None,
+        peak_var: bool = False,
+    ):
         parts = self._parts(steps, budget, objective, peak_var)
         c, integrality, lb, ub, cons = parts
         t0 = time.perf_counter()
 
         def run(presolve: bool):
-            return milp(c, integrality=integrality, bounds=Bounds(lb, ub), constraints=cons,
-                        options={"time_limit": max(0.1, time_limit - (time.perf_counter() - t0)),
-                                 "mip_rel_gap": gap, "disp": False, "presolve": presolve})
+            return milp(
+                c,
+                integrality=integrality,
+                bounds=Bounds(lb, ub),
+                constraints=cons,
+                options={
+                    "time_limit": max(0.1, time_limit - (time.perf_counter() - t0)),
+                    "mip_rel_gap": gap,
+                    "disp": False,
+                    "presolve": presolve,
+                },
+            )
+
         key = None
-        if self.cache_dir is not None:   # the same model solved before: its proven answer (solvers/_cache.py)
+        if self.cache_dir is not None:  # the same model solved before: its proven answer (solvers/_cache.py)
             key = self.key(steps, budget, gap, objective, peak_var, parts)
             hit = _cache.load(self.cache_dir, key)
             if hit is not None:
@@ -328,7 +357,7 @@ class _Model:
         return res
 
     def choice(self, x: np.ndarray) -> np.ndarray:
-        return np.array([int(np.argmax(x[o:o + k])) for o, k in zip(self.xoff, self.t.n_options)], dtype=np.int64)
+        return np.array([int(np.argmax(x[o : o + k])) for o, k in zip(self.xoff, self.t.n_options)], dtype=np.int64)
 
     def toggles_on(self, x: np.ndarray) -> np.ndarray | None:
         """The toggles the solution turns on (None: the Terms have none)."""
@@ -341,4 +370,5 @@ class _Model:
 
 def _pad(A):
     from scipy.sparse import hstack, csr_matrix
+
     return hstack([A, csr_matrix((A.shape[0], 1))]).tocsr()

@@ -6,6 +6,7 @@ the rest at the best plan so far, so a whole chain of nodes can switch
 together. Each sweep is polished by local search (ICM). Options:
 ``beam_width`` (default 8), ``passes``.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -6,6 +6,7 @@ best plan so far; iterated conditional modes (ICM) polish each. Fast and never
 optimal by proof. A memory budget is met by moving nodes to smaller options at
 the memory peak, cheapest cost per byte first.
 """
+
 from __future__ import annotations
 
 import numpy as np

@@ -16,6 +16,7 @@ same MILP is not solved twice; the planner passes its rule cache's directory; No
 most MiB those answers take, the least recently used going first; the ilp_cache_mb setting, 512).
 The plan carries the objective, the LP/MIP lower bound and the gap.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,7 @@ log = logging.getLogger("metadist.solvers.ilp")
 AXES_ABOVE = 200_000
 
 
-def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float, gap: float,
-          peak_var: bool = False):
+def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float, gap: float, peak_var: bool = False):
     """Solve, adding the memory row of each violated peak, until the budget holds everywhere."""
     steps = list(dict.fromkeys(start_steps))
     rounds = 0
@@ -55,9 +55,16 @@ def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float,
         prof = model.profile(res.x)
         tpk = int(np.argmax(prof))
         limit = res.x[-1] * model.mem_unit if peak_var else budget
-        log.debug("ilp lazy round %d: %d memory rows, peak %s at step %d against %s (%s), %.1f s left",
-                  rounds, len(steps), f"{int(prof[tpk]):,}", tpk, f"{limit:,.0f}", res.message,
-                  deadline - time.perf_counter())
+        log.debug(
+            "ilp lazy round %d: %d memory rows, peak %s at step %d against %s (%s), %.1f s left",
+            rounds,
+            len(steps),
+            f"{int(prof[tpk]):,}",
+            tpk,
+            f"{limit:,.0f}",
+            res.message,
+            deadline - time.perf_counter(),
+        )
         if not over_budget(prof[tpk], limit) or tpk in steps or time.perf_counter() > deadline:
             return res, ch, steps, rounds
         steps.append(tpk)
@@ -82,8 +89,9 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
     method = options.get("method", "auto")
     size = ilp_size(t)
     if method not in ("auto", "whole", "axes"):
-        raise ValueError(f"ilp option method={method!r}: use 'auto', 'whole' (one ILP) or 'axes' (descent over "
-                         f"mesh axes)")
+        raise ValueError(
+            f"ilp option method={method!r}: use 'auto', 'whole' (one ILP) or 'axes' (descent over mesh axes)"
+        )
     codes = options.get("_axis_codes")
     if codes is not None and not t.toggles and (method == "axes" or (method == "auto" and size > AXES_ABOVE)):
         return _by_axes(t, options, codes(), deadline, size)
@@ -92,8 +100,13 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
     model.presolve = wants_presolve(t) if pre == "auto" else bool(pre)
     model.cache_dir = options.get("cache_dir")
     model.cache_mb = float(options.get("cache_mb", model.cache_mb))
-    stats = {"variables": model.nv, "binaries": model.nx, "constraints": model.A.shape[0], "presolve": model.presolve,
-             "build_seconds": time.perf_counter() - t0}
+    stats = {
+        "variables": model.nv,
+        "binaries": model.nx,
+        "constraints": model.A.shape[0],
+        "presolve": model.presolve,
+        "build_seconds": time.perf_counter() - t0,
+    }
     budget = t.budget
     steps: list[int] = []
     if budget is not None and model.mem is not None:
@@ -106,11 +119,20 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
         first = model.key(steps, budget, gap)
         spent = _cache.ran_out(model.cache_dir, first, time_limit)
         if spent is not None:
-            raise RuntimeError(f"the ILP ran out of time_limit={spent:g} s before its toggles and shardings met "
-                               f"the memory budget when this problem was solved before; raise time_limit")
+            raise RuntimeError(
+                f"the ILP ran out of time_limit={spent:g} s before its toggles and shardings met "
+                f"the memory budget when this problem was solved before; raise time_limit"
+            )
     res, ch, steps, rounds = _lazy(model, steps, budget if budget is not None else np.inf, deadline, gap)
-    stats.update({"status": res.message, "memory_rows": len(steps), "lazy_rounds": rounds, "cached": model.cache_hits,
-                  "milp_seconds": time.perf_counter() - t0 - stats["build_seconds"]})
+    stats.update(
+        {
+            "status": res.message,
+            "memory_rows": len(steps),
+            "lazy_rounds": rounds,
+            "cached": model.cache_hits,
+            "milp_seconds": time.perf_counter() - t0 - stats["build_seconds"],
+        }
+    )
     if ch is None:
         if res.status == 2 and budget is not None:
             # least_peak=False: the caller only needs to know (the least peak is another ILP solve)
@@ -119,27 +141,34 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
         if budget is None:
             # no incumbent in time: hand back a beam plan, with the ILP's bound when it has one
             from ._common import multi_sweep
+
             ch, _ = multi_sweep(t, 8, 3)
             stats["status"] = f"no ILP incumbent within time_limit={time_limit:g} s; beam plan returned"
         else:
-            raise RuntimeError(f"the ILP found no plan within time_limit={time_limit:g} s ({res.message}); "
-                               f"raise time_limit or use solver='beam'")
-    if model.r_idx:   # toggles priced: the toggles and shardings go back together, not repaired one by one
+            raise RuntimeError(
+                f"the ILP found no plan within time_limit={time_limit:g} s ({res.message}); "
+                f"raise time_limit or use solver='beam'"
+            )
+    if model.r_idx:  # toggles priced: the toggles and shardings go back together, not repaired one by one
         on = model.toggles_on(res.x)
         stats["toggles_on"] = [int(j) for j in np.flatnonzero(on)]
         if model.mem is not None and over_budget(model.mem.peak(ch, on), budget):
             if first is not None:
                 _cache.note_ran_out(model.cache_dir, first, time_limit)
-            raise RuntimeError(f"the ILP ran out of time_limit={time_limit:g} s before its toggles and shardings "
-                               f"met the memory budget ({res.message}); raise time_limit")
+            raise RuntimeError(
+                f"the ILP ran out of time_limit={time_limit:g} s before its toggles and shardings "
+                f"met the memory budget ({res.message}); raise time_limit"
+            )
     elif model.mem is not None and over_budget(model.mem.peak(ch), budget):
         # the lazy memory rows ran out of time (or a row was already in): the incumbent is over budget;
         # repair it rather than return it (the bound below still holds for the repaired plan)
         over = int(model.mem.peak(ch))
         ch = enforce_budget(t, t.adjacency(), ch, NAME)
-        stats["status"] = (f"{res.message}; the ILP incumbent needed {over:,} bytes per device over the budget "
-                           f"of {int(budget):,} when time ran out, repaired by local search")
-    if res.status != 0 and not model.r_idx:   # stopped before proving optimality: a beam sweep may do better
+        stats["status"] = (
+            f"{res.message}; the ILP incumbent needed {over:,} bytes per device over the budget "
+            f"of {int(budget):,} when time ran out, repaired by local search"
+        )
+    if res.status != 0 and not model.r_idx:  # stopped before proving optimality: a beam sweep may do better
         ch, note = _better_of_beam(t, model, ch, budget)
         if note:
             stats["status"] = f"{stats['status']}; {note}"
@@ -158,6 +187,7 @@ def _by_axes(t: Terms, options: dict, groups: list, deadline: float, size: int) 
     """Block coordinate descent over mesh axes from a beam plan (solvers/_axes.py), each slice an exact ILP."""
     from ._axes import descend
     from ._common import multi_sweep
+
     t0 = time.perf_counter()
     start, _ = multi_sweep(t, 8, 3)
     if t.budget is not None and t.mem:
@@ -171,7 +201,7 @@ def _by_axes(t: Terms, options: dict, groups: list, deadline: float, size: int) 
     def solve(sub: Terms, seconds: float) -> np.ndarray:
         return ilp_terms(sub, {**sub_opts, "time_limit": seconds})[0]
 
-    def fits(choice: np.ndarray) -> bool:   # a slice stopped by its time limit may hand back an over-budget plan
+    def fits(choice: np.ndarray) -> bool:  # a slice stopped by its time limit may hand back an over-budget plan
         return mem is None or not over_budget(mem.peak(choice), budget)
 
     # one axis at a time until no slice improves (cheap slices); then each block of up to ``axis_block`` axes
@@ -181,10 +211,15 @@ def _by_axes(t: Terms, options: dict, groups: list, deadline: float, size: int) 
     for phase, (block, rounds) in enumerate([(1, 50)] + [(b, 1) for b in range(2, top + 1)] + [(1, 50)] * (top > 1)):
         ch, st = descend(t, groups, ch, solve, deadline, block=block, max_rounds=rounds, accept=fits)
         stats.update({f"{k}_{phase}": v for k, v in st.items()})
-    stats.update({"status": f"block coordinate descent over mesh axes: the whole ILP has {size:,} options and table "
-                            f"cells (over {AXES_ABOVE:,}); each slice solved exactly, no bound on the whole",
-                  "variables": size, "start_ms": t.objective(start) * 1e3,
-                  "milp_seconds": time.perf_counter() - t0})
+    stats.update(
+        {
+            "status": f"block coordinate descent over mesh axes: the whole ILP has {size:,} options and table "
+            f"cells (over {AXES_ABOVE:,}); each slice solved exactly, no bound on the whole",
+            "variables": size,
+            "start_ms": t.objective(start) * 1e3,
+            "milp_seconds": time.perf_counter() - t0,
+        }
+    )
     return ch, None, stats
 
 
@@ -193,6 +228,7 @@ def _better_of_beam(t: Terms, model: _Model, ch: np.ndarray, budget: float | Non
     problem HiGHS's incumbent at the time limit can cost well over the plan a beam sweep finds in a
     fraction of a second."""
     from ._common import multi_sweep
+
     beam, _ = multi_sweep(t, 8, 3)
     if model.mem is not None and over_budget(model.mem.peak(beam), budget):
         return ch, ""
@@ -213,8 +249,11 @@ def _min_peak(model: _Model, t: Terms, deadline: float, gap: float) -> int:
 
 @hookimpl
 def metadist_solver_info():
-    return {"name": NAME, "description": "exact ILP over all mesh axes at once (scipy milp / HiGHS), "
-                                         "memory budget as a constraint; objective, lower bound and gap"}
+    return {
+        "name": NAME,
+        "description": "exact ILP over all mesh axes at once (scipy milp / HiGHS), "
+        "memory budget as a constraint; objective, lower bound and gap",
+    }
 
 
 @hookimpl

@@ -12,6 +12,7 @@ A test imports it as the helpers of other test folders are imported::
 returns the JSON rank 0 wrote to ``$MD_TEST_OUT``; :func:`run_torchrun` is the launch alone, for a worker that
 reports on stdout or in files of its own.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,9 +36,15 @@ def torchrun_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_torchrun(worker: str | os.PathLike, nproc: int, args: Sequence[str] = (), *,
-                 env: Mapping[str, str] | None = None, out: Path | None = None,
-                 timeout: float = 900) -> subprocess.CompletedProcess:
+def run_torchrun(
+    worker: str | os.PathLike,
+    nproc: int,
+    args: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    out: Path | None = None,
+    timeout: float = 900,
+) -> subprocess.CompletedProcess:
     """Run ``worker`` with ``args`` on ``nproc`` local ranks (environment ``env``, by default
     :func:`torchrun_env`); once, and only once, relaunch it if a rank died by a signal in native code.
 
@@ -48,6 +55,7 @@ def run_torchrun(worker: str | os.PathLike, nproc: int, args: Sequence[str] = ()
     write: removed before each launch, and a launch that leaves none has not succeeded.
     """
     from metadist_torch.demo import torchrun_cmd
+
     cmd = torchrun_cmd(worker, nproc, list(args))
     env = dict(env) if env is not None else torchrun_env()
     for attempt in (1, 2):
@@ -59,8 +67,11 @@ def run_torchrun(worker: str | os.PathLike, nproc: int, args: Sequence[str] = ()
         ok = proc.returncode == 0 and (out is None or out.exists())
         if ok or attempt == 2 or not native:
             return proc
-        warnings.warn("a torchrun rank died in native code; relaunching once:\n"
-                      + "\n".join(line for line in text.splitlines() if "terminate" in line or "Signal" in line), stacklevel=2)
+        warnings.warn(
+            "a torchrun rank died in native code; relaunching once:\n"
+            + "\n".join(line for line in text.splitlines() if "terminate" in line or "Signal" in line),
+            stacklevel=2,
+        )
     return proc
 
 
@@ -69,14 +80,15 @@ def tail(proc: subprocess.CompletedProcess, lines: int = 60) -> str:
     return "\n".join((proc.stdout + proc.stderr).splitlines()[-lines:])
 
 
-def launch(worker: str | os.PathLike, nproc: int, args: Sequence[str] = (), *, out: Path, timeout: float = 900,
-           **env: str) -> Any:
+def launch(
+    worker: str | os.PathLike, nproc: int, args: Sequence[str] = (), *, out: Path, timeout: float = 900, **env: str
+) -> Any:
     """Run ``worker`` on ``nproc`` ranks (:func:`run_torchrun`) with ``MD_TEST_OUT=out`` and ``env`` set, and
     return the JSON the ranks wrote to ``out``; fail the test with the ranks' last lines when torchrun
     failed or wrote nothing."""
     import json
-    proc = run_torchrun(worker, nproc, args, env=torchrun_env(MD_TEST_OUT=str(out), **env), out=out,
-                        timeout=timeout)
+
+    proc = run_torchrun(worker, nproc, args, env=torchrun_env(MD_TEST_OUT=str(out), **env), out=out, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
         why = f"exit {proc.returncode}" if proc.returncode != 0 else f"exit 0 but no {out.name} written"
         pytest.fail(f"torchrun of {Path(worker).name} with {nproc} ranks failed ({why}):\n{tail(proc)}")

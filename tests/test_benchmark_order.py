@@ -1,5 +1,6 @@
 """The interleaved timing of the benchmarks: every system in every position, and right after every other
 system, equally often over a whole design (benchmarks._common.williams_order)."""
+
 from __future__ import annotations
 
 from collections import Counter

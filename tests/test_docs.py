@@ -1,6 +1,7 @@
 """The front door and the docs say what is true: every relative link resolves (a heading anchor included),
 every Python block compiles, and README's first example runs at world size 1 and prints what README says
 it prints (numbers aside)."""
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,7 @@ def _anchors(page: Path) -> set[str]:
 def test_every_relative_link_resolves(page):
     bad = []
     for target in LINK.findall(FENCE.sub("", page.read_text())):
-        if re.match(r"^[a-z]+:", target):   # http:, https:, mailto:
+        if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
             continue
         path, _, anchor = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
@@ -61,7 +62,6 @@ def test_readme_first_example_prints_what_readme_says():
     code, (lang, said) = blocks[first][1], blocks[first + 1]
     assert lang == "text", "README's first example is followed by what it prints, in a ```text block"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=REPO)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _mask(proc.stdout) == _mask(said), f"README says:\n{said}\nit prints:\n{proc.stdout}"

@@ -23,6 +23,7 @@ How the install is kept apart:
 
 It takes about 12 s (35 s on the fallbacks), so it is not marked slow: CI's lean set runs it.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,26 +45,38 @@ except ImportError:  # pip always vendors it
 
 REPO = Path(__file__).resolve().parents[1]
 #: import name -> source folder (pyproject's [tool.setuptools.package-dir])
-PACKAGES = {"metadist_core": "metadist_core", "metadist_torch": "metadist_torch", "metadist_jax": "metadist_jax",
-            "metadist_tvm": "metadist_tvm", "metadist_solvers": "solvers"}
+PACKAGES = {
+    "metadist_core": "metadist_core",
+    "metadist_torch": "metadist_torch",
+    "metadist_jax": "metadist_jax",
+    "metadist_tvm": "metadist_tvm",
+    "metadist_solvers": "solvers",
+}
 #: what a copy of the checkout leaves behind: version control, environments, build outputs, caches
-NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__",
-                                    ".pytest_cache", "*.pyc")
+NOT_COPIED = shutil.ignore_patterns(
+    ".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "*.pyc"
+)
 
 
 def _env() -> dict[str, str]:
     """This environment minus whatever could point Python at the checkout or at another site folder."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k != "VIRTUAL_ENV"}
-    env.update(PYTHONNOUSERSITE="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1",
-               PIP_NO_INPUT="1", METADIST_PROGRESS="0", METADIST_MEASURE_LINKS="0")
+    env.update(
+        PYTHONNOUSERSITE="1",
+        PIP_DISABLE_PIP_VERSION_CHECK="1",
+        PIP_NO_CACHE_DIR="1",
+        PIP_NO_INPUT="1",
+        METADIST_PROGRESS="0",
+        METADIST_MEASURE_LINKS="0",
+    )
     return env
 
 
 def _run(cmd: list, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n" \
-        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -94,13 +107,16 @@ def _link_requirements(wheel: Path, site: Path) -> list[str]:
     """Symlink the wheel's runtime requirements, and theirs, from this environment into ``site``."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        todo = [line.split(":", 1)[1].strip() for line in z.read(meta).decode().splitlines()
-                if line.startswith("Requires-Dist:")]
+        todo = [
+            line.split(":", 1)[1].strip()
+            for line in z.read(meta).decode().splitlines()
+            if line.startswith("Requires-Dist:")
+        ]
     linked: list[str] = []
     while todo:
         req = Requirement(todo.pop())
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-            continue          # an extra, or another platform's requirement
+            continue  # an extra, or another platform's requirement
         name = req.name.lower().replace("_", "-")
         if name in linked:
             continue
@@ -130,8 +146,9 @@ def installed(tmp_path_factory):
     with_pip = not _pip_has_python_option()
     venv.EnvBuilder(system_site_packages=False, with_pip=with_pip, symlinks=os.name != "nt").create(env_dir)
     py = env_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-    site = Path(_run([py, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                     cwd=work).stdout.strip())
+    site = Path(
+        _run([py, "-I", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=work).stdout.strip()
+    )
     pip = [py, "-m", "pip"] if with_pip else [sys.executable, "-m", "pip", "--python", py]
     _run([*pip, "install", "--no-deps", "--no-index", wheel], cwd=work)
     _link_requirements(wheel, site)
@@ -160,11 +177,15 @@ def test_every_package_folder_and_module_is_in_the_wheel(installed):
     folders, modules = _source_modules()
     assert {"metadist_core", "metadist_core/ir", "metadist_core/driver", "metadist_core/reference"} <= folders
     missing = sorted(f for f in folders if f"{f}/__init__.py" not in names)
-    assert not missing, f"package folders not in {wheel.name}: {', '.join(missing)}; " \
+    assert not missing, (
+        f"package folders not in {wheel.name}: {', '.join(missing)}; "
         "list them in pyproject.toml's [tool.setuptools] packages"
+    )
     missing = sorted(modules - names)
-    assert not missing, f"modules not in {wheel.name}: {', '.join(missing)} (a folder without __init__.py, " \
+    assert not missing, (
+        f"modules not in {wheel.name}: {', '.join(missing)} (a folder without __init__.py, "
         "or a subpackage missing from pyproject.toml's [tool.setuptools] packages)"
+    )
     extra = sorted(n for n in names if n.endswith(".py") and n not in modules)
     assert not extra, f"{wheel.name} holds modules the source doesn't: {', '.join(extra)}"
     record = next(n for n in names if n.endswith(".dist-info/RECORD"))
@@ -175,12 +196,14 @@ def test_every_package_folder_and_module_is_in_the_wheel(installed):
 def test_installed_packages_come_from_the_wheel_not_the_checkout(installed):
     _, env_dir, site, work = installed
     py = env_dir / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
-    code = ("import importlib, importlib.metadata as m, json, sys\n"
-            f"mods = {sorted(PACKAGES) + ['metadist_core.reference.plugin', 'metadist_core.driver.cli']!r}\n"
-            "files = {n: importlib.import_module(n).__file__ for n in mods}\n"
-            "d = m.distribution('metadist')\n"
-            "print(json.dumps({'files': files, 'dist': str(d.locate_file('')), 'path': sys.path,\n"
-            "                  'editable': [n for n in sys.modules if 'editable' in n]}))\n")
+    code = (
+        "import importlib, importlib.metadata as m, json, sys\n"
+        f"mods = {sorted(PACKAGES) + ['metadist_core.reference.plugin', 'metadist_core.driver.cli']!r}\n"
+        "files = {n: importlib.import_module(n).__file__ for n in mods}\n"
+        "d = m.distribution('metadist')\n"
+        "print(json.dumps({'files': files, 'dist': str(d.locate_file('')), 'path': sys.path,\n"
+        "                  'editable': [n for n in sys.modules if 'editable' in n]}))\n"
+    )
     got = json.loads(_run([py, "-I", "-c", code], cwd=work).stdout)
     site = site.resolve()
     for name, file in got["files"].items():

@@ -7,6 +7,7 @@ opt_state); `metadist_compile` wraps it in a `JaxStep`, which traces it,
 finds how each op splits, picks the cheapest plan and runs it with explicit
 collectives under jax.shard_map.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,10 @@ def init_params(key: jax.Array, sizes=(64, 512, 512, 16)) -> dict:
     params = {}
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:])):
         key, k = jax.random.split(key)
-        params[f"layer{i}"] = {"w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
-                               "b": jnp.zeros((b,), jnp.float32)}
+        params[f"layer{i}"] = {
+            "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
+            "b": jnp.zeros((b,), jnp.float32),
+        }
     return params
 
 

@@ -6,6 +6,7 @@
 how every primitive splits, solves for the cheapest plan on the mesh and runs
 it under jax.shard_map with the plan's collectives.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,11 @@ class Block(nn.Module):
         c = self.cfg
         b, t, _ = x.shape
         h = nn.LayerNorm(name="ln1")(x)
-        qkv = nn.Dense(3 * c.width, use_bias=False, name="qkv")(h)  # a k bias gets no gradient: adam would amplify rounding noise
+        qkv = nn.Dense(3 * c.width, use_bias=False, name="qkv")(
+            h
+        )  # a k bias gets no gradient: adam would amplify rounding noise
         q, k, v = jnp.split(qkv.reshape(b, t, 3, c.heads, c.width // c.heads), 3, axis=2)
-        q, k, v = (a[:, :, 0] for a in (q, k, v))                       # (b, t, heads, head_dim)
+        q, k, v = (a[:, :, 0] for a in (q, k, v))  # (b, t, heads, head_dim)
         att = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(c.width // c.heads)
         mask = jnp.tril(jnp.ones((t, t), dtype=bool))
         att = jax.nn.softmax(jnp.where(mask, att, -1e9), axis=-1)

@@ -4,6 +4,7 @@ statistics are buffers that the compiled step updates like the eager one.
     python examples/torch/cnn.py
     torchrun --nproc_per_node=2 examples/torch/cnn.py [--mesh 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     c = CNNConfig()
     from metadist_torch.harness import run_example
-    return run_example("cnn", lambda: build(c), lambda s: batch(c, s), train_step, steps=a.steps, mesh=a.mesh,
-                       solver=a.solver)
+
+    return run_example(
+        "cnn", lambda: build(c), lambda s: batch(c, s), train_step, steps=a.steps, mesh=a.mesh, solver=a.solver
+    )
 
 
 if __name__ == "__main__":

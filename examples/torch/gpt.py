@@ -6,6 +6,7 @@
 
 Prints the plan, the loss next to the single-device loss, and the step time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,8 +78,9 @@ def build(c: GPTConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = GPT(c)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=c.lr, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=c.lr, betas=(0.9, 0.95)
+    )
     return model, opt
 
 
@@ -117,8 +119,18 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     c = GPTConfig(vocab=a.vocab, width=a.width, layers=a.layers, seq=a.seq, batch=a.batch, dropout=a.dropout)
     from metadist_torch.harness import run_example
-    return run_example("gpt", lambda: build(c), lambda s: batch(c, s), train_step, steps=a.steps, mesh=a.mesh,
-                       solver=a.solver, memory_budget=a.memory_budget, reference=not a.no_reference)
+
+    return run_example(
+        "gpt",
+        lambda: build(c),
+        lambda s: batch(c, s),
+        train_step,
+        steps=a.steps,
+        mesh=a.mesh,
+        solver=a.solver,
+        memory_budget=a.memory_budget,
+        reference=not a.no_reference,
+    )
 
 
 if __name__ == "__main__":

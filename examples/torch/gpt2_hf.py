@@ -7,6 +7,7 @@
 ``--size small`` is GPT-2 small as released (12 layers, width 768, 12 heads, vocabulary
 50,257); ``--size tiny`` (the default) is 2 layers of width 128 for a quick run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,15 @@ def build(size: str, seq: int):
 
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    cfg = GPT2Config(n_positions=max(seq, 1024), bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
-                     attn_pdrop=0.0, **SIZES[size])
+    cfg = GPT2Config(
+        n_positions=max(seq, 1024),
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **SIZES[size],
+    )
     model = GPT2LMHeadModel(cfg)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -64,6 +72,7 @@ def main(argv=None) -> int:
         print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items()))
     if int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1:
         from metadist_torch.engine import finish_worker
+
         finish_worker(0)
     return 0
 

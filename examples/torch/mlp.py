@@ -1,8 +1,9 @@
 """An MLP classifier trained with one MetaDist line.
 
-    python examples/torch/mlp.py
-    torchrun --nproc_per_node=2 examples/torch/mlp.py [--mesh 2] [--optimizer sgd|adam|adamw]
+python examples/torch/mlp.py
+torchrun --nproc_per_node=2 examples/torch/mlp.py [--mesh 2] [--optimizer sgd|adam|adamw]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,7 +21,7 @@ class MLPConfig:
     layers: int = 3
     classes: int = 10
     batch: int = 32
-    optimizer: str = "adamw"     # sgd (momentum) | adam | adamw
+    optimizer: str = "adamw"  # sgd (momentum) | adam | adamw
     lr: float = 1e-2
     seed: int = 0
 
@@ -34,7 +35,7 @@ def build(c: MLPConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = nn.Sequential(*mods, nn.Linear(dims[-1], c.classes))
     weights = [p for p in model.parameters() if p.dim() == 2]
     biases = [p for p in model.parameters() if p.dim() == 1]
-    groups = [{"params": weights}, {"params": biases, "lr": c.lr / 2}]   # two parameter groups
+    groups = [{"params": weights}, {"params": biases, "lr": c.lr / 2}]  # two parameter groups
     if c.optimizer == "sgd":
         opt = torch.optim.SGD(groups, lr=c.lr, momentum=0.9, weight_decay=1e-4)
     elif c.optimizer == "adam":
@@ -47,7 +48,7 @@ def build(c: MLPConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
 def batch(c: MLPConfig, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     x = torch.randn(c.batch, c.inputs, generator=g)
-    y = (x[:, :c.classes].argmax(dim=1) + step) % c.classes
+    y = (x[:, : c.classes].argmax(dim=1) + step) % c.classes
     return x, y
 
 
@@ -70,8 +71,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     c = MLPConfig(hidden=a.hidden, batch=a.batch, optimizer=a.optimizer)
     from metadist_torch.harness import run_example
-    return run_example("mlp", lambda: build(c), lambda s: batch(c, s), train_step, steps=a.steps, mesh=a.mesh,
-                       solver=a.solver)
+
+    return run_example(
+        "mlp", lambda: build(c), lambda s: batch(c, s), train_step, steps=a.steps, mesh=a.mesh, solver=a.solver
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ their calls, so that each can be rebuilt at a device's shard shapes) or with
 your own builders decorated by ``@metadist_tvm.op``; plain ``tvm.topi`` and
 ``te.compute`` work too (see ``plain_te.py``), one op per compute.
 """
+
 import os
 
 import numpy as np
@@ -22,9 +23,11 @@ from metadist_tvm import topi
 @metadist_tvm.op
 def gelu(x):
     """A user TE compute: a builder that makes it from the tensor it is given."""
+
     def body(*i):
         v = x(*i)
         return 0.5 * v * (1.0 + te.tanh(0.7978845608 * (v + 0.044715 * v * v * v)))
+
     return te.compute(x.shape, body, name="gelu")
 
 
@@ -46,14 +49,16 @@ def main() -> None:
     out = f(*xs)
 
     h = xs[0] @ xs[1].T
-    h = 0.5 * h * (1 + np.tanh(0.7978845608 * (h + 0.044715 * h ** 3))) @ xs[2].T
+    h = 0.5 * h * (1 + np.tanh(0.7978845608 * (h + 0.044715 * h**3))) @ xs[2].T
     e = np.exp(h - h.max(-1, keepdims=True))
     ref = e / e.sum(-1, keepdims=True)
     rank = int(os.environ.get("RANK", "0"))
     if rank == 0:
         print(f.plan)
-        print(f"{f}: max |parallel - numpy| = {np.abs(out - ref).max():.2e}, "
-              f"{metadist_tvm.kernel_cache().builds} kernels compiled")
+        print(
+            f"{f}: max |parallel - numpy| = {np.abs(out - ref).max():.2e}, "
+            f"{metadist_tvm.kernel_cache().builds} kernels compiled"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 Each ComputeOp's body is rebuilt at every device's shard shapes; the matmul
 below has constant extents and still splits by rows, columns or contraction.
 """
+
 import os
 
 import numpy as np
@@ -28,9 +29,9 @@ def main() -> None:
     m = te.compute((batch, d_out), lambda i, j: te.sum(h[i, k] * w2[k, j], axis=k), name="mm")
     y = topi.nn.softmax(m)
 
-    print(metadist_tvm.rules_for(m))   # the rules of the plain matmul: rows, columns, contraction
+    print(metadist_tvm.rules_for(m))  # the rules of the plain matmul: rows, columns, contraction
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    pins = [Pin("W1", Sharding([Shard(0)]))]   # tensor parallel first layer; the solver plans the rest
+    pins = [Pin("W1", Sharding([Shard(0)]))]  # tensor parallel first layer; the solver plans the rest
     f = metadist_tvm.parallelize([x, w1, b1, w2], y, None if distributed else (4,), constraints=pins)
 
     rng = np.random.default_rng(0)

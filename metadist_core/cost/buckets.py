@@ -17,6 +17,7 @@ replay (:func:`metadist_core.plan.overlap.predict`) and the memory model
 (:mod:`metadist_core.plan.memprofile`) all ask it, and a test checks the lowering's
 buckets against it on a one- and a two-axis mesh.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence

@@ -20,6 +20,7 @@ Values already as small as the wire dtype (a bf16 gradient under "fp16")
 travel as they are. The numbers are approximate: the sum of the members'
 rounded gradients, not the rounded sum (see the README for the measured drift).
 """
+
 from __future__ import annotations
 
 from metadist_core.ir.ir import DTYPE_BYTES, MetaIR, MetaOp
@@ -30,14 +31,19 @@ ROLE_GRADIENT = "gradient"
 
 def gradient_chain(graph: MetaIR) -> set[str]:
     """The gradient values of ``graph`` and the values they are views, casts or copies of."""
-    def arrays(op: MetaOp) -> list[str]:   # the op's inputs that are tensors of at least one dim
+
+    def arrays(op: MetaOp) -> list[str]:  # the op's inputs that are tensors of at least one dim
         return [u for u in op.inputs if graph.vars[u].is_tensor and graph.vars[u].ndim > 0]
 
-    def same_values(op: MetaOp) -> bool:   # a view, cast or copy of one computed value
+    def same_values(op: MetaOp) -> bool:  # a view, cast or copy of one computed value
         ins = arrays(op)
-        return len(ins) == 1 and len(op.outputs) == 1 \
-            and graph.vars[ins[0]].numel == graph.vars[op.outputs[0]].numel \
+        return (
+            len(ins) == 1
+            and len(op.outputs) == 1
+            and graph.vars[ins[0]].numel == graph.vars[op.outputs[0]].numel
             and graph.vars[ins[0]].role not in ("parameter", "optimizer_state", "buffer", "input", "hyperparameter")
+        )
+
     grads = [v for v, mv in graph.vars.items() if mv.role == ROLE_GRADIENT]
     return graph.upstream(grads, through=same_values, reads=arrays).values
 
@@ -48,8 +54,11 @@ def wire_dtypes(graph: MetaIR, mode: str | None) -> dict[str, str]:
     if wire is None:
         return {}
     size = DTYPE_BYTES[wire]
-    return {v: wire for v in sorted(gradient_chain(graph))
-            if graph.vars[v].dtype.startswith("float") and DTYPE_BYTES.get(graph.vars[v].dtype, 4) > size}
+    return {
+        v: wire
+        for v in sorted(gradient_chain(graph))
+        if graph.vars[v].dtype.startswith("float") and DTYPE_BYTES.get(graph.vars[v].dtype, 4) > size
+    }
 
 
 __all__ = ["ROLE_GRADIENT", "gradient_chain", "wire_dtypes"]

@@ -19,6 +19,7 @@ the op kinds, and op-by-op pricing of them comes closer to the step than any fus
 The core knows no op kinds: the frontend whose compiler fuses says which of its ops are elementwise
 (:meth:`metadist_core.driver.frontend.Frontend.fuses`).
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -30,20 +31,21 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
     """The optimizer update's fused loops: lists of op ids (graph order), one per connected chain."""
     fusable = {op.id for op in graph.ops if elementwise(op)}
     if not fusable:
-        return []   # a frontend whose ops run one by one
+        return []  # a frontend whose ops run one by one
     fwd = set(forward_ops(graph))
     if len(fwd) == len(graph.ops):
-        return []   # inference: no update
+        return []  # inference: no update
     state = {v for v in graph.inputs if graph.vars[v].role in UPDATE_ROLES}
     outputs = set(graph.outputs)
     shapes = {graph.vars[v].shape for v in state}
 
-    def update_shaped(i: str) -> bool:   # the update works on its state's shapes (and scalars)
+    def update_shaped(i: str) -> bool:  # the update works on its state's shapes (and scalars)
         return all(graph.vars[v].numel <= 1 or graph.vars[v].shape in shapes for v in graph.op(i).outputs)
+
     ok = {i for i in fusable - fwd if update_shaped(i)}
-    region = graph.downstream(state, through=lambda op: op.id in ok).ops   # what the update computes from them
+    region = graph.downstream(state, through=lambda op: op.id in ok).ops  # what the update computes from them
     grew = True
-    while grew:   # producers that only the update reads (Adam's (1 - b1) * g): in the same loop
+    while grew:  # producers that only the update reads (Adam's (1 - b1) * g): in the same loop
         grew = False
         for i in list(region):
             for v in graph.op(i).inputs:
@@ -62,6 +64,7 @@ def update_regions(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> list
             parent[i] = parent[parent[i]]
             i = parent[i]
         return i
+
     for i in region:
         for v in graph.op(i).outputs:
             if graph.vars[v].numel > 1:
@@ -88,7 +91,7 @@ def fused_bytes(graph: MetaIR, elementwise: Callable[[MetaOp], bool]) -> dict[st
             for v in op.inputs:
                 mv = graph.vars[v]
                 if mv.is_tensor and mv.producer not in inside and v not in seen:
-                    seen.add(v)   # read once per loop however many of its ops read it
+                    seen.add(v)  # read once per loop however many of its ops read it
                     b += mv.nbytes
             for v in op.outputs:
                 mv = graph.vars[v]

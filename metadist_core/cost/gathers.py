@@ -16,6 +16,7 @@ program (:func:`metadist_torch.lower.coalesce_all_gathers`), and
 :func:`gather_buckets` applies it to a plan for :func:`metadist_core.plan.overlap.predict`
 and the memory model. A test checks that both give the same buckets.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,13 +40,14 @@ def bucket_cap(cap: int, first_cap: int | None, opened: int) -> int:
 _Id = TypeVar("_Id", bound=Hashable)
 
 
-def bucket_in_order(items: Sequence[tuple[_Id, Hashable, int]], cap: int,
-                    first_cap: int | None = None) -> list[list[_Id]]:
+def bucket_in_order(
+    items: Sequence[tuple[_Id, Hashable, int]], cap: int, first_cap: int | None = None
+) -> list[list[_Id]]:
     """Greedy buckets of ``(id, group, nbytes)`` in issue order: an item joins the open bucket of its group
     while the bucket stays within its cap (:func:`bucket_cap`), else opens a new one (the group's previous
     one closes). Buckets come in the order of their first member; a bucket of one is a plain collective."""
     out: list[list[_Id]] = []
-    open_: dict[Hashable, tuple[int, int, int]] = {}   # group -> (index in out, bytes, buckets opened)
+    open_: dict[Hashable, tuple[int, int, int]] = {}  # group -> (index in out, bytes, buckets opened)
     for ident, group, nbytes in items:
         cur = open_.get(group)
         if cur is not None and cur[1] + nbytes <= bucket_cap(cap, first_cap, cur[2]):
@@ -61,14 +63,14 @@ def bucket_in_order(items: Sequence[tuple[_Id, Hashable, int]], cap: int,
 class Gather:
     """One bucketable reshard: input value ``var`` all-gathered on mesh ``axis`` for its readers of one phase."""
 
-    key: tuple            # :func:`metadist_core.cost.phases.reshard_key`
+    key: tuple  # :func:`metadist_core.cost.phases.reshard_key`
     var: str
     axis: int
     dtype: str
-    nbytes: int           # the collective's bytes (Collective.nbytes): what fills a bucket
-    gathered: int         # bytes per device of the gathered value
-    local: int            # bytes per device of the piece sent
-    first: int            # op position of its first reader
+    nbytes: int  # the collective's bytes (Collective.nbytes): what fills a bucket
+    gathered: int  # bytes per device of the gathered value
+    local: int  # bytes per device of the piece sent
+    first: int  # op position of its first reader
 
 
 def _single_gather(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: str, mesh: Any) -> Any:
@@ -87,7 +89,7 @@ def gathers(problem: Any, choice: Sequence[int] | np.ndarray) -> list[Gather]:
     for i, n in enumerate(problem.nodes):
         if n.kind == "input":
             own[n.outputs[0]] = n.options[int(choice[i])].outputs[0]
-    found: dict[tuple, list] = {}   # key -> [(first pos, slot), var, target]
+    found: dict[tuple, list] = {}  # key -> [(first pos, slot), var, target]
     for e in problem.edges:
         if e.var not in own or e.dst < 0 or e.dst_slot < 0 or not problem.vars[e.var].get("gather_bucketed"):
             continue
@@ -104,9 +106,18 @@ def gathers(problem: Any, choice: Sequence[int] | np.ndarray) -> list[Gather]:
         c = _single_gather(own[var], tgt, info["shape"], info["dtype"], problem.mesh)
         if c is None:
             continue
-        out.append(Gather(key, var, c.axis, info["dtype"], int(c.nbytes),
-                          local_bytes(info["shape"], info["dtype"], tgt, problem.mesh),
-                          local_bytes(info["shape"], info["dtype"], own[var], problem.mesh), pos))
+        out.append(
+            Gather(
+                key,
+                var,
+                c.axis,
+                info["dtype"],
+                int(c.nbytes),
+                local_bytes(info["shape"], info["dtype"], tgt, problem.mesh),
+                local_bytes(info["shape"], info["dtype"], own[var], problem.mesh),
+                pos,
+            )
+        )
     return out
 
 

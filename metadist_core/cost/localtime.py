@@ -15,6 +15,7 @@ at the local shapes: the same op of every layer, and every strategy that gives i
 once per machine: the figures are kept beside the mesh profile (``<profile>-local.json``), so later
 compiles, the presets autotune solves and the recompute proposals time nothing twice.
 """
+
 from __future__ import annotations
 
 import json
@@ -61,20 +62,23 @@ class LocalTimer:
     wants: Callable[[Any], bool]
     measure: Callable[[list[Request], Any], tuple[list[float | None], DeviceSpec]]
     times: dict[str, tuple[float, DeviceSpec] | None] = field(default_factory=dict)
-    seconds: float = 0.0             # time spent measuring, in all
-    slowdowns: list[float] = field(default_factory=list)   # of the strategies priced so, every build
-    cache_file: str | os.PathLike | None = None   # this machine's figures, kept between compiles
+    seconds: float = 0.0  # time spent measuring, in all
+    slowdowns: list[float] = field(default_factory=list)  # of the strategies priced so, every build
+    cache_file: str | os.PathLike | None = None  # this machine's figures, kept between compiles
     budget: float = BUDGET_SECONDS
-    left_out: int = 0                # kernels left untimed when the budget was spent (priced at the median)
+    left_out: int = 0  # kernels left untimed when the budget was spent (priced at the median)
     warned: bool = False
 
     def __post_init__(self) -> None:
         self._load()
 
     def stats(self) -> dict:
-        return {"kernels_timed": sum(v is not None for v in self.times.values()), "seconds": self.seconds,
-                "left_untimed": self.left_out,
-                "median_slowdown": float(np.median(self.slowdowns)) if self.slowdowns else None}
+        return {
+            "kernels_timed": sum(v is not None for v in self.times.values()),
+            "seconds": self.seconds,
+            "left_untimed": self.left_out,
+            "median_slowdown": float(np.median(self.slowdowns)) if self.slowdowns else None,
+        }
 
     def _load(self) -> None:
         if self.cache_file is None:
@@ -96,8 +100,15 @@ class LocalTimer:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps({"version": VERSION, "kernels": {
-                k: [v[0], v[1].to_json()] for k, v in self.times.items() if v is not None}}, sort_keys=True))
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "version": VERSION,
+                        "kernels": {k: [v[0], v[1].to_json()] for k, v in self.times.items() if v is not None},
+                    },
+                    sort_keys=True,
+                )
+            )
             os.replace(tmp, path)
         except OSError as e:
             log.warning("could not keep the local op times in %s: %s", path, e)
@@ -110,7 +121,7 @@ def _measure(timer: LocalTimer, kernels: list[str], ask: dict[str, Request], mes
     for i in range(0, len(kernels), BATCH):
         if timer.seconds + (time.perf_counter() - t0) >= timer.budget:
             break
-        batch = kernels[i:i + BATCH]
+        batch = kernels[i : i + BATCH]
         secs, rates = timer.measure([ask[k] for k in batch], mesh)
         for kernel, sec in zip(batch, secs):
             timer.times[kernel] = None if sec is None else (float(sec), rates)
@@ -122,21 +133,30 @@ def _measure(timer: LocalTimer, kernels: list[str], ask: dict[str, Request], mes
         (log.warning if not timer.warned else log.info)(
             "timed %d of %d kernels at their local shapes in %.1f s, the budget of a compile (the rest are "
             "priced at the median slowdown of those timed until a later compile times them; kept in %s)",
-            done, len(kernels), spent, timer.cache_file or "no file")
+            done,
+            len(kernels),
+            spent,
+            timer.cache_file or "no file",
+        )
         timer.warned = True
     else:
         log.info("timed %d kernels at their local shapes in %.1f s", done, spent)
     timer.save()
 
 
-def apply(timer: LocalTimer, graph: Any, mesh: Any, device: DeviceSpec,
-          entries: Sequence[tuple[int, Any, list, list[int], float, float, str | None]],
-          compute: list[np.ndarray]) -> None:
+def apply(
+    timer: LocalTimer,
+    graph: Any,
+    mesh: Any,
+    device: DeviceSpec,
+    entries: Sequence[tuple[int, Any, list, list[int], float, float, str | None]],
+    compute: list[np.ndarray],
+) -> None:
     """Reprice, in place, the strategies of the ops ``timer`` wants: ``entries`` holds per op its index in
     ``compute``, the op, its strategies, their splits, its FLOPs and bytes and its compute dtype."""
     todo: list[tuple[int, int, str | None, float, float, int, str | None]] = []
     ask: dict[str, Request] = {}
-    dearest: dict[str, float] = {}   # a kernel's largest roofline among the strategies that ask for it
+    dearest: dict[str, float] = {}  # a kernel's largest roofline among the strategies that ask for it
     for row, op, opts, splits, flops, nbytes, dt in entries:
         if not timer.wants(op):
             continue
@@ -144,7 +164,7 @@ def apply(timer: LocalTimer, graph: Any, mesh: Any, device: DeviceSpec,
         dtypes = tuple(graph.vars[v].dtype for v in t_in)
         for k, (strategy, split) in enumerate(zip(opts, splits)):
             roof = compute_cost(flops, nbytes, split, device, dt) - device.op_overhead
-            if roof < MIN_SECONDS:   # not timed: priced at the others' median slowdown (below)
+            if roof < MIN_SECONDS:  # not timed: priced at the others' median slowdown (below)
                 todo.append((row, k, None, flops, nbytes, split, dt))
                 continue
             shapes = tuple(local_shape(graph.vars[v].shape, sh, mesh) for v, sh in zip(t_in, strategy.inputs))

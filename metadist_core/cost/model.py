@@ -14,6 +14,7 @@ same tensor dim nest in mesh-axis order, axis 0 outermost. A step may only
 change a Shard on an axis that is the innermost splitter of its dim, and may
 only add a Shard of a dim on an axis behind every axis that splits it already.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,12 @@ from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Placement, Shard, Sharding, largest_local_shape, parse_placement
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
-    "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv",
-    "local_split",    # free: keep this device's slice of a replicated dim
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send_recv",
+    "local_split",  # free: keep this device's slice of a replicated dim
     "local_partial",  # free: make a replicated value Partial (sum: zero it off coordinate 0)
 )
 # What reshard() emits, hence what a ShardingPlan holds and every lowering implements;
@@ -38,11 +43,14 @@ class UnknownCollectiveError(ValueError):
     """A plan step that no reshard emits, so no lowering runs it (a hand-edited or foreign plan)."""
 
     def __init__(self, kind: str, where: str) -> None:
-        super().__init__(f"{where} cannot run collective {kind!r}: plans hold only the steps reshard() emits "
-                         f"({', '.join(RESHARD_KINDS)}); rebuild the plan with ShardingPlan.from_choices")
+        super().__init__(
+            f"{where} cannot run collective {kind!r}: plans hold only the steps reshard() emits "
+            f"({', '.join(RESHARD_KINDS)}); rebuild the plan with ShardingPlan.from_choices"
+        )
 
 
 # -- collective costs ------------------------------------------------------
+
 
 def all_reduce_cost(nbytes: float, n: int, alpha: float, beta: float) -> float:
     """Ring all-reduce of a ``nbytes`` buffer on every device: 2(n-1) steps, 2(n-1)/n of the bytes."""
@@ -116,25 +124,46 @@ class Collective:
     after: Sharding
 
     def __str__(self) -> str:
-        what = {"all_gather": "dim {0}", "reduce_scatter": "dim {0}", "local_split": "dim {0}",
-                "all_to_all": "dim {0}->{1}"}.get(self.kind, "").format(*self.dims)
+        what = {
+            "all_gather": "dim {0}",
+            "reduce_scatter": "dim {0}",
+            "local_split": "dim {0}",
+            "all_to_all": "dim {0}->{1}",
+        }.get(self.kind, "").format(*self.dims)
         red = f" {self.reduce}" if self.reduce else ""
-        return (f"{self.kind}(axis {self.axis}{', ' + what if what else ''}{red}, "
-                f"{_fmt_bytes(self.nbytes)}, {self.cost * 1e6:.1f} us)")
+        return (
+            f"{self.kind}(axis {self.axis}{', ' + what if what else ''}{red}, "
+            f"{_fmt_bytes(self.nbytes)}, {self.cost * 1e6:.1f} us)"
+        )
 
     @property
     def is_free(self) -> bool:
         return self.kind in ("local_split", "local_partial")
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "axis": self.axis, "dims": list(self.dims), "reduce": self.reduce,
-                "nbytes": self.nbytes, "cost": self.cost, "before": self.before.to_json(),
-                "after": self.after.to_json()}
+        return {
+            "kind": self.kind,
+            "axis": self.axis,
+            "dims": list(self.dims),
+            "reduce": self.reduce,
+            "nbytes": self.nbytes,
+            "cost": self.cost,
+            "before": self.before.to_json(),
+            "after": self.after.to_json(),
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "Collective":
-        return cls(d["kind"], int(d["axis"]), tuple(d["dims"]), d.get("reduce"), int(d["nbytes"]),
-                   float(d["cost"]), Sharding.from_json(d["before"]), Sharding.from_json(d["after"]))
+        return cls(
+            d["kind"],
+            int(d["axis"]),
+            tuple(d["dims"]),
+            d.get("reduce"),
+            int(d["nbytes"]),
+            float(d["cost"]),
+            Sharding.from_json(d["before"]),
+            Sharding.from_json(d["after"]),
+        )
 
 
 def _fmt_bytes(n: float) -> str:
@@ -147,14 +176,16 @@ def _fmt_bytes(n: float) -> str:
 
 # -- resharding ------------------------------------------------------------
 
+
 def itemsize(dtype: str) -> int:
     return DTYPE_BYTES.get(dtype, 4)
 
 
 def _normalise(sharding: Sharding, ndim: int, mesh: Mesh, what: str) -> tuple[Placement, ...]:
     if len(sharding) != mesh.ndim:
-        raise ValueError(f"{what} sharding {sharding} has {len(sharding)} placements for the "
-                         f"{mesh.ndim}-axis mesh {mesh}")
+        raise ValueError(
+            f"{what} sharding {sharding} has {len(sharding)} placements for the {mesh.ndim}-axis mesh {mesh}"
+        )
     out = []
     for _axis, p in enumerate(sharding):
         if isinstance(p, Shard):
@@ -167,6 +198,7 @@ def _normalise(sharding: Sharding, ndim: int, mesh: Mesh, what: str) -> tuple[Pl
 
 # -- compute ---------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """Peak figures of one device for the roofline: FLOP/s, memory bytes/s, memory capacity."""
@@ -175,7 +207,7 @@ class DeviceSpec:
     peak_flops: float = 100e9
     mem_bandwidth: float = 20e9
     memory_bytes: int = 16 * 2**30
-    op_overhead: float = 0.0      # seconds every op costs on top of the roofline (dispatch; measured)
+    op_overhead: float = 0.0  # seconds every op costs on top of the roofline (dispatch; measured)
     # peak FLOP/s per compute dtype where it differs from ``peak_flops`` (tensor cores: bf16/fp16); a dict
     # is accepted and kept as sorted (dtype, FLOP/s) pairs so that the spec stays hashable
     flops_by_dtype: tuple[tuple[str, float], ...] | dict[str, float] = ()
@@ -216,30 +248,46 @@ class DeviceSpec:
         return dict(self.flops_by_dtype).get(dtype, self.peak_flops) if dtype else self.peak_flops
 
     def to_json(self) -> dict:
-        return {"name": self.name, "peak_flops": self.peak_flops, "mem_bandwidth": self.mem_bandwidth,
-                "memory_bytes": self.memory_bytes, "op_overhead": self.op_overhead,
-                "flops_by_dtype": dict(self.flops_by_dtype), "host_link": self.host_link,
-                "mem_curve": [list(p) for p in self.mem_curve], "overlap": self.overlap}
+        return {
+            "name": self.name,
+            "peak_flops": self.peak_flops,
+            "mem_bandwidth": self.mem_bandwidth,
+            "memory_bytes": self.memory_bytes,
+            "op_overhead": self.op_overhead,
+            "flops_by_dtype": dict(self.flops_by_dtype),
+            "host_link": self.host_link,
+            "mem_curve": [list(p) for p in self.mem_curve],
+            "overlap": self.overlap,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "DeviceSpec":
-        return cls(d.get("name", "device"), float(d["peak_flops"]), float(d["mem_bandwidth"]),
-                   int(d.get("memory_bytes", 16 * 2**30)), float(d.get("op_overhead", 0.0)),
-                   dict(d.get("flops_by_dtype") or {}),
-                   None if d.get("host_link") is None else float(d["host_link"]),
-                   tuple(tuple(p) for p in d.get("mem_curve") or ()), float(d.get("overlap", 1.0)))
+        return cls(
+            d.get("name", "device"),
+            float(d["peak_flops"]),
+            float(d["mem_bandwidth"]),
+            int(d.get("memory_bytes", 16 * 2**30)),
+            float(d.get("op_overhead", 0.0)),
+            dict(d.get("flops_by_dtype") or {}),
+            None if d.get("host_link") is None else float(d["host_link"]),
+            tuple(tuple(p) for p in d.get("mem_curve") or ()),
+            float(d.get("overlap", 1.0)),
+        )
 
 
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "cpu": DeviceSpec(),
     # peak_flops: fp32 without tensor cores; bf16/fp16: dense tensor-core figures (A100 312, H100/H200 SXM 989)
     # host_link: PCIe gen4 x16 (A100) / gen5 x16 (H100, H200), about 25 / 50 GB/s each way
-    "a100": DeviceSpec("a100", 19.5e12, 1.6e12, 80 * 2**30, flops_by_dtype={"bfloat16": 312e12, "float16": 312e12},
-                       host_link=25e9),
-    "h100": DeviceSpec("h100", 67e12, 3.3e12, 80 * 2**30, flops_by_dtype={"bfloat16": 989e12, "float16": 989e12},
-                       host_link=50e9),
-    "h200": DeviceSpec("h200", 67e12, 4.8e12, 141 * 10**9, flops_by_dtype={"bfloat16": 989e12, "float16": 989e12},
-                       host_link=50e9),
+    "a100": DeviceSpec(
+        "a100", 19.5e12, 1.6e12, 80 * 2**30, flops_by_dtype={"bfloat16": 312e12, "float16": 312e12}, host_link=25e9
+    ),
+    "h100": DeviceSpec(
+        "h100", 67e12, 3.3e12, 80 * 2**30, flops_by_dtype={"bfloat16": 989e12, "float16": 989e12}, host_link=50e9
+    ),
+    "h200": DeviceSpec(
+        "h200", 67e12, 4.8e12, 141 * 10**9, flops_by_dtype={"bfloat16": 989e12, "float16": 989e12}, host_link=50e9
+    ),
 }
 
 
@@ -255,8 +303,14 @@ def compute_dtype(inputs: Sequence[str], outputs: Sequence[str] = ()) -> str | N
 FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "complex64", "complex128"})
 
 
-def compute_cost(flops: float, nbytes: float, split: int = 1, device: DeviceSpec | None = None,
-                 dtype: str | None = None, slowdown: float = 1.0) -> float:
+def compute_cost(
+    flops: float,
+    nbytes: float,
+    split: int = 1,
+    device: DeviceSpec | None = None,
+    dtype: str | None = None,
+    slowdown: float = 1.0,
+) -> float:
     """Seconds of an op that does ``flops`` in ``dtype`` and moves ``nbytes``, split ``split`` ways: its
     roofline times ``slowdown`` (how much slower than its roofline the op was measured to run on this
     device, :mod:`metadist_torch.optime`; 1 where unmeasured), plus the per-op overhead.
@@ -285,6 +339,7 @@ def strategy_split(inputs: Sequence[Sharding], outputs: Sequence[Sharding], mesh
 
 # -- memory ----------------------------------------------------------------
 
+
 def local_shape(shape: Sequence[int], sharding: Sharding, mesh: Mesh) -> tuple[int, ...]:
     """The largest device's local shape of a tensor under ``sharding`` (the whole shape where some device
     would get an empty piece)."""
@@ -300,7 +355,20 @@ def local_bytes(shape: Sequence[int] | None, dtype: str, sharding: Sharding, mes
 
 
 __all__ = [
-    "COLLECTIVE_KINDS", "Collective", "DeviceSpec", "DEVICE_PRESETS", "all_gather_cost", "all_reduce_cost",
-    "all_to_all_cost", "collective_cost", "compute_cost", "compute_dtype", "local_bytes", "local_shape", "reduce_scatter_cost",
-    "send_recv_cost", "strategy_split", "parse_placement",
+    "COLLECTIVE_KINDS",
+    "Collective",
+    "DeviceSpec",
+    "DEVICE_PRESETS",
+    "all_gather_cost",
+    "all_reduce_cost",
+    "all_to_all_cost",
+    "collective_cost",
+    "compute_cost",
+    "compute_dtype",
+    "local_bytes",
+    "local_shape",
+    "reduce_scatter_cost",
+    "send_recv_cost",
+    "strategy_split",
+    "parse_placement",
 ]

@@ -14,6 +14,7 @@ much longer the program ran than its ops' times say (:data:`PROGRAM_FACTOR`). Sl
 machine in a JSON file beside the mesh profile (:data:`VERSION`). Ops a frontend times at each strategy's
 local shapes are priced by :mod:`metadist_core.cost.localtime` instead.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -29,10 +30,10 @@ from metadist_core.ir.ir import MetaIR, MetaOp
 
 log = logging.getLogger("metadist.optime")
 
-VERSION = 3                   # the cache file's format: a file of another version is measured again
+VERSION = 3  # the cache file's format: a file of another version is measured again
 VERSION_KEY = "__version__"
-LIMITS = (0.25, 100.0)        # slowdowns are clamped to this range (a tiny op's time is mostly noise)
-PROGRAM_FACTOR = (1.0, 4.0)   # the program's factor over its ops' alone times is clamped to this range
+LIMITS = (0.25, 100.0)  # slowdowns are clamped to this range (a tiny op's time is mostly noise)
+PROGRAM_FACTOR = (1.0, 4.0)  # the program's factor over its ops' alone times is clamped to this range
 
 
 def roofline(op: MetaOp, graph: MetaIR, cost: tuple, dev: DeviceSpec) -> float:
@@ -45,9 +46,11 @@ def _whole_shape(graph: MetaIR, v: str, op: MetaOp) -> tuple[int, ...]:
     """The shape of input ``v`` of ``op``, which a timed op must know."""
     shape = graph.vars[v].shape
     if shape is None:
-        raise ValueError(f"op {op.id!r} ({op.key}) has costs but its input {v!r} has no known shape; an op "
-                         "timed at its whole shape needs the shapes of its inputs (give the value a shape when "
-                         "tracing, or give the op no costs)")
+        raise ValueError(
+            f"op {op.id!r} ({op.key}) has costs but its input {v!r} has no known shape; an op "
+            "timed at its whole shape needs the shapes of its inputs (give the value a shape when "
+            "tracing, or give the op no costs)"
+        )
     return tuple(shape)
 
 
@@ -73,9 +76,15 @@ def _save(path: Path, cache: dict[str, float]) -> None:
         log.warning("could not cache op timings in %s: %s", path, e)
 
 
-def whole_slowdowns(graph: MetaIR, costs: dict[str, tuple], time_ops: Callable[..., Any],
-                    cache_file: str | os.PathLike | None = None, *, skip: Callable[[MetaOp], bool] = lambda op: False,
-                    program: bool = False) -> dict[str, float]:
+def whole_slowdowns(
+    graph: MetaIR,
+    costs: dict[str, tuple],
+    time_ops: Callable[..., Any],
+    cache_file: str | os.PathLike | None = None,
+    *,
+    skip: Callable[[MetaOp], bool] = lambda op: False,
+    program: bool = False,
+) -> dict[str, float]:
     """Per op id of ``graph``, its measured time over its roofline (see the module doc). ``time_ops(requests,
     program)`` is the frontend's hook bound to this compile (an :class:`~metadist_core.driver.frontend.OpTimes`
     or None); ops already in ``cache_file`` and ops ``skip`` says are priced elsewhere are not asked for."""
@@ -86,19 +95,21 @@ def whole_slowdowns(graph: MetaIR, costs: dict[str, tuple], time_ops: Callable[.
     for op in graph.ops:
         cost = costs.get(op.id)
         if cost is None or (cost[0] <= 0 and cost[1] <= 0) or skip(op):
-            continue   # a view: free
+            continue  # a view: free
         if sig_of[op.id] not in cache:
             ask.setdefault(sig_of[op.id], op)
     t0 = time.perf_counter()
-    requests = [(op, tuple(_whole_shape(graph, v, op) for v in op.inputs),
-                 tuple(graph.vars[v].dtype for v in op.inputs)) for op in ask.values()]
+    requests = [
+        (op, tuple(_whole_shape(graph, v, op) for v in op.inputs), tuple(graph.vars[v].dtype for v in op.inputs))
+        for op in ask.values()
+    ]
     times = time_ops(requests, program) if requests or program else None
     new = tried = 0
     if times is not None and requests:
         spec = dataclasses.replace(times.device, op_overhead=times.harness)
         for (sig, op), t in zip(ask.items(), times.seconds):
             if t is None:
-                cache[sig] = 0.0   # not run: priced by its key's largest timed op, else by the roofline
+                cache[sig] = 0.0  # not run: priced by its key's largest timed op, else by the roofline
                 tried += 1
                 continue
             roof = roofline(op, graph, costs[op.id], spec)
@@ -106,8 +117,9 @@ def whole_slowdowns(graph: MetaIR, costs: dict[str, tuple], time_ops: Callable[.
             new += 1
     out = _by_signature(graph, costs, cache, sig_of)
     if new or tried:
-        log.info("timed %d ops of %s in %.1f s (%d could not run alone)", new, graph.name,
-                 time.perf_counter() - t0, tried)
+        log.info(
+            "timed %d ops of %s in %.1f s (%d could not run alone)", new, graph.name, time.perf_counter() - t0, tried
+        )
         if path is not None:
             _save(path, cache)
     factor = None if times is None else program_factor(graph, costs, out, times)
@@ -144,12 +156,18 @@ def program_factor(graph: MetaIR, costs: dict[str, tuple], slowdowns: dict[str, 
     if times.program is None:
         return None
     spec = dataclasses.replace(times.device, op_overhead=0.0)
-    roof = sum(roofline(op, graph, costs[op.id], spec) * slowdowns.get(op.id, 1.0)
-               for op in graph.ops if op.id in costs)
+    roof = sum(
+        roofline(op, graph, costs[op.id], spec) * slowdowns.get(op.id, 1.0) for op in graph.ops if op.id in costs
+    )
     dispatch = times.device.op_overhead * len(graph.ops)
     factor = (times.program - dispatch) / max(roof, 1e-9)
-    log.info("the step's program ran %.1f ms alone; its ops' alone times say %.1f (+ %.1f dispatch): x%.2f",
-             times.program * 1e3, roof * 1e3, dispatch * 1e3, factor)
+    log.info(
+        "the step's program ran %.1f ms alone; its ops' alone times say %.1f (+ %.1f dispatch): x%.2f",
+        times.program * 1e3,
+        roof * 1e3,
+        dispatch * 1e3,
+        factor,
+    )
     return min(max(factor, PROGRAM_FACTOR[0]), PROGRAM_FACTOR[1])
 
 

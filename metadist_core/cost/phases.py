@@ -19,6 +19,7 @@ A graph whose every op feeds the returned values (inference) has one phase.
 The same rule is read by the plan interpreter (what runs), the problem's cost
 terms (what is priced) and the memory profile (what is held).
 """
+
 from __future__ import annotations
 
 from typing import Mapping

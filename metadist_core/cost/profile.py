@@ -6,6 +6,7 @@ times real collectives and writes one (see ``metadist_torch.calibrate``), and
 falls back to :data:`DEFAULT_PROFILE`. :meth:`MeshProfile.mesh` gives a Mesh
 whose per-axis alpha/beta come from the level each axis's groups cross.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,18 +34,20 @@ class MeshProfile:
 
     nodes: int = 1
     devices_per_node: int = 8
-    levels: dict = field(default_factory=lambda: {
-        "intra": {"alpha": DEFAULT_ALPHA, "beta": DEFAULT_BETA},
-        "inter": {"alpha": 3 * DEFAULT_ALPHA, "beta": 2 * DEFAULT_BETA},
-    })
+    levels: dict = field(
+        default_factory=lambda: {
+            "intra": {"alpha": DEFAULT_ALPHA, "beta": DEFAULT_BETA},
+            "inter": {"alpha": 3 * DEFAULT_ALPHA, "beta": 2 * DEFAULT_BETA},
+        }
+    )
     backend: str = "default"
     measured: bool = False
     device: DeviceSpec = field(default_factory=lambda: DEVICE_PRESETS["cpu"])
-    samples: list = field(default_factory=list)   # raw timings: level, collective, n, bytes, seconds
+    samples: list = field(default_factory=list)  # raw timings: level, collective, n, bytes, seconds
     # "2x2" -> [{"alpha", "beta", "kinds": {kind: {"alpha", "beta"}}} per axis], measured on that mesh; "kinds"
     # (optional): collective kinds timed apart from the all_reduces (Mesh.links)
     axis_costs: dict = field(default_factory=dict)
-    key: dict = field(default_factory=dict)          # host, world_size, device_kind it was measured for
+    key: dict = field(default_factory=dict)  # host, world_size, device_kind it was measured for
 
     @property
     def world_size(self) -> int:
@@ -52,7 +55,7 @@ class MeshProfile:
 
     def axis_level(self, shape: Sequence[int], axis: int) -> str:
         """'intra' when every group along ``axis`` stays inside one node (row-major ranks), else 'inter'."""
-        stride = math.prod(shape[axis + 1:])
+        stride = math.prod(shape[axis + 1 :])
         return "intra" if stride * shape[axis] <= self.devices_per_node else "inter"
 
     def covers(self, mesh: Mesh | Sequence[int]) -> bool:
@@ -64,20 +67,35 @@ class MeshProfile:
         """A Mesh of ``shape`` with per-axis alpha/beta from this profile."""
         shape = tuple(int(s) for s in shape)
         measured = self.axis_costs.get("x".join(map(str, shape)))
-        if measured and len(measured) == len(shape):   # measured on this very mesh, axis by axis
-            links = [{k: (float(v["alpha"]), float(v["beta"])) for k, v in a.get("kinds", {}).items()}
-                     for a in measured]   # collective kinds timed apart (metadist_torch.calibrate)
-            return Mesh(shape, axis_names, [float(a["alpha"]) for a in measured],
-                        [float(a["beta"]) for a in measured], links if any(links) else None)
+        if measured and len(measured) == len(shape):  # measured on this very mesh, axis by axis
+            links = [
+                {k: (float(v["alpha"]), float(v["beta"])) for k, v in a.get("kinds", {}).items()} for a in measured
+            ]  # collective kinds timed apart (metadist_torch.calibrate)
+            return Mesh(
+                shape,
+                axis_names,
+                [float(a["alpha"]) for a in measured],
+                [float(a["beta"]) for a in measured],
+                links if any(links) else None,
+            )
         levels = [self.axis_level(shape, a) for a in range(len(shape))]
-        return Mesh(shape, axis_names, [self.levels[lv]["alpha"] for lv in levels],
-                    [self.levels[lv]["beta"] for lv in levels])
+        return Mesh(
+            shape, axis_names, [self.levels[lv]["alpha"] for lv in levels], [self.levels[lv]["beta"] for lv in levels]
+        )
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "nodes": self.nodes, "devices_per_node": self.devices_per_node,
-                "levels": self.levels, "backend": self.backend, "measured": self.measured,
-                "device": self.device.to_json(), "samples": self.samples,
-                **({"axis_costs": self.axis_costs} if self.axis_costs else {}), **({"key": self.key} if self.key else {})}
+        return {
+            "format": FORMAT,
+            "nodes": self.nodes,
+            "devices_per_node": self.devices_per_node,
+            "levels": self.levels,
+            "backend": self.backend,
+            "measured": self.measured,
+            "device": self.device.to_json(),
+            "samples": self.samples,
+            **({"axis_costs": self.axis_costs} if self.axis_costs else {}),
+            **({"key": self.key} if self.key else {}),
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> "MeshProfile":
@@ -86,10 +104,17 @@ class MeshProfile:
         for lv in ("intra", "inter"):
             if lv not in d["levels"] or not {"alpha", "beta"} <= set(d["levels"][lv]):
                 raise ValueError(f"mesh profile needs levels.{lv}.alpha and .beta; got {d['levels'].get(lv)}")
-        return cls(int(d["nodes"]), int(d["devices_per_node"]), d["levels"], d.get("backend", "?"),
-                   bool(d.get("measured", False)), DeviceSpec.from_json(d["device"]) if "device" in d
-                   else DEVICE_PRESETS["cpu"], list(d.get("samples", [])), dict(d.get("axis_costs", {})),
-                   dict(d.get("key", {})))
+        return cls(
+            int(d["nodes"]),
+            int(d["devices_per_node"]),
+            d["levels"],
+            d.get("backend", "?"),
+            bool(d.get("measured", False)),
+            DeviceSpec.from_json(d["device"]) if "device" in d else DEVICE_PRESETS["cpu"],
+            list(d.get("samples", [])),
+            dict(d.get("axis_costs", {})),
+            dict(d.get("key", {})),
+        )
 
     def save(self, path: str | os.PathLike) -> Path:
         p = Path(path)
@@ -112,12 +137,15 @@ def load_profile(path: str | os.PathLike | None = None) -> MeshProfile:
         return MeshProfile()
     p = Path(src)
     if not p.exists():
-        raise FileNotFoundError(f"mesh profile {p} does not exist (the mesh_profile setting or {PROFILE_ENV}); "
-                                f"write one with `metadist calibrate --out {p}` or unset {PROFILE_ENV}")
+        raise FileNotFoundError(
+            f"mesh profile {p} does not exist (the mesh_profile setting or {PROFILE_ENV}); "
+            f"write one with `metadist calibrate --out {p}` or unset {PROFILE_ENV}"
+        )
     return MeshProfile.from_json(json.loads(p.read_text()))
 
 
 # -- fitting (framework-neutral half of calibrate) ------------------------------
+
 
 def collective_factors(kind: str, n: int) -> tuple[float, float]:
     """(latency steps, byte factor) of the ring model used in cost.py for ``kind`` on ``n`` devices."""
@@ -137,14 +165,16 @@ def fit_alpha_beta(samples: Sequence[tuple[str, int, float, float]]) -> tuple[fl
     A = np.array([[collective_factors(k, n)[0], collective_factors(k, n)[1] * b] for k, n, b, _ in samples])
     y = np.array([s for *_, s in samples])
     from scipy.optimize import nnls
-    w = 1.0 / np.maximum(y, 1e-9)         # relative error: small messages count as much as big ones
+
+    w = 1.0 / np.maximum(y, 1e-9)  # relative error: small messages count as much as big ones
     coef, _ = nnls(A * w[:, None], y * w)
     alpha, beta = float(coef[0]), float(coef[1])
     return max(alpha, 1e-9), max(beta, 1e-15)
 
 
-def profile_from_samples(samples: Sequence[dict], nodes: int, devices_per_node: int, backend: str,
-                         device: DeviceSpec | None = None) -> MeshProfile:
+def profile_from_samples(
+    samples: Sequence[dict], nodes: int, devices_per_node: int, backend: str, device: DeviceSpec | None = None
+) -> MeshProfile:
     """A measured profile from raw samples (dicts with level, kind, n, nbytes, seconds)."""
     levels = {}
     for lv in ("intra", "inter"):
@@ -154,7 +184,7 @@ def profile_from_samples(samples: Sequence[dict], nodes: int, devices_per_node: 
             levels[lv] = {"alpha": a, "beta": b}
     if "intra" not in levels:
         levels["intra"] = dict(DEFAULT_PROFILE.levels["intra"])
-    if "inter" not in levels:     # single node: crossing nodes never happens; keep a pessimistic guess
+    if "inter" not in levels:  # single node: crossing nodes never happens; keep a pessimistic guess
         levels["inter"] = {"alpha": 3 * levels["intra"]["alpha"], "beta": 2 * levels["intra"]["beta"]}
     return MeshProfile(nodes, devices_per_node, levels, backend, True, device or DEVICE_PRESETS["cpu"], list(samples))
 
@@ -172,15 +202,20 @@ MEASURE_VERSION = 6
 def profile_key(world_size: int, device_kind: str, host: str | None = None) -> dict:
     """What a measured profile is valid for: this host, this world size, this kind of device, this
     way of measuring (:data:`MEASURE_VERSION`)."""
-    return {"host": host or socket.gethostname(), "world_size": int(world_size), "device_kind": str(device_kind),
-            "measure": MEASURE_VERSION}
+    return {
+        "host": host or socket.gethostname(),
+        "world_size": int(world_size),
+        "device_kind": str(device_kind),
+        "measure": MEASURE_VERSION,
+    }
 
 
 def profile_cache_path(cache_dir: str | os.PathLike | None, key: dict) -> Path:
     """``<cache dir>/profiles/<host>-w<world size>-<device kind>.json``."""
     base = Path(cache_dir) if cache_dir else Path(default_cache_dir())
-    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in
-                   f"{key['host']}-w{key['world_size']}-{key['device_kind']}")
+    safe = "".join(
+        ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{key['host']}-w{key['world_size']}-{key['device_kind']}"
+    )
     return base / "profiles" / f"{safe}.json"
 
 
@@ -214,7 +249,7 @@ def profile_for(frontend, resolved, settings, *, force: bool = False) -> MeshPro
     if settings.mesh_profile:
         return load_profile(settings.mesh_profile)
     if not getattr(settings, "measure_links", True) and not force:
-        return MeshProfile()   # the built-in defaults: plans that do not change with this machine's load
+        return MeshProfile()  # the built-in defaults: plans that do not change with this machine's load
     mesh = resolved.mesh
     kind = resolved.device_kind if mesh.size > 1 else None
     if kind is None:

@@ -7,6 +7,7 @@ only add a Shard of a dim on an axis behind every axis that splits it already.
 Each step is priced by :mod:`metadist_core.cost.model`'s alpha-beta figures, per
 collective kind where the mesh has them (``Mesh.links``, :func:`link_costs`).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -16,15 +17,22 @@ from typing import Sequence
 
 import numpy as np
 
-from metadist_core.cost.model import (Collective, _normalise, all_gather_cost, all_reduce_cost, all_to_all_cost, itemsize,
-                   reduce_scatter_cost)
+from metadist_core.cost.model import (
+    Collective,
+    _normalise,
+    all_gather_cost,
+    all_reduce_cost,
+    all_to_all_cost,
+    itemsize,
+    reduce_scatter_cost,
+)
 from metadist_core.ir.mesh import Mesh, link_costs
 from metadist_core.ir.placement import Partial, Placement, Replicate, Shard, Sharding, largest_local_shape
 
 
 def _inner_splits(state: tuple[Placement, ...], axis: int, dim: int) -> bool:
     """Does an axis behind ``axis`` split tensor ``dim``?"""
-    return any(isinstance(p, Shard) and p.dim == dim for p in state[axis + 1:])
+    return any(isinstance(p, Shard) and p.dim == dim for p in state[axis + 1 :])
 
 
 #: the ``Mesh.links`` kind that prices a local copy, seconds per byte copied (read and write): a gather or
@@ -50,7 +58,7 @@ def _inner(shape_: tuple, d: int) -> bool:
 def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=()):
     """Every legal one-axis step out of ``state``: (next_state, kind, axis, dims, reduce, nbytes, cost)."""
     local = largest_local_shape(shape, state, mesh_shape)
-    if local is None:   # the searches start from feasible layouts and step only to feasible ones
+    if local is None:  # the searches start from feasible layouts and step only to feasible ones
         raise ValueError(f"layout {state} leaves a device an empty piece of shape {shape}")
     local_bytes = math.prod(local) * isz
     ndim = len(shape)
@@ -61,26 +69,42 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=())
         a, b = alphas[axis], betas[axis]
         copy = _copy_beta(links, axis)
         if links and links[axis]:
+
             def ab(kind, numel=None):
                 return link_costs(links, axis, kind, a, b, numel, n)
         else:
+
             def ab(kind, numel=None):
                 return a, b
 
         def nxt(q):
-            return state[:axis] + (q,) + state[axis + 1:]
+            return state[:axis] + (q,) + state[axis + 1 :]
 
         def can_split(d):
             return not _inner_splits(state, axis, d) and local[d] >= n
 
         if isinstance(p, Partial):
-            yield (nxt(Replicate()), "all_reduce", axis, (), p.reduce, local_bytes,
-                   all_reduce_cost(local_bytes, n, *ab("all_reduce", local_bytes // isz)))
+            yield (
+                nxt(Replicate()),
+                "all_reduce",
+                axis,
+                (),
+                p.reduce,
+                local_bytes,
+                all_reduce_cost(local_bytes, n, *ab("all_reduce", local_bytes // isz)),
+            )
             for d in range(ndim):
                 if can_split(d):
-                    yield (nxt(Shard(d)), "reduce_scatter", axis, (d,), p.reduce, local_bytes,
-                           reduce_scatter_cost(local_bytes, n, *ab("reduce_scatter"))
-                           + (copy * local_bytes if _inner(local, d) else 0.0))
+                    yield (
+                        nxt(Shard(d)),
+                        "reduce_scatter",
+                        axis,
+                        (d,),
+                        p.reduce,
+                        local_bytes,
+                        reduce_scatter_cost(local_bytes, n, *ab("reduce_scatter"))
+                        + (copy * local_bytes if _inner(local, d) else 0.0),
+                    )
         elif isinstance(p, Replicate):
             for d in range(ndim):
                 if can_split(d):
@@ -93,17 +117,31 @@ def _neighbours(state, shape, isz, mesh_shape, alphas, betas, reduces, links=())
                 continue
             gathered = nxt(Replicate())
             g_local = largest_local_shape(shape, gathered, mesh_shape)
-            if g_local is None:   # gathering a feasible layout only grows the pieces
+            if g_local is None:  # gathering a feasible layout only grows the pieces
                 raise ValueError(f"layout {gathered} leaves a device an empty piece of shape {shape}")
             g_bytes = math.prod(g_local) * isz
-            yield (gathered, "all_gather", axis, (d,), None, g_bytes, all_gather_cost(g_bytes, n, *ab("all_gather"))
-                   + (copy * g_bytes if _inner(g_local, d) else 0.0))
+            yield (
+                gathered,
+                "all_gather",
+                axis,
+                (d,),
+                None,
+                g_bytes,
+                all_gather_cost(g_bytes, n, *ab("all_gather")) + (copy * g_bytes if _inner(g_local, d) else 0.0),
+            )
             for e in range(ndim):
                 if e != d and not _inner_splits(state, axis, e):
                     cand = nxt(Shard(e))
                     if largest_local_shape(shape, cand, mesh_shape) is not None:
-                        yield (cand, "all_to_all", axis, (d, e), None, local_bytes,
-                               all_to_all_cost(local_bytes, n, *ab("all_to_all")))
+                        yield (
+                            cand,
+                            "all_to_all",
+                            axis,
+                            (d, e),
+                            None,
+                            local_bytes,
+                            all_to_all_cost(local_bytes, n, *ab("all_to_all")),
+                        )
 
 
 @lru_cache(maxsize=8192)
@@ -119,8 +157,7 @@ def _dijkstra(shape, isz, src, mesh_shape, alphas, betas, reduces, links=()):
         if s in done:
             continue
         done.add(s)
-        for t, kind, axis, dims, red, nb, cost in _neighbours(s, shape, isz, mesh_shape, alphas, betas, reduces,
-                                                              links):
+        for t, kind, axis, dims, red, nb, cost in _neighbours(s, shape, isz, mesh_shape, alphas, betas, reduces, links):
             nc = (c + cost, k + 1)
             if t not in best or nc < best[t]:
                 best[t] = nc
@@ -143,7 +180,7 @@ def reshard(src: Sharding, dst: Sharding, shape: Sequence[int], dtype: str, mesh
     shape = tuple(int(s) for s in shape)
     try:
         return list(_reshard(src, dst, shape, dtype, mesh))
-    except TypeError:   # layouts given as lists: not hashable, so not cached
+    except TypeError:  # layouts given as lists: not hashable, so not cached
         return list(_reshard.__wrapped__(src, dst, shape, dtype, mesh))
 
 
@@ -157,8 +194,10 @@ def _reshard(src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype: str, m
     if largest_local_shape(shape, s, mesh.shape) is None:
         raise ValueError(f"source sharding {src} leaves a device an empty piece of shape {shape} on mesh {mesh}")
     if largest_local_shape(shape, d, mesh.shape) is None:
-        raise ValueError(f"destination sharding {dst} leaves a device an empty piece of shape {shape} "
-                         f"on mesh {mesh}; choose a split that every axis size fits")
+        raise ValueError(
+            f"destination sharding {dst} leaves a device an empty piece of shape {shape} "
+            f"on mesh {mesh}; choose a split that every axis size fits"
+        )
     reduces = tuple(sorted({p.reduce for p in s + d if isinstance(p, Partial)}))
     best, parent = _dijkstra(shape, itemsize(dtype), s, mesh.shape, mesh.alpha, mesh.beta, reduces, mesh.links)
     if d not in best:
@@ -213,6 +252,7 @@ class _StateGraph:
         if i not in self.dist or len(self.dist[i]) < len(self.index):
             if self.matrix is None:
                 from scipy.sparse import csr_matrix
+
                 n = len(self.index)
                 ij = np.array(list(self.edges), dtype=np.int64).reshape(-1, 2)
                 w = np.fromiter(self.edges.values(), dtype=float, count=len(self.edges))
@@ -220,11 +260,12 @@ class _StateGraph:
                 # weight and the sums are read back without it (at most ``n`` of them on a path)
                 self.matrix = csr_matrix((np.maximum(w, _FREE), (ij[:, 0], ij[:, 1])), shape=(n, n))
             from scipy.sparse.csgraph import dijkstra
+
             self.dist[i] = dijkstra(self.matrix, indices=i)
         return self.index, self.dist[i]
 
 
-_FREE = 1e-300   # the weight a free step takes in the compiled search (far below any collective's seconds)
+_FREE = 1e-300  # the weight a free step takes in the compiled search (far below any collective's seconds)
 
 
 @lru_cache(maxsize=4096)
@@ -232,8 +273,7 @@ def _state_graph(shape, isz, mesh_shape, alphas, betas, reduces, links=()) -> _S
     return _StateGraph((shape, isz, mesh_shape, alphas, betas, reduces, links))
 
 
-def reshard_costs(src: Sharding, dsts: Sequence[Sharding], shape: Sequence[int], dtype: str, mesh: Mesh
-                  ) -> list[float]:
+def reshard_costs(src: Sharding, dsts: Sequence[Sharding], shape: Sequence[int], dtype: str, mesh: Mesh) -> list[float]:
     """:func:`reshard_cost` from ``src`` to each of ``dsts``, read off one cheapest-path search per kind
     of reduction involved (no step list is built: a problem's tables ask for millions of these)."""
     shape = tuple(int(x) for x in shape)
@@ -248,15 +288,16 @@ def reshard_costs(src: Sharding, dsts: Sequence[Sharding], shape: Sequence[int],
         best = None
         if src_ok and largest_local_shape(shape, d, mesh.shape) is not None:
             reduces = tuple(sorted({p.reduce for p in s + d if isinstance(p, Partial)}))
-            index, dist = _state_graph(shape, itemsize(dtype), mesh.shape, mesh.alpha, mesh.beta,
-                                       reduces, mesh.links).costs_from(s)
+            index, dist = _state_graph(
+                shape, itemsize(dtype), mesh.shape, mesh.alpha, mesh.beta, reduces, mesh.links
+            ).costs_from(s)
             j = index.get(d)
             if j is not None and j < len(dist) and np.isfinite(dist[j]):
                 best = float(dist[j])
                 best = 0.0 if best < 1e-250 else best
-        if best is None:   # the same error reshard gives, with its message
+        if best is None:  # the same error reshard gives, with its message
             reshard(src, dst, shape, dtype, mesh)
-            raise AssertionError("unreachable")   # pragma: no cover
+            raise AssertionError("unreachable")  # pragma: no cover
         out.append(best)
     return out
 

@@ -5,6 +5,7 @@ ends in ``jax.block_until_ready``) and, where the ranks of one machine must comp
 ``before`` (a barrier). :func:`time_call` times one call; :func:`time_rounds` times several calls in
 interleaved rounds, so that a slow spell of the machine falls on all of them alike.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,10 +23,18 @@ def calls_per_window(one: float, window: float, at_least: int = 1) -> int:
     return max(at_least, min(MAX_REPS, int(window / max(one, 1e-7))))
 
 
-def time_call(fn: Callable[[], Any], iters: int | None = 7, *, sync: Callable[[], Any] | None = None,
-              before: Callable[[], Any] | None = None, reps: int = 1, window: float = 0.0,
-              budget: float | None = None, pick: Callable[[list[float]], float] = statistics.median,
-              clock: Callable[[], float] = time.perf_counter) -> float:
+def time_call(
+    fn: Callable[[], Any],
+    iters: int | None = 7,
+    *,
+    sync: Callable[[], Any] | None = None,
+    before: Callable[[], Any] | None = None,
+    reps: int = 1,
+    window: float = 0.0,
+    budget: float | None = None,
+    pick: Callable[[list[float]], float] = statistics.median,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """``pick`` (the median by default) of the seconds one ``fn()`` takes, over ``iters`` timings of ``reps``
     calls each, after one untimed warm-up call.
 
@@ -55,10 +64,15 @@ def time_call(fn: Callable[[], Any], iters: int | None = 7, *, sync: Callable[[]
     return pick(ts) if ts else math.inf
 
 
-def time_rounds(calls: Sequence[Callable[[], Any]], rounds: int, per_round: int = 1, *,
-                sync: Callable[[], Any] | None = None,
-                pick: Callable[[list[float]], float] = statistics.median,
-                clock: Callable[[], float] = time.perf_counter) -> list[float]:
+def time_rounds(
+    calls: Sequence[Callable[[], Any]],
+    rounds: int,
+    per_round: int = 1,
+    *,
+    sync: Callable[[], Any] | None = None,
+    pick: Callable[[list[float]], float] = statistics.median,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[float]:
     """``pick`` (the median by default) of the seconds of each of ``calls``: each run once untimed, then
     ``rounds`` rounds that time every call ``per_round`` times, forwards and backwards in turn so that none
     always goes first."""
@@ -69,7 +83,7 @@ def time_rounds(calls: Sequence[Callable[[], Any]], rounds: int, per_round: int 
     times: list[list[float]] = [[] for _ in calls]
     order = list(range(len(calls)))
     for r in range(rounds):
-        for i in (order if r % 2 == 0 else order[::-1]):
+        for i in order if r % 2 == 0 else order[::-1]:
             for _ in range(per_round):
                 t0 = clock()
                 calls[i]()

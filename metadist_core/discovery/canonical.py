@@ -12,6 +12,7 @@ Attributes are read in the frontends' encodings: ``{"args": [...], "kwargs":
 {...}}`` with ``{"$in": i}`` for tensor input ``i`` (aten and TE ops), or
 named parameters (``{"params": {"dimension_numbers": ...}}`` of a lax primitive).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
@@ -87,6 +88,7 @@ def _same_shapes(name: str) -> Callable[[Any, Shapes], str | None]:
         if not shapes or any(s is None for s in shapes) or len({tuple(s) for s in shapes}) != 1:  # type: ignore[arg-type]
             return None
         return name
+
     return rule
 
 
@@ -114,6 +116,7 @@ def _softmax_last(axis_pos: int, axis_name: str) -> Callable[[Any, Shapes], str 
                 return None
             return "softmax"
         return None
+
     return rule
 
 
@@ -171,4 +174,3 @@ def canonical_name(key: str, attrs: Mapping[str, Any] | None, input_shapes: Shap
         return rule(attrs, list(input_shapes))
     except (TypeError, ValueError, KeyError, IndexError):
         return None
-

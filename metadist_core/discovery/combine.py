@@ -6,6 +6,7 @@ keeps the placements whose combination reproduces the full result, exactly for i
 within a dtype-scaled tolerance (:func:`same_result`) for floats, after a 16-element probe that rules
 most wrong combines out cheaply.
 """
+
 from __future__ import annotations
 
 import functools
@@ -72,7 +73,6 @@ def same_result(full: Any, got: Any, exact: bool) -> bool:
     return bool(np.all(np.abs(f - g) <= tol * (np.abs(f) + 1e-3 * scale)))
 
 
-
 def output_combines(ndim: int | None) -> list[Placement]:
     """Every way to combine per-device outputs, in order of preference."""
     if ndim is None:
@@ -102,7 +102,7 @@ def combine(pieces: list[Any], p: Placement, full: Any) -> Any | None:
     if any(x.shape != full.shape for x in pieces):
         return None
     if full.dtype == np.bool_:
-        if p.reduce not in ("max", "min"):   # or / and
+        if p.reduce not in ("max", "min"):  # or / and
             return None
         stack = np.stack(pieces)
         return stack.any(axis=0) if p.reduce == "max" else stack.all(axis=0)
@@ -127,7 +127,7 @@ def valid_combines(pieces: list[Any], full: Any, exact: bool, among: set[Placeme
     for p in output_combines(ndim):
         if among is not None and p not in among:
             continue
-        if probe is not None and probe.rules_out(pieces, p):   # 16 elements first: most combines fail there
+        if probe is not None and probe.rules_out(pieces, p):  # 16 elements first: most combines fail there
             continue
         got = combine(pieces, p, full)
         if got is None:
@@ -179,7 +179,7 @@ class _Probe:
             return any(self._differs(x[self.index]) for x in pieces)
         if not isinstance(p, Partial) or not all(is_float(x) for x in pieces):
             return False
-        got = combine([x[self.index] for x in pieces], p, self.values)   # the same reduction, on 16 elements
+        got = combine([x[self.index] for x in pieces], p, self.values)  # the same reduction, on 16 elements
         return got is not None and self._differs(got)
 
 

@@ -12,6 +12,7 @@ cannot keep) is discovered at its real shapes. Patterns already in the RuleBook
 isolation, or for which no rule verifies, is recorded as running replicated,
 with one warning naming the op.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,12 +34,12 @@ import os
 
 log = logging.getLogger("metadist.discover")
 
-MIN_PARALLEL = 12   # fewer patterns than this are discovered in this process: a fork costs more than it saves
+MIN_PARALLEL = 12  # fewer patterns than this are discovered in this process: a fork costs more than it saves
 #: the most processes discovery forks when asked for one per CPU core
 MAX_WORKERS = 8
 #: an op whose inputs and outputs hold more elements than this is not discovered at its real shapes (it runs
 #: replicated) where the caller names no limit (the max_real_discovery setting's default)
-MAX_REAL = 2 ** 24
+MAX_REAL = 2**24
 
 
 def _proxies_ok(ops: Any, op: MetaOp) -> bool:
@@ -48,9 +49,19 @@ def _proxies_ok(ops: Any, op: MetaOp) -> bool:
     return bool(getattr(getattr(fe, "traits", None), "proxy_shapes", False))
 
 
-def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_sizes: Sequence[int] = (2,),
-             save: bool = True, progress: bool | None = None, draws: int = DRAWS, axis_size: int | None = None,
-             max_real: int = MAX_REAL, workers: int = 0) -> RuleBook:
+def discover(
+    graph: MetaIR,
+    ops: Any,
+    rulebook: RuleBook | None = None,
+    *,
+    axis_sizes: Sequence[int] = (2,),
+    save: bool = True,
+    progress: bool | None = None,
+    draws: int = DRAWS,
+    axis_size: int | None = None,
+    max_real: int = MAX_REAL,
+    workers: int = 0,
+) -> RuleBook:
     """Fill ``rulebook`` with the rules of every op pattern of ``graph`` on axes of ``axis_sizes`` devices.
 
     ``ops`` answers ``op_spec(op, graph)`` (a ``PluginManager``: the frontend that
@@ -78,35 +89,57 @@ def discover(graph: MetaIR, ops: Any, rulebook: RuleBook | None = None, *, axis_
                 todo[pat.key] = (op, pat)
     book.cache_hits += len(seen) - len(todo)
     if todo:
-        log.info("discovering rules for %d of %d op patterns (%d cached) on axes of %s devices",
-                 len(todo), len(seen), len(seen) - len(todo), "/".join(map(str, sizes)))
+        log.info(
+            "discovering rules for %d of %d op patterns (%d cached) on axes of %s devices",
+            len(todo),
+            len(seen),
+            len(seen) - len(todo),
+            "/".join(map(str, sizes)),
+        )
     warned: set[str] = set()
     show = False if not todo else progress  # None: the bar decides from the terminal and the progress setting
     owner = getattr(ops, "owner", None)
     fronts = {id(fe): fe for op, _ in todo.values() if owner is not None and (fe := owner(op)) is not None}
-    n_workers = worker_count(workers, len(todo), list(fronts.values()),
-                             all_owned=owner is not None and all(owner(op) is not None for op, _ in todo.values()))
+    n_workers = worker_count(
+        workers,
+        len(todo),
+        list(fronts.values()),
+        all_owned=owner is not None and all(owner(op) is not None for op, _ in todo.values()),
+    )
     desc = f"discover ({len(todo)} op patterns" + (f", {n_workers} processes)" if n_workers > 1 else ")")
     with contextlib.ExitStack() as stack, Progress(len(todo), desc, enabled=show) as bar:
         for fe in fronts.values():
             stack.enter_context(fe.traits.discovering())
-        for n in sizes:   # the smallest axis first: its rules seed the search on the larger ones
+        for n in sizes:  # the smallest axis first: its rules seed the search on the larger ones
             jobs = [(op, pat) for op, pat in todo.values() if pat.axis_size == n]
-            seeds = {i: s for i, (op, _) in enumerate(jobs)
-                     if (s := seed_combos(book, op, graph, [m for m in sizes if m < n])) is not None}
+            seeds = {
+                i: s
+                for i, (op, _) in enumerate(jobs)
+                if (s := seed_combos(book, op, graph, [m for m in sizes if m < n])) is not None
+            }
             k = min(n_workers, worker_count(workers, len(jobs), list(fronts.values()))) if n_workers > 1 else 1
             if k > 1:
-                done = discover_forked(jobs, graph, ops, k, warned, bar, discover=discover_pattern, draws=draws,
-                                       max_real=max_real,
-                                       seeds=seeds)
+                done = discover_forked(
+                    jobs,
+                    graph,
+                    ops,
+                    k,
+                    warned,
+                    bar,
+                    discover=discover_pattern,
+                    draws=draws,
+                    max_real=max_real,
+                    seeds=seeds,
+                )
             else:
                 done = {}
             for i, (op, pat) in enumerate(jobs):
                 if i in done:
                     entry, used = done[i]
-                else:   # in this process
-                    entry, used = discover_pattern(op, graph, ops, pat, warned, draws=draws, max_real=max_real,
-                                                   seed=seeds.get(i))
+                else:  # in this process
+                    entry, used = discover_pattern(
+                        op, graph, ops, pat, warned, draws=draws, max_real=max_real, seed=seeds.get(i)
+                    )
                     bar.update(1, op.key)
                 book.add(used, entry)
                 book.discovered += 1
@@ -142,7 +175,7 @@ def worker_count(requested: int, n_patterns: int, frontends: Sequence[Any], all_
             return 1
         try:
             cores = len(os.sched_getaffinity(0))
-        except AttributeError:   # pragma: no cover - not Linux
+        except AttributeError:  # pragma: no cover - not Linux
             cores = os.cpu_count() or 1
         requested = min(cores, MAX_WORKERS)
     return max(1, min(requested, n_patterns))
@@ -158,54 +191,79 @@ def _check_proxy_shapes(spec: OpSpec, graph: MetaIR, op: MetaOp) -> None:
             raise NoProxy(f"at proxy sizes it makes {v} of shape {tuple(np.shape(o))}, not {tuple(want)}")
 
 
-def _rules_at(spec: OpSpec, graph: MetaIR, op: MetaOp, n: int, draws: int, check_shapes: bool,
-              only: Sequence[tuple] | None = None, sharded: bool | None = None) -> list[ShardingRule]:
+def _rules_at(
+    spec: OpSpec,
+    graph: MetaIR,
+    op: MetaOp,
+    n: int,
+    draws: int,
+    check_shapes: bool,
+    only: Sequence[tuple] | None = None,
+    sharded: bool | None = None,
+) -> list[ShardingRule]:
     if check_shapes:
         _check_proxy_shapes(spec, graph, op)
     return discover_rules(spec, n, draws=draws, scalars=scalars_of(op.attrs), only=only, sharded=sharded)
 
 
-def discover_pattern(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, warned: set[str] | None = None, *,
-                     draws: int = DRAWS, max_real: int = MAX_REAL, seed: Sequence[tuple] | None = None
-                     ) -> tuple[OpRules, str]:
+def discover_pattern(
+    op: MetaOp,
+    graph: MetaIR,
+    ops: Any,
+    pattern: Pattern,
+    warned: set[str] | None = None,
+    *,
+    draws: int = DRAWS,
+    max_real: int = MAX_REAL,
+    seed: Sequence[tuple] | None = None,
+) -> tuple[OpRules, str]:
     """The rules of ``op``'s pattern and the RuleBook key they belong under (the exact signature's key
     when the op had to be discovered at its real shapes). ``seed``: input placements to try first
     (:func:`seed_combos`)."""
     n = pattern.axis_size
-    why = pattern.reason   # why its pattern keeps no proxy (empty: the frontend takes none, or one was tried)
+    why = pattern.reason  # why its pattern keeps no proxy (empty: the frontend takes none, or one was tried)
     if pattern.proxied:
         variants = [pattern] if pattern.multiples else [pattern, op_pattern(op, graph, n, multiples=True)]
-        for pat in variants:   # independent sizes first; then sizes that are small multiples of others kept
+        for pat in variants:  # independent sizes first; then sizes that are small multiples of others kept
             if not pat.proxied:
                 continue
             try:
                 return _discover_proxied(op, graph, ops, pat, n, draws, seed)
-            except RandomOp as e:   # random at any size: it runs replicated, no need to try it at full size
+            except RandomOp as e:  # random at any size: it runs replicated, no need to try it at full size
                 if warned is not None and op.key not in warned:
                     warned.add(op.key)
                     log.warning("op %s (%s) runs replicated: %s", op.key, op.id, e)
-                return (OpRules(op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], n,
-                                "replicated", str(e)), pat.key)
+                return (
+                    OpRules(
+                        op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], n, "replicated", str(e)
+                    ),
+                    pat.key,
+                )
             except Exception as e:  # noqa: BLE001 - a proxy that cannot stand for the op: try the next
                 log.debug("op %s (%s) at proxy sizes (%s): %s: %s", op.key, op.id, pat.key, type(e).__name__, e)
                 why = f"{type(e).__name__}: {e}"
         pattern = op_pattern(op, graph, n, proxies=False)
     numel = op_numel(op, graph)
-    if why:   # the op, and why no proxy stands for it: a user can tell a size-bearing argument from a kernel
+    if why:  # the op, and why no proxy stands for it: a user can tell a size-bearing argument from a kernel
         log.info("op %s (%s) is discovered at its real shapes: %s", op.key, op.id, why[:200])
-    if numel > max_real:   # discovery's memory must not grow with the model: such an op runs replicated
-        reason = (f"its pattern could not be kept at proxy sizes and its tensors hold {numel:,} elements, more "
-                  f"than the {max_real:,} discovery runs at real size (the max_real_discovery setting)")
+    if numel > max_real:  # discovery's memory must not grow with the model: such an op runs replicated
+        reason = (
+            f"its pattern could not be kept at proxy sizes and its tensors hold {numel:,} elements, more "
+            f"than the {max_real:,} discovery runs at real size (the max_real_discovery setting)"
+        )
         if warned is not None and op.key not in warned:
             warned.add(op.key)
             log.warning("op %s (%s) runs replicated: %s", op.key, op.id, reason)
-        return (OpRules(op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], n, "replicated",
-                        reason), pattern.key)
+        return (
+            OpRules(op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], n, "replicated", reason),
+            pattern.key,
+        )
     return discover_op(op, graph, ops, n, warned, draws=draws), pattern.key
 
 
-def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: int, draws: int,
-                      seed: Sequence[tuple] | None = None) -> tuple[OpRules, str]:
+def _discover_proxied(
+    op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: int, draws: int, seed: Sequence[tuple] | None = None
+) -> tuple[OpRules, str]:
     """Rules that hold at two proxy instances of ``pattern``; raises when the proxy cannot stand for the op.
     ``seed``: the first instance tries only these input placements, unless none of them holds."""
     t0 = time.perf_counter()
@@ -222,13 +280,15 @@ def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: 
         def search(only: Sequence[tuple] | None) -> list[ShardingRule]:
             if small is None:
                 return _rules_at(spec, p_graph, p_op, n, draws, True, only)
-            return (_rules_at(small[0], small[2], small[1], n, draws, False, only, sharded=False)
-                    + _rules_at(spec, p_graph, p_op, n, draws, True, only, sharded=True))
+            return _rules_at(small[0], small[2], small[1], n, draws, False, only, sharded=False) + _rules_at(
+                spec, p_graph, p_op, n, draws, True, only, sharded=True
+            )
+
         got = search(only)
-        if not found and seed and not got:   # nothing of the seed holds here: the whole search
+        if not found and seed and not got:  # nothing of the seed holds here: the whole search
             got = search(None)
         found.append(got)
-    both = [r for r in found[0] if r in set(found[1])]   # a rule must hold at two proxy sizes
+    both = [r for r in found[0] if r in set(found[1])]  # a rule must hold at two proxy sizes
     if not both:
         raise NoProxy("no rule held at both proxy sizes")
     return OpRules(op.key, both, n, "ok", "", time.perf_counter() - t0), pattern.key
@@ -240,8 +300,9 @@ def _discover_proxied(op: MetaOp, graph: MetaIR, ops: Any, pattern: Pattern, n: 
 UNSHARDED_AT = 3
 
 
-def _unsharded_proxy(op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int, multiples: bool,
-                     than: int) -> tuple[OpSpec, MetaOp, MetaIR] | None:
+def _unsharded_proxy(
+    op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int, multiples: bool, than: int
+) -> tuple[OpSpec, MetaOp, MetaIR] | None:
     """The op at the (smaller) proxy sizes of an axis of 2, for the input combinations that shard nothing.
 
     Inputs whole or Partial give every device the whole shapes, so no size needs to split over ``n``
@@ -254,7 +315,7 @@ def _unsharded_proxy(op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int,
         return None
     try:
         p_op, p_graph = proxy_op(op, graph, 2, instance, multiples)
-        if 2 * op_numel(p_op, p_graph) > than:   # not worth running the op's draws twice
+        if 2 * op_numel(p_op, p_graph) > than:  # not worth running the op's draws twice
             return None
         spec = ops.op_spec(p_op, p_graph)
         if spec is None:
@@ -266,8 +327,9 @@ def _unsharded_proxy(op: MetaOp, graph: MetaIR, ops: Any, n: int, instance: int,
     return spec, p_op, p_graph
 
 
-def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned: set[str] | None = None, *,
-                draws: int = DRAWS) -> OpRules:
+def discover_op(
+    op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned: set[str] | None = None, *, draws: int = DRAWS
+) -> OpRules:
     """Rules for one op at its own shapes; never raises for a bad op (it runs replicated instead)."""
     warned = warned if warned is not None else set()
     n_in, n_out = len(op.inputs), len(op.outputs)
@@ -279,11 +341,13 @@ def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned:
         stats = DiscoveryStats()
         scalars = scalars_of(op.attrs)
         small = _real_size_unsharded(op, graph, ops, axis_size)
-        if small:   # the combinations that shard nothing on the two axis-2 proxies (both must hold), the rest here
-            held = [discover_rules(sp, axis_size, stats=stats, draws=draws, scalars=scalars, sharded=False)
-                    for sp in small]
+        if small:  # the combinations that shard nothing on the two axis-2 proxies (both must hold), the rest here
+            held = [
+                discover_rules(sp, axis_size, stats=stats, draws=draws, scalars=scalars, sharded=False) for sp in small
+            ]
             rules = [r for r in held[0] if r in set(held[1])] + discover_rules(
-                spec, axis_size, stats=stats, draws=draws, scalars=scalars, sharded=True)
+                spec, axis_size, stats=stats, draws=draws, scalars=scalars, sharded=True
+            )
         else:
             rules = discover_rules(spec, axis_size, stats=stats, draws=draws, scalars=scalars)
         if not rules:
@@ -297,8 +361,9 @@ def discover_op(op: MetaOp, graph: MetaIR, ops: Any, axis_size: int = 2, warned:
     if op.key not in warned:
         warned.add(op.key)
         log.warning("op %s (%s) runs replicated: %s", op.key, op.id, reason)
-    return OpRules(op.key, [ShardingRule.replicated(n_in, n_out)], axis_size, "replicated", reason,
-                   time.perf_counter() - t0)
+    return OpRules(
+        op.key, [ShardingRule.replicated(n_in, n_out)], axis_size, "replicated", reason, time.perf_counter() - t0
+    )
 
 
 def _real_size_unsharded(op: MetaOp, graph: MetaIR, ops: Any, n: int) -> list[OpSpec] | None:
@@ -314,7 +379,7 @@ def _real_size_unsharded(op: MetaOp, graph: MetaIR, ops: Any, n: int) -> list[Op
     for multiples in (False, True):
         got = [_unsharded_proxy(op, graph, ops, n, instance, multiples, than) for instance in (0, 1)]
         specs = [g[0] for g in got if g is not None]
-        if len(specs) == len(got):   # both proxies stand for the op
+        if len(specs) == len(got):  # both proxies stand for the op
             return specs
     return None
 
@@ -322,5 +387,6 @@ def _real_size_unsharded(op: MetaOp, graph: MetaIR, ops: Any, n: int) -> list[Op
 def _check_arity(op: MetaOp, rules: list[ShardingRule], n_in: int, n_out: int) -> None:
     for r in rules:
         if len(r.inputs) != n_in or len(r.outputs) != n_out:
-            raise ValueError(f"rule {r} for {op.key} has {len(r.inputs)} inputs/{len(r.outputs)} outputs, "
-                             f"the op has {n_in}/{n_out}")
+            raise ValueError(
+                f"rule {r} for {op.key} has {len(r.inputs)} inputs/{len(r.outputs)} outputs, the op has {n_in}/{n_out}"
+            )

@@ -10,6 +10,7 @@ either way. A pattern whose op kills its process (a kernel that traps on a
 size) runs replicated, with one warning naming the op, and a fresh process
 takes the next pattern: the compile goes on where an in-process run would die.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,7 +27,7 @@ from multiprocessing.connection import wait
 
 log = logging.getLogger("metadist.discover")
 
-_WORK: dict[str, Any] = {}   # set by the parent right before forking; read by the children
+_WORK: dict[str, Any] = {}  # set by the parent right before forking; read by the children
 
 
 class _Collect(logging.Handler):
@@ -45,10 +46,11 @@ def _run(i: int) -> tuple[int, Any, str, list[tuple[str, int, str]]]:
     root = logging.getLogger("metadist")
     handler = _Collect()
     root.addHandler(handler)
-    propagate, root.propagate = root.propagate, False   # the parent prints them, once
+    propagate, root.propagate = root.propagate, False  # the parent prints them, once
     try:
-        entry, used = w["discover"](op, w["graph"], w["ops"], pat, set(), draws=w["draws"],
-                                       max_real=w["max_real"], seed=w["seeds"].get(i))
+        entry, used = w["discover"](
+            op, w["graph"], w["ops"], pat, set(), draws=w["draws"], max_real=w["max_real"], seed=w["seeds"].get(i)
+        )
     finally:
         root.removeHandler(handler)
         root.propagate = propagate
@@ -71,15 +73,15 @@ def _keep_freed_pages() -> None:
     unchanged; it only keeps what it freed until it exits. No-op where glibc is not the C library."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)   # M_MMAP_THRESHOLD: allocations below 1 GiB come from the heap
-        libc.mallopt(-1, 1 << 30)   # M_TRIM_THRESHOLD: freed heap memory stays mapped
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: allocations below 1 GiB come from the heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: freed heap memory stays mapped
     except (OSError, AttributeError):
         pass
 
 
 def _serve(conn: Any) -> None:
     """A child's loop: a job index in, its result out, until None."""
-    faulthandler.disable()   # a kernel that traps is reported by the parent, naming the op, not as a dump
+    faulthandler.disable()  # a kernel that traps is reported by the parent, naming the op, not as a dump
     _keep_freed_pages()
     while True:
         i = conn.recv()
@@ -112,23 +114,43 @@ class _Worker:
 
 def _crashed(op: MetaOp, pat: Pattern, exitcode: int | None) -> Any:
     """The rules of an op whose discovery killed its process: it runs replicated."""
-    how = (f"signal {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0
-           else f"exit code {exitcode}")
+    how = (
+        f"signal {signal.Signals(-exitcode).name}" if exitcode is not None and exitcode < 0 else f"exit code {exitcode}"
+    )
     where = "at proxy sizes" if pat.proxied else "at its real shapes"
     reason = f"running it {where} killed the discovery process ({how}) inside the framework"
-    return OpRules(op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], pat.axis_size,
-                   "replicated", reason)
+    return OpRules(
+        op.key, [ShardingRule.replicated(len(op.inputs), len(op.outputs))], pat.axis_size, "replicated", reason
+    )
 
 
-def discover_forked(jobs: Sequence[tuple[MetaOp, Pattern]], graph: MetaIR, ops: Any, workers: int,
-                    warned: set[str], bar: Any, *, discover: Callable[..., tuple[Any, str]], draws: int,
-                    max_real: int, seeds: dict[int, Any] | None = None) -> dict[int, tuple[Any, str]]:
+def discover_forked(
+    jobs: Sequence[tuple[MetaOp, Pattern]],
+    graph: MetaIR,
+    ops: Any,
+    workers: int,
+    warned: set[str],
+    bar: Any,
+    *,
+    discover: Callable[..., tuple[Any, str]],
+    draws: int,
+    max_real: int,
+    seeds: dict[int, Any] | None = None,
+) -> dict[int, tuple[Any, str]]:
     """``{job index: (OpRules, RuleBook key)}`` for every job, run by ``workers`` forked processes, the
     largest first; ``discover`` finds one pattern's rules in a child. A job that kills its process (a framework kernel that traps) runs replicated, with
     one warning naming the op; a fresh process takes the next job."""
     ctx = multiprocessing.get_context("fork")
     pending = sorted(range(len(jobs)), key=lambda i: -_cost(jobs[i][0], graph, jobs[i][1]))
-    _WORK.update(discover=discover, jobs=list(jobs), graph=graph, ops=ops, draws=draws, max_real=max_real, seeds=dict(seeds or {}))
+    _WORK.update(
+        discover=discover,
+        jobs=list(jobs),
+        graph=graph,
+        ops=ops,
+        draws=draws,
+        max_real=max_real,
+        seeds=dict(seeds or {}),
+    )
     done: dict[int, tuple[Any, str]] = {}
 
     def finish(i: int, entry: Any, used: str, records: Sequence[tuple[str, int, str]]) -> None:
@@ -155,13 +177,14 @@ def discover_forked(jobs: Sequence[tuple[MetaOp, Pattern]], graph: MetaIR, ops: 
                     continue
                 try:
                     i, entry, used, records = w.conn.recv()
-                except (EOFError, OSError):   # the process died on this job
+                except (EOFError, OSError):  # the process died on this job
                     w.proc.join(1)
                     i = w.job
                     op, pat = jobs[i]
                     entry = _crashed(op, pat, w.proc.exitcode)
-                    log_rec = [("metadist.discover", logging.WARNING,
-                                f"op {op.key} ({op.id}) runs replicated: {entry.note}")]
+                    log_rec = [
+                        ("metadist.discover", logging.WARNING, f"op {op.key} ({op.id}) runs replicated: {entry.note}")
+                    ]
                     finish(i, entry, pat.key, log_rec)
                     w.job = None
                     if pending:

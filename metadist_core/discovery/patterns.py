@@ -18,6 +18,7 @@ that is large but is no size of the op (a slice bound in the middle of a dim,
 an index) cannot be rewritten: such an op is discovered at its real shapes
 (:class:`NoProxy` says why), never silently wrong.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,10 +31,10 @@ from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.ir.placement import splits_nonempty
 from metadist_core.discovery.canonical import canonical_name
 
-SMALL = 4            # sizes up to this stay exactly as they are (1, pairs, kernels of 3, RGB...)
-MAX_MULTIPLE = 4     # a large size that is k x another (k <= this) keeps that relation (a fused qkv is 3 x width)
-SENTINEL = 2 ** 31   # integers this large in attributes mean "to the end" (slice ends), not sizes
-PROXY_BUDGET = 2 ** 21   # elements over all of a proxy op's tensors; a larger proxy stands for nothing useful
+SMALL = 4  # sizes up to this stay exactly as they are (1, pairs, kernels of 3, RGB...)
+MAX_MULTIPLE = 4  # a large size that is k x another (k <= this) keeps that relation (a fused qkv is 3 x width)
+SENTINEL = 2**31  # integers this large in attributes mean "to the end" (slice ends), not sizes
+PROXY_BUDGET = 2**21  # elements over all of a proxy op's tensors; a larger proxy stands for nothing useful
 
 
 class NoProxy(Exception):
@@ -46,10 +47,10 @@ class Pattern:
 
     key: str
     axis_size: int
-    proxied: bool                    # False: the key is the op's exact signature (discovered at real shapes)
-    multiples: bool = False          # large sizes that are small multiples of others keep that relation
-    basis: tuple[tuple[int, str], ...] = ()   # large size -> its symbol ("a0", "3*a0", "a0*a1")
-    reason: str = ""                 # why not proxied
+    proxied: bool  # False: the key is the op's exact signature (discovered at real shapes)
+    multiples: bool = False  # large sizes that are small multiples of others keep that relation
+    basis: tuple[tuple[int, str], ...] = ()  # large size -> its symbol ("a0", "3*a0", "a0*a1")
+    reason: str = ""  # why not proxied
 
 
 def _shapes(op: MetaOp, graph: MetaIR) -> list[tuple[int, ...] | None]:
@@ -101,8 +102,7 @@ def exact_below(axis_size: int) -> int:
     return max(SMALL, axis_size - 1)
 
 
-def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False, small: int = SMALL
-               ) -> dict[int, tuple]:
+def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False, small: int = SMALL) -> dict[int, tuple]:
     """Each large size (> ``small``) of the op's ``shapes`` as an expression over base sizes, smallest first.
 
     ``("base", i)`` is the i-th base; ``("prod", s1, s2, ...)`` is the product a view needs
@@ -129,7 +129,7 @@ def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False, 
         factors = rel.get(s)
         if factors is not None and all(f <= small or f in out for f in factors):
             expr = ("prod", *factors)
-        if expr is None and multiples:   # a size next to another (a shifted sequence: 513 tokens, 512 targets)
+        if expr is None and multiples:  # a size next to another (a shifted sequence: 513 tokens, 512 targets)
             for k in range(1, SMALL + 1):
                 if s - k in out and (s, s - k) in aligned:
                     expr = ("add", s - k, k)
@@ -155,10 +155,10 @@ def size_basis(shapes: Sequence[Sequence[int] | None], multiples: bool = False, 
 
 
 def _symbol(s: int, basis: Mapping[int, tuple], n: int) -> str:
-    if s not in basis:   # an exact size
+    if s not in basis:  # an exact size
         return str(s)
     e = basis[s]
-    if e[0] == "base":   # its remainder, and whether a split over the axis leaves a device empty ("e")
+    if e[0] == "base":  # its remainder, and whether a split over the axis leaves a device empty ("e")
         return f"a{e[1]}%{s % n}" + ("" if splits_nonempty(s, n) else "e")
     if e[0] == "mul":
         return f"{e[1]}*({_symbol(e[2], basis, n)})"
@@ -189,6 +189,7 @@ def _attr_ints(x: Any) -> list[int]:
     def keep(v: int) -> int:
         found.append(v)
         return v
+
     _map_attrs(x, keep)
     return found
 
@@ -205,16 +206,20 @@ def op_pattern(op: MetaOp, graph: MetaIR, axis_size: int, proxies: bool = True, 
     attrs = {k: v for k, v in (op.attrs or {}).items() if not k.startswith("_")}
     bad = [v for v in _attr_ints(attrs) if v > small and v < SENTINEL and v not in basis]
     if bad:
-        return Pattern(exact.key, axis_size, False,
-                       reason=f"its static argument {bad[0]} is larger than {small} but no size of its tensors")
+        return Pattern(
+            exact.key,
+            axis_size,
+            False,
+            reason=f"its static argument {bad[0]} is larger than {small} but no size of its tensors",
+        )
     sym_attrs = _map_attrs(attrs, lambda v: f"<{_symbol(v, basis, axis_size)}>" if small < v < SENTINEL else v)
     try:
         attr_text = json.dumps(sym_attrs, sort_keys=True, default=str)
     except (TypeError, ValueError) as e:
         return Pattern(exact.key, axis_size, False, reason=f"its attributes are not plain data ({e})")
-    canon = canonical_name(op.key, op.attrs, [s for s in shapes[:len(op.inputs)]])
+    canon = canonical_name(op.key, op.attrs, [s for s in shapes[: len(op.inputs)]])
     name = canon or op.key
-    if canon is not None:   # the canonical name says all the attributes say: one pattern for every frontend
+    if canon is not None:  # the canonical name says all the attributes say: one pattern for every frontend
         attr_text = ""
     dims = ";".join("-" if s is None else ",".join(_symbol(d, basis, axis_size) for d in s) or "()" for s in shapes)
     digest = hashlib.sha1(f"{dims}|{attr_text}".encode()).hexdigest()[:16]
@@ -257,7 +262,7 @@ def _derived(basis: Mapping[int, tuple], out: dict[int, int], s: int) -> int:
 
 def _assign(basis: Mapping[int, tuple], axis_size: int, instance: int, floor: int = 0) -> dict[int, int]:
     n = axis_size
-    floor = max(SMALL + 1, n, floor)       # every device of the axis holds a piece
+    floor = max(SMALL + 1, n, floor)  # every device of the axis holds a piece
     used: set[int] = set()
     out: dict[int, int] = {}
     for s in sorted(basis):
@@ -268,10 +273,14 @@ def _assign(basis: Mapping[int, tuple], axis_size: int, instance: int, floor: in
             p = n * (-(-floor // n) + instance) + r
             # distinct bases stay apart by more than any "size + k" relation; a size whose split over the
             # axis leaves a device empty stays one that does, and one that does not stays one that does not
-            while any(abs(p - u) <= SMALL for u in used) or p < floor or p <= SMALL \
-                    or splits_nonempty(p, n) != splits_nonempty(s, n):
+            while (
+                any(abs(p - u) <= SMALL for u in used)
+                or p < floor
+                or p <= SMALL
+                or splits_nonempty(p, n) != splits_nonempty(s, n)
+            ):
                 p += n
-                if p > max(s, floor) + 16 * n * (SMALL + 1):   # only a few small sizes leave a device empty
+                if p > max(s, floor) + 16 * n * (SMALL + 1):  # only a few small sizes leave a device empty
                     raise NoProxy(f"no proxy for its size {s} keeps which devices of an axis of {n} get none")
             out[s] = p
         used.add(out[s])
@@ -287,19 +296,20 @@ def _rotated(basis: Mapping[int, tuple], n: int, first: dict[int, int]) -> dict[
     for s in bases:
         groups.setdefault(first[s] % n, []).append(s)
     out: dict[int, int] = {}
-    for members in groups.values():   # classes of several bases: hand their sizes round
+    for members in groups.values():  # classes of several bases: hand their sizes round
         if len(members) > 1:
             vals = [first[s] for s in members]
             for k, s in enumerate(members):
                 out[s] = vals[(k + 1) % len(vals)]
-    for members in groups.values():   # a lone base: up by n, clear of every size placed or still to move
+    for members in groups.values():  # a lone base: up by n, clear of every size placed or still to move
         if len(members) == 1:
             s0 = members[0]
             v = first[s0] + n
-            while any(abs(v - out.get(t, first[t])) <= SMALL for t in bases if t != s0) \
-                    or splits_nonempty(v, n) != splits_nonempty(s0, n):
+            while any(abs(v - out.get(t, first[t])) <= SMALL for t in bases if t != s0) or splits_nonempty(
+                v, n
+            ) != splits_nonempty(s0, n):
                 v += n
-                if v > first[s0] + 16 * n * (SMALL + 1):   # no other size keeps its class: it stays
+                if v > first[s0] + 16 * n * (SMALL + 1):  # no other size keeps its class: it stays
                     v = first[s0]
                     break
             out[s0] = v
@@ -332,8 +342,9 @@ def op_numel(op: MetaOp, graph: MetaIR) -> int:
     return sum(graph.vars[v].numel for v in op.inputs + op.outputs if graph.vars[v].is_tensor)
 
 
-def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multiples: bool = False
-             ) -> tuple[MetaOp, MetaIR]:
+def proxy_op(
+    op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multiples: bool = False
+) -> tuple[MetaOp, MetaIR]:
     """``op`` alone in a new graph whose large sizes are proxies (size-bearing attributes rewritten)."""
     shapes = _shapes(op, graph)
     small = exact_below(axis_size)
@@ -342,8 +353,10 @@ def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multi
         raise NoProxy("it has no size larger than the proxy threshold")
     sizes = proxy_sizes(basis, axis_size, instance)
 
-    attrs = {k: (v if k.startswith("_") else _map_attrs(v, lambda v: proxy_int(v, sizes, small)))
-             for k, v in (op.attrs or {}).items()}
+    attrs = {
+        k: (v if k.startswith("_") else _map_attrs(v, lambda v: proxy_int(v, sizes, small)))
+        for k, v in (op.attrs or {}).items()
+    }
     g = MetaIR(f"proxy:{op.key}")
     # for frontends whose op runs from a payload the attrs only describe (a jaxpr primitive's params): the
     # same rewrite, by value (sizes above ``small`` not in ``map`` cannot be kept: NoProxy there)
@@ -363,7 +376,7 @@ def proxy_op(op: MetaOp, graph: MetaIR, axis_size: int, instance: int = 0, multi
         outs.append((v, None if mv.shape is None else tuple(sizes.get(d, d) for d in mv.shape), mv.dtype))
     new = g.add_op(op.key, names, outs, attrs, id=op.id, payload=op.payload)
     numel = sum(math.prod(s) for v in list(new.inputs) + list(new.outputs) if (s := g.vars[v].shape))
-    if numel > PROXY_BUDGET:   # chance relations multiplied the sizes up: too big to be a proxy
+    if numel > PROXY_BUDGET:  # chance relations multiplied the sizes up: too big to be a proxy
         raise NoProxy(f"its proxy holds {numel:,} elements (more than {PROXY_BUDGET:,})")
     return new, g
 
@@ -388,4 +401,15 @@ def proxy_numel(op: MetaOp, graph: MetaIR, axis_size: int) -> int:
     return op_numel(p, g)
 
 
-__all__ = ["Pattern", "NoProxy", "op_pattern", "proxy_op", "proxy_int", "op_numel", "proxy_sizes", "size_basis", "exact_below", "SMALL"]
+__all__ = [
+    "Pattern",
+    "NoProxy",
+    "op_pattern",
+    "proxy_op",
+    "proxy_int",
+    "op_numel",
+    "proxy_sizes",
+    "size_basis",
+    "exact_below",
+    "SMALL",
+]

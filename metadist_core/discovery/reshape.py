@@ -7,6 +7,7 @@ that group's elements, which is a split of the major dim of the matching
 output group; any other split is not contiguous and cannot pass a reshape
 without communication.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,8 +23,10 @@ def dim_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list[tuple[
     when the element counts differ.
     """
     if math.prod(in_shape) != math.prod(out_shape):
-        raise ValueError(f"cannot reshape {tuple(in_shape)} ({math.prod(in_shape)} elements) "
-                         f"to {tuple(out_shape)} ({math.prod(out_shape)} elements)")
+        raise ValueError(
+            f"cannot reshape {tuple(in_shape)} ({math.prod(in_shape)} elements) "
+            f"to {tuple(out_shape)} ({math.prod(out_shape)} elements)"
+        )
     groups: list[tuple[list[int], list[int]]] = []
     i = j = 0
     ni, nj = len(in_shape), len(out_shape)
@@ -68,7 +71,9 @@ def _major(dims: list[int], shape: Sequence[int]) -> int | None:
     return None
 
 
-def reshape_output_placement(in_shape: Sequence[int], out_shape: Sequence[int], p: Placement, n: int) -> Placement | None:
+def reshape_output_placement(
+    in_shape: Sequence[int], out_shape: Sequence[int], p: Placement, n: int
+) -> Placement | None:
     """The output placement a reshape gives an input placed as ``p``, or None if it cannot pass."""
     if not isinstance(p, Shard):
         return p
@@ -92,8 +97,9 @@ def reshape_output_placement(in_shape: Sequence[int], out_shape: Sequence[int], 
     return None
 
 
-def reshape_local_shape(in_shape: Sequence[int], out_shape: Sequence[int] | None, p: Placement, n: int,
-                        rank: int) -> tuple[int, ...] | None:
+def reshape_local_shape(
+    in_shape: Sequence[int], out_shape: Sequence[int] | None, p: Placement, n: int, rank: int
+) -> tuple[int, ...] | None:
     """The target shape device ``rank`` passes to its local reshape when the input is placed as ``p``."""
     if out_shape is None:
         return None
@@ -101,7 +107,7 @@ def reshape_local_shape(in_shape: Sequence[int], out_shape: Sequence[int] | None
     if not isinstance(p, Shard):
         return out
     q = reshape_output_placement(in_shape, out, p, n)
-    if not isinstance(q, Shard):   # None: it cannot pass (a Shard input gives a Shard or None)
+    if not isinstance(q, Shard):  # None: it cannot pass (a Shard input gives a Shard or None)
         return None
     local = list(out)
     lo, hi = chunk_bounds(out[q.dim], n, rank)

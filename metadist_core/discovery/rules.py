@@ -5,6 +5,7 @@ tensor input and every output. :func:`expand_rules` turns one-axis rules into
 N-D strategies mechanically: one rule per mesh axis, kept when the shapes allow.
 The cache is one JSON file (no pickle), versioned and written atomically.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -24,7 +25,9 @@ from metadist_core.discovery.patterns import op_pattern
 
 log = logging.getLogger("metadist.rules")
 
-CACHE_VERSION = 8   # 2: entries keyed by op pattern and axis size (metadist_core.discovery.patterns); 3: nonfinite draws;
+CACHE_VERSION = (
+    8  # 2: entries keyed by op pattern and axis size (metadist_core.discovery.patterns); 3: nonfinite draws;
+)
 # 4: sizes below the axis size exact, and the empty-piece class in the pattern; 5: slice_backward and
 # select_backward run on gradient pieces at the pieces' own size (they had replicated rules only);
 # 6: ops of 3 inputs also tried with the third Partial(sum) beside two shards, where it has fewer dims (addmm);
@@ -93,22 +96,35 @@ class OpRules:
     key: str
     rules: list[ShardingRule]
     axis_size: int = 2
-    status: str = "ok"    # ok | replicated (no rule could be found; runs replicated) | error
-    note: str = ""        # why, when status is not ok
+    status: str = "ok"  # ok | replicated (no rule could be found; runs replicated) | error
+    note: str = ""  # why, when status is not ok
     seconds: float = 0.0  # discovery time
 
     def to_json(self) -> dict:
-        return {"key": self.key, "rules": [r.to_json() for r in self.rules], "axis_size": self.axis_size,
-                "status": self.status, "note": self.note, "seconds": round(self.seconds, 4)}
+        return {
+            "key": self.key,
+            "rules": [r.to_json() for r in self.rules],
+            "axis_size": self.axis_size,
+            "status": self.status,
+            "note": self.note,
+            "seconds": round(self.seconds, 4),
+        }
 
     @classmethod
     def from_json(cls, data: Mapping) -> "OpRules":
-        return cls(data["key"], [ShardingRule.from_json(r) for r in data["rules"]], data.get("axis_size", 2),
-                   data.get("status", "ok"), data.get("note", ""), data.get("seconds", 0.0))
+        return cls(
+            data["key"],
+            [ShardingRule.from_json(r) for r in data["rules"]],
+            data.get("axis_size", 2),
+            data.get("status", "ok"),
+            data.get("note", ""),
+            data.get("seconds", 0.0),
+        )
 
 
-def _tensor_ok(shape: Sequence[int] | None, placements: Sequence[Placement], mesh: Mesh,
-               discovered_axis_size: int | None = None) -> bool:
+def _tensor_ok(
+    shape: Sequence[int] | None, placements: Sequence[Placement], mesh: Mesh, discovered_axis_size: int | None = None
+) -> bool:
     """Can a tensor of ``shape`` take these per-axis placements?
 
     Every split piece must be non-empty; on a mesh axis whose size differs
@@ -128,8 +144,11 @@ def _tensor_ok(shape: Sequence[int] | None, placements: Sequence[Placement], mes
             n = mesh.shape[axis]
             if not splits_nonempty(local[d], n):
                 return False
-            if local[d] % n and discovered_axis_size is not None and \
-                    ((discovered_axis_size and n != discovered_axis_size) or d in split):
+            if (
+                local[d] % n
+                and discovered_axis_size is not None
+                and ((discovered_axis_size and n != discovered_axis_size) or d in split)
+            ):
                 return False
             split.add(d)
             local[d] = -(-local[d] // n)
@@ -165,7 +184,7 @@ def expand_rules(
         mine = rules.get(size, []) if isinstance(rules, Mapping) else rules
         per_axis.append([rep] if size == 1 else list(dict.fromkeys([rep, *mine])))
     if isinstance(rules, Mapping):
-        discovered_axis_size = 0   # each axis uses rules verified at its own size
+        discovered_axis_size = 0  # each axis uses rules verified at its own size
     out: list[Strategy] = []
     seen = set()
     for combo in itertools.product(*per_axis):
@@ -187,7 +206,9 @@ def expand_rules(
 class RuleBook:
     """Rules per op signature, backed by an optional on-disk JSON cache."""
 
-    def __init__(self, entries: Mapping[str, OpRules] | None = None, cache_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self, entries: Mapping[str, OpRules] | None = None, cache_dir: str | os.PathLike | None = None
+    ) -> None:
         self.entries: dict[str, OpRules] = dict(entries or {})
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.cache_hits = 0
@@ -233,8 +254,9 @@ class RuleBook:
     @classmethod
     def from_json(cls, data: Mapping, cache_dir=None) -> "RuleBook":
         if not isinstance(data, Mapping) or data.get("version") != CACHE_VERSION:
-            raise ValueError(f"rule cache version {data.get('version') if isinstance(data, Mapping) else '?'} "
-                             f"is not {CACHE_VERSION}")
+            raise ValueError(
+                f"rule cache version {data.get('version') if isinstance(data, Mapping) else '?'} is not {CACHE_VERSION}"
+            )
         return cls({k: OpRules.from_json(v) for k, v in data["entries"].items()}, cache_dir)
 
     # -- the cache --------------------------------------------------------
@@ -293,13 +315,14 @@ class RuleBook:
         return path
 
 
-_KEYS: dict[tuple, list[str]] = {}   # op content -> its keys: a 12-layer step asks 12 times for each
+_KEYS: dict[tuple, list[str]] = {}  # op content -> its keys: a 12-layer step asks 12 times for each
 
 
 def rule_keys(op, graph, axis_size: int) -> list[str]:
     """The RuleBook keys that may hold ``op``'s rules on an axis of ``axis_size``, most general first."""
-    outs = tuple((None if graph.vars[v].shape is None else tuple(graph.vars[v].shape), graph.vars[v].dtype)
-                 for v in op.outputs)
+    outs = tuple(
+        (None if graph.vars[v].shape is None else tuple(graph.vars[v].shape), graph.vars[v].dtype) for v in op.outputs
+    )
     memo = (op.signature(graph), outs, axis_size)
     keys = _KEYS.get(memo)
     if keys is None:
@@ -316,6 +339,7 @@ def default_cache_dir() -> Path:
         return Path(configured)
     try:
         import platformdirs
+
         return Path(platformdirs.user_cache_dir("metadist"))
     except ImportError:  # pragma: no cover - platformdirs is a dependency
         return Path.home() / ".cache" / "metadist"

@@ -15,6 +15,7 @@ The op itself comes from a frontend as an :class:`OpSpec` working on numpy array
 chooses the input combinations, makes the pieces and runs the op; :mod:`metadist_core.discovery.combine` puts
 the outputs together and judges them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -70,8 +71,8 @@ class OpSpec:
     reshape_fn: Callable[[np.ndarray, tuple[int, ...]], Any] | None = None
     out_shape: tuple[int, ...] | None = None
     sampler: Callable[[np.random.Generator, bool], list[np.ndarray]] | None = None
-    partial_inputs: bool = True   # False prunes all Partial input candidates (say, for index inputs)
-    static_args: Any = None       # the op's non-tensor arguments, where a caller wants them at hand
+    partial_inputs: bool = True  # False prunes all Partial input candidates (say, for index inputs)
+    static_args: Any = None  # the op's non-tensor arguments, where a caller wants them at hand
 
 
 @dataclass
@@ -214,7 +215,7 @@ def _grouped_combos(cands: list[list[Placement]], examples: Sequence[Any]) -> li
 class _Runner:
     def __init__(self, spec: OpSpec, n: int, stats: DiscoveryStats) -> None:
         self.spec, self.n, self.stats = spec, n, stats
-        self._pieces: dict[tuple, tuple[Any, list]] = {}   # (id of input, placement, integer) -> (input, its pieces)
+        self._pieces: dict[tuple, tuple[Any, list]] = {}  # (id of input, placement, integer) -> (input, its pieces)
 
     def _split(self, x: Any, p: Placement, rng: np.random.Generator, integer: bool, first: bool) -> list:
         """The pieces of ``x`` under ``p``; on the first draw (which every candidate runs) made once and shared
@@ -229,11 +230,17 @@ class _Runner:
 
     def full(self, inputs: Sequence[np.ndarray]) -> list[Any]:
         self.stats.runs += 1
-        with np.errstate(all="ignore"):   # wide draws overflow exp and friends on purpose
+        with np.errstate(all="ignore"):  # wide draws overflow exp and friends on purpose
             return _as_list(self.spec.fn(*inputs))
 
-    def pieces(self, combo: tuple[Placement, ...], inputs: Sequence[np.ndarray], rng: np.random.Generator,
-               integer: bool, first: bool = False) -> list[list[Any]] | None:
+    def pieces(
+        self,
+        combo: tuple[Placement, ...],
+        inputs: Sequence[np.ndarray],
+        rng: np.random.Generator,
+        integer: bool,
+        first: bool = False,
+    ) -> list[list[Any]] | None:
         """Run the op on each device's pieces; per output, the list of per-device values. None if it raised."""
         split = [self._split(x, p, rng, integer, first) for x, p in zip(inputs, combo)]
         # every input whole on every device: each device computes what the first does (the op gave the
@@ -263,10 +270,17 @@ class _Runner:
         return [[o[i] for o in per_rank] for i in range(len(per_rank[0]))]
 
 
-def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = DRAWS, seed: int = 0,
-                   stats: DiscoveryStats | None = None, scalars: Sequence[float] = (),
-                   only: Sequence[tuple[Placement, ...]] | None = None,
-                   sharded: bool | None = None) -> list[ShardingRule]:
+def discover_rules(
+    spec: OpSpec,
+    axis_size: int = 2,
+    *,
+    draws: int = DRAWS,
+    seed: int = 0,
+    stats: DiscoveryStats | None = None,
+    scalars: Sequence[float] = (),
+    only: Sequence[tuple[Placement, ...]] | None = None,
+    sharded: bool | None = None,
+) -> list[ShardingRule]:
     """Every verified one-axis ShardingRule of the op in ``spec`` on an axis of ``axis_size`` devices.
 
     ``scalars`` are the op's scalar static arguments (bounds, thresholds, ignore
@@ -291,9 +305,9 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = DRAWS, seed
         draws = max(draws, TINY_INPUT_DRAWS)
     draw_inputs: list[tuple[list[np.ndarray], bool]] = []
     fulls = []
-    try:   # a predicate on floats (isnan, isfinite...) is also verified on inf and NaN (verify.py)
+    try:  # a predicate on floats (isnan, isfinite...) is also verified on inf and NaN (verify.py)
         predicate = any(is_array(o) and o.dtype == np.bool_ for o in runner.full(examples))
-    except Exception:   # raised again, with the reason, on the examples below
+    except Exception:  # raised again, with the reason, on the examples below
         predicate = False
     for family, inputs, integer in families(examples, sampler, rng, scalars, draws, predicate):
         try:
@@ -302,7 +316,7 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = DRAWS, seed
         except Exception as e:
             if family == "examples":
                 raise Unrunnable(f"{spec.name} raised on its example inputs: {type(e).__name__}: {e}") from e
-            continue   # a family this op does not accept (say, an index out of range): not evidence
+            continue  # a family this op does not accept (say, an index out of range): not evidence
         if len(out) != len(again) or not all(same_result(a, b, True) for a, b in zip(out, again)):
             raise RandomOp(f"{spec.name} gives different results on the same inputs (random or stateful)")
         # an integer-valued draw is checked exactly only where the full result stays integral
@@ -311,10 +325,13 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = DRAWS, seed
 
     cands = [input_candidates(x, n, spec.partial_inputs) for x in examples]
     if spec.reshape_fn is not None:
-        cands[0] = [p for p in cands[0]
-                    if not isinstance(p, Shard) or reshape_local_shape(examples[0].shape, spec.out_shape, p, n, 0) is not None]
+        cands[0] = [
+            p
+            for p in cands[0]
+            if not isinstance(p, Shard) or reshape_local_shape(examples[0].shape, spec.out_shape, p, n, 0) is not None
+        ]
     combos = _combos(cands, examples)
-    if only is not None:   # re-verify these input combinations only (found at another proxy size)
+    if only is not None:  # re-verify these input combinations only (found at another proxy size)
         keep = set(only)
         combos = [c for c in combos if c in keep]
     if sharded is not None:
@@ -329,8 +346,10 @@ def discover_rules(spec: OpSpec, axis_size: int = 2, *, draws: int = DRAWS, seed
             if outs is None or len(outs) != len(full):
                 allowed = None
                 break
-            ok = [valid_combines(p, f, exact, None if allowed is None else allowed[k])
-                  for k, (p, f) in enumerate(zip(outs, full))]
+            ok = [
+                valid_combines(p, f, exact, None if allowed is None else allowed[k])
+                for k, (p, f) in enumerate(zip(outs, full))
+            ]
             allowed = ok if allowed is None else [a & b for a, b in zip(allowed, ok)]
             if any(not a for a in allowed):
                 allowed = None

@@ -25,6 +25,7 @@ A family whose draw the full op refuses (an index out of range) is skipped for
 that op. :func:`partial_pieces` makes Partial(max/min) pieces whose gaps span
 several orders of magnitude, so pieces straddle a function's turning point.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Sequence
@@ -34,17 +35,31 @@ import numpy as np
 from metadist_core.discovery.combine import is_array, is_float
 
 Sampler = Callable[[np.random.Generator, bool], list]
-FAMILIES = ("random", "uniform", "integer", "wide", "straddle", "sparse", "constant", "int_wide", "on_one_shard",
-            "nonfinite")
+FAMILIES = (
+    "random",
+    "uniform",
+    "integer",
+    "wide",
+    "straddle",
+    "sparse",
+    "constant",
+    "int_wide",
+    "on_one_shard",
+    "nonfinite",
+)
 
 
 def _is_int(x: np.ndarray) -> bool:
     return np.issubdtype(x.dtype, np.integer)
 
 
-def _fill(examples: Sequence[Any], floats: Callable[[tuple], np.ndarray] | None,
-          ints: Callable[[np.ndarray], np.ndarray] | None, bools: Callable[[tuple], np.ndarray] | None,
-          base: list) -> list:
+def _fill(
+    examples: Sequence[Any],
+    floats: Callable[[tuple], np.ndarray] | None,
+    ints: Callable[[np.ndarray], np.ndarray] | None,
+    bools: Callable[[tuple], np.ndarray] | None,
+    base: list,
+) -> list:
     """A draw: each float/int/bool tensor from its maker (or from ``base`` when that maker is None)."""
     out = []
     for x, b in zip(examples, base):
@@ -61,8 +76,14 @@ def _fill(examples: Sequence[Any], floats: Callable[[tuple], np.ndarray] | None,
     return out
 
 
-def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator, scalars: Sequence[float],
-             draws: int = 2, predicate: bool = False) -> Iterator[tuple[str, list, bool]]:
+def families(
+    examples: Sequence[Any],
+    sampler: Sampler,
+    rng: np.random.Generator,
+    scalars: Sequence[float],
+    draws: int = 2,
+    predicate: bool = False,
+) -> Iterator[tuple[str, list, bool]]:
     """``(family, inputs, integer_valued)`` for every verification draw, the examples first.
 
     ``predicate``: the op turns floats into booleans (adds the ``nonfinite`` family)."""
@@ -79,8 +100,11 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
     tiny = any(is_array(x) and is_float(x) and 0 < x.size < 16 for x in examples)
     if has_float:
         for _ in range(30 if tiny else 1):
-            yield "uniform", _fill(examples, lambda sh: rng.uniform(-4.0, 4.0, sh), None, None,
-                                   sampler(rng, False)), False
+            yield (
+                "uniform",
+                _fill(examples, lambda sh: rng.uniform(-4.0, 4.0, sh), None, None, sampler(rng, False)),
+                False,
+            )
     big = 4.0 * max([abs(s) for s in scalars] + [1.0]) + 10.0
     if has_float:
         yield "wide", _fill(examples, lambda sh: rng.standard_normal(sh) * big, None, None, sampler(rng, False)), False
@@ -89,8 +113,10 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
 
             def straddle(sh: tuple, s: float = s, span: float = span) -> np.ndarray:
                 return s + rng.uniform(-span, span, sh)
+
             yield "straddle", _fill(examples, straddle, None, None, sampler(rng, False)), False
     if has_float or has_bool:
+
         def sparse(sh: tuple) -> np.ndarray:
             out = np.zeros(sh)
             k = max(1, out.size // 10)
@@ -104,12 +130,19 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
 
         yield "sparse", _fill(examples, sparse, None, one_true, sampler(rng, False)), False
         c = float(rng.standard_normal() * 3)
-        yield "constant", _fill(examples, lambda sh: np.full(sh, c), None, lambda sh: np.zeros(sh, dtype=bool),
-                                sampler(rng, False)), False
+        yield (
+            "constant",
+            _fill(examples, lambda sh: np.full(sh, c), None, lambda sh: np.zeros(sh, dtype=bool), sampler(rng, False)),
+            False,
+        )
     if has_int:
-        yield "int_wide", _fill(examples, None, lambda x: rng.integers(-1000, 1000, size=x.shape), None,
-                                sampler(rng, False)), False
+        yield (
+            "int_wide",
+            _fill(examples, None, lambda x: rng.integers(-1000, 1000, size=x.shape), None, sampler(rng, False)),
+            False,
+        )
         for s in [s for s in scalars if float(s).is_integer()][:4]:
+
             def on_first_half(x: np.ndarray, s: float = s) -> np.ndarray:
                 lo, hi = (int(x.min()), int(x.max())) if x.size else (0, 0)
                 y = rng.integers(lo, hi + 1, size=x.shape)
@@ -118,17 +151,20 @@ def families(examples: Sequence[Any], sampler: Sampler, rng: np.random.Generator
                 else:
                     y = np.asarray(int(s))
                 return y
+
             yield "on_one_shard", _fill(examples, None, on_first_half, None, sampler(rng, False)), False
     if predicate and has_float:
         for specials in ((np.nan, np.inf, -np.inf), (np.inf,)):
+
             def nonfinite(sh: tuple, specials: tuple = specials) -> np.ndarray:
                 out = rng.standard_normal(sh)
                 if not out.shape:
                     return np.asarray(specials[0])
-                half = out[: max(1, out.shape[0] // 2)].reshape(-1)   # a view: the first half along dim 0
+                half = out[: max(1, out.shape[0] // 2)].reshape(-1)  # a view: the first half along dim 0
                 k = max(1, half.size // 4)
                 half[rng.choice(half.size, size=k, replace=False)] = rng.choice(specials, size=k)
                 return out
+
             yield "nonfinite", _fill(examples, nonfinite, None, None, sampler(rng, False)), False
 
 
@@ -141,7 +177,7 @@ def scalars_of(attrs: Any) -> list[float]:
         if isinstance(x, bool):
             return
         if isinstance(x, (int, float)):
-            if np.isfinite(x) and abs(x) < 2 ** 31:
+            if np.isfinite(x) and abs(x) < 2**31:
                 out.append(float(x))
         elif isinstance(x, (list, tuple)):
             for v in x:
@@ -149,12 +185,14 @@ def scalars_of(attrs: Any) -> list[float]:
         elif isinstance(x, dict) and not (len(x) == 1 and next(iter(x)) in ("$in", "$item", "var")):
             for v in x.values():
                 walk(v)
+
     walk({k: v for k, v in (attrs or {}).items() if not str(k).startswith("_") and k != "select"})
     return sorted(set(out))
 
 
-def _pooled(draw: Callable[[int], tuple[np.ndarray, ...]], n: int, size: int, rng: np.random.Generator
-            ) -> tuple[np.ndarray, ...]:
+def _pooled(
+    draw: Callable[[int], tuple[np.ndarray, ...]], n: int, size: int, rng: np.random.Generator
+) -> tuple[np.ndarray, ...]:
     """``n`` rows of ``size`` random values for each array ``draw(k)`` gives (``k`` values each): for ``n``
     over 2, ``n`` distinct windows of one pool of twice ``size`` values, so an axis of 16 draws 2 values
     per element, not 16 (drawing per device would make the draws a large part of discovery's time). Rows
@@ -163,7 +201,7 @@ def _pooled(draw: Callable[[int], tuple[np.ndarray, ...]], n: int, size: int, rn
         return tuple(a.reshape(n, size) for a in draw(n * size))
     length = size + max(size, n)
     starts = rng.choice(length - size + 1, size=n, replace=False)
-    return tuple(np.lib.stride_tricks.sliding_window_view(a, size)[starts] for a in draw(length))   # copies
+    return tuple(np.lib.stride_tricks.sliding_window_view(a, size)[starts] for a in draw(length))  # copies
 
 
 def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator, integer: bool) -> list[np.ndarray]:
@@ -184,7 +222,7 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
         if integer:
             noise = rng.integers(-3, 4, size=(n - 1,) + x.shape).astype(x.dtype)
         else:
-            noise, = _pooled(lambda k: (rng.standard_normal(k),), n - 1, size, rng)
+            (noise,) = _pooled(lambda k: (rng.standard_normal(k),), n - 1, size, rng)
             noise = (noise.reshape((n - 1,) + x.shape) * scale).astype(x.dtype, copy=False)
         rest = (target - noise.sum(axis=0)).astype(x.dtype, copy=False)
         return list(noise) + [rest]
@@ -193,7 +231,8 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
     flat = x.reshape(-1)
     if integer:
         gap = rng.integers(1, 5, size=(n, size)).astype(x.dtype)
-    else:   # half the gaps small next to the value itself, half spanning four decades of the scale
+    else:  # half the gaps small next to the value itself, half spanning four decades of the scale
+
         def draw(k: int) -> tuple[np.ndarray, np.ndarray]:
             # one uniform draw per value picks the half (below or above 0.5) and, rescaled, the place in it;
             # a gap is near * max(|value|, 0.5) + far, one of the two zero: arithmetic, not a random mask
@@ -211,6 +250,7 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
                 u += 0.05
                 u *= 1.0 - far
             return u, wide
+
         near, wide = _pooled(draw, n, size, rng)
         gap = near
         with np.errstate(over="ignore", invalid="ignore"):
@@ -222,10 +262,10 @@ def partial_pieces(x: np.ndarray, reduce: str, n: int, rng: np.random.Generator,
             np.negative(gap, out=gap)
         if gap.dtype != x.dtype:
             gap = gap.astype(x.dtype)
-        gap += flat[None]                                 # the others: the value pushed by a gap
-        gap.reshape(-1)[owner * size + np.arange(size)] = flat   # the owner: the value itself
+        gap += flat[None]  # the others: the value pushed by a gap
+        gap.reshape(-1)[owner * size + np.arange(size)] = flat  # the owner: the value itself
     pieces = gap.reshape(shape)
-    if not np.all(np.isfinite(x)):   # NaN, or inf beyond every other piece: only the owner holds it
+    if not np.all(np.isfinite(x)):  # NaN, or inf beyond every other piece: only the owner holds it
         mine = owner.reshape(x.shape)[None] == np.arange(n).reshape((n,) + (1,) * x.ndim)
         alone = np.isnan(x) | (x == -sign * np.inf)
         pieces = np.where(~mine & alone[None], rng.standard_normal(shape) * scale, pieces)

@@ -18,6 +18,7 @@ Only frontends that can run a plan on the planning process alone take part
 figures are kept in ``plan.stats.autotune`` and shown by ``str(plan)``'s
 summary line.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,7 +57,7 @@ class Trial:
 
     run: Callable[[], Any]
     runnable: Callable | None = None
-    lowering: str = ""               # which of the frontend's lowerings of the plan (JAX: shard_map, gspmd)
+    lowering: str = ""  # which of the frontend's lowerings of the plan (JAX: shard_map, gspmd)
 
 
 @dataclass
@@ -64,10 +65,10 @@ class Candidate:
     """A plan in the running: where it came from (``"auto"`` or a preset) and, once timed, its step."""
 
     name: str
-    result: Any                      # the CompileResult of its solve
+    result: Any  # the CompileResult of its solve
     trial: Trial | None = None
     seconds: float | None = None
-    runs: int = 0                    # its timed runs (near-ties get more: REFINE_ROUNDS)
+    runs: int = 0  # its timed runs (near-ties get more: REFINE_ROUNDS)
 
     @property
     def label(self) -> str:
@@ -77,15 +78,19 @@ class Candidate:
     def runnable(self) -> Trial:
         """Its trial, which every candidate handed to the timing has."""
         if self.trial is None:
-            raise RuntimeError(f"autotune candidate {self.label!r} has no trial to time; candidates are made "
-                               "from trials, so this is a bug in metadist_core.driver.autotune")
+            raise RuntimeError(
+                f"autotune candidate {self.label!r} has no trial to time; candidates are made "
+                "from trials, so this is a bug in metadist_core.driver.autotune"
+            )
         return self.trial
 
     def measured(self) -> float:
         """Its median seconds, which every candidate kept after the timing has."""
         if self.seconds is None:
-            raise RuntimeError(f"autotune candidate {self.label!r} was kept without a time; only timed "
-                               "candidates are kept, so this is a bug in metadist_core.driver.autotune")
+            raise RuntimeError(
+                f"autotune candidate {self.label!r} was kept without a time; only timed "
+                "candidates are kept, so this is a bug in metadist_core.driver.autotune"
+            )
         return self.seconds
 
 
@@ -112,10 +117,15 @@ def skip_reason(settings: Any, plan: Any, user_constraints: Sequence[Any]) -> st
     return None
 
 
-def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
-                clock: Callable[[], float] | None = None, budget: float | None = None,
-                refine_rounds: int = 0, refine_within: float = REFINE_WITHIN,
-                counts: list[int] | None = None) -> list[float | None]:
+def time_trials(
+    trials: Sequence[Trial],
+    rounds: int = ROUNDS,
+    clock: Callable[[], float] | None = None,
+    budget: float | None = None,
+    refine_rounds: int = 0,
+    refine_within: float = REFINE_WITHIN,
+    counts: list[int] | None = None,
+) -> list[float | None]:
     """Median seconds of one step of each trial: one untimed run each (compiles, warms), then ``rounds``
     rounds that run every trial once, forwards and backwards in turn so none always goes first. A trial that
     raises is left out from then on (None): a lowering the engine refuses is not the user's error.
@@ -136,8 +146,12 @@ def time_trials(trials: Sequence[Trial], rounds: int = ROUNDS,
     if refine_rounds > 0 and timed and not timer.spent():
         near = [i for i, m in enumerate(med) if m is not None and m <= min(timed) * (1.0 + refine_within)]
         if len(near) > 1:
-            log.info("autotune: %d programs within %.0f %% of the fastest, timed %d rounds more",
-                     len(near), refine_within * 100, refine_rounds)
+            log.info(
+                "autotune: %d programs within %.0f %% of the fastest, timed %d rounds more",
+                len(near),
+                refine_within * 100,
+                refine_rounds,
+            )
             timer.run_rounds(near, refine_rounds)
             med = timer.medians()
     if counts is not None:
@@ -163,8 +177,12 @@ class _TrialTimer:
             self.trials[i].run()
             return True
         except Exception as e:
-            log.warning("autotune: a trial (%s) failed and is left out: %s: %s", self.trials[i].lowering or "plan",
-                        type(e).__name__, e)
+            log.warning(
+                "autotune: a trial (%s) failed and is left out: %s: %s",
+                self.trials[i].lowering or "plan",
+                type(e).__name__,
+                e,
+            )
             self.ok[i] = False
             return False
 
@@ -173,9 +191,14 @@ class _TrialTimer:
         n = len(self.trials)
         for i in range(n):
             if i > 0 and self.spent():
-                log.warning("autotune: %d of %d programs left untimed: autotune_seconds ran out (%.0f s of it were "
-                            "left for compiling and timing them once the other plans were solved and lowered; raise "
-                            "autotune_seconds to time them all)", n - i, n, self.budget)
+                log.warning(
+                    "autotune: %d of %d programs left untimed: autotune_seconds ran out (%.0f s of it were "
+                    "left for compiling and timing them once the other plans were solved and lowered; raise "
+                    "autotune_seconds to time them all)",
+                    n - i,
+                    n,
+                    self.budget,
+                )
                 self.ok[i:] = [False] * (n - i)
                 break
             self.attempt(i)
@@ -186,7 +209,7 @@ class _TrialTimer:
             if r >= MIN_ROUNDS and self.spent():
                 log.info("autotune: timing stopped after %d of %d rounds (autotune_seconds spent)", r, n)
                 break
-            for i in (which if r % 2 == 0 else which[::-1]):
+            for i in which if r % 2 == 0 else which[::-1]:
                 if not self.ok[i]:
                     continue
                 t0 = self.clock()
@@ -202,8 +225,7 @@ def _trials_of(make_trial: Callable[[Any], Any], plan: Any, name: str) -> list[T
     try:
         return _as_trials(make_trial(plan))
     except Exception as e:
-        log.warning("autotune: plan %r could not be made runnable and is left out: %s: %s", name,
-                    type(e).__name__, e)
+        log.warning("autotune: plan %r could not be made runnable and is left out: %s: %s", name, type(e).__name__, e)
         return []
 
 
@@ -220,19 +242,41 @@ def pick(candidates: Sequence[Candidate], margin: float = MARGIN) -> Candidate:
     return first
 
 
-def _figures(chosen: Candidate, cands: Sequence[Candidate], margin: float, rounds: int,
-             t_start: float) -> dict[str, Any]:
+def _figures(
+    chosen: Candidate, cands: Sequence[Candidate], margin: float, rounds: int, t_start: float
+) -> dict[str, Any]:
     """What ``plan.stats.autotune`` records: the candidates timed and the one kept."""
-    return {"chosen": chosen.name, "lowering": chosen.runnable().lowering, "margin": margin, "rounds": rounds,
-            "refine_rounds": REFINE_ROUNDS, "refine_within": REFINE_WITHIN,
-            "seconds": time.perf_counter() - t_start,
-            "candidates": [{"strategy": c.name, "lowering": c.runnable().lowering, "measured_ms": c.measured() * 1e3,
-                            "predicted_ms": c.result.plan.objective * 1e3, "runs": c.runs} for c in cands]}
+    return {
+        "chosen": chosen.name,
+        "lowering": chosen.runnable().lowering,
+        "margin": margin,
+        "rounds": rounds,
+        "refine_rounds": REFINE_ROUNDS,
+        "refine_within": REFINE_WITHIN,
+        "seconds": time.perf_counter() - t_start,
+        "candidates": [
+            {
+                "strategy": c.name,
+                "lowering": c.runnable().lowering,
+                "measured_ms": c.measured() * 1e3,
+                "predicted_ms": c.result.plan.objective * 1e3,
+                "runs": c.runs,
+            }
+            for c in cands
+        ],
+    }
 
 
-def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[Any], Trial | None],
-         digest: Callable[[Any], str], presets: Sequence[str] = PRESETS, rounds: int = ROUNDS,
-         margin: float = MARGIN, seconds: float | None = None) -> tuple[Any, Trial | None]:
+def tune(
+    auto: Any,
+    solve_preset: Callable[[str], Any],
+    make_trial: Callable[[Any], Trial | None],
+    digest: Callable[[Any], str],
+    presets: Sequence[str] = PRESETS,
+    rounds: int = ROUNDS,
+    margin: float = MARGIN,
+    seconds: float | None = None,
+) -> tuple[Any, Trial | None]:
     """The CompileResult to run, among the solver's (``auto``) and the presets', and its trial.
 
     ``solve_preset(name)`` solves the same problem under a preset (an exception: that preset is left out);
@@ -243,7 +287,7 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     """
     t_start = time.perf_counter()
     first = _trials_of(make_trial, auto.plan, "auto")
-    if not first:   # asked first, so that no preset is solved for nothing
+    if not first:  # asked first, so that no preset is solved for nothing
         log.info("autotune: the frontend cannot time a plan here; keeping the solver's plan")
         return auto, None
     cands = [Candidate("auto", auto, t) for t in first]
@@ -252,7 +296,7 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     for name in presets:
         try:
             res = solve_preset(name)
-        except Exception as e:   # a preset that does not fit the budget, or has no plan on this mesh
+        except Exception as e:  # a preset that does not fit the budget, or has no plan on this mesh
             log.info("autotune: preset %r left out: %s", name, e)
             continue
         if res.plan.stages or res.plan.recompute:
@@ -277,18 +321,30 @@ def tune(auto: Any, solve_preset: Callable[[str], Any], make_trial: Callable[[An
     for c, sec, n in zip(cands, secs, runs):
         c.seconds, c.runs = sec, n
     cands = [c for c in cands if c.seconds is not None] or cands[:1]
-    if cands[0].seconds is None:   # nothing ran: the driver lowers the solver's plan as it would have
+    if cands[0].seconds is None:  # nothing ran: the driver lowers the solver's plan as it would have
         return auto, None
     chosen = pick(cands, margin)
     chosen.result.plan.stats.autotune = _figures(chosen, cands, margin, rounds, t_start)
-    log.info("autotune: %s", "; ".join(f"{c.label} {c.measured() * 1e3:.2f} ms measured "
-                                       f"({c.result.plan.objective * 1e3:.2f} predicted)" for c in cands)
-             + f"; running {chosen.label!r}")
+    log.info(
+        "autotune: %s",
+        "; ".join(
+            f"{c.label} {c.measured() * 1e3:.2f} ms measured ({c.result.plan.objective * 1e3:.2f} predicted)"
+            for c in cands
+        )
+        + f"; running {chosen.label!r}",
+    )
     return chosen.result, chosen.trial
 
 
-def autotune_result(res: Any, mesh: Any, s: Any, user_constraints: Sequence[Any], solve_on: Callable[..., Any],
-                    make_trials: Callable[[Any], Any], timings: dict[str, float]) -> tuple[Any, Trial | None]:
+def autotune_result(
+    res: Any,
+    mesh: Any,
+    s: Any,
+    user_constraints: Sequence[Any],
+    solve_on: Callable[..., Any],
+    make_trials: Callable[[Any], Any],
+    timings: dict[str, float],
+) -> tuple[Any, Trial | None]:
     """For the driver (:func:`metadist_core.driver.compile.compile_step`): the solver's CompileResult ``res``, or a
     preset's that ran faster when both were timed, and the kept plan's trial (None when nothing was timed).
     ``solve_on(mesh, settings)`` solves the compile's problem under other settings; ``make_trials(plan)``
@@ -302,12 +358,29 @@ def autotune_result(res: Any, mesh: Any, s: Any, user_constraints: Sequence[Any]
     # a preset that only fits the budget by recomputing is left out (autotune skips recomputing plans), so it
     # is solved without the segment search
     with Ticker("autotune (solving the presets, timing the plans)", enabled=s.progress):
-        chosen, trial = tune(res,
-                             lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
-                             make_trials, lambda p: p.digest(), seconds=s.autotune_seconds)
+        chosen, trial = tune(
+            res,
+            lambda name: solve_on(mesh, dataclasses.replace(s, strategy=name, recompute=False)),
+            make_trials,
+            lambda p: p.digest(),
+            seconds=s.autotune_seconds,
+        )
     timings["autotune"] = time.perf_counter() - t
     return chosen, trial
 
 
-__all__ = ["Candidate", "MARGIN", "MIN_ROUNDS", "PRESETS", "REFINE_ROUNDS", "REFINE_WITHIN", "ROUNDS", "Trial", "autotune_result", "pick",
-           "skip_reason", "time_trials", "tune"]
+__all__ = [
+    "Candidate",
+    "MARGIN",
+    "MIN_ROUNDS",
+    "PRESETS",
+    "REFINE_ROUNDS",
+    "REFINE_WITHIN",
+    "ROUNDS",
+    "Trial",
+    "autotune_result",
+    "pick",
+    "skip_reason",
+    "time_trials",
+    "tune",
+]

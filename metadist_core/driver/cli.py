@@ -3,6 +3,7 @@
 ``metadist --help`` and ``metadist COMMAND --help`` show each with examples; docs/cli.md is generated
 from :func:`build_parser` (:mod:`metadist_core.driver.cliargs`) by ``python scripts/gen_docs.py``; the
 subcommands are in :mod:`metadist_core.driver.clicommands`."""
+
 from __future__ import annotations
 
 import logging
@@ -22,12 +23,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     script_args: list[str] = []
     if "--" in argv:  # what follows goes to the script of `metadist plan SCRIPT`
         i = argv.index("--")
-        argv, script_args = argv[:i], argv[i + 1:]
+        argv, script_args = argv[:i], argv[i + 1 :]
     try:
         args = parser.parse_args(argv)
         args.script_args = script_args
-        logging.basicConfig(level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
-                            format="%(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
+            format="%(levelname)s %(name)s: %(message)s",
+        )
         if not getattr(args, "command", None):
             parser.print_help()
             return 0

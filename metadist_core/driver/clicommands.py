@@ -1,5 +1,6 @@
 """The ``metadist`` command's subcommands: what ``plugins``, ``rules``, ``plan``, ``explain``, ``demo`` and
 ``calibrate`` do once their arguments are read (:mod:`metadist_core.driver.cliargs` reads them)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,10 +95,18 @@ def cmd_rules(args) -> int:
         for sig, op in graph.unique_signatures().items():
             e = book.lookup(op, graph, args.axis_size)
             if e is None:
-                raise RuntimeError(f"discover() left {sig} without rules on an axis of {args.axis_size}; "
-                                   "try again with --no-cache, and report it if it persists")
-            rows.append((_short_sig(sig), e.status, str(len(e.rules)), "; ".join(map(str, e.rules[: args.max_rules]))
-                         + (" ..." if len(e.rules) > args.max_rules else "")))
+                raise RuntimeError(
+                    f"discover() left {sig} without rules on an axis of {args.axis_size}; "
+                    "try again with --no-cache, and report it if it persists"
+                )
+            rows.append(
+                (
+                    _short_sig(sig),
+                    e.status,
+                    str(len(e.rules)),
+                    "; ".join(map(str, e.rules[: args.max_rules])) + (" ..." if len(e.rules) > args.max_rules else ""),
+                )
+            )
         _print_table(rows)
         return 0
     # a single op: KEY SHAPE [SHAPE ...]
@@ -112,8 +121,10 @@ def cmd_rules(args) -> int:
     if out_shape is None:
         _infer_out_shape(pm, g, op)
     entry = discover_op(op, g, pm, args.axis_size)
-    print(f"{args.target} on ({', '.join(args.shapes)}), axis of {args.axis_size}: {entry.status}"
-          + (f" ({entry.note})" if entry.note else ""))
+    print(
+        f"{args.target} on ({', '.join(args.shapes)}), axis of {args.axis_size}: {entry.status}"
+        + (f" ({entry.note})" if entry.note else "")
+    )
     rows = [tuple(f"in{i}" for i in range(len(names))) + ("->", "out")]
     for r in entry.rules:
         rows.append(tuple(map(str, r.inputs)) + ("->", ", ".join(map(str, r.outputs))))
@@ -134,8 +145,10 @@ def _infer_out_shape(pm, g, op) -> None:
     try:
         out = spec.fn(*spec.example_inputs)
     except Exception as e:
-        raise CliError(f"{op.key} raised on inputs of shapes {[g.vars[v].shape for v in op.inputs]}: "
-                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        raise CliError(
+            f"{op.key} raised on inputs of shapes {[g.vars[v].shape for v in op.inputs]}: "
+            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ) from None
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     g.vars.pop(op.outputs[0])
     op.outputs = []
@@ -148,8 +161,12 @@ def _infer_out_shape(pm, g, op) -> None:
 def _settings(args):
     """The settings of this command: its options over the environment and pyproject; the solver checked."""
 
-    s = load_settings(solver=getattr(args, "solver", None), memory_budget=getattr(args, "memory_budget", None),
-                      cache_dir=getattr(args, "cache_dir", None), mesh_profile=getattr(args, "profile", None))
+    s = load_settings(
+        solver=getattr(args, "solver", None),
+        memory_budget=getattr(args, "memory_budget", None),
+        cache_dir=getattr(args, "cache_dir", None),
+        mesh_profile=getattr(args, "profile", None),
+    )
     pm = PluginManager()
     pm.solver(s.solver)  # an unknown solver: one line listing the known ones, before anything runs
     return s, pm
@@ -160,9 +177,16 @@ def cmd_plan(args) -> int:
     settings, pm = _settings(args)
     if args.strategy:
         settings.strategy = check_strategy(args.strategy)
-    request = planonly.PlanOnly(mesh=_mesh_shape(args.mesh), out=args.out, solver=args.solver,
-                                memory_budget=args.memory_budget, cache_dir=args.cache_dir, profile=args.profile,
-                                strategy=args.strategy, compare=args.compare)
+    request = planonly.PlanOnly(
+        mesh=_mesh_shape(args.mesh),
+        out=args.out,
+        solver=args.solver,
+        memory_budget=args.memory_budget,
+        cache_dir=args.cache_dir,
+        profile=args.profile,
+        strategy=args.strategy,
+        compare=args.compare,
+    )
     if args.target.endswith(".py"):
         return _plan_script(args, request)
     graph = load_graph(args.target)
@@ -187,8 +211,10 @@ def cmd_explain(args) -> int:
     if prob_file.is_file():
         problem = ShardingProblem.loads(prob_file.read_text())
         if len(problem.nodes) != len(plan.choices):
-            raise CliError(f"{prob_file} is not the problem of {args.plan}: {len(problem.nodes)} decisions "
-                           f"against the plan's {len(plan.choices)}")
+            raise CliError(
+                f"{prob_file} is not the problem of {args.plan}: {len(problem.nodes)} decisions "
+                f"against the plan's {len(plan.choices)}"
+            )
     elif args.problem:
         raise CliError(f"no such file: {args.problem}")
     print(explain_plan(plan, problem=problem, presets=not args.no_presets))
@@ -201,7 +227,6 @@ def cmd_explain(args) -> int:
 def _plan_script(args, request) -> int:
     """Run SCRIPT until its first metadist_compile'd step, which the driver plans for ``request``
     (:mod:`metadist_core.driver.planonly`), ending the script."""
-
 
     script = Path(args.target)
     if not script.is_file():
@@ -237,8 +262,9 @@ def _frontend(pm, name: str, job: str):
     except UnknownFrontendError:
         failed = [r for r in pm.records if r.kind == "frontend" and r.name == name and r.error]
         why = f" (it failed to load: {failed[0].error})" if failed else ""
-        raise CliError(f"{job} needs the {name} frontend, which is not loaded{why}; "
-                       f"install it with pip install 'metadist[{name}]'") from None
+        raise CliError(
+            f"{job} needs the {name} frontend, which is not loaded{why}; install it with pip install 'metadist[{name}]'"
+        ) from None
 
 
 def cmd_demo(args) -> int:
@@ -254,11 +280,15 @@ def cmd_demo(args) -> int:
 def cmd_calibrate(args) -> int:
 
     profile = _frontend(PluginManager(), args.frontend, "calibrate").calibrate(args.out, args.nprocs)
-    print(f"{profile.backend}: {profile.nodes} node(s) x {profile.devices_per_node} devices, "
-          f"{len(profile.samples)} timed collectives")
+    print(
+        f"{profile.backend}: {profile.nodes} node(s) x {profile.devices_per_node} devices, "
+        f"{len(profile.samples)} timed collectives"
+    )
     for level, lv in profile.levels.items():
-        print(f"  {level:<6} alpha {lv['alpha'] * 1e6:8.1f} us   beta {lv['beta'] * 1e9:7.3f} ns/byte "
-              f"({1 / lv['beta'] / 1e9:.2f} GB/s)")
+        print(
+            f"  {level:<6} alpha {lv['alpha'] * 1e6:8.1f} us   beta {lv['beta'] * 1e9:7.3f} ns/byte "
+            f"({1 / lv['beta'] / 1e9:.2f} GB/s)"
+        )
     print(f"mesh profile written to {args.out}; use it with --profile {args.out} or METADIST_MESH_PROFILE={args.out}")
     return 0
 

@@ -10,6 +10,7 @@ frontend's ``metadist_compile`` is one). Planning a graph already traced
 (:func:`plan_graph`, :class:`CompileResult`) lives in :mod:`metadist_core.driver.planner`
 and is re-exported here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,8 +24,19 @@ from typing import Any, Callable, Hashable, Iterable
 from metadist_core.config import Settings, load_settings
 from metadist_core.discovery.rules import RuleBook
 from metadist_core.driver import planonly
-from metadist_core.driver.frontend import (Frontend, Lowered, MicroBatches, NotSupported, Resolved, Stages, Traced,
-                                           Trials, WholeStep, not_supported)
+from metadist_core.driver.frontend import (
+    Frontend,
+    Lowered,
+    MicroBatches,
+    NotSupported,
+    Resolved,
+    Stages,
+    Traced,
+    Trials,
+    WholeStep,
+    not_supported,
+)
+
 # planning a traced graph (re-exported: tools, benchmarks and tests import these from here)
 from metadist_core.driver.planner import CompileResult, op_costs, plan_graph, replicated_plan
 from metadist_core.driver.pipeplan import plan_with_pipeline
@@ -69,12 +81,21 @@ class Planned:
     plan: Any
     result: CompileResult | None = None
     tuned: Any = None
-    seconds: float = 0.0   # spent planning here (inside the frontend's share)
+    seconds: float = 0.0  # spent planning here (inside the frontend's share)
 
 
-def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: dict,
-                 settings: Settings | None = None, *, mesh: Any = None, plugins: PluginManager | None = None,
-                 constraints: Iterable[Any] | None = None, solver_options: dict | None = None) -> CompileResult:
+def compile_step(
+    frontend: Frontend,
+    fn: Callable | None,
+    args: tuple,
+    kwargs: dict,
+    settings: Settings | None = None,
+    *,
+    mesh: Any = None,
+    plugins: PluginManager | None = None,
+    constraints: Iterable[Any] | None = None,
+    solver_options: dict | None = None,
+) -> CompileResult:
     """Trace ``fn(*args, **kwargs)`` with ``frontend``, plan it on ``mesh`` and lower the plan.
 
     ``mesh`` is the user's mesh argument, resolved by the frontend against its
@@ -95,17 +116,41 @@ def compile_step(frontend: Frontend, fn: Callable | None, args: tuple, kwargs: d
     job, traced = adopt(job, traced, planned)
     lowered = lower(job, traced, resolved, planned)
     res = planned.result
-    log.info("compiled %s with %s on mesh %s: %s", traced.graph.name, frontend.name, resolved.mesh,
-             ", ".join(f"{k} {v:.2f}s" for k, v in job.timings.items()))
-    return CompileResult(traced.graph, res.rulebook if res else RuleBook(), res.problem if res else None,
-                         planned.plan, lowered.run, job.timings, traced, resolved.mesh, lowered.watch)
+    log.info(
+        "compiled %s with %s on mesh %s: %s",
+        traced.graph.name,
+        frontend.name,
+        resolved.mesh,
+        ", ".join(f"{k} {v:.2f}s" for k, v in job.timings.items()),
+    )
+    return CompileResult(
+        traced.graph,
+        res.rulebook if res else RuleBook(),
+        res.problem if res else None,
+        planned.plan,
+        lowered.run,
+        job.timings,
+        traced,
+        resolved.mesh,
+        lowered.watch,
+    )
 
 
-def _job(frontend: Frontend, settings: Settings | None, plugins: PluginManager | None,
-         constraints: Iterable[Any] | None, solver_options: dict | None) -> Job:
+def _job(
+    frontend: Frontend,
+    settings: Settings | None,
+    plugins: PluginManager | None,
+    constraints: Iterable[Any] | None,
+    solver_options: dict | None,
+) -> Job:
     """The compile's job; an unknown solver is an error on every process, before any work."""
-    job = Job(frontend, settings or load_settings(), plugins or PluginManager(),
-              as_constraint_list(constraints), solver_options)   # Pin/Forbid, and {name or glob: placements}
+    job = Job(
+        frontend,
+        settings or load_settings(),
+        plugins or PluginManager(),
+        as_constraint_list(constraints),
+        solver_options,
+    )  # Pin/Forbid, and {name or glob: placements}
     job.plugins.solver(job.settings.solver)
     return job
 
@@ -128,13 +173,20 @@ def plan_only_step(job: Job, request: planonly.PlanOnly, fn: Callable | None, ar
     traced = job.frontend.trace(fn, args, kwargs)
     mesh = load_profile(s.mesh_profile).mesh(tuple(request.mesh))
     graph, pm = traced.graph, job.plugins
-    if s.pipeline_stages is not None and s.pipeline_stages > 1:   # priced for every frontend, JAX included
+    if s.pipeline_stages is not None and s.pipeline_stages > 1:  # priced for every frontend, JAX included
         result = plan_only_pipeline(graph, mesh, s, pm, job.solver_options, job.constraints_on(graph, mesh))
     else:
-        result = plan_graph(graph, mesh, plugins=pm, settings=s, solver_options=job.solver_options,
-                            constraints=job.constraints_on(graph, mesh), traits=job.frontend.traits)
+        result = plan_graph(
+            graph,
+            mesh,
+            plugins=pm,
+            settings=s,
+            solver_options=job.solver_options,
+            constraints=job.constraints_on(graph, mesh),
+            traits=job.frontend.traits,
+        )
     out = planonly.show_and_save(result, request.out, mesh)
-    planonly.report(result, request, out, s, pm)   # the problem beside the plan (`metadist explain`), --compare
+    planonly.report(result, request, out, s, pm)  # the problem beside the plan (`metadist explain`), --compare
     raise planonly.PlanOnlyDone(str(out))
 
 
@@ -142,8 +194,10 @@ def check_offload(job: Job) -> None:
     """``offload`` runs only on a frontend whose lowering offloads (`metadist plan` prices it for all)."""
     s, fe = job.settings, job.frontend
     if s.offload and not fe.traits.offloads:
-        raise NotSupported(f"offload={s.offload!r} is not yet for the {fe.name} frontend (torch runs it); "
-                           f"`metadist plan` prices it, running needs offload=None")
+        raise NotSupported(
+            f"offload={s.offload!r} is not yet for the {fe.name} frontend (torch runs it); "
+            f"`metadist plan` prices it, running needs offload=None"
+        )
 
 
 def trace(job: Job, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
@@ -166,7 +220,7 @@ def check_pipeline(job: Job, traced: Traced, resolved: Resolved) -> None:
     k = s.pipeline_stages
     if k is None or k <= 1:
         return
-    if not job.frontend.traits.pipelines:   # `metadist plan` prices it, running it cannot
+    if not job.frontend.traits.pipelines:  # `metadist plan` prices it, running it cannot
         raise not_supported(job.frontend.name, Stages(None))
     check_stages(k, resolved.mesh, s.schedule, s.micro_batches)
 
@@ -186,15 +240,23 @@ class Solver:
             p1, pr1 = replicated_plan(self.graph, m)
             return CompileResult(self.graph, RuleBook(), pr1, p1)
         own = p.one_device if p.profile is None and m.size == 1 else None
-        return plan_graph(self.graph, m, plugins=self.job.plugins, settings=st,
-                          solver_options=self.job.solver_options, constraints=self.job.constraints_on(self.graph, m),
-                          device=p.profile.device if p.profile is not None else own,
-                          traits=self.job.frontend.traits, op_slowdowns=p.op_times,
-                          local_timer=p.local_timer if m.size > 1 else None)
+        return plan_graph(
+            self.graph,
+            m,
+            plugins=self.job.plugins,
+            settings=st,
+            solver_options=self.job.solver_options,
+            constraints=self.job.constraints_on(self.graph, m),
+            device=p.profile.device if p.profile is not None else own,
+            traits=self.job.frontend.traits,
+            op_slowdowns=p.op_times,
+            local_timer=p.local_timer if m.size > 1 else None,
+        )
 
 
-def plan_and_share(job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: tuple,
-                   kwargs: dict) -> Planned:
+def plan_and_share(
+    job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: tuple, kwargs: dict
+) -> Planned:
     """The plan every process runs: replicated on one device with nothing to plan; else discovered, built
     and solved (pipelined and autotuned where that applies) where the frontend plans, and shared."""
     s = job.settings
@@ -210,17 +272,19 @@ def plan_and_share(job: Job, traced: Traced, resolved: Resolved, pricing: Pricin
         planned.result, planned.tuned = solve(job, traced, resolved, pricing, args, kwargs)
         planned.seconds = time.perf_counter() - t0
         return planned.result.plan
+
     if resolved.mesh.size == 1:
         planned.plan = plan_here()
         return planned
     t = time.perf_counter()
     planned.plan = job.frontend.share(plan_here, traced, resolved)
-    job.timings["share"] = time.perf_counter() - t - planned.seconds   # the planning is timed apart
+    job.timings["share"] = time.perf_counter() - t - planned.seconds  # the planning is timed apart
     return planned
 
 
-def solve(job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: tuple,
-          kwargs: dict) -> tuple[CompileResult, Any]:
+def solve(
+    job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: tuple, kwargs: dict
+) -> tuple[CompileResult, Any]:
     """Discover, build and solve on the planning process: a pipeline where one is asked for or needed,
     then the presets timed beside the plan (autotune); the result and the kept plan's trial."""
     solve_on = Solver(job, traced.graph, pricing)
@@ -231,6 +295,7 @@ def solve(job: Job, traced: Traced, resolved: Resolved, pricing: Pricing, args: 
 
     def trials(plan: Any) -> list:
         return job.frontend.lower(traced, Trials(plan, tuple(args), dict(kwargs)), resolved, job.settings).trials
+
     return autotune_result(res, resolved.mesh, job.settings, job.constraints, solve_on, trials, job.timings)
 
 
@@ -257,9 +322,13 @@ def lower(job: Job, traced: Traced, resolved: Resolved, planned: Planned) -> Low
     elif s.micro_batches > 1:
         cut, plans = micro_batch_program(traced, plan, s)
         lowered = job.frontend.lower(traced, MicroBatches(cut, plans), resolved, s)
-    elif planned.tuned is not None and planned.tuned.runnable is not None and planned.result is not None \
-            and plan is planned.result.plan:
-        lowered = Lowered(planned.tuned.runnable)   # lowered (and compiled) already when it was timed
+    elif (
+        planned.tuned is not None
+        and planned.tuned.runnable is not None
+        and planned.result is not None
+        and plan is planned.result.plan
+    ):
+        lowered = Lowered(planned.tuned.runnable)  # lowered (and compiled) already when it was timed
     else:
         lowered = job.frontend.lower(traced, WholeStep(plan), resolved, s)
     job.timings["lower"] = time.perf_counter() - t
@@ -274,9 +343,17 @@ class CompiledStep:
     ``.timings``, ``.problem`` and ``.mesh`` describe the last compile used.
     """
 
-    def __init__(self, frontend: Frontend, fn: Callable | None, *, mesh: Any = None,
-                 constraints: Iterable[Any] | None = None, solver_options: dict | None = None,
-                 plugins: PluginManager | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        fn: Callable | None,
+        *,
+        mesh: Any = None,
+        constraints: Iterable[Any] | None = None,
+        solver_options: dict | None = None,
+        plugins: PluginManager | None = None,
+        **settings: Any,
+    ) -> None:
         if fn is not None:
             functools.update_wrapper(self, fn)
         self.fn = fn
@@ -290,7 +367,7 @@ class CompiledStep:
         # per call signature: its compiled programs, the one run last first (at most settings.guard_cache)
         self.cache: dict[Hashable, list[CompileResult]] = {}
         self.last: CompileResult | None = None
-        self.replans = 0   # compiles made because a guard failed (not for a new signature)
+        self.replans = 0  # compiles made because a guard failed (not for a new signature)
         self.replan_reasons: list[str] = []
 
     def compile(self, *args: Any, **kwargs: Any) -> CompileResult:
@@ -304,11 +381,19 @@ class CompiledStep:
         else:
             if entries:
                 self._replanned(reason or "a guard failed")
-            hit = compile_step(self.frontend, self.fn, args, kwargs, self.settings, mesh=self.mesh_arg,
-                               plugins=self.plugins, constraints=self.constraints,
-                               solver_options=self.solver_options)
+            hit = compile_step(
+                self.frontend,
+                self.fn,
+                args,
+                kwargs,
+                self.settings,
+                mesh=self.mesh_arg,
+                plugins=self.plugins,
+                constraints=self.constraints,
+                solver_options=self.solver_options,
+            )
         entries.insert(0, hit)
-        del entries[self.settings.guard_cache:]
+        del entries[self.settings.guard_cache :]
         self.last = hit
         return hit
 
@@ -332,17 +417,22 @@ class CompiledStep:
         self.replan_reasons.append(reason)
         log.info("re-planning %s: %s", name, reason)
         if self.replans == self.settings.max_replans + 1:
-            warnings.warn(f"metadist: {name} has re-planned {self.replans} times (max_replans="
-                          f"{self.settings.max_replans}): the loop changes what the compiled program depends on "
-                          f"between calls, and each change costs a new plan. The guard that failed last: {reason}. "
-                          f"Keep it fixed between calls, or raise max_replans to silence this.", stacklevel=3)
+            warnings.warn(
+                f"metadist: {name} has re-planned {self.replans} times (max_replans="
+                f"{self.settings.max_replans}): the loop changes what the compiled program depends on "
+                f"between calls, and each change costs a new plan. The guard that failed last: {reason}. "
+                f"Keep it fixed between calls, or raise max_replans to silence this.",
+                stacklevel=3,
+            )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         res = self.compile(*args, **kwargs)
         if res.runnable is None:
-            raise RuntimeError(f"the compile of {getattr(self.fn, '__name__', 'the step')} gave a plan but no "
-                               "runnable program (a plan-only compile); call compile() for the plan, or run "
-                               "without plan-only mode to run the step")
+            raise RuntimeError(
+                f"the compile of {getattr(self.fn, '__name__', 'the step')} gave a plan but no "
+                "runnable program (a plan-only compile); call compile() for the plan, or run "
+                "without plan-only mode to run the step"
+            )
         return res.runnable(*args, **kwargs)
 
     @property

@@ -18,6 +18,7 @@ the live engine's links and device. What the lowering makes of buckets, phases
 and inputs, and what the frontend can run at all, are data: :class:`FrontendTraits`.
 ``demo`` and ``calibrate`` are optional (the ``metadist`` command reaches them).
 """
+
 from __future__ import annotations
 
 import abc
@@ -54,7 +55,7 @@ class BatchLeaves:
     leaves: list
     batch: list[int]
     rebuild: Callable[[list], tuple[tuple, dict]]
-    what: str = "batch leaf"   # how an error names one batch leaf ("tensor input")
+    what: str = "batch leaf"  # how an error names one batch leaf ("tensor input")
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class Resolved:
     mesh: "Mesh"
     engine: Any = None
     device_kind: str | None = None
-    lead: bool = True   # this process writes what the job caches (one per job: rank 0)
+    lead: bool = True  # this process writes what the job caches (one per job: rank 0)
 
     def priced(self, mesh: "Mesh") -> "Resolved":
         """The same engine with the planning mesh repriced (same shape)."""
@@ -215,8 +216,10 @@ def not_supported(frontend: str, program: Any) -> NotSupported:
     if isinstance(program, MicroBatches):
         return NotSupported(f"frontend {frontend!r} cannot run micro-batches (micro_batches > 1)")
     if isinstance(program, Stages):
-        return NotSupported(f"pipeline_stages > 1 is not yet for the {frontend} frontend: plan it with "
-                            f"`metadist plan` (it prices the stages) and run with pipeline_stages=1")
+        return NotSupported(
+            f"pipeline_stages > 1 is not yet for the {frontend} frontend: plan it with "
+            f"`metadist plan` (it prices the stages) and run with pipeline_stages=1"
+        )
     return NotSupported(f"frontend {frontend!r} cannot lower {type(program).__name__}")
 
 
@@ -234,11 +237,15 @@ class Frontend(abc.ABC):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A concrete adapter runs ops for discovery: it names a ``runner_module`` or overrides ``op_spec``."""
         super().__init_subclass__(**kwargs)
-        abstract = any(getattr(getattr(cls, n, None), "__isabstractmethod__", False)
-                       for n in getattr(Frontend, "__abstractmethods__", ()))
+        abstract = any(
+            getattr(getattr(cls, n, None), "__isabstractmethod__", False)
+            for n in getattr(Frontend, "__abstractmethods__", ())
+        )
         if not abstract and not cls.traits.runner_module and cls.op_spec is Frontend.op_spec:
-            raise TypeError(f"frontend adapter {cls.__name__} runs no ops for discovery: set "
-                            f"traits.runner_module to a module with op_spec(op, graph), or override op_spec")
+            raise TypeError(
+                f"frontend adapter {cls.__name__} runs no ops for discovery: set "
+                f"traits.runner_module to a module with op_spec(op, graph), or override op_spec"
+            )
 
     # -- the flow ---------------------------------------------------------------
     @abc.abstractmethod
@@ -291,8 +298,13 @@ class Frontend(abc.ABC):
         fn = getattr(importlib.import_module(self.traits.runner_module), "op_cost", None)
         return None if fn is None else fn(op, graph)
 
-    def time_ops(self, requests: "Sequence[tuple[MetaOp, tuple, tuple]]", resolved: Resolved,
-                 traced: Traced | None = None, program: bool = False) -> OpTimes | None:
+    def time_ops(
+        self,
+        requests: "Sequence[tuple[MetaOp, tuple, tuple]]",
+        resolved: Resolved,
+        traced: Traced | None = None,
+        program: bool = False,
+    ) -> OpTimes | None:
         """Seconds of one run of each requested op (the op, its tensor inputs' shapes and dtypes) on this
         process's device as this frontend's step runs it: ops :attr:`FrontendTraits.times_local` takes at a
         strategy's local shapes with every device of ``resolved`` running it at once, the others at their
@@ -303,8 +315,9 @@ class Frontend(abc.ABC):
         Called on the planner only, with measured costs; None (the default): this frontend times nothing."""
         return None
 
-    def measure_profile(self, resolved: Resolved, cached: "MeshProfile | None",
-                        traced: Traced | None = None) -> "MeshProfile | None":
+    def measure_profile(
+        self, resolved: Resolved, cached: "MeshProfile | None", traced: Traced | None = None
+    ) -> "MeshProfile | None":
         """On a mesh of several devices: link alpha/beta per axis on the live engine and the device's rates,
         in a few seconds, as a measured MeshProfile; every process calls it at once; ``cached`` (the profile
         this machine has, on every process alike) returned as it is where it covers the mesh
@@ -326,5 +339,20 @@ class Frontend(abc.ABC):
         return f"<{type(self).__name__} {self.name!r}>"
 
 
-__all__ = ["BatchLeaves", "Frontend", "FrontendTraits", "Lowered", "MicroBatches", "NotSupported", "OpTimes",
-           "Program", "Resolved", "not_supported", "Stages", "Traced", "Trials", "Watch", "WholeStep"]
+__all__ = [
+    "BatchLeaves",
+    "Frontend",
+    "FrontendTraits",
+    "Lowered",
+    "MicroBatches",
+    "NotSupported",
+    "OpTimes",
+    "Program",
+    "Resolved",
+    "not_supported",
+    "Stages",
+    "Traced",
+    "Trials",
+    "Watch",
+    "WholeStep",
+]

@@ -9,6 +9,7 @@ mesh and kept only when the unpipelined plan misses the memory budget or the
 pipeline is cheaper under the cost model (:func:`metadist_core.levers.stages.choose_pipeline`).
 The stages travel in ``plan.stages`` (the plan is the sub-mesh's).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,7 +24,15 @@ from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.ir import DTYPE_BYTES
 from metadist_core.ir.ir import STATE_ROLES, forward_ops
 from metadist_core.plan.stage import StageError, describe
-from metadist_core.levers.stages import CutChoice, best_cuts, build_stages, crossing_bytes, owner_positions, positions, stage_devices
+from metadist_core.levers.stages import (
+    CutChoice,
+    best_cuts,
+    build_stages,
+    crossing_bytes,
+    owner_positions,
+    positions,
+    stage_devices,
+)
 from metadist_core.cost.model import send_recv_cost
 from metadist_core.driver.planner import CompileResult, plan_graph, replicated_plan
 from metadist_core.discovery.rules import RuleBook
@@ -90,8 +99,8 @@ def _op_times(graph: MetaIR, problem: Any, plan: Any, ops: list, core: list, pos
         home[v] = c
     fwd = set(ops)
     fwd_home = dict(home)
-    for op in graph.ops:   # backward and update ops: with the latest forward value (or parameter) they read,
-        if op.id in fwd:   # else with the earliest gradient they read (gradients flow towards stage 0)
+    for op in graph.ops:  # backward and update ops: with the latest forward value (or parameter) they read,
+        if op.id in fwd:  # else with the earliest gradient they read (gradients flow towards stage 0)
             continue
         where = [fwd_home[v] for v in op.inputs if v in fwd_home]
         back = [home[v] for v in op.inputs if v in home and v not in fwd_home]
@@ -108,11 +117,12 @@ def _state_bytes(graph: MetaIR, core: list) -> list[float]:
     op_memory = [0.0] * len(core)
     p_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "parameter")
     s_bytes = sum(graph.vars[v].nbytes for v in graph.inputs if graph.vars[v].role == "optimizer_state")
-    ratio = s_bytes / p_bytes if p_bytes else 0.0   # optimizer state per parameter byte (Adam: ~2)
+    ratio = s_bytes / p_bytes if p_bytes else 0.0  # optimizer state per parameter byte (Adam: ~2)
     for v, c in owner_positions(graph, core).items():
-        if graph.vars[v].role in STATE_ROLES:   # the value, its gradient, its optimizer state, kept whole
-            op_memory[c] += (2 + ratio) * graph.vars[v].nbytes if graph.vars[v].role == "parameter" \
-                else graph.vars[v].nbytes
+        if graph.vars[v].role in STATE_ROLES:  # the value, its gradient, its optimizer state, kept whole
+            op_memory[c] += (
+                (2 + ratio) * graph.vars[v].nbytes if graph.vars[v].role == "parameter" else graph.vars[v].nbytes
+            )
     return op_memory
 
 
@@ -120,6 +130,7 @@ def _activation_bytes(graph: MetaIR, plan: Any, pos: dict[str, int], n: int) -> 
     """Per forward op, the bytes per device of the values it produces under ``plan``."""
     from metadist_core.ir.placement import Sharding, shard_shape
     from metadist_core.ir.mesh import Mesh
+
     mesh_shape = tuple(plan.mesh_shape)
     mesh = Mesh(mesh_shape)
     rep = Sharding.replicated(len(mesh_shape))
@@ -129,7 +140,7 @@ def _activation_bytes(graph: MetaIR, plan: Any, pos: dict[str, int], n: int) -> 
         sh = plan.var_shardings.get(v, plan.input_shardings.get(v, rep))
         try:
             shape = shard_shape(tuple(mv.shape or ()), sh, mesh, (0,) * len(mesh_shape))
-        except Exception:   # pragma: no cover - a sharding the shape cannot take: count it whole
+        except Exception:  # pragma: no cover - a sharding the shape cannot take: count it whole
             shape = tuple(mv.shape or ())
         return int(math.prod(shape)) * DTYPE_BYTES.get(mv.dtype, 4)
 
@@ -139,13 +150,29 @@ def _activation_bytes(graph: MetaIR, plan: Any, pos: dict[str, int], n: int) -> 
     return act
 
 
-def choose_pipeline(flat_time: float, flat_memory: float, costs: StageCosts, p: int, m: int, *,
-                    budget: float | None, schedule: str = "1f1b") -> CutChoice | None:
+def choose_pipeline(
+    flat_time: float,
+    flat_memory: float,
+    costs: StageCosts,
+    p: int,
+    m: int,
+    *,
+    budget: float | None,
+    schedule: str = "1f1b",
+) -> CutChoice | None:
     """The pipeline with ``p`` stages to run, or None to run unpipelined (``flat_time``/``flat_memory``: the
     step on the whole mesh, all ``m`` micro-batches). Unpipelined wins unless it misses the budget or the
     pipeline's step time is lower."""
-    choice = best_cuts(costs.op_time, costs.cut_cost, p, m, op_memory=costs.op_memory,
-                       act_memory=costs.act_memory, budget=budget, schedule=schedule)
+    choice = best_cuts(
+        costs.op_time,
+        costs.cut_cost,
+        p,
+        m,
+        op_memory=costs.op_memory,
+        act_memory=costs.act_memory,
+        budget=budget,
+        schedule=schedule,
+    )
     if choice is None:
         return None
     flat_fits = budget is None or flat_memory <= budget
@@ -159,12 +186,16 @@ def check_stages(k: int, mesh: Mesh, schedule: str, micro_batches: int = 1) -> N
     (torch.distributed.pipelining's rule): clear errors quoting the numbers."""
     n0 = mesh.shape[0]
     if k != n0:
-        raise StageError(f"pipeline_stages={k} puts the stages on mesh axis 0, which has {n0} devices "
-                         f"(mesh {'x'.join(map(str, mesh.shape))}); use a mesh whose first axis has {k} devices, "
-                         f"or pipeline_stages={n0}")
+        raise StageError(
+            f"pipeline_stages={k} puts the stages on mesh axis 0, which has {n0} devices "
+            f"(mesh {'x'.join(map(str, mesh.shape))}); use a mesh whose first axis has {k} devices, "
+            f"or pipeline_stages={n0}"
+        )
     if schedule in ("1f1b", "interleaved") and micro_batches < k:
-        raise StageError(f"schedule={schedule!r} needs at least as many micro-batches as stages: micro_batches="
-                         f"{micro_batches} < pipeline_stages={k}; use micro_batches >= {k} or schedule='gpipe'")
+        raise StageError(
+            f"schedule={schedule!r} needs at least as many micro-batches as stages: micro_batches="
+            f"{micro_batches} < pipeline_stages={k}; use micro_batches >= {k} or schedule='gpipe'"
+        )
 
 
 def sub_mesh(mesh: Mesh) -> Mesh:
@@ -175,12 +206,14 @@ def sub_mesh(mesh: Mesh) -> Mesh:
 
 
 def has_gradients(graph: MetaIR) -> bool:
-    return any(graph.vars[s].role == "optimizer_state" for s in graph.aliases) or \
-        any(v.role == "gradient" for v in graph.vars.values())
+    return any(graph.vars[s].role == "optimizer_state" for s in graph.aliases) or any(
+        v.role == "gradient" for v in graph.vars.values()
+    )
 
 
-def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mesh, Any], Any],
-                  k: int | None, flat: Any = None) -> Any:
+def pipeline_plan(
+    graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mesh, Any], Any], k: int | None, flat: Any = None
+) -> Any:
     """The sub-mesh CompileResult whose plan has ``plan.stages`` set, or None (no pipeline chosen).
 
     ``solve(mesh, settings)`` returns a :class:`~metadist_core.driver.planner.CompileResult` for ``graph`` on ``mesh``;
@@ -190,7 +223,7 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
     p = k or mesh.shape[0]
     m = settings.micro_batches
     if k is None and settings.schedule != "gpipe" and m < p:
-        return None   # the planner pipelines only where the schedule can run (1F1B: m >= p)
+        return None  # the planner pipelines only where the schedule can run (1F1B: m >= p)
     virtual = 2 if settings.schedule == "interleaved" else 1
     sub = sub_mesh(mesh)
     budget = settings.memory_budget
@@ -200,46 +233,72 @@ def pipeline_plan(graph: MetaIR, mesh: Mesh, settings: Any, solve: Callable[[Mes
     # not pipeline at all
     res = solve(sub, settings if budget is None else dataclasses.replace(settings, memory_budget=int(budget * p)))
     plan, problem = res.plan, res.problem
-    batch_shape = next((graph.vars[v].shape for v in graph.inputs
-                        if graph.vars[v].role == "input" and graph.vars[v].shape), None)
+    batch_shape = next(
+        (graph.vars[v].shape for v in graph.inputs if graph.vars[v].role == "input" and graph.vars[v].shape), None
+    )
     cut = cut_at_gradients(graph, batch_shape[0] if batch_shape else None)
     alpha = mesh.alpha[0] if mesh.alpha else 1e-5
     beta = mesh.beta[0] if mesh.beta else 1e-9
     costs = stage_costs(cut.grad_graph, problem, plan, alpha, beta)
     n_pieces = p * virtual
     if len(costs.core) < n_pieces:
-        raise StageError(f"pipeline_stages={p}{' (interleaved: 2 per device)' if virtual > 1 else ''} needs "
-                         f"{n_pieces} pieces of forward to cut, but the step's forward has {len(costs.core)} ops; "
-                         f"use fewer stages or a deeper model")
+        raise StageError(
+            f"pipeline_stages={p}{' (interleaved: 2 per device)' if virtual > 1 else ''} needs "
+            f"{n_pieces} pieces of forward to cut, but the step's forward has {len(costs.core)} ops; "
+            f"use fewer stages or a deeper model"
+        )
     if k is None:
         flat_time = m * flat.plan.objective if flat is not None else float("inf")
         flat_mem = flat.plan.memory_per_device if flat is not None else float("inf")
-        choice = choose_pipeline(flat_time, flat_mem, costs, n_pieces, m, budget=budget,
-                                 schedule=settings.schedule)
+        choice = choose_pipeline(flat_time, flat_mem, costs, n_pieces, m, budget=budget, schedule=settings.schedule)
         if choice is None:
             return None
     else:
-        choice = best_cuts(costs.op_time, costs.cut_cost, n_pieces, m, op_memory=costs.op_memory,
-                           act_memory=costs.act_memory, budget=budget, schedule=settings.schedule) or \
-            best_cuts(costs.op_time, costs.cut_cost, n_pieces, m, op_memory=costs.op_memory,
-                      act_memory=costs.act_memory, schedule=settings.schedule)
+        choice = best_cuts(
+            costs.op_time,
+            costs.cut_cost,
+            n_pieces,
+            m,
+            op_memory=costs.op_memory,
+            act_memory=costs.act_memory,
+            budget=budget,
+            schedule=settings.schedule,
+        ) or best_cuts(
+            costs.op_time,
+            costs.cut_cost,
+            n_pieces,
+            m,
+            op_memory=costs.op_memory,
+            act_memory=costs.act_memory,
+            schedule=settings.schedule,
+        )
         if choice is None:
-            raise RuntimeError(f"no cut of {len(costs.core)} forward ops into {n_pieces} pipeline pieces, even "
-                               "without a memory budget; this is a bug in metadist_core.levers.stages.best_cuts")
+            raise RuntimeError(
+                f"no cut of {len(costs.core)} forward ops into {n_pieces} pipeline pieces, even "
+                "without a memory budget; this is a bug in metadist_core.levers.stages.best_cuts"
+            )
     stages = build_stages(cut.grad_graph, forward_ops(cut.grad_graph), choice.cuts)
     for st, t, mem in zip(stages, choice.stage_times, choice.stage_memory):
         st.devices = stage_devices(mesh.shape, st.index % p)
         st.cost, st.memory = t, mem
     plan.stages = stages
-    plan.stats.pipeline = {"stages": p, "pieces": n_pieces, "schedule": settings.schedule, "micro_batches": m,
-                           "bottleneck": choice.bottleneck, "step_time": choice.step_time,
-                           "bubble": choice.bubble, "mesh": list(mesh.shape)}
+    plan.stats.pipeline = {
+        "stages": p,
+        "pieces": n_pieces,
+        "schedule": settings.schedule,
+        "micro_batches": m,
+        "bottleneck": choice.bottleneck,
+        "step_time": choice.step_time,
+        "bubble": choice.bubble,
+        "mesh": list(mesh.shape),
+    }
     log.info("%s", describe(stages, settings.schedule, m))
     return res
 
 
-def plan_only_pipeline(graph: MetaIR, mesh: Mesh, settings: Any, plugins: Any, solver_options: Any,
-                       constraints: list) -> Any:
+def plan_only_pipeline(
+    graph: MetaIR, mesh: Mesh, settings: Any, plugins: Any, solver_options: Any, constraints: list
+) -> Any:
     """``metadist plan`` with ``pipeline_stages=k``: the stages priced on ``mesh`` (no engine needed)."""
     check_stages(settings.pipeline_stages, mesh, settings.schedule, settings.micro_batches)
 
@@ -247,36 +306,44 @@ def plan_only_pipeline(graph: MetaIR, mesh: Mesh, settings: Any, plugins: Any, s
         if m.size == 1:
             p1, pr1 = replicated_plan(graph, m)
             return CompileResult(graph, RuleBook(), pr1, p1)
-        return plan_graph(graph, m, plugins=plugins, settings=st, solver_options=solver_options,
-                          constraints=constraints)
+        return plan_graph(
+            graph, m, plugins=plugins, settings=st, solver_options=solver_options, constraints=constraints
+        )
 
     return pipeline_plan(graph, mesh, settings, solve, settings.pipeline_stages)
 
 
-def plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: "Solver",
-                        frontend: Frontend) -> CompileResult | None:
+def plan_with_pipeline(
+    graph: MetaIR, mesh: Mesh, s: Settings, solve_on: "Solver", frontend: Frontend
+) -> CompileResult | None:
     """The result whose plan is pipelined (``plan.stages`` set) when ``pipeline_stages=k`` asks for one
     or, with ``None``, when no unpipelined plan meets the memory budget and a pipeline does (training
     steps on a frontend that runs pipelines); with ``None`` and a fitting plan, that result; else None."""
     k = s.pipeline_stages
     if k is not None and k > 1:
         return pipeline_plan(graph, mesh, s, solve_on, k)
-    if k is not None or s.memory_budget is None or mesh.shape[0] < 2 or not has_gradients(graph) \
-            or not frontend.traits.pipelines or s.offload:   # stage programs do not offload (yet)
+    if (
+        k is not None
+        or s.memory_budget is None
+        or mesh.shape[0] < 2
+        or not has_gradients(graph)
+        or not frontend.traits.pipelines
+        or s.offload
+    ):  # stage programs do not offload (yet)
         return None
     flat: CompileResult | None
     try:
         flat = solve_on(mesh)
         if flat.plan.memory_per_device > s.memory_budget:
             flat = None
-    except Exception as e:   # no unpipelined plan meets the budget: a pipeline may
+    except Exception as e:  # no unpipelined plan meets the budget: a pipeline may
         log.info("no unpipelined plan: %s", e)
         flat = None
-    if flat is not None and not flat.plan.recompute:   # the unpipelined plan meets the budget as it is
+    if flat is not None and not flat.plan.recompute:  # the unpipelined plan meets the budget as it is
         return flat
     if flat is None:
         return pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
-    try:   # it meets the budget by recomputing: a pipeline may be cheaper
+    try:  # it meets the budget by recomputing: a pipeline may be cheaper
         piped = pipeline_plan(graph, mesh, s, solve_on, None, flat=None)
     except Exception as e:
         log.info("no pipeline beside the recomputing plan: %s", e)
@@ -284,4 +351,14 @@ def plan_with_pipeline(graph: MetaIR, mesh: Mesh, s: Settings, solve_on: "Solver
     return piped if piped is not None and piped.plan.objective < flat.plan.objective else flat
 
 
-__all__ = ["StageCosts", "stage_costs", "choose_pipeline", "plan_only_pipeline", "pipeline_plan", "check_stages", "sub_mesh", "has_gradients", "plan_with_pipeline"]
+__all__ = [
+    "StageCosts",
+    "stage_costs",
+    "choose_pipeline",
+    "plan_only_pipeline",
+    "pipeline_plan",
+    "check_stages",
+    "sub_mesh",
+    "has_gradients",
+    "plan_with_pipeline",
+]

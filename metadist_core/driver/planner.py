@@ -6,6 +6,7 @@ budget's recomputation and the collectives' buffers; the driver
 benchmarks and tests call it on a graph already traced. :class:`CompileResult`
 is what one compile produced.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,6 +39,7 @@ from metadist_core.plan import memprofile
 
 log = logging.getLogger("metadist.planner")
 
+
 @dataclass
 class CompileResult:
     """Everything one compile produced: the graph, its rules, problem and plan, and the runnable step."""
@@ -50,7 +52,7 @@ class CompileResult:
     timings: dict[str, float] = field(default_factory=dict)
     traced: Traced | None = None
     mesh: Mesh | None = None
-    watch: Any = None   # the frontend's guards on what the trace read (Frontend.watch); None: the signature only
+    watch: Any = None  # the frontend's guards on what the trace read (Frontend.watch); None: the signature only
 
 
 def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, float]]:
@@ -74,11 +76,20 @@ def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, fl
 PROPOSAL_SECONDS = 10.0
 
 
-def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = None,
-               settings: Settings | None = None, constraints: Iterable[Any] | None = None,
-               solver_options: dict | None = None, device: Any = None, traits: FrontendTraits | None = None,
-               op_slowdowns: Callable[[MetaIR, dict], Mapping[str, float]] | None = None,
-               local_timer: Any = None, **setting_values: Any) -> CompileResult:
+def plan_graph(
+    graph: MetaIR,
+    mesh: Mesh,
+    *,
+    plugins: PluginManager | None = None,
+    settings: Settings | None = None,
+    constraints: Iterable[Any] | None = None,
+    solver_options: dict | None = None,
+    device: Any = None,
+    traits: FrontendTraits | None = None,
+    op_slowdowns: Callable[[MetaIR, dict], Mapping[str, float]] | None = None,
+    local_timer: Any = None,
+    **setting_values: Any,
+) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
 
     ``settings`` (else ``load_settings(**setting_values)``: solver, memory_budget,
@@ -96,27 +107,50 @@ def plan_graph(graph: MetaIR, mesh: Mesh, *, plugins: PluginManager | None = Non
     pm.solver(s.solver)  # fail fast on an unknown solver name, before any discovery
     timings: dict[str, float] = {}
     t = time.perf_counter()
-    book = discover(graph, pm, RuleBook.load(s.cache_dir), axis_sizes=mesh.shape, progress=s.progress,
-                    draws=s.verify_draws, max_real=s.max_real_discovery, workers=s.discovery_workers)
+    book = discover(
+        graph,
+        pm,
+        RuleBook.load(s.cache_dir),
+        axis_sizes=mesh.shape,
+        progress=s.progress,
+        draws=s.verify_draws,
+        max_real=s.max_real_discovery,
+        workers=s.discovery_workers,
+    )
     timings["discover"] = time.perf_counter() - t
-    planner = _planner(graph, mesh, book, pm, s, constraints, solver_options, device, traits or FrontendTraits(),
-                       local_timer, timings)
+    planner = _planner(
+        graph, mesh, book, pm, s, constraints, solver_options, device, traits or FrontendTraits(), local_timer, timings
+    )
     planner.costs = _priced_costs(graph, pm, op_slowdowns, timings)
     try:
         graph, (problem, plan), segs = planner.under_budget()
     except InfeasibleBudgetError as e:
         if getattr(e, "need_with_buffers", None) is None:
             raise
-        raise InfeasibleBudgetError(e.budget, recompute.needed(e), mesh,
-                                    f"needs, with its collectives' buffers and {memprofile.HEADROOM:.0%} headroom,") from e
+        raise InfeasibleBudgetError(
+            e.budget,
+            recompute.needed(e),
+            mesh,
+            f"needs, with its collectives' buffers and {memprofile.HEADROOM:.0%} headroom,",
+        ) from e
     _record_stats(plan, problem, segs, planner.settings, local_timer)
     log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
     return CompileResult(graph, book, problem, plan, None, timings)
 
 
-def _planner(graph: MetaIR, mesh: Mesh, book: RuleBook, pm: PluginManager, s: Settings, constraints: Any,
-             solver_options: dict | None, device: Any, traits: FrontendTraits, local_timer: Any,
-             timings: dict[str, float]) -> "GraphPlanner":
+def _planner(
+    graph: MetaIR,
+    mesh: Mesh,
+    book: RuleBook,
+    pm: PluginManager,
+    s: Settings,
+    constraints: Any,
+    solver_options: dict | None,
+    device: Any,
+    traits: FrontendTraits,
+    local_timer: Any,
+    timings: dict[str, float],
+) -> "GraphPlanner":
     """The planner of ``graph`` on ``mesh``: the device priced, the first bucket resolved, the constraints
     split and the solver's options gathered."""
     if device is None and s.mesh_profile:
@@ -133,18 +167,20 @@ def _planner(graph: MetaIR, mesh: Mesh, book: RuleBook, pm: PluginManager, s: Se
     # input gathers priced by their bucket share (FSDP-like plans); else, or once under_budget gives up on
     # those, each gather nearly whole
     share = BUDGET_GATHER_SHARE if s.memory_budget is not None or gathers_parameters(s.strategy) else GATHER_SHARE
-    return GraphPlanner(graph, mesh, book, pm, s, options, plain, named, device, traits, local_timer, timings,
-                        gather_share=share)
+    return GraphPlanner(
+        graph, mesh, book, pm, s, options, plain, named, device, traits, local_timer, timings, gather_share=share
+    )
 
 
-def _priced_costs(graph: MetaIR, pm: PluginManager, op_slowdowns: Callable | None,
-                  timings: dict[str, float]) -> dict[str, tuple]:
+def _priced_costs(
+    graph: MetaIR, pm: PluginManager, op_slowdowns: Callable | None, timings: dict[str, float]
+) -> dict[str, tuple]:
     """``(flops, bytes[, slowdown])`` per op id: the frontend's figures, each op's measured slowdown on
     top where ``op_slowdowns`` is given (timed once: a recomputed copy costs what its original does)."""
     t = time.perf_counter()
     costs: dict[str, tuple] = dict(op_costs(graph, pm))
-    timings["build_problem"] += time.perf_counter() - t   # the ops' costs are part of the problem
-    if op_slowdowns is not None:   # each op timed on this device (cached per machine)
+    timings["build_problem"] += time.perf_counter() - t  # the ops' costs are part of the problem
+    if op_slowdowns is not None:  # each op timed on this device (cached per machine)
         t = time.perf_counter()
         slow = op_slowdowns(graph, costs)
         costs = {k: (*c[:2], slow[k]) if k in slow else c for k, c in costs.items()}
@@ -158,9 +194,12 @@ def _record_stats(plan: Any, problem: Any, segs: list, s: Settings, local_timer:
     if segs:
         plan.recompute = [i for seg in segs for i in seg.recompute]
         stats = plan.stats
-        stats.recompute = {"segments": len(segs), "ops": len(plan.recompute),
-                           "chosen_by": stats.recompute_chosen_by or "?",
-                           "saved_bytes": sum(seg.saved_bytes for seg in segs)}
+        stats.recompute = {
+            "segments": len(segs),
+            "ops": len(plan.recompute),
+            "chosen_by": stats.recompute_chosen_by or "?",
+            "saved_bytes": sum(seg.saved_bytes for seg in segs),
+        }
         stats.recompute_chosen_by = None
     if plan.stats.strategy is None:
         plan.stats.strategy = s.strategy
@@ -190,32 +229,45 @@ class GraphPlanner:
     timings: dict[str, float]
     gather_share: float = GATHER_SHARE
     costs: dict[str, tuple] = field(default_factory=dict)
-    plain_built: tuple | None = None   # the plain graph's (problem, offload region, costs)
+    plain_built: tuple | None = None  # the plain graph's (problem, offload region, costs)
 
     def costs_of(self, g: MetaIR) -> dict[str, tuple]:
         """The ops' costs of ``g``: a recomputed copy costs what its original does."""
         if g is self.graph:
             return self.costs
-        return {op.id: self.costs[op.id.removesuffix(RECOMPUTED_SUFFIX)] for op in g.ops
-                if op.id.removesuffix(RECOMPUTED_SUFFIX) in self.costs}
+        return {
+            op.id: self.costs[op.id.removesuffix(RECOMPUTED_SUFFIX)]
+            for op in g.ops
+            if op.id.removesuffix(RECOMPUTED_SUFFIX) in self.costs
+        }
 
     def build(self, g: MetaIR) -> tuple[Any, Any, dict]:
         """The problem of ``g`` steered by the user, its offload region and its ops' costs."""
-        if g is self.graph and self.plain_built is not None:   # a shallow copy: a proposal sets toggles on it
+        if g is self.graph and self.plain_built is not None:  # a shallow copy: a proposal sets toggles on it
             problem, region, g_costs = self.plain_built
             return copy.copy(problem), region, g_costs
         s, t = self.settings, self.traits
         g_costs = self.costs_of(g)
-        problem = build_problem(g, self.book, self.mesh, op_costs=g_costs, constraints=self.plain,
-                                memory_budget=s.memory_budget, device=self.device,
-                                grad_compression=s.grad_compression,
-                                bucket_bytes=s.bucket_bytes if s.coalesce else None, bucket_copies=t.bucket_copies,
-                                shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and t.shard_buckets else None,
-                                first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
-                                phased=t.phased_reshards, whole_inputs=t.whole_inputs,
-                                gather_share=self.gather_share, local_timer=self.local_timer)
+        problem = build_problem(
+            g,
+            self.book,
+            self.mesh,
+            op_costs=g_costs,
+            constraints=self.plain,
+            memory_budget=s.memory_budget,
+            device=self.device,
+            grad_compression=s.grad_compression,
+            bucket_bytes=s.bucket_bytes if s.coalesce else None,
+            bucket_copies=t.bucket_copies,
+            shard_bucket_bytes=s.shard_bucket_bytes if s.coalesce and t.shard_buckets else None,
+            first_bucket_bytes=s.first_bucket_bytes if s.coalesce else None,
+            phased=t.phased_reshards,
+            whole_inputs=t.whole_inputs,
+            gather_share=self.gather_share,
+            local_timer=self.local_timer,
+        )
         region = None
-        if s.offload:   # optimizer state and update on the host, priced (metadist_core.levers.offload)
+        if s.offload:  # optimizer state and update on the host, priced (metadist_core.levers.offload)
             region = apply_offload(problem, g, g_costs)
         # the user's steering: annotations, constraints by name, the strategy preset (metadist_core.problem.presets)
         problem = steer(problem, s.strategy, self.named, getattr(g, "annotations", None))
@@ -234,13 +286,15 @@ class GraphPlanner:
         t1 = time.perf_counter()
         self.timings["build_problem"] += t1 - t0
         with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
-            try:   # finally: a graph with no plan under the budget took solver time too
+            try:  # finally: a graph with no plan under the budget took solver time too
                 try:
                     plan = self._solve(problem)
-                except InfeasibleBudgetError as e:   # the solver's figure lacks the buffers: priced when asked
-                    e.need_with_buffers = functools.partial(memprofile.leanest_with_buffers, problem, e.needed, self._solve)
+                except InfeasibleBudgetError as e:  # the solver's figure lacks the buffers: priced when asked
+                    e.need_with_buffers = functools.partial(
+                        memprofile.leanest_with_buffers, problem, e.needed, self._solve
+                    )
                     raise
-                if s.memory_budget is not None:   # the budget holds with the collectives' buffers (memprofile)
+                if s.memory_budget is not None:  # the budget holds with the collectives' buffers (memprofile)
                     plan = memprofile.fit_with_buffers(problem, plan, self._solve)
             finally:
                 self.timings["solve"] += time.perf_counter() - t1
@@ -254,17 +308,23 @@ class GraphPlanner:
         if s.solver != "ilp":
             return None
         if s.memory_budget is None:
-            raise ValueError("recomputed segments are proposed only under a memory budget, and memory_budget is "
-                             "None; set memory_budget (bytes per device) to recompute")
+            raise ValueError(
+                "recomputed segments are proposed only under a memory budget, and memory_budget is "
+                "None; set memory_budget (bytes per device) to recompute"
+            )
         t0 = time.perf_counter()
         problem, _, _ = self.build(self.graph)
         recompute.price_segments(problem, self.graph, segs)
         limit = min(float(self.options.get("time_limit") or PROPOSAL_SECONDS), PROPOSAL_SECONDS)
-        with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions, {len(segs)} recompute segments)",
-                    enabled=s.progress):
-            try:   # under the headroom, less what an earlier proposal overshot with its buffers
-                plan = self.pm.solve(s.solver, problem.with_budget(int(s.memory_budget * (1.0 - memprofile.HEADROOM)) - cut),
-                                     {**self.options, "least_peak": False, "time_limit": limit})
+        with Ticker(
+            f"solve ({s.solver}, {len(problem.nodes)} decisions, {len(segs)} recompute segments)", enabled=s.progress
+        ):
+            try:  # under the headroom, less what an earlier proposal overshot with its buffers
+                plan = self.pm.solve(
+                    s.solver,
+                    problem.with_budget(int(s.memory_budget * (1.0 - memprofile.HEADROOM)) - cut),
+                    {**self.options, "least_peak": False, "time_limit": limit},
+                )
             except (InfeasibleBudgetError, RuntimeError) as e:
                 log.info("no plan with recomputation priced in the ILP (%s); searching segment counts", e)
                 return None
@@ -279,7 +339,9 @@ class GraphPlanner:
         s = self.settings
         flops = {i: c[0] for i, c in self.costs.items()} if s.memory_budget is not None else None
         try:
-            return recompute.choose(self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose)
+            return recompute.choose(
+                self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose
+            )
         except InfeasibleBudgetError:
             if s.memory_budget is None or not (s.coalesce and self.traits.shard_buckets and s.shard_bucket_bytes):
                 raise
@@ -289,7 +351,9 @@ class GraphPlanner:
         log.info("no plan with its input gathers priced in buckets meets the budget; pricing each gather whole")
         self.gather_share = GATHER_SHARE
         self.plain_built = None
-        return recompute.choose(self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose)
+        return recompute.choose(
+            self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose
+        )
 
 
 def replicated_plan(graph: MetaIR, mesh: Mesh) -> tuple[Any, Any]:

@@ -8,6 +8,7 @@ every frontend, traces the step, plans it and raises :class:`PlanOnlyDone`
 (an ordinary exception, which the command catches) once the plan is saved. No
 devices or process group are needed: the mesh may be larger than this machine.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,8 +40,9 @@ class PlanOnly:
     def settings(self, settings: Any) -> Any:
         """``settings`` with what the command line asked for (solver, budget, cache dir, profile, strategy)
         on top."""
-        over: dict[str, Any] = {k: getattr(self, k) for k in ("solver", "memory_budget", "cache_dir")
-                                if getattr(self, k) is not None}
+        over: dict[str, Any] = {
+            k: getattr(self, k) for k in ("solver", "memory_budget", "cache_dir") if getattr(self, k) is not None
+        }
         if self.profile:
             over["mesh_profile"] = self.profile
         if self.strategy:

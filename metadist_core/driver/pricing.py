@@ -1,5 +1,6 @@
 """How a compile prices its plans: the mesh profile (measured links and device, cached per host), the
 ops' measured slowdowns and the local timer, for :func:`metadist_core.driver.compile.compile_step`."""
+
 from __future__ import annotations
 
 import functools
@@ -51,16 +52,26 @@ class OpTimer:
 
             def time_ops(requests: list, program: bool) -> Any:
                 return self.frontend.time_ops(requests, self.resolved, traced, program)
-            self.measured = dict(whole_slowdowns(graph, costs, time_ops, self.cache_file,
-                                                 skip=self.frontend.traits.times_local,
-                                                 program=traced is not None) or {})
+
+            self.measured = dict(
+                whole_slowdowns(
+                    graph,
+                    costs,
+                    time_ops,
+                    self.cache_file,
+                    skip=self.frontend.traits.times_local,
+                    program=traced is not None,
+                )
+                or {}
+            )
         return self.measured
 
 
 def _own_link_costs(mesh: Any) -> bool:
     """Is ``mesh`` a metadist Mesh whose link costs differ from the built-in ones (set by its maker)?"""
-    return isinstance(mesh, Mesh) and (any(a != DEFAULT_ALPHA for a in mesh.alpha)
-                                       or any(b != DEFAULT_BETA for b in mesh.beta) or bool(mesh.links))
+    return isinstance(mesh, Mesh) and (
+        any(a != DEFAULT_ALPHA for a in mesh.alpha) or any(b != DEFAULT_BETA for b in mesh.beta) or bool(mesh.links)
+    )
 
 
 def price(job: "Job", traced: Traced, resolved: Resolved, mesh_arg: Any) -> tuple[Pricing, Resolved]:
@@ -78,15 +89,19 @@ def price(job: "Job", traced: Traced, resolved: Resolved, mesh_arg: Any) -> tupl
             resolved = resolved.priced(pricing.profile.mesh(resolved.mesh.shape, resolved.mesh.axis_names))
         job.timings["profile"] = time.perf_counter() - t
     elif not replicated_only(resolved.mesh, s):
-        measured = fe.measure_profile(resolved, None, traced)   # a one-device step's own device (a GPU)
+        measured = fe.measure_profile(resolved, None, traced)  # a one-device step's own device (a GPU)
         pricing.one_device = measured.device if measured is not None else None
     is_measured = getattr(pricing.profile, "measured", False)
     key = getattr(pricing.profile, "key", None)
-    if is_measured or pricing.one_device is not None:   # measured costs price the ops as measured too
+    if is_measured or pricing.one_device is not None:  # measured costs price the ops as measured too
         pricing.op_times = OpTimer(fe, resolved, traced, _beside(s, key, "-ops.json"))
-    if is_measured and s.local_time_seconds > 0:   # one timer for every plan of this compile
-        pricing.local_timer = LocalTimer(fe.traits.times_local, functools.partial(_local_times, fe, resolved),
-                                         cache_file=_beside(s, key, "-local.json"), budget=s.local_time_seconds)
+    if is_measured and s.local_time_seconds > 0:  # one timer for every plan of this compile
+        pricing.local_timer = LocalTimer(
+            fe.traits.times_local,
+            functools.partial(_local_times, fe, resolved),
+            cache_file=_beside(s, key, "-local.json"),
+            budget=s.local_time_seconds,
+        )
     return pricing, resolved
 
 
@@ -97,8 +112,9 @@ def _beside(s: Settings, key: dict | None, suffix: str) -> str | None:
 
 def _local_times(frontend: Frontend, resolved: Resolved, requests: list, mesh: Mesh) -> tuple[list, Any]:
     """The frontend's seconds of each request at its local shapes on ``mesh``, and the rates measured."""
-    where = resolved if (mesh.shape, mesh.axis_names) == (resolved.mesh.shape, resolved.mesh.axis_names) \
-        else Resolved(mesh)
+    where = (
+        resolved if (mesh.shape, mesh.axis_names) == (resolved.mesh.shape, resolved.mesh.axis_names) else Resolved(mesh)
+    )
     got = frontend.time_ops(requests, where)
     if got is None:
         return [None] * len(requests), DEVICE_PRESETS["cpu"]

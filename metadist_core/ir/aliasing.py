@@ -13,6 +13,7 @@ and reshaped activations are alive at once).
 An op is a view when the frontend marks it (``op.attrs["view"] = True``) or,
 for aten ops, when its name is one of :data:`VIEW_OPS`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
@@ -21,10 +22,38 @@ from typing import Mapping
 from metadist_core.ir.ir import MetaIR, MetaOp
 
 # aten ops whose every output is a view of their first input (functionalized graphs keep them as views)
-VIEW_OPS = frozenset({"view", "_unsafe_view", "_reshape_alias", "t", "transpose", "permute", "expand", "split",
-                      "split_with_sizes", "unbind", "chunk", "unsqueeze", "squeeze", "slice", "select", "narrow",
-                      "alias", "detach", "as_strided", "diagonal", "unflatten", "movedim", "view_as", "expand_as",
-                      "numpy_T", "swapaxes", "swapdims", "unfold"})
+VIEW_OPS = frozenset(
+    {
+        "view",
+        "_unsafe_view",
+        "_reshape_alias",
+        "t",
+        "transpose",
+        "permute",
+        "expand",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "chunk",
+        "unsqueeze",
+        "squeeze",
+        "slice",
+        "select",
+        "narrow",
+        "alias",
+        "detach",
+        "as_strided",
+        "diagonal",
+        "unflatten",
+        "movedim",
+        "view_as",
+        "expand_as",
+        "numpy_T",
+        "swapaxes",
+        "swapdims",
+        "unfold",
+    }
+)
 
 
 def is_view(op: MetaOp) -> bool:
@@ -59,8 +88,9 @@ def alias_liveness(graph: MetaIR, live: Mapping[str, tuple[int, int]]) -> tuple[
     return out, set(base)
 
 
-def inplace_state_liveness(graph: MetaIR, live: dict[str, list[int]], views: AbstractSet[str] = frozenset()
-                           ) -> dict[str, list[int]]:
+def inplace_state_liveness(
+    graph: MetaIR, live: dict[str, list[int]], views: AbstractSet[str] = frozenset()
+) -> dict[str, list[int]]:
     """``live`` with each new state value dying where it is written into its state's storage.
 
     The lowering copies a new parameter / optimizer state value into the old one's storage as soon as the

@@ -1,4 +1,5 @@
 """MetaIR: a framework-neutral graph of MetaOps over MetaVars."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,15 +18,35 @@ UPDATE_ROLES = ("parameter", "optimizer_state")
 STATE_ROLES = ("parameter", "optimizer_state", "buffer")
 
 DTYPE_BYTES: dict[str, int] = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1, "bool": 1,
-    "complex64": 8, "complex128": 16,
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "complex64": 8,
+    "complex128": 16,
 }
 # "gradient": a parameter's gradient as the optimizer reads it (frontends that know it mark it; grad_compression)
 # hyperparameter: a number of the optimizer's param groups (a learning rate), a 0-d input fed at every call that
 # lives on the host
-ROLES: tuple[str, ...] = ("input", "parameter", "optimizer_state", "buffer", "intermediate", "output", "gradient",
-                          "hyperparameter")
+ROLES: tuple[str, ...] = (
+    "input",
+    "parameter",
+    "optimizer_state",
+    "buffer",
+    "intermediate",
+    "output",
+    "gradient",
+    "hyperparameter",
+)
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -33,11 +54,23 @@ def canonical_dtype(dtype: Any) -> str:
     s = str(dtype).lower()
     for prefix in ("torch.", "jnp.", "numpy.", "dtype("):
         if s.startswith(prefix):
-            s = s[len(prefix):]
+            s = s[len(prefix) :]
     s = s.strip("')\"")
-    aliases = {"float": "float32", "double": "float64", "half": "float16", "bf16": "bfloat16",
-               "fp32": "float32", "fp16": "float16", "long": "int64", "int": "int64",
-               "f4": "float32", "f8": "float64", "bool_": "bool", "<f4": "float32", "<f8": "float64"}
+    aliases = {
+        "float": "float32",
+        "double": "float64",
+        "half": "float16",
+        "bf16": "bfloat16",
+        "fp32": "float32",
+        "fp16": "float16",
+        "long": "int64",
+        "int": "int64",
+        "f4": "float32",
+        "f8": "float64",
+        "bool_": "bool",
+        "<f4": "float32",
+        "<f8": "float64",
+    }
     s = aliases.get(s, s)
     if s not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
@@ -52,9 +85,9 @@ class MetaVar:
     shape: tuple[int, ...] | None
     dtype: str
     role: str = "intermediate"
-    producer: str | None = None          # id of the MetaOp that makes it; None for graph inputs
+    producer: str | None = None  # id of the MetaOp that makes it; None for graph inputs
     consumers: list[str] = field(default_factory=list)  # ids of MetaOps that read it
-    label: str | None = None             # the user's name for it ("blocks.0.fc.weight"), when the frontend knows one
+    label: str | None = None  # the user's name for it ("blocks.0.fc.weight"), when the frontend knows one
 
     def __post_init__(self) -> None:
         if self.shape is not None:
@@ -79,8 +112,12 @@ class MetaVar:
         return self.numel * DTYPE_BYTES.get(self.dtype, 4)
 
     def to_json(self) -> dict:
-        d = {"id": self.id, "shape": None if self.shape is None else list(self.shape),
-             "dtype": self.dtype, "role": self.role}
+        d = {
+            "id": self.id,
+            "shape": None if self.shape is None else list(self.shape),
+            "dtype": self.dtype,
+            "role": self.role,
+        }
         if self.label is not None:
             d["label"] = self.label
         return d
@@ -112,8 +149,13 @@ class MetaOp:
         )
 
     def to_json(self) -> dict:
-        return {"id": self.id, "key": self.key, "inputs": list(self.inputs),
-                "outputs": list(self.outputs), "attrs": self.attrs}
+        return {
+            "id": self.id,
+            "key": self.key,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "attrs": self.attrs,
+        }
 
 
 class Slice(NamedTuple):
@@ -123,12 +165,18 @@ class Slice(NamedTuple):
     ops: set
 
 
-_V = TypeVar("_V", bound=Hashable)   # a value of a def-use graph
-_N = TypeVar("_N", bound=Hashable)   # a node (an op) of a def-use graph
+_V = TypeVar("_V", bound=Hashable)  # a value of a def-use graph
+_N = TypeVar("_N", bound=Hashable)  # a node (an op) of a def-use graph
 
 
-def walk_upstream(starts: Iterable[_V], producer: Callable[[_V], _N | None], reads: Callable[[_N], Iterable[_V]], *,
-                  stop: Iterable[_V] = (), through: Callable[[_N], bool] | None = None) -> Slice:
+def walk_upstream(
+    starts: Iterable[_V],
+    producer: Callable[[_V], _N | None],
+    reads: Callable[[_N], Iterable[_V]],
+    *,
+    stop: Iterable[_V] = (),
+    through: Callable[[_N], bool] | None = None,
+) -> Slice:
     """The backward slice of ``starts`` in any def-use graph (:meth:`MetaIR.upstream` on a MetaIR): from each
     value reached, not past a ``stop`` value, to its ``producer`` (None: a graph input) where ``through``
     accepts it (every producer when None), and on to the values the producer ``reads``."""
@@ -151,8 +199,9 @@ def walk_upstream(starts: Iterable[_V], producer: Callable[[_V], _N | None], rea
     return Slice(values, ops)
 
 
-def op_signature(key: str, shapes: Sequence[Sequence[int] | None], dtypes: Sequence[str],
-                 attrs: Mapping[str, Any] | None = None) -> str:
+def op_signature(
+    key: str, shapes: Sequence[Sequence[int] | None], dtypes: Sequence[str], attrs: Mapping[str, Any] | None = None
+) -> str:
     """The signature string: readable head plus a short digest of the static attributes."""
     shp = ";".join("-" if s is None else "x".join(str(d) for d in s) or "scalar" for s in shapes)
     attr_text = json.dumps(attrs or {}, sort_keys=True, default=str)
@@ -196,8 +245,15 @@ class MetaIR:
         self.inputs.append(id)
         return v
 
-    def add_op(self, key: str, inputs: Sequence[str], outputs: Sequence[MetaVar | tuple],
-               attrs: Mapping[str, Any] | None = None, id: str | None = None, payload: Any = None) -> MetaOp:
+    def add_op(
+        self,
+        key: str,
+        inputs: Sequence[str],
+        outputs: Sequence[MetaVar | tuple],
+        attrs: Mapping[str, Any] | None = None,
+        id: str | None = None,
+        payload: Any = None,
+    ) -> MetaOp:
         """Append an op; ``outputs`` are MetaVars already added or ``(id, shape, dtype)`` tuples."""
         op_id = id or f"op{len(self.ops)}"
         if op_id in self._op_index:
@@ -250,16 +306,25 @@ class MetaIR:
         need = self.upstream(targets, stop=stop).ops
         return [op.id for op in self.ops if op.id in need]
 
-    def upstream(self, values: Iterable[str], *, stop: Iterable[str] = (),
-                 through: Callable[[MetaOp], bool] | None = None,
-                 reads: Callable[[MetaOp], Iterable[str]] | None = None) -> "Slice":
+    def upstream(
+        self,
+        values: Iterable[str],
+        *,
+        stop: Iterable[str] = (),
+        through: Callable[[MetaOp], bool] | None = None,
+        reads: Callable[[MetaOp], Iterable[str]] | None = None,
+    ) -> "Slice":
         """The backward slice of ``values``: the values they are computed from (``values`` included) and the
         ops that compute them. The walk does not look past a ``stop`` value (it is reached, its producer is
         not), passes only the ops ``through`` accepts (all when None), and goes on from a passed op to the
         inputs ``reads`` names (all its inputs when None)."""
-        return walk_upstream(values, lambda v: self.vars[v].producer,
-                             (lambda p: self.op(p).inputs) if reads is None else (lambda p: reads(self.op(p))),
-                             stop=stop, through=None if through is None else (lambda p: through(self.op(p))))
+        return walk_upstream(
+            values,
+            lambda v: self.vars[v].producer,
+            (lambda p: self.op(p).inputs) if reads is None else (lambda p: reads(self.op(p))),
+            stop=stop,
+            through=None if through is None else (lambda p: through(self.op(p))),
+        )
 
     def downstream(self, values: Iterable[str], *, through: Callable[[MetaOp], bool] | None = None) -> "Slice":
         """The forward slice of ``values``: the values computed from any of them (``values`` included) and the
@@ -324,13 +389,16 @@ class MetaIR:
             mv = self.vars[v]
             shp = "?" if mv.shape is None else "x".join(map(str, mv.shape)) or "()"
             return f"{v}:{shp}"
+
         rows = [("#", "op", "inputs", "outputs")]
         for i, op in enumerate(self.ops):
             rows.append((str(i), op.key, " ".join(fmt(v) for v in op.inputs), " ".join(fmt(v) for v in op.outputs)))
         shown = rows if max_rows is None or len(rows) <= max_rows + 1 else rows[: max_rows + 1]
         widths = [max(len(r[c]) for r in shown) for c in range(3)]
-        lines = [f"MetaIR {self.name!r}: {len(self.ops)} ops, {len(self.inputs)} inputs, "
-                 f"{len(self.outputs)} outputs, {len(self.aliases)} state aliases"]
+        lines = [
+            f"MetaIR {self.name!r}: {len(self.ops)} ops, {len(self.inputs)} inputs, "
+            f"{len(self.outputs)} outputs, {len(self.aliases)} state aliases"
+        ]
         for r in shown:
             lines.append("  ".join(r[c].ljust(widths[c]) for c in range(3)) + "  " + r[3])
         if len(shown) < len(rows):
@@ -345,8 +413,11 @@ class MetaIR:
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
             "aliases": dict(self.aliases),
-            **({"annotations": {v: [str(p) for p in ps] for v, ps in self.annotations.items()}}
-               if self.annotations else {}),
+            **(
+                {"annotations": {v: [str(p) for p in ps] for v, ps in self.annotations.items()}}
+                if self.annotations
+                else {}
+            ),
         }
 
     @classmethod

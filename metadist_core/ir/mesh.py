@@ -1,4 +1,5 @@
 """The logical device mesh: its shape, axis names and the cost of a collective on each axis's links."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,9 @@ DEFAULT_ALPHA = 1e-5
 DEFAULT_BETA = 1.0 / 25e9
 
 
-def link_costs(links: tuple, axis: int, kind: str, alpha: float, beta: float, numel: int | None = None,
-               n: int = 0) -> tuple[float, float]:
+def link_costs(
+    links: tuple, axis: int, kind: str, alpha: float, beta: float, numel: int | None = None, n: int = 0
+) -> tuple[float, float]:
     """``(alpha, beta)`` of a ``kind`` collective on ``axis`` from a mesh's ``links`` (see
     :meth:`Mesh.link`), else the axis's own ``alpha``/``beta``."""
     if links and links[axis]:
@@ -40,7 +42,7 @@ class Mesh:
     axis_names: tuple[str, ...] = ()
     alpha: tuple[float, ...] = ()
     beta: tuple[float, ...] = ()
-    links: tuple = ()   # per axis: a sorted tuple of (kind, alpha, beta); () when no kind is measured apart
+    links: tuple = ()  # per axis: a sorted tuple of (kind, alpha, beta); () when no kind is measured apart
 
     def __init__(
         self,
@@ -53,13 +55,13 @@ class Mesh:
         shp = (int(shape),) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if not shp or any(s < 1 for s in shp):
             raise ValueError(f"a mesh shape needs one or more positive sizes, got {shape!r}")
-        names = tuple(axis_names) if axis_names is not None else tuple(
-            ("dp", "tp", "pp")[i] if len(shp) <= 3 else f"axis{i}" for i in range(len(shp))
+        names = (
+            tuple(axis_names)
+            if axis_names is not None
+            else tuple(("dp", "tp", "pp")[i] if len(shp) <= 3 else f"axis{i}" for i in range(len(shp)))
         )
         if len(names) != len(shp):
-            raise ValueError(
-                f"mesh shape {shp} has {len(shp)} axes but {len(names)} axis names {names}"
-            )
+            raise ValueError(f"mesh shape {shp} has {len(shp)} axes but {len(names)} axis names {names}")
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must be distinct, got {names}")
         object.__setattr__(self, "shape", shp)
@@ -72,6 +74,7 @@ class Mesh:
         """``(alpha, beta)`` that price a ``kind`` collective on ``axis``; ``numel``: the elements of an
         all_reduce's buffer (fewer than the axis's devices: the ``all_reduce_tiny`` figures, when measured)."""
         return link_costs(self.links, axis, kind, self.alpha[axis], self.beta[axis], numel, self.shape[axis])
+
     @property
     def ndim(self) -> int:
         return len(self.shape)

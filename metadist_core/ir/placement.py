@@ -9,6 +9,7 @@ full value. A ``Sharding`` holds one Placement per mesh axis.
 Uneven splits follow ``torch.chunk``: every device but the last few holds
 ``ceil(size / n)`` elements, so some trailing devices may hold fewer or none.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,9 +83,7 @@ class Partial(Placement):
 
     def __post_init__(self) -> None:
         if self.reduce not in REDUCE_OPS:
-            raise ValueError(
-                f"Partial(reduce) takes one of {', '.join(REDUCE_OPS)}; got {self.reduce!r}"
-            )
+            raise ValueError(f"Partial(reduce) takes one of {', '.join(REDUCE_OPS)}; got {self.reduce!r}")
 
     def is_partial(self) -> bool:
         return True
@@ -186,8 +185,12 @@ def chunk_bounds(size: int, n: int, index: int) -> tuple[int, int]:
 
 
 def shard_shape(
-    shape: Sequence[int], sharding: Sharding, mesh: Mesh, coords: Sequence[int] | None = None,
-    *, even: bool = False,
+    shape: Sequence[int],
+    sharding: Sharding,
+    mesh: Mesh,
+    coords: Sequence[int] | None = None,
+    *,
+    even: bool = False,
 ) -> tuple[int, ...]:
     """Local shape of a tensor of ``shape`` under ``sharding`` on ``mesh``.
 
@@ -196,9 +199,7 @@ def shard_shape(
     :class:`IndivisibleError` naming the axis, the split, the dim and the shape.
     """
     if len(sharding) != mesh.ndim:
-        raise ValueError(
-            f"sharding {sharding} has {len(sharding)} placements for a {mesh.ndim}-axis mesh {mesh}"
-        )
+        raise ValueError(f"sharding {sharding} has {len(sharding)} placements for a {mesh.ndim}-axis mesh {mesh}")
     coords = tuple(coords) if coords is not None else (0,) * mesh.ndim
     local = list(shape)
     for axis, p in enumerate(sharding):
@@ -221,8 +222,9 @@ def shard_shape(
     return tuple(local)
 
 
-def largest_local_shape(shape: Sequence[int], placements: Sequence[Placement],
-                        mesh_shape: Sequence[int]) -> tuple[int, ...] | None:
+def largest_local_shape(
+    shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]
+) -> tuple[int, ...] | None:
     """The largest device's local shape under per-axis ``placements`` (what memory and compute are priced
     on); None when some device would get an empty piece."""
     local = list(shape)
@@ -236,8 +238,9 @@ def largest_local_shape(shape: Sequence[int], placements: Sequence[Placement],
     return tuple(local)
 
 
-def group_extents(shape: Sequence[int], sharding: Sharding, mesh: Mesh, coords: Sequence[int], axis: int,
-                  dim: int) -> list[int]:
+def group_extents(
+    shape: Sequence[int], sharding: Sharding, mesh: Mesh, coords: Sequence[int], axis: int, dim: int
+) -> list[int]:
     """The extent of ``dim`` on each device of this device's group along ``axis`` (they differ only there),
     under ``sharding``: what an all_gather or all_to_all over ``axis`` receives from each member."""
     out = []
@@ -248,8 +251,9 @@ def group_extents(shape: Sequence[int], sharding: Sharding, mesh: Mesh, coords: 
     return out
 
 
-def local_piece(x: Any, sharding: Sharding, mesh: Mesh, coords: Sequence[int],
-                zeros_like: Callable[[Any], Any] | None = None) -> Any:
+def local_piece(
+    x: Any, sharding: Sharding, mesh: Mesh, coords: Sequence[int], zeros_like: Callable[[Any], Any] | None = None
+) -> Any:
     """This device's piece of a whole array ``x`` (numpy, torch, jax: anything sliceable) under ``sharding``.
 
     Shard(d) takes the ``torch.chunk`` piece of dim d at this device's coordinate
@@ -264,6 +268,7 @@ def local_piece(x: Any, sharding: Sharding, mesh: Mesh, coords: Sequence[int],
         elif isinstance(p, Partial) and p.reduce == "sum" and coords[axis] != 0:
             if zeros_like is None:
                 import numpy as np
+
                 zeros_like = np.zeros_like
             x = zeros_like(x)
     return x

@@ -32,6 +32,7 @@ Roles and aliasing: parameters are ``parameter``, the moments
 ``optimizer_state``, the token ids ``input``; each parameter and moment is
 aliased to its updated output, checked by shape and by a short dataflow path.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ def encode_constant(value: Any, key: str | None = None) -> Any:
     """A non-tensor argument as JSON-able attrs: ``torch.*`` strings and devices become tagged dicts."""
     if isinstance(value, str):
         if value.startswith("torch."):
-            name = value[len("torch."):]
+            name = value[len("torch.") :]
             try:
                 return {"$dtype": canonical_dtype(name)}
             except ValueError:
@@ -88,26 +89,31 @@ def recorded_graph_from_json(data: Mapping[str, Any], name: str = "recorded") ->
 
     # -- roles: parameters, two moment lists, then the rest (token ids) -------------
     if (len(outputs) - 1) % 3:
-        raise ValueError(f"recorded graph {name!r}: {len(outputs)} outputs is not 1 loss + params + 2 moment "
-                         f"lists of equal length")
+        raise ValueError(
+            f"recorded graph {name!r}: {len(outputs)} outputs is not 1 loss + params + 2 moment lists of equal length"
+        )
     n_par = (len(outputs) - 1) // 3
     if len(inputs) < 3 * n_par:
-        raise ValueError(f"recorded graph {name!r}: {len(outputs)} outputs say {n_par} parameters, but only "
-                         f"{len(inputs)} inputs for parameters + 2 moment lists")
+        raise ValueError(
+            f"recorded graph {name!r}: {len(outputs)} outputs say {n_par} parameters, but only "
+            f"{len(inputs)} inputs for parameters + 2 moment lists"
+        )
     for i, inp in enumerate(inputs):
         role = "parameter" if i < n_par else "optimizer_state" if i < 3 * n_par else "input"
         g.add_input(inp["var"], inp["shape"], inp["dtype"], role)
 
     # -- pass 1: what getitem nodes take from tuple-valued nodes; undefined constants --
     out_of = {n["name"]: n.get("out") for n in nodes}
-    picks: dict[str, dict[int, str]] = {}   # tuple node -> index -> first getitem node taking it
-    rename: dict[str, str] = {}             # a repeated getitem -> the first one with the same index
+    picks: dict[str, dict[int, str]] = {}  # tuple node -> index -> first getitem node taking it
+    rename: dict[str, str] = {}  # a repeated getitem -> the first one with the same index
     for n in nodes:
         if is_getitem(n["op"]):
             src, idx = n["args"][0], n["args"][1]
             if not _is_var_ref(src) or not isinstance(idx, int):
-                raise ValueError(f"recorded graph {name!r}: getitem node {n['name']!r} has args {n['args']!r}; "
-                                 f"expected [{{'var': NAME}}, int]")
+                raise ValueError(
+                    f"recorded graph {name!r}: getitem node {n['name']!r} has args {n['args']!r}; "
+                    f"expected [{{'var': NAME}}, int]"
+                )
             got = picks.setdefault(src["var"], {})
             if idx in got:
                 rename[n["name"]] = got[idx]
@@ -122,8 +128,10 @@ def recorded_graph_from_json(data: Mapping[str, Any], name: str = "recorded") ->
             if v not in defined and v not in constants:
                 meta = _shape(node.get("out"))
                 if not (node["op"].startswith("aten.lift_fresh") and meta is not None):
-                    raise ValueError(f"recorded graph {name!r}: node {node['name']!r} ({node['op']}) reads "
-                                     f"{v!r}, which is neither a graph input nor an earlier node")
+                    raise ValueError(
+                        f"recorded graph {name!r}: node {node['name']!r} ({node['op']}) reads "
+                        f"{v!r}, which is neither a graph input nor an earlier node"
+                    )
                 constants[v] = meta
         elif isinstance(x, Mapping):
             for y in x.values():
@@ -149,10 +157,10 @@ def recorded_graph_from_json(data: Mapping[str, Any], name: str = "recorded") ->
             if _is_var_ref(x):
                 v = rename.get(x["var"], x["var"])
                 if v not in g.vars:
-                    why = ("a tuple-valued node; only getitem may read it" if v in out_of
-                           else "not defined before it")
-                    raise ValueError(f"recorded graph {name!r}: node {n['name']!r} ({n['op']}) reads {v!r}, "
-                                     f"which is {why}")
+                    why = "a tuple-valued node; only getitem may read it" if v in out_of else "not defined before it"
+                    raise ValueError(
+                        f"recorded graph {name!r}: node {n['name']!r} ({n['op']}) reads {v!r}, which is {why}"
+                    )
                 if not g.vars[v].is_tensor:
                     raise ValueError(f"recorded graph {name!r}: node {n['name']!r} reads non-tensor {v!r}")
                 op_inputs.append(v)
@@ -160,8 +168,7 @@ def recorded_graph_from_json(data: Mapping[str, Any], name: str = "recorded") ->
             if isinstance(x, (list, tuple)):
                 return [encode(y) for y in x]
             if isinstance(x, Mapping):
-                raise ValueError(f"recorded graph {name!r}: node {n['name']!r} has an unexpected dict "
-                                 f"argument {x!r}")
+                raise ValueError(f"recorded graph {name!r}: node {n['name']!r} has an unexpected dict argument {x!r}")
             return encode_constant(x, key)
 
         args = [encode(a) for a in n["args"]]
@@ -191,13 +198,17 @@ def recorded_graph_from_json(data: Mapping[str, Any], name: str = "recorded") ->
     for i in range(3 * n_par):
         state, new = g.inputs[i], out_ids[1 + i]
         if g.vars[state].shape != g.vars[new].shape:
-            raise ValueError(f"recorded graph {name!r}: state input {i} {state!r} has shape "
-                             f"{g.vars[state].shape} but output {1 + i} {new!r}, its updated value by the "
-                             f"file's order, has shape {g.vars[new].shape}")
+            raise ValueError(
+                f"recorded graph {name!r}: state input {i} {state!r} has shape "
+                f"{g.vars[state].shape} but output {1 + i} {new!r}, its updated value by the "
+                f"file's order, has shape {g.vars[new].shape}"
+            )
         if not _reaches(g, state, new, _MAX_UPDATE_HOPS):
-            raise ValueError(f"recorded graph {name!r}: output {1 + i} {new!r} does not follow from state "
-                             f"input {state!r} within {_MAX_UPDATE_HOPS} ops; the outputs are not in the "
-                             f"order loss, parameters, moments")
+            raise ValueError(
+                f"recorded graph {name!r}: output {1 + i} {new!r} does not follow from state "
+                f"input {state!r} within {_MAX_UPDATE_HOPS} ops; the outputs are not in the "
+                f"order loss, parameters, moments"
+            )
         g.alias(state, new)
     g.validate()
     return g

@@ -33,6 +33,7 @@ node that produces it (per option, as its sharding sets its size), and the
 host values' memory terms dropped. On a CPU device (``host_link`` None) the
 host is the device: transfers are free and the compute rate is unchanged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,32 +42,47 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from metadist_core.cost.model import DEVICE_PRESETS, DeviceSpec, compute_cost, compute_dtype, local_bytes, strategy_split
+from metadist_core.cost.model import (
+    DEVICE_PRESETS,
+    DeviceSpec,
+    compute_cost,
+    compute_dtype,
+    local_bytes,
+    strategy_split,
+)
 from metadist_core.ir.ir import MetaIR
 from metadist_core.problem.build import estimate_op_cost
 
 log = logging.getLogger("metadist.offload")
 
 STATE_ROLE = "optimizer_state"
-HOST_INPUT_ROLES = ("parameter", "optimizer_state", "hyperparameter")   # inputs a pulled-in host op may read without a new transfer
+HOST_INPUT_ROLES = (
+    "parameter",
+    "optimizer_state",
+    "hyperparameter",
+)  # inputs a pulled-in host op may read without a new transfer
 
 
 @dataclass
 class HostRegion:
     """What runs on the host under ``offload="optimizer"`` and what crosses the host link each step."""
 
-    ops: list[str] = field(default_factory=list)          # op ids run on the host, in graph order
-    host_vars: set[str] = field(default_factory=set)      # values that live on the host only (no device memory)
-    to_host: list[str] = field(default_factory=list)      # device values the host ops read (copied each step)
-    to_device: list[str] = field(default_factory=list)    # host values the device reads or keeps (copied back)
+    ops: list[str] = field(default_factory=list)  # op ids run on the host, in graph order
+    host_vars: set[str] = field(default_factory=set)  # values that live on the host only (no device memory)
+    to_host: list[str] = field(default_factory=list)  # device values the host ops read (copied each step)
+    to_device: list[str] = field(default_factory=list)  # host values the device reads or keeps (copied back)
 
     @property
     def empty(self) -> bool:
         return not self.ops
 
     def to_json(self) -> dict:
-        return {"ops": list(self.ops), "host_vars": sorted(self.host_vars), "to_host": list(self.to_host),
-                "to_device": list(self.to_device)}
+        return {
+            "ops": list(self.ops),
+            "host_vars": sorted(self.host_vars),
+            "to_host": list(self.to_host),
+            "to_device": list(self.to_device),
+        }
 
 
 def host_region(graph: MetaIR) -> HostRegion:
@@ -75,14 +91,14 @@ def host_region(graph: MetaIR) -> HostRegion:
     if not state_in:
         return HostRegion()
     state_out = {graph.aliases[v] for v in state_in if v in graph.aliases}
-    needed_on_device = set(graph.outputs) - state_out    # returned values, new parameters and buffers
-    numbers = hyper_values(graph)   # the param groups' numbers and what is computed from them alone: host values
+    needed_on_device = set(graph.outputs) - state_out  # returned values, new parameters and buffers
+    numbers = hyper_values(graph)  # the param groups' numbers and what is computed from them alone: host values
     host_ops = {op.id for op in graph.ops if op.outputs and all(v in numbers for v in op.outputs)}
-    from_state = graph.downstream(state_in)   # forward closure from the optimizer state
+    from_state = graph.downstream(state_in)  # forward closure from the optimizer state
     host_ops |= from_state.ops
     host_vals = from_state.values
     changed = True
-    while changed:   # pull in readers-only-on-host ops that add no transfer
+    while changed:  # pull in readers-only-on-host ops that add no transfer
         changed = False
         for op in reversed(graph.ops):
             if op.id in host_ops or any(v in needed_on_device for v in op.outputs):
@@ -99,10 +115,10 @@ def host_region(graph: MetaIR) -> HostRegion:
     for op in graph.ops:
         if op.id not in host_ops:
             continue
-        for v in op.inputs:   # the param groups' numbers live on the host: nothing to copy
+        for v in op.inputs:  # the param groups' numbers live on the host: nothing to copy
             if v not in host_vals and graph.vars[v].is_tensor and v not in to_host and v not in numbers:
                 to_host.append(v)
-    for s in state_in:   # new state made on the device (a rare optimizer): copied to the host store
+    for s in state_in:  # new state made on the device (a rare optimizer): copied to the host store
         out = graph.aliases.get(s)
         if out is not None and out not in host_vals and out not in to_host:
             to_host.append(out)
@@ -132,7 +148,7 @@ def hyper_values(graph: MetaIR) -> set[str]:
                 continue
             if op.inputs:
                 joins = all(v in out for v in op.inputs)
-            else:   # a 0-d constant (``scalar_tensor(1.0)``) that only meets the numbers
+            else:  # a 0-d constant (``scalar_tensor(1.0)``) that only meets the numbers
                 readers = [graph.op(c) for v in op.outputs for c in graph.vars[v].consumers]
                 joins = bool(readers) and all(u in out or u in op.outputs for r in readers for u in r.inputs)
             if joins:
@@ -173,8 +189,12 @@ def transfer_seconds(nbytes: float, device: DeviceSpec) -> float:
     return float(nbytes) / float(link)
 
 
-def apply_offload(problem: Any, graph: MetaIR, op_costs: Mapping[str, tuple[float, float]] | None = None,
-                  region: HostRegion | None = None) -> HostRegion:
+def apply_offload(
+    problem: Any,
+    graph: MetaIR,
+    op_costs: Mapping[str, tuple[float, float]] | None = None,
+    region: HostRegion | None = None,
+) -> HostRegion:
     """Price ``offload="optimizer"`` into ``problem`` (a ShardingProblem built from ``graph``), in place.
 
     Host ops' compute is re-priced at :func:`host_spec`; each crossing value's
@@ -195,10 +215,16 @@ def apply_offload(problem: Any, graph: MetaIR, op_costs: Mapping[str, tuple[floa
         # the update on the host: its roofline (a slowdown measured on the device does not apply there)
         flops, nbytes, *_ = (op_costs or {}).get(op_id) or estimate_op_cost(graph.op(op_id), graph)
         op = graph.op(op_id)
-        dt = compute_dtype([graph.vars[v].dtype for v in op.inputs if graph.vars[v].is_tensor],
-                           [graph.vars[v].dtype for v in op.outputs])
-        problem.compute[i] = np.array([compute_cost(flops, nbytes, strategy_split(o.inputs, o.outputs, mesh), host, dt)
-                                       for o in problem.nodes[i].options])
+        dt = compute_dtype(
+            [graph.vars[v].dtype for v in op.inputs if graph.vars[v].is_tensor],
+            [graph.vars[v].dtype for v in op.outputs],
+        )
+        problem.compute[i] = np.array(
+            [
+                compute_cost(flops, nbytes, strategy_split(o.inputs, o.outputs, mesh), host, dt)
+                for o in problem.nodes[i].options
+            ]
+        )
     moved = 0
     for v in (*region.to_host, *region.to_device):
         i, slot = problem.definer(v)
@@ -208,8 +234,7 @@ def apply_offload(problem: Any, graph: MetaIR, op_costs: Mapping[str, tuple[floa
     for v in region.host_vars:
         if v in problem.vars:
             problem.vars[v]["host"] = True
-    log.info("offload='optimizer': %d ops on the host, %d values cross the host link per step",
-             len(region.ops), moved)
+    log.info("offload='optimizer': %d ops on the host, %d values cross the host link per step", len(region.ops), moved)
     return region
 
 
@@ -225,10 +250,14 @@ def offload_stats(region: HostRegion, problem: Any, plan: Any) -> dict:
     d2h = sum(nbytes(v) for v in region.to_host)
     h2d = sum(nbytes(v) for v in region.to_device)
     state = sum(nbytes(v) for v in region.host_vars if problem.vars.get(v, {}).get("role") == STATE_ROLE)
-    return {"mode": "optimizer", "host_ops": len(region.ops), "to_host_bytes": int(d2h), "to_device_bytes": int(h2d),
-            "host_state_bytes": int(state),
-            "transfer_seconds": transfer_seconds(d2h, problem.device) + transfer_seconds(h2d, problem.device)}
+    return {
+        "mode": "optimizer",
+        "host_ops": len(region.ops),
+        "to_host_bytes": int(d2h),
+        "to_device_bytes": int(h2d),
+        "host_state_bytes": int(state),
+        "transfer_seconds": transfer_seconds(d2h, problem.device) + transfer_seconds(h2d, problem.device),
+    }
 
 
-__all__ = ["offload_stats", "HostRegion", "host_region", "apply_offload", "host_spec",
-           "transfer_seconds"]
+__all__ = ["offload_stats", "HostRegion", "host_region", "apply_offload", "host_spec", "transfer_seconds"]

@@ -15,6 +15,7 @@ The segments and the rewritten graph are :mod:`metadist_core.levers.recompute_se
   recomputed, whose rewritten graph has a plan under the memory budget
   (bisection over the count).
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,13 +58,13 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> tuple[list[
     full = rewrite(graph, [i for s in segs for i in s.recompute])
     live, views = alias_liveness(full, full.liveness())
     step_map = [k for k, op in enumerate(full.ops) if not op.id.endswith(SUFFIX)] + [len(full.ops)]
-    sm = lambda p: p if p < 0 else step_map[p]   # noqa: E731   (plain position -> rewritten)
+    sm = lambda p: p if p < 0 else step_map[p]  # noqa: E731   (plain position -> rewritten)
 
     def nbytes(v: str) -> tuple[int, Any]:
         node, slot = problem.definer(v)
         return node, problem.output_bytes(node, slot)
 
-    into: dict[tuple[int, str], list] = {}   # (reader node, value) -> its edges
+    into: dict[tuple[int, str], list] = {}  # (reader node, value) -> its edges
     for e in problem.edges:
         if e.dst >= 0 and e.dst_slot >= 0:
             into.setdefault((e.dst, e.var), []).append(e)
@@ -72,11 +73,15 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> tuple[list[
         unary = [(problem.op_node(i), problem.compute[problem.op_node(i)]) for i in s.recompute]
         # the copies read their inputs again, in the backward: each reshard paid once more (an upper bound:
         # a backward reader of the same value in the same target may share it)
-        pairs = [EdgeTerm(e.src, e.dst, e.src_map, e.dst_map, e.table) for i in s.recompute
-                 for v in dict.fromkeys(graph.op(i).inputs) for e in into.get((problem.op_node(i), v), [])
-                 if np.any(e.table)]
+        pairs = [
+            EdgeTerm(e.src, e.dst, e.src_map, e.dst_map, e.table)
+            for i in s.recompute
+            for v in dict.fromkeys(graph.op(i).inputs)
+            for e in into.get((problem.op_node(i), v), [])
+            if np.any(e.table)
+        ]
         drop, add = [], []
-        for i in s.ops:   # the segment's values held for less long
+        for i in s.ops:  # the segment's values held for less long
             for v in graph.op(i).outputs:
                 info = problem.vars.get(v)
                 if info is None or info["shape"] is None or info.get("view") or info.get("host") or v not in live:
@@ -85,7 +90,7 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> tuple[list[
                 if stop < end:
                     node, b = nbytes(v)
                     drop.append(MemTerm(node, b, stop + 1, end))
-        for i in s.recompute:   # the copies, from where they run to their last reader
+        for i in s.recompute:  # the copies, from where they run to their last reader
             for v in graph.op(i).outputs:
                 c = v + SUFFIX
                 info = problem.vars.get(v)
@@ -110,10 +115,14 @@ def needed(e: InfeasibleBudgetError) -> int:
     return int(f()) if f is not None else int(getattr(e, "needed", 0))
 
 
-def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[Any, Any]],
-           flops: dict[str, float] | None = None, enabled: bool = True,
-           propose: Callable[[list[Segment], int], list[Segment] | None] | None = None
-           ) -> tuple[MetaIR, tuple[Any, Any], list[Segment]]:
+def choose(
+    graph: MetaIR,
+    budget: int | None,
+    solve: Callable[[MetaIR], tuple[Any, Any]],
+    flops: dict[str, float] | None = None,
+    enabled: bool = True,
+    propose: Callable[[list[Segment], int], list[Segment] | None] | None = None,
+) -> tuple[MetaIR, tuple[Any, Any], list[Segment]]:
     """Solve ``graph``; when no plan fits ``budget``, recompute forward segments until one fits.
 
     ``propose(segments, cut)``: the segments a solver that prices :func:`toggles` chose under the budget
@@ -141,7 +150,7 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     picked = propose(segs, 0) if enabled and propose is not None else None
     cut = 0
     tried: set = set()
-    for _ in range(3):   # the proposal's plan may overshoot once the collectives' buffers are priced
+    for _ in range(3):  # the proposal's plan may overshoot once the collectives' buffers are priced
         if not picked or propose is None:
             break
         key = tuple(sorted(id(s) for s in picked))
@@ -150,8 +159,13 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
             res = solve(g)
         except InfeasibleBudgetError as e:
             over = int(getattr(e, "needed", 0)) - int(budget)
-            log.info("the %d segments chosen with the shardings need %s bytes per device with the collectives' "
-                     "buffers, over the budget of %s", len(picked), f"{getattr(e, 'needed', 0):,}", f"{budget:,}")
+            log.info(
+                "the %d segments chosen with the shardings need %s bytes per device with the collectives' "
+                "buffers, over the budget of %s",
+                len(picked),
+                f"{getattr(e, 'needed', 0):,}",
+                f"{budget:,}",
+            )
             if over <= 0:
                 break
             # cut the proposal's budget by the overshoot; when the same segments come back (the solver's terms
@@ -161,12 +175,17 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
             picked = propose(segs, cut)
             continue
         _chosen_by(res, "the solver, with the shardings")
-        log.info("recompute %d of %d forward segments (%d ops), chosen with the shardings, to fit %s bytes "
-                 "per device", len(picked), len(segs), sum(len(s.recompute) for s in picked), f"{budget:,}")
+        log.info(
+            "recompute %d of %d forward segments (%d ops), chosen with the shardings, to fit %s bytes per device",
+            len(picked),
+            len(segs),
+            sum(len(s.recompute) for s in picked),
+            f"{budget:,}",
+        )
         return g, res, picked
     if propose is not None and enabled:
         log.info("no recomputation chosen with the shardings fits; searching segment counts")
-    ops_for = lambda k: [i for s in segs[:k] for i in s.recompute]   # noqa: E731
+    ops_for = lambda k: [i for s in segs[:k] for i in s.recompute]  # noqa: E731
     full = rewrite(graph, ops_for(len(segs)))
     try:
         best = (len(segs), full, solve(full))
@@ -176,15 +195,22 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
             f"memory budget of {budget:,} bytes per device cannot be met: the leanest plan without "
             f"recomputation needs {without:,} bytes, and recomputing every one of the {len(segs)} forward "
             f"segments still needs {lean:,}; raise memory_budget to at least {min(without, lean):,}, use more devices, "
-            f"or offload the optimizer state", budget, without, lean) from e
+            f"or offload the optimizer state",
+            budget,
+            without,
+            lean,
+        ) from e
     if not enabled:
         without = needed(first)
         raise RecomputeBudgetError(
             f"memory budget of {budget:,} bytes per device cannot be met with recompute=False: the leanest "
             f"plan needs {without:,} bytes per device; with recomputation (recompute=True) a plan needs "
             f"{budget_for(*best[2]):,} or less; allow recompute or raise memory_budget to {without:,}",
-            budget, without, budget_for(*best[2])) from first
-    fits = {len(segs): best[1:]}   # segments recomputed -> (graph, (problem, plan))
+            budget,
+            without,
+            budget_for(*best[2]),
+        ) from first
+    fits = {len(segs): best[1:]}  # segments recomputed -> (graph, (problem, plan))
     times = {len(segs): step_seconds(*best[2])}
 
     def attempt(k: int) -> bool:
@@ -195,6 +221,7 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
             return False
         times[k] = step_seconds(*fits[k][1])
         return True
+
     # from all segments down, halving: each count fewer leaves the sharding less memory, which it may pay
     # for in collectives more than the recomputation saved. Down while the predicted step
     # (metadist_core.plan.overlap.predict) does not grow; where a count does not fit while fewer segments were
@@ -205,25 +232,30 @@ def choose(graph: MetaIR, budget: int | None, solve: Callable[[MetaIR], tuple[An
     prev, k = len(segs), len(segs) // 2
     while k >= 1:
         if not attempt(k):
-            lo, hi = k, prev   # infeasible at lo, feasible at hi
+            lo, hi = k, prev  # infeasible at lo, feasible at hi
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 if not attempt(mid):
                     lo = mid
-                elif times[mid] > times[hi]:   # fewer segments cost more here: the fewest that fit would too
+                elif times[mid] > times[hi]:  # fewer segments cost more here: the fewest that fit would too
                     break
                 else:
                     hi = mid
             break
-        if times[k] > times[prev]:   # fewer segments cost more: fewer still would not pay
+        if times[k] > times[prev]:  # fewer segments cost more: fewer still would not pay
             break
         prev, k = k, k // 2
     k = min(times, key=lambda c: (times[c], c))
     g, res = fits[k]
     _chosen_by(res, "search over segment counts")
-    log.info("recompute %d of %d forward segments (%d ops) to fit %s bytes per device (predicted step %s)",
-             k, len(segs), len(ops_for(k)), f"{budget:,}",
-             ", ".join(f"{c}: {times[c] * 1e3:.1f} ms" for c in sorted(times)))
+    log.info(
+        "recompute %d of %d forward segments (%d ops) to fit %s bytes per device (predicted step %s)",
+        k,
+        len(segs),
+        len(ops_for(k)),
+        f"{budget:,}",
+        ", ".join(f"{c}: {times[c] * 1e3:.1f} ms" for c in sorted(times)),
+    )
     return g, res, segs[:k]
 
 

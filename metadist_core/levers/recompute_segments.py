@@ -22,6 +22,7 @@ Which segments to recompute is chosen in :mod:`metadist_core.levers.recompute`.
 Random ops (dropout masks) are never recomputed: their outputs are kept, so a
 recomputed value reads the very mask the forward drew.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,19 @@ from metadist_core.levers.stages import positions
 
 SUFFIX = RECOMPUTED_SUFFIX
 #: Substrings of op keys that draw random numbers: never recomputed (their outputs are kept).
-RANDOM_MARKERS = ("rand", "dropout", "bernoulli", "normal", "uniform", "multinomial", "randperm", "poisson",
-                  "exponential", "rng", "threefry")
+RANDOM_MARKERS = (
+    "rand",
+    "dropout",
+    "bernoulli",
+    "normal",
+    "uniform",
+    "multinomial",
+    "randperm",
+    "poisson",
+    "exponential",
+    "rng",
+    "threefry",
+)
 
 
 class RecomputeError(ValueError):
@@ -46,15 +58,21 @@ class Segment:
     """A run of forward ops between two thin cuts, and what recomputing it means."""
 
     index: int
-    ops: list[str]          # the segment's (non-free) forward ops, graph order
-    recompute: list[str]    # the ops duplicated when it is recomputed (ancestors of what the backward reads)
-    saved: list[str]        # values the backward reads that stop being kept
-    saved_bytes: int        # their full (unsharded) bytes
-    flops: float = 0.0      # the recomputed ops' FLOPs (0 when unknown)
+    ops: list[str]  # the segment's (non-free) forward ops, graph order
+    recompute: list[str]  # the ops duplicated when it is recomputed (ancestors of what the backward reads)
+    saved: list[str]  # values the backward reads that stop being kept
+    saved_bytes: int  # their full (unsharded) bytes
+    flops: float = 0.0  # the recomputed ops' FLOPs (0 when unknown)
 
     def to_json(self) -> dict:
-        return {"index": self.index, "ops": len(self.ops), "recompute": list(self.recompute),
-                "saved": list(self.saved), "saved_bytes": self.saved_bytes, "flops": self.flops}
+        return {
+            "index": self.index,
+            "ops": len(self.ops),
+            "recompute": list(self.recompute),
+            "saved": list(self.saved),
+            "saved_bytes": self.saved_bytes,
+            "flops": self.flops,
+        }
 
 
 def is_random(key: str) -> bool:
@@ -102,14 +120,14 @@ def segments(graph: MetaIR, flops: dict[str, float] | None = None) -> list[Segme
             continue
         seg_ops = core[a:b]
         made = {v: i for i in seg_ops for v in graph.op(i).outputs}
-        kept = {v for v in made if last.get(v, -1) >= b or v in out_vars}      # checkpoints and outputs
+        kept = {v for v in made if last.get(v, -1) >= b or v in out_vars}  # checkpoints and outputs
         kept |= {v for i in seg_ops if is_random(graph.op(i).key) for v in graph.op(i).outputs}
         saved = [v for v in made if v not in kept and backward_reads.get(v) and graph.vars[v].shape is not None]
         if not saved:
             continue
         need: set[str] = set()
         todo = list(saved)
-        while todo:   # the segment's ops the saved values are computed from, stopping at kept values
+        while todo:  # the segment's ops the saved values are computed from, stopping at kept values
             v = todo.pop()
             maker = made.get(v)
             if maker is None or maker in need or v in kept:
@@ -142,12 +160,14 @@ def rewrite(graph: MetaIR, op_ids: Sequence[str]) -> MetaIR:
     unknown = sorted(wanted - set(rec))
     bad = [i for i in rec if i not in fwd_set or is_random(graph.op(i).key)]
     if unknown or bad:
-        raise RecomputeError(f"cannot recompute {(unknown or bad)[:3]}: "
-                             + ("no such op in the graph" if unknown else "not a deterministic forward op")
-                             + "; the plan was made for another graph, re-plan it")
+        raise RecomputeError(
+            f"cannot recompute {(unknown or bad)[:3]}: "
+            + ("no such op in the graph" if unknown else "not a deterministic forward op")
+            + "; the plan was made for another graph, re-plan it"
+        )
     copy_of = {v: v + SUFFIX for i in rec for v in graph.op(i).outputs}
     index = {op.id: k for k, op in enumerate(graph.ops)}
-    need: dict[str, int] = {}   # copied op -> position of the first op that needs the copy
+    need: dict[str, int] = {}  # copied op -> position of the first op that needs the copy
     for i in reversed(rec):
         first = len(graph.ops)
         for v in graph.op(i).outputs:

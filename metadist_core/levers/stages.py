@@ -20,6 +20,7 @@ per stage, on that stage's parameters after the last micro-batch
   per-device memory budget with the micro-batches in flight;
 (:mod:`metadist_core.driver.pipeplan` prices each op under the sub-mesh plan and decides whether to pipeline.)
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,6 @@ from typing import Any, Callable, Iterable, Sequence
 from metadist_core.ir.ir import STATE_ROLES, MetaIR, new_buffers
 from metadist_core.plan.stage import Stage, StageError, bubble_fraction
 import itertools
-
 
 
 def free_values(graph: MetaIR, ops: Iterable[str]) -> set[str]:
@@ -95,8 +95,10 @@ def build_stages(graph: MetaIR, ops: Sequence[str], cuts: Sequence[int]) -> list
     core, pos = positions(graph, ops)
     n, k = len(core), len(cuts) + 1
     if n < k:
-        raise StageError(f"pipeline_stages={k} needs at least {k} forward ops to cut between, but the step's "
-                         f"forward has {n}; use fewer stages (pipeline_stages <= {n})")
+        raise StageError(
+            f"pipeline_stages={k} needs at least {k} forward ops to cut between, but the step's "
+            f"forward has {n}; use fewer stages (pipeline_stages <= {n})"
+        )
     if list(cuts) != sorted(set(cuts)) or any(c <= 0 or c >= n for c in cuts):
         raise StageError(f"cut points {list(cuts)} must be increasing and within 1..{n - 1}")
     bounds = [0, *cuts, n]
@@ -109,7 +111,7 @@ def build_stages(graph: MetaIR, ops: Sequence[str], cuts: Sequence[int]) -> list
     made_in = {v: stage_at[c] for v, c in pos.items()}
     for v, role in ((v, graph.vars[v].role) for v in owner):
         if role == "input":
-            made_in[v] = -1   # the batch enters stage 0 from outside
+            made_in[v] = -1  # the batch enters stage 0 from outside
     readers: dict[str, set[int]] = {}
     for c, i in enumerate(core):
         for v in graph.op(i).inputs:
@@ -117,10 +119,10 @@ def build_stages(graph: MetaIR, ops: Sequence[str], cuts: Sequence[int]) -> list
     state_outs = set(graph.aliases.values())
     final = [o for o in graph.outputs if o not in state_outs] + new_buffers(graph)
     for o in final:
-        readers.setdefault(o, set()).add(k)   # the step's outputs leave the last stage
+        readers.setdefault(o, set()).add(k)  # the step's outputs leave the last stage
     stages = []
     for s in range(k):
-        sops = set(core[bounds[s]:bounds[s + 1]])
+        sops = set(core[bounds[s] : bounds[s + 1]])
         # free ops a stage reads are recomputed there
         need_free = {v for i in sops for v in graph.op(i).inputs if v in free}
         todo = list(need_free)
@@ -130,8 +132,9 @@ def build_stages(graph: MetaIR, ops: Sequence[str], cuts: Sequence[int]) -> list
             if p is not None and p not in sops:
                 sops.add(p)
                 todo.extend(x for x in graph.op(p).inputs if x in free)
-        params = sorted((v for v, o in owner.items() if o == s and graph.vars[v].role in STATE_ROLES),
-                        key=graph.inputs.index)
+        params = sorted(
+            (v for v, o in owner.items() if o == s and graph.vars[v].role in STATE_ROLES), key=graph.inputs.index
+        )
         ins, outs = [], []
         for v in list(made_in):
             src = made_in[v] if made_in[v] >= 0 else 0
@@ -144,7 +147,7 @@ def build_stages(graph: MetaIR, ops: Sequence[str], cuts: Sequence[int]) -> list
                 ins.append(v)
             if src <= s < max(rd):
                 outs.append(v)
-        for v in owner:   # a parameter read by a later stage (tied weights) is sent like an activation
+        for v in owner:  # a parameter read by a later stage (tied weights) is sent like an activation
             if graph.vars[v].role in STATE_ROLES and owner[v] < s <= max(readers.get(v, {0})):
                 ins.append(v)
             if graph.vars[v].role in STATE_ROLES and owner[v] <= s < max(readers.get(v, {0})):
@@ -183,9 +186,17 @@ def in_flight(schedule: str, m: int, p: int, s: int) -> int:
     return max(1, min(m, p - s))
 
 
-def best_cuts(op_time: Sequence[float], cut_cost: Sequence[float], p: int, m: int, *,
-              op_memory: Sequence[float] | None = None, act_memory: Sequence[float] | None = None,
-              budget: float | None = None, schedule: str = "1f1b") -> CutChoice | None:
+def best_cuts(
+    op_time: Sequence[float],
+    cut_cost: Sequence[float],
+    p: int,
+    m: int,
+    *,
+    op_memory: Sequence[float] | None = None,
+    act_memory: Sequence[float] | None = None,
+    budget: float | None = None,
+    schedule: str = "1f1b",
+) -> CutChoice | None:
     """Cut ``n`` ops into ``p`` contiguous stages minimising the slowest stage (then the step time).
 
     ``op_time[i]``: seconds of op ``i`` per micro-batch (forward and its backward); ``cut_cost[c]``:
@@ -251,22 +262,32 @@ def best_cuts(op_time: Sequence[float], cut_cost: Sequence[float], p: int, m: in
     return CutChoice(bounds[1:-1], times, mems, T, (m + p - 1) * T, bubble_fraction(m, p))
 
 
-def brute_force_cuts(op_time: Sequence[float], cut_cost: Sequence[float], p: int, m: int,
-                     **kw: Any) -> CutChoice | None:
+def brute_force_cuts(
+    op_time: Sequence[float], cut_cost: Sequence[float], p: int, m: int, **kw: Any
+) -> CutChoice | None:
     """:func:`best_cuts` by enumerating every cut (for tests; exponential)."""
     n = len(op_time)
     best: CutChoice | None = None
     for cuts in itertools.combinations(range(1, n), p - 1):
         one = _evaluate(op_time, cut_cost, list(cuts), m, **kw)
-        if one is not None and (best is None or (one.bottleneck, sum(one.stage_times)) <
-                                (best.bottleneck, sum(best.stage_times))):
+        if one is not None and (
+            best is None or (one.bottleneck, sum(one.stage_times)) < (best.bottleneck, sum(best.stage_times))
+        ):
             best = one
     return best
 
 
-def _evaluate(op_time: Sequence[float], cut_cost: Sequence[float], cuts: list[int], m: int, *,
-              op_memory: Sequence[float] | None = None, act_memory: Sequence[float] | None = None,
-              budget: float | None = None, schedule: str = "1f1b") -> CutChoice | None:
+def _evaluate(
+    op_time: Sequence[float],
+    cut_cost: Sequence[float],
+    cuts: list[int],
+    m: int,
+    *,
+    op_memory: Sequence[float] | None = None,
+    act_memory: Sequence[float] | None = None,
+    budget: float | None = None,
+    schedule: str = "1f1b",
+) -> CutChoice | None:
     n, p = len(op_time), len(cuts) + 1
     om = list(op_memory or [0.0] * n)
     am = list(act_memory or [0.0] * n)
@@ -282,8 +303,9 @@ def _evaluate(op_time: Sequence[float], cut_cost: Sequence[float], cuts: list[in
     return CutChoice(list(cuts), times, [int(x) for x in mems], T, (m + p - 1) * T, bubble_fraction(m, p))
 
 
-def evaluate_cuts(op_time: Sequence[float], cut_cost: Sequence[float], cuts: Sequence[int], m: int,
-                  **kw: Any) -> CutChoice | None:
+def evaluate_cuts(
+    op_time: Sequence[float], cut_cost: Sequence[float], cuts: Sequence[int], m: int, **kw: Any
+) -> CutChoice | None:
     """The figures of given ``cuts`` (None when a stage passes the budget)."""
     return _evaluate(op_time, cut_cost, list(cuts), m, **kw)
 
@@ -294,5 +316,16 @@ def stage_devices(mesh_shape: Sequence[int], s: int) -> list[int]:
     return list(range(s * rest, (s + 1) * rest))
 
 
-__all__ = ["CutChoice", "free_values", "build_stages", "crossing_bytes", "best_cuts", "brute_force_cuts",
-           "evaluate_cuts", "positions", "owner_positions", "in_flight", "stage_devices"]
+__all__ = [
+    "CutChoice",
+    "free_values",
+    "build_stages",
+    "crossing_bytes",
+    "best_cuts",
+    "brute_force_cuts",
+    "evaluate_cuts",
+    "positions",
+    "owner_positions",
+    "in_flight",
+    "stage_devices",
+]

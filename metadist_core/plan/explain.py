@@ -7,6 +7,7 @@ their best (everything else as planned), and the difference in step time and
 in bytes per device is reported against the best of those alternatives.
 Presets are solved on the same problem (:mod:`metadist_core.problem.presets`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,7 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from metadist_core.problem.problem import ShardingProblem
 
 log = logging.getLogger("metadist.explain")
-COMPARED = tuple(p for p in PRESETS if p != "fsdp")   # fsdp is zero3
+COMPARED = tuple(p for p in PRESETS if p != "fsdp")  # fsdp is zero3
 
 
 @dataclass
@@ -41,10 +42,10 @@ class ParamWhy:
     shape: tuple
     sharding: Any
     nbytes: int
-    alt: Any = None          # the best other storage, or None when there is none
-    alt_dt: float = 0.0      # seconds per step the alternative adds (negative: it would be faster)
-    alt_dbytes: int = 0      # bytes per device it adds
-    pinned: bool = False     # a constraint or preset leaves no other choice
+    alt: Any = None  # the best other storage, or None when there is none
+    alt_dt: float = 0.0  # seconds per step the alternative adds (negative: it would be faster)
+    alt_dbytes: int = 0  # bytes per device it adds
+    pinned: bool = False  # a constraint or preset leaves no other choice
 
 
 def _fmt_bytes(n: float) -> str:
@@ -68,7 +69,7 @@ class _Local:
         for k, e in enumerate(self.t.edges):
             self.by_node.setdefault(e.src, []).append(k)
             self.by_node.setdefault(e.dst, []).append(k)
-        self.shared_by_node: dict[int, list[int]] = {}   # values read by several ops: paid once per target
+        self.shared_by_node: dict[int, list[int]] = {}  # values read by several ops: paid once per target
         for k, g in enumerate(self.t.shared):
             for n in {g.src, *(r for r, _ in g.readers)} - {-1}:
                 self.shared_by_node.setdefault(n, []).append(k)
@@ -111,8 +112,13 @@ def parameter_reasons(plan: "ShardingPlan", prob: "ShardingProblem") -> list[Par
             continue
         info = prob.vars[n.id]
         sh = plan.input_shardings[n.id]
-        why = ParamWhy(n.id, info.get("label") or n.id, tuple(info["shape"] or ()), sh,
-                       local_bytes(info["shape"], info["dtype"], sh, prob.mesh))
+        why = ParamWhy(
+            n.id,
+            info.get("label") or n.id,
+            tuple(info["shape"] or ()),
+            sh,
+            local_bytes(info["shape"], info["dtype"], sh, prob.mesh),
+        )
         if local is not None:
             k0 = int(plan.choices[i])
             alts = [k for k in range(len(n.options)) if k != k0]
@@ -133,21 +139,30 @@ def parameter_reasons(plan: "ShardingPlan", prob: "ShardingProblem") -> list[Par
 def _reason(w: ParamWhy, budget: int | None) -> str:
     if w.alt is None:
         return "the only storage that splits evenly"
-    tail = f"{w.alt}: {'+' if w.alt_dt >= 0 else ''}{w.alt_dt * 1e6:.1f} us, " \
-           f"{'+' if w.alt_dbytes >= 0 else ''}{_fmt_bytes(w.alt_dbytes)}/device"
+    tail = (
+        f"{w.alt}: {'+' if w.alt_dt >= 0 else ''}{w.alt_dt * 1e6:.1f} us, "
+        f"{'+' if w.alt_dbytes >= 0 else ''}{_fmt_bytes(w.alt_dbytes)}/device"
+    )
     if w.pinned:
         return f"pinned (strategy or constraint); unpinned best {tail}"
     if w.alt_dt >= 0:
         return f"cheapest; next best {tail}"
-    return f"fits memory{' budget ' + _fmt_bytes(budget) if budget else ''} / keeps the plan's total lowest; " \
-           f"locally faster {tail}"
+    return (
+        f"fits memory{' budget ' + _fmt_bytes(budget) if budget else ''} / keeps the plan's total lowest; "
+        f"locally faster {tail}"
+    )
 
 
 # -- presets ----------------------------------------------------------------------------------------
 
 
-def compare_presets(prob: "ShardingProblem", solver: str = "ilp", plugins: "PluginManager | None" = None,
-                    options: dict | None = None, names: Sequence[str] = COMPARED) -> list[dict]:
+def compare_presets(
+    prob: "ShardingProblem",
+    solver: str = "ilp",
+    plugins: "PluginManager | None" = None,
+    options: dict | None = None,
+    names: Sequence[str] = COMPARED,
+) -> list[dict]:
     """Each preset solved on ``prob`` (its unsteered form): name, seconds, compute, comm, bytes per device,
     collectives, and a note (what could not be pinned, or why it has no plan)."""
     pm = plugins or PluginManager()
@@ -157,11 +172,18 @@ def compare_presets(prob: "ShardingProblem", solver: str = "ilp", plugins: "Plug
         try:
             pc = preset_constraints(base, name)
             p = pm.solve(solver, constrain(base, pc.pins), dict(options or {}))
-            rows.append({"strategy": name, "objective": p.objective, "compute": p.compute_seconds,
-                         "comm": p.comm_seconds, "memory": p.memory_per_device,
-                         "collectives": sum(1 for _, c in p.collectives() if not c.is_free),
-                         "note": f"{len(pc.notes)} pins left out" if pc.notes else ""})
-        except Exception as e:   # an infeasible preset is a row, not a failure of the whole comparison
+            rows.append(
+                {
+                    "strategy": name,
+                    "objective": p.objective,
+                    "compute": p.compute_seconds,
+                    "comm": p.comm_seconds,
+                    "memory": p.memory_per_device,
+                    "collectives": sum(1 for _, c in p.collectives() if not c.is_free),
+                    "note": f"{len(pc.notes)} pins left out" if pc.notes else "",
+                }
+            )
+        except Exception as e:  # an infeasible preset is a row, not a failure of the whole comparison
             rows.append({"strategy": name, "objective": None, "note": f"no plan: {str(e).splitlines()[0][:90]}"})
     return rows
 
@@ -172,30 +194,39 @@ def preset_table(plan: "ShardingPlan", rows: Sequence[dict]) -> list[str]:
     head = f"{'strategy':<10} {'ms/step':>9} {'compute':>9} {'comm':>9} {'MiB/device':>11} {'collectives':>11}  vs plan"
     lines = [head, "-" * len(head)]
     n_coll = sum(1 for _, c in plan.collectives() if not c.is_free)
-    lines.append(f"{own + ' (plan)':<10} {_ms(plan.objective):>9} {_ms(plan.compute_seconds):>9} "
-                 f"{_ms(plan.comm_seconds):>9} {plan.memory_per_device / 2**20:>11.2f} {n_coll:>11}  1.00x")
+    lines.append(
+        f"{own + ' (plan)':<10} {_ms(plan.objective):>9} {_ms(plan.compute_seconds):>9} "
+        f"{_ms(plan.comm_seconds):>9} {plan.memory_per_device / 2**20:>11.2f} {n_coll:>11}  1.00x"
+    )
     for r in rows:
         if r.get("objective") is None:
             lines.append(f"{r['strategy']:<10} {'-':>9} {'-':>9} {'-':>9} {'-':>11} {'-':>11}  {r['note']}")
             continue
         ratio = r["objective"] / plan.objective if plan.objective > 0 else float("nan")
-        lines.append(f"{r['strategy']:<10} {_ms(r['objective']):>9} {_ms(r['compute']):>9} {_ms(r['comm']):>9} "
-                     f"{r['memory'] / 2**20:>11.2f} {r['collectives']:>11}  {ratio:.2f}x"
-                     + (f"  ({r['note']})" if r["note"] else ""))
+        lines.append(
+            f"{r['strategy']:<10} {_ms(r['objective']):>9} {_ms(r['compute']):>9} {_ms(r['comm']):>9} "
+            f"{r['memory'] / 2**20:>11.2f} {r['collectives']:>11}  {ratio:.2f}x"
+            + (f"  ({r['note']})" if r["note"] else "")
+        )
     return lines
 
 
 # -- the text ----------------------------------------------------------------------------------------
 
 
-def explain_plan(plan: "ShardingPlan", *, presets: bool = True, solver: str | None = None,
-                 problem: "ShardingProblem | None" = None, max_collectives: int = 80) -> str:
+def explain_plan(
+    plan: "ShardingPlan",
+    *,
+    presets: bool = True,
+    solver: str | None = None,
+    problem: "ShardingProblem | None" = None,
+    max_collectives: int = 80,
+) -> str:
     """The plan explained as text (see the module docstring). Without its problem (a plan read back from
     JSON alone) the reasons and the presets are left out, and said to be."""
     prob = problem if problem is not None else plan.problem
     mesh = "x".join(map(str, plan.mesh_shape))
-    lines = [f"plan on mesh {mesh} ({plan.stats.strategy or 'auto'}"
-             f", solver {plan.solver or '?'})", ""]
+    lines = [f"plan on mesh {mesh} ({plan.stats.strategy or 'auto'}, solver {plan.solver or '?'})", ""]
     names = dict(plan.labels)
     if prob is not None:
         names.update({v: i["label"] for v, i in prob.vars.items() if i.get("label")})
@@ -205,19 +236,25 @@ def explain_plan(plan: "ShardingPlan", *, presets: bool = True, solver: str | No
         w0 = max([len(w.name) for w in whys] + [9])
         lines.append(f"  {'name':<{w0}}  {'shape':<14} {'placement':<14} {'bytes/device':>12}  why")
         for w in whys:
-            lines.append(f"  {w.name:<{w0}}  {'x'.join(map(str, w.shape)) or '()':<14} {str(w.sharding):<14} "
-                         f"{_fmt_bytes(w.nbytes):>12}  {_reason(w, prob.memory_budget)}")
+            lines.append(
+                f"  {w.name:<{w0}}  {'x'.join(map(str, w.shape)) or '()':<14} {str(w.sharding):<14} "
+                f"{_fmt_bytes(w.nbytes):>12}  {_reason(w, prob.memory_budget)}"
+            )
     else:
         for v, name in names.items():
             lines.append(f"  {name:<40} {plan.input_shardings.get(v)}")
-        lines.append("  (reasons need the plan's problem: explain the plan in the process that made it, or pass "
-                     "its problem JSON)")
+        lines.append(
+            "  (reasons need the plan's problem: explain the plan in the process that made it, or pass "
+            "its problem JSON)"
+        )
     lines += ["", "collectives"]
     colls = [(e, c) for e, c in plan.collectives() if not c.is_free]
     lines.append(f"  {'value':<32} {'to':<18} {'kind':<15} {'axis':>4} {'bytes':>10} {'time ms':>9}")
     for e, c in colls[:max_collectives]:
-        lines.append(f"  {names.get(e.var, e.var)[:32]:<32} {e.dst[:18]:<18} {c.kind:<15} {c.axis:>4} "
-                     f"{_fmt_bytes(c.nbytes):>10} {_ms(c.cost):>9}")
+        lines.append(
+            f"  {names.get(e.var, e.var)[:32]:<32} {e.dst[:18]:<18} {c.kind:<15} {c.axis:>4} "
+            f"{_fmt_bytes(c.nbytes):>10} {_ms(c.cost):>9}"
+        )
     if len(colls) > max_collectives:
         lines.append(f"  ... {len(colls) - max_collectives} more")
     by_kind: dict[str, list[float]] = {}
@@ -228,10 +265,13 @@ def explain_plan(plan: "ShardingPlan", *, presets: bool = True, solver: str | No
         by_kind[c.kind][2] += c.cost
     for k, (n, b, t) in sorted(by_kind.items()):
         lines.append(f"  {k}: {int(n)} x, {_fmt_bytes(b)}, {_ms(t)} ms")
-    lines += ["", "totals per device",
-              f"  step {_ms(plan.objective)} ms = compute {_ms(plan.compute_seconds)} ms + communication "
-              f"{_ms(plan.comm_seconds)} ms; peak memory {_fmt_bytes(plan.memory_per_device)}"
-              + (f" (budget {_fmt_bytes(prob.memory_budget)})" if prob is not None and prob.memory_budget else "")]
+    lines += [
+        "",
+        "totals per device",
+        f"  step {_ms(plan.objective)} ms = compute {_ms(plan.compute_seconds)} ms + communication "
+        f"{_ms(plan.comm_seconds)} ms; peak memory {_fmt_bytes(plan.memory_per_device)}"
+        + (f" (budget {_fmt_bytes(prob.memory_budget)})" if prob is not None and prob.memory_budget else ""),
+    ]
     if presets and prob is not None and math.prod(plan.mesh_shape) > 1:
         lines += ["", "strategy presets on the same problem"]
         rows = compare_presets(prob, solver or _solver_name(plan))
@@ -271,8 +311,9 @@ def comm_per_layer(plan: "ShardingPlan", prob: "ShardingProblem") -> dict[str, f
         if n.kind != "op":
             continue
         ins = [v for v in n.inputs if v in layer]
-        own = [layer[v] for v in n.inputs if v in g.role and g.role[v] == "parameter"] + \
-              [direct[v] for v in n.inputs if v in direct]
+        own = [layer[v] for v in n.inputs if v in g.role and g.role[v] == "parameter"] + [
+            direct[v] for v in n.inputs if v in direct
+        ]
         if own:
             lay = own[0]
         elif not ins:
@@ -284,7 +325,7 @@ def comm_per_layer(plan: "ShardingPlan", prob: "ShardingProblem") -> dict[str, f
         for o in n.outputs:
             layer[o] = lay
             if own and len(n.inputs) == 1:
-                direct[o] = lay   # a transposed or cast weight still belongs to its layer
+                direct[o] = lay  # a transposed or cast weight still belongs to its layer
     out = {k: 0.0 for k in order}
     for e in plan.edges:
         if e.cost:
@@ -310,6 +351,7 @@ def draw_plan(plan: "ShardingPlan", path: str, problem: "ShardingProblem | None"
     """Write a PNG of ``plan``: layers down, mesh axes across, a cell per parameter and axis coloured by
     its placement, and the communication time per layer beside it. Returns ``path``."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -327,29 +369,43 @@ def draw_plan(plan: "ShardingPlan", path: str, problem: "ShardingProblem | None"
     comm = comm_per_layer(plan, prob) if prob is not None else {}
     nd = len(plan.mesh_shape)
     width = max(len(vs) for vs in rows.values()) if rows else 1
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(min(18.0, 3.0 + 0.75 * width * nd), 1.6 + 0.5 * len(rows)),
-                                 gridspec_kw={"width_ratios": [max(1, width * nd), 2]})
+    fig, (ax, bx) = plt.subplots(
+        1,
+        2,
+        figsize=(min(18.0, 3.0 + 0.75 * width * nd), 1.6 + 0.5 * len(rows)),
+        gridspec_kw={"width_ratios": [max(1, width * nd), 2]},
+    )
     seen: dict[str, str] = {}
     for r, (lay, vs) in enumerate(rows.items()):
         for c, v in enumerate(vs):
             sh = plan.input_shardings.get(v)
-            short = names.get(v, v)[len(lay) + 1:] or names.get(v, v)
+            short = names.get(v, v)[len(lay) + 1 :] or names.get(v, v)
             for a in range(nd):
                 p = sh[a] if sh is not None else "?"
                 col = _colour(p)
                 seen.setdefault(str(p), col)
                 x = c * nd + a
                 ax.add_patch(plt.Rectangle((x, r), 0.95, 0.9, color=col))
-                ax.text(x + 0.47, r + 0.45, f"{short}\n{p}" if a == 0 else str(p), ha="center", va="center",
-                        fontsize=5.5)
+                ax.text(
+                    x + 0.47, r + 0.45, f"{short}\n{p}" if a == 0 else str(p), ha="center", va="center", fontsize=5.5
+                )
     ax.set_xlim(0, max(1, width * nd))
     ax.set_ylim(len(rows), 0)
     ax.set_yticks([r + 0.45 for r in range(len(rows))], list(rows))
     ax.set_xticks([])
-    ax.set_title(f"parameters by placement on mesh {'x'.join(map(str, plan.mesh_shape))} "
-                 f"({plan.stats.strategy or 'auto'}): one cell per mesh axis, axis 0 first", fontsize=9)
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in sorted(seen.items())], fontsize=7,
-              loc="upper left", bbox_to_anchor=(0, 0), ncol=6, frameon=False)
+    ax.set_title(
+        f"parameters by placement on mesh {'x'.join(map(str, plan.mesh_shape))} "
+        f"({plan.stats.strategy or 'auto'}): one cell per mesh axis, axis 0 first",
+        fontsize=9,
+    )
+    ax.legend(
+        handles=[Patch(color=c, label=k) for k, c in sorted(seen.items())],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(0, 0),
+        ncol=6,
+        frameon=False,
+    )
     bx.barh(range(len(rows)), [comm.get(lay, 0.0) * 1e3 for lay in rows], color="#4e79a7")
     bx.set_ylim(len(rows) - 0.5, -0.5)
     bx.set_yticks([])
@@ -360,8 +416,16 @@ def draw_plan(plan: "ShardingPlan", path: str, problem: "ShardingProblem | None"
     return path
 
 
-__all__ = ["ParamWhy", "parameter_reasons", "compare_presets", "preset_table", "explain_plan", "layer_of",
-           "comm_per_layer", "draw_plan"]
+__all__ = [
+    "ParamWhy",
+    "parameter_reasons",
+    "compare_presets",
+    "preset_table",
+    "explain_plan",
+    "layer_of",
+    "comm_per_layer",
+    "draw_plan",
+]
 
 
 # -- plan-only runs and the command line ---------------------------------------------------------------

@@ -25,6 +25,7 @@ What it fixes for every engine:
   the value they were planned for. XLA folds a transpose into the dot that feeds it only when no
   collective stands between them.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -85,16 +86,15 @@ OpRunner = Callable[[MetaOp, list, list[Sharding]], Sequence]
 class Interpretation(Generic[V]):
     """What one walk of the plan produced."""
 
-    outputs: dict[str, V]                      # graph output (not state) -> value, whole
-    state: dict[str, V]                        # state input -> its updated value, stored as the input is
-    values: dict[str, V] = field(default_factory=dict)   # every op output, local, before any edge
+    outputs: dict[str, V]  # graph output (not state) -> value, whole
+    state: dict[str, V]  # state input -> its updated value, stored as the input is
+    values: dict[str, V] = field(default_factory=dict)  # every op output, local, before any edge
     collectives: list[tuple[str, Collective]] = field(default_factory=list)  # (var, collective) as run
 
 
 def edge_key(var: str, collectives: Sequence[Collective], phase: int = 0) -> tuple:
     """Two edges with equal keys move the same value the same way in the same phase: they share one result."""
-    return (var, phase, tuple((c.kind, c.axis, c.dims, c.reduce, str(c.before), str(c.after))
-                              for c in collectives))
+    return (var, phase, tuple((c.kind, c.axis, c.dims, c.reduce, str(c.before), str(c.after)) for c in collectives))
 
 
 def op_output_shardings(plan: Any, op: MetaOp, mesh: Mesh) -> list[Sharding]:
@@ -119,8 +119,10 @@ def check_plan_ends(graph: MetaIR, plan: Any, mesh: Mesh) -> None:
             continue
         sh = final_sharding(plan, o, finals.get((o, OUTPUT)), mesh)
         if not sh.is_fully_replicated():
-            raise PlanError(f"graph output {o} ends as {sh}, not whole on every device; the plan needs an "
-                            f"<output> edge that gathers it")
+            raise PlanError(
+                f"graph output {o} ends as {sh}, not whole on every device; the plan needs an "
+                f"<output> edge that gathers it"
+            )
     for s_in, s_out in graph.aliases.items():
         sh = final_sharding(plan, s_out, finals.get((s_out, s_in)), mesh)
         want = plan.input_shardings.get(s_in, rep)
@@ -128,8 +130,9 @@ def check_plan_ends(graph: MetaIR, plan: Any, mesh: Mesh) -> None:
             raise PlanError(f"updated state {s_out} ends as {sh}, but its input {s_in} is stored as {want}")
 
 
-def late_reduces(graph: MetaIR, plan: Any, incoming: Mapping, mesh: Mesh,
-                 permutes: Callable[[MetaOp], Sequence[int] | None]) -> dict[str, dict[int, int]]:
+def late_reduces(
+    graph: MetaIR, plan: Any, incoming: Mapping, mesh: Mesh, permutes: Callable[[MetaOp], Sequence[int] | None]
+) -> dict[str, dict[int, int]]:
     """Op id -> {planned dim: dim of the op's output it acts on} for the ops whose input's collectives run
     after them instead (the module doc): one input, ``permutes(op)`` gives its permutation, the input read by
     this op alone through collectives that begin with a reduce of a Sharding with no Shard and end
@@ -153,10 +156,13 @@ def late_reduces(graph: MetaIR, plan: Any, incoming: Mapping, mesh: Mesh,
         st = plan.strategies.get(op.id)
         if perm is None or edge is None or not edge.collectives or readers.get(v) != 1 or v in ends or st is None:
             continue
-        if edge.collectives[0].kind in ("all_reduce", "reduce_scatter") \
-                and all(c.kind in ("all_reduce", "reduce_scatter", "all_gather") for c in edge.collectives) \
-                and not any(p.is_shard() for p in edge.src_sharding) and edge.dst_sharding.is_fully_replicated() \
-                and all(sh.is_fully_replicated() for sh in st.outputs):
+        if (
+            edge.collectives[0].kind in ("all_reduce", "reduce_scatter")
+            and all(c.kind in ("all_reduce", "reduce_scatter", "all_gather") for c in edge.collectives)
+            and not any(p.is_shard() for p in edge.src_sharding)
+            and edge.dst_sharding.is_fully_replicated()
+            and all(sh.is_fully_replicated() for sh in st.outputs)
+        ):
             out_shape = tuple(graph.vars[op.outputs[0]].shape or ())
             used = {d for c in edge.collectives for d in c.dims}
             if all(d < len(out_shape) and out_shape[d] % mesh.size == 0 for d in used):
@@ -168,15 +174,25 @@ def late_reduces(graph: MetaIR, plan: Any, incoming: Mapping, mesh: Mesh,
 
 def redimmed(c: Collective, dims: Mapping[int, int]) -> Collective:
     """``c`` acting on dims ``dims[d]`` where it was planned on dims ``d`` (its Shardings alike)."""
+
     def sh(s: Sharding) -> Sharding:
         return Sharding([Shard(dims.get(p.dim, p.dim)) if isinstance(p, Shard) else p for p in s])
+
     return replace(c, dims=tuple(dims[d] for d in c.dims), before=sh(c.before), after=sh(c.after))
 
 
-def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run_op: OpRunner,
-              collectives: Collectives, *, keep_values: bool = False,
-              whole: Callable[[str, Sharding], V] | None = None,
-              reduce_after: Callable[[MetaOp], Sequence[int] | None] | None = None) -> Interpretation[V]:
+def interpret(
+    graph: MetaIR,
+    plan: Any,
+    mesh: Mesh,
+    inputs: Mapping[str, V],
+    run_op: OpRunner,
+    collectives: Collectives,
+    *,
+    keep_values: bool = False,
+    whole: Callable[[str, Sharding], V] | None = None,
+    reduce_after: Callable[[MetaOp], Sequence[int] | None] | None = None,
+) -> Interpretation[V]:
     """Walk ``plan`` over ``graph``: ``inputs`` are the local values of the graph inputs; ``whole(var, sh)``
     gives user input ``var``'s local value under ``sh`` where the plan reads it so without a collective;
     ``reduce_after(op)``: the dim permutation of an op that only permutes its input's dims, else None: its
@@ -204,12 +220,18 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
 
     def move(var: str, edge: Any) -> Any:
         x = env[var]
-        if edge is not None and not edge.collectives and edge.src_sharding != edge.dst_sharding \
-                and graph.vars[var].role == "input":
+        if (
+            edge is not None
+            and not edge.collectives
+            and edge.src_sharding != edge.dst_sharding
+            and graph.vars[var].role == "input"
+        ):
             if whole is None:
-                raise PlanError(f"the plan reads input {var!r} as {edge.dst_sharding} (stored {edge.src_sharding}) "
-                                f"by slicing it whole, and this engine has no whole inputs: plan with "
-                                f"whole_inputs=False")
+                raise PlanError(
+                    f"the plan reads input {var!r} as {edge.dst_sharding} (stored {edge.src_sharding}) "
+                    f"by slicing it whole, and this engine has no whole inputs: plan with "
+                    f"whole_inputs=False"
+                )
             key = ("whole", var, edge.dst_sharding)
             if key not in shared:
                 shared[key] = whole(var, edge.dst_sharding)
@@ -227,10 +249,17 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
     for s_in, s_out in graph.aliases.items():
         state_of.setdefault(s_out, []).append(s_in)
     for op in graph.ops:
-        if op.id in late:   # the op on the Partial value, then its input's collectives on its result
+        if op.id in late:  # the op on the Partial value, then its input's collectives on its result
             outs = list(run_op(op, [env[op.inputs[0]]], op_output_shardings(plan, op, mesh)))
-            outs = [run(op.inputs[0], outs[0], incoming[(op.id, 0)], tuple(graph.vars[op.outputs[0]].shape or ()),
-                        late[op.id])]
+            outs = [
+                run(
+                    op.inputs[0],
+                    outs[0],
+                    incoming[(op.id, 0)],
+                    tuple(graph.vars[op.outputs[0]].shape or ()),
+                    late[op.id],
+                )
+            ]
         else:
             ins = [move(v, incoming.get((op.id, slot))) for slot, v in enumerate(op.inputs)]
             outs = list(run_op(op, ins, op_output_shardings(plan, op, mesh)))
@@ -240,7 +269,7 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
             env[v] = x
             if keep_values:
                 result.values[v] = x
-        for v in op.outputs:   # new state goes to its stored layout at once: it can be written back early
+        for v in op.outputs:  # new state goes to its stored layout at once: it can be written back early
             for s_in in state_of.get(v, ()):
                 result.state[s_in] = move(v, finals.get((v, s_in)))
     state_outs = set(graph.aliases.values())
@@ -248,11 +277,23 @@ def interpret(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, V], run
         if o not in state_outs:
             result.outputs[o] = move(o, finals.get((o, OUTPUT)))
     for s_in, s_out in graph.aliases.items():
-        if s_in not in result.state:   # state the step returns unchanged (an input)
+        if s_in not in result.state:  # state the step returns unchanged (an input)
             result.state[s_in] = move(s_out, finals.get((s_out, s_in)))
-    result.state = {s_in: result.state[s_in] for s_in in graph.aliases}   # the aliases' order
+    result.state = {s_in: result.state[s_in] for s_in in graph.aliases}  # the aliases' order
     return result
 
 
-__all__ = ["Collectives", "Interpretation", "OpRunner", "PlanError", "interpret", "edge_key",
-           "op_output_shardings", "check_plan_ends", "late_reduces", "redimmed", "COLLECTIVE_KINDS", "OUTPUT"]
+__all__ = [
+    "Collectives",
+    "Interpretation",
+    "OpRunner",
+    "PlanError",
+    "interpret",
+    "edge_key",
+    "op_output_shardings",
+    "check_plan_ends",
+    "late_reduces",
+    "redimmed",
+    "COLLECTIVE_KINDS",
+    "OUTPUT",
+]

@@ -29,6 +29,7 @@ where the result is waited for, once the members and the concatenation are gone;
 two flat buffers (the pieces sent and the gathered whole), which are held from where the bucket
 before it runs: the program issues each bucket then (FSDP's prefetch).
 """
+
 from __future__ import annotations
 
 import logging
@@ -67,22 +68,28 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
     # per value: (target sharding, reader phase) -> [first reader position, last reader position]
     targets: dict[str, dict[tuple[Sharding, int], list[int]]] = {}
     for e in problem.edges:
-        if e.dst < 0:   # a graph output, returned whole
+        if e.dst < 0:  # a graph output, returned whole
             pos, tgt = n_steps, rep
-        elif e.dst_slot < 0:   # an updated state, back to its input's sharding at the end of the step
+        elif e.dst_slot < 0:  # an updated state, back to its input's sharding at the end of the step
             pos, tgt = n_steps, problem.nodes[e.dst].options[int(choice[e.dst])].outputs[0]
         else:
             pos = e.dst - n_in
             tgt = problem.nodes[e.dst].options[int(choice[e.dst])].inputs[e.dst_slot]
         span = targets.setdefault(e.var, {}).setdefault((tgt, problem.edge_phase(e, src_sh[e.var])), [pos, pos])
         last = pos
-        if e.dst >= 0 and e.dst_slot >= 0:   # a view of the moved copy keeps the copy alive while the view lives
-            last = max([pos] + [problem.vars[o]["live"][1] for o in problem.nodes[e.dst].outputs
-                                if problem.vars.get(o, {}).get("view")])
+        if e.dst >= 0 and e.dst_slot >= 0:  # a view of the moved copy keeps the copy alive while the view lives
+            last = max(
+                [pos]
+                + [
+                    problem.vars[o]["live"][1]
+                    for o in problem.nodes[e.dst].outputs
+                    if problem.vars.get(o, {}).get("view")
+                ]
+            )
         span[0], span[1] = min(span[0], pos), max(span[1], last)
     out: list[tuple[int, int, float]] = []
-    early: dict[tuple, int] = {}   # (var, target, phase) -> where its gather bucket runs (metadist_core.cost.gathers)
-    before = None   # where the bucket before runs: the program issues this one there (prefetch)
+    early: dict[tuple, int] = {}  # (var, target, phase) -> where its gather bucket runs (metadist_core.cost.gathers)
+    before = None  # where the bucket before runs: the program issues this one there (prefetch)
     for bucket in gather_buckets(problem, choice):
         at = bucket[0].first
         for g in bucket:
@@ -90,7 +97,9 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         # the flat buffers (the pieces sent and the gathered whole), from the issue to the wait
         out.append((at if before is None else min(before, at), at, float(sum(g.gathered + g.local for g in bucket))))
         before = at
-    reduced: list[tuple] = []   # bucketed gradients: (issue, end, bytes, bucket group, copies, source bytes, held, first read)
+    reduced: list[
+        tuple
+    ] = []  # bucketed gradients: (issue, end, bytes, bucket group, copies, source bytes, held, first read)
     # offloaded values (metadist_core.levers.offload) live in the host's memory, not the device's, where the device
     # has a memory of its own (a host link); on a CPU the host is the device and they count
     apart = getattr(getattr(problem, "device", None), "host_link", None) is not None
@@ -102,23 +111,29 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
         reads = targets.get(v, {})
         direct = [span for (t, _), span in reads.items() if t == own]
         moved = [(t, span) for (t, _), span in reads.items() if t != own]
-        issue = [start if own.has_partial() else early.get((v, t, ph), span[0])
-                 for (t, ph), span in reads.items() if t != own]
-        if moved and not direct and end < n_steps:   # read only resharded: gone once its collectives are issued
+        issue = [
+            start if own.has_partial() else early.get((v, t, ph), span[0])
+            for (t, ph), span in reads.items()
+            if t != own
+        ]
+        if moved and not direct and end < n_steps:  # read only resharded: gone once its collectives are issued
             end = max(issue)
-        if not info.get("view"):   # a view holds its base's storage (counted there); its reshards are its own
+        if not info.get("view"):  # a view holds its base's storage (counted there); its reshards are its own
             out.append((start, end, float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))))
         for (t, span), at in zip(moved, issue):
             b = float(local_bytes(info["shape"], info["dtype"], t, problem.mesh))
-            colls = reshard(own, t, info["shape"], info.get("comm_dtype", info["dtype"]), problem.mesh) \
-                if info.get("bucketed") else []
+            colls = (
+                reshard(own, t, info["shape"], info.get("comm_dtype", info["dtype"]), problem.mesh)
+                if info.get("bucketed")
+                else []
+            )
             step = bucketed_step(problem, v, colls)
-            if step is not None and all(c.is_free for c in colls[step + 1:]):   # a bucket makes the target
+            if step is not None and all(c.is_free for c in colls[step + 1 :]):  # a bucket makes the target
                 copies = problem.bucket_copies
                 # the bucket's result: a gradient all_reduced whole and then split is a narrow of the whole
                 b = float(local_bytes(info["shape"], info["dtype"], colls[step].after, problem.mesh))
                 src_b = float(local_bytes(info["shape"], info["dtype"], own, problem.mesh))
-                held = 0.0 if info.get("view") else src_b   # a view's partial sum is its base's bytes
+                held = 0.0 if info.get("view") else src_b  # a view's partial sum is its base's bytes
                 reduced.append((at, span[1], b, bucket_key(problem, v, colls[step]), copies, src_b, held, span[0]))
             else:
                 out.append((at, span[1], b))
@@ -142,18 +157,18 @@ def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> 
     bucket runs: its base holds its partial sum (counting both would charge it twice)."""
     out = []
     open_: dict[tuple, list] = {}
-    opened: dict[tuple, int] = {}   # buckets per key: the first all_reduce bucket is held to first_cap
+    opened: dict[tuple, int] = {}  # buckets per key: the first all_reduce bucket is held to first_cap
 
-    in_flight: dict[tuple, tuple[int, int, float]] = {}   # key -> the last reduce_scatter bucket's concatenation
+    in_flight: dict[tuple, tuple[int, int, float]] = {}  # key -> the last reduce_scatter bucket's concatenation
 
     def close(cur: list, key: tuple) -> None:
         end, total, members, copies, src_total = cur
         at = max(start for start, _, _, _ in members)
-        for start, b, held, _ in members:   # the partial sum until the bucket runs, then the result
+        for start, b, held, _ in members:  # the partial sum until the bucket runs, then the result
             out.extend([(start, at, held), (at, end, b)])
         if not copies:
             return
-        if key[0][0] != "reduce_scatter":   # the concatenation, less the result where it is reduced in place
+        if key[0][0] != "reduce_scatter":  # the concatenation, less the result where it is reduced in place
             out.append((at, at, src_total + total * (copies - 2)))
             return
         # a reduce_scatter's result is a tensor of its own (held as the members): the concatenation is all extra
@@ -166,8 +181,9 @@ def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> 
         if prev is not None:
             out.append((prev[0], max(prev[0], min(prev[1], at)), prev[2]))
         in_flight[key] = (at, max(at, min(first for _, _, _, first in members)), extra)
+
     for start, end, b, group, copies, sb, held, first in sorted(reduced, key=lambda r: r[:3]):
-        key = (group, copies)   # group: kind, mesh axis, reduce op and dtype (metadist_core.cost.buckets.bucket_key)
+        key = (group, copies)  # group: kind, mesh axis, reduce op and dtype (metadist_core.cost.buckets.bucket_key)
         kind = group[0]
         cur = open_.get(key)
         cap = bucket_cap(caps.get(kind) or 0, first_cap if kind == "all_reduce" else None, opened.get(key, 0))
@@ -200,8 +216,6 @@ def peak_with_buffers(problem: Any, plan: Any) -> int:
     return int(profile_with_buffers(problem, np.asarray(plan.choices)).max())
 
 
-
-
 def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rounds: int = FIT_ROUNDS) -> Any:
     """A plan whose peak *with* collective buffers meets ``problem.memory_budget`` less :data:`HEADROOM`.
 
@@ -218,13 +232,17 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
         return plan
     target = int(budget * (1.0 - HEADROOM))
     peak = peak_with_buffers(problem, plan)
-    log.debug("fit_with_buffers: the plan under %s peaks at %s with buffers (target %s)",
-              f"{int(budget):,}", f"{peak:,}", f"{target:,}")
+    log.debug(
+        "fit_with_buffers: the plan under %s peaks at %s with buffers (target %s)",
+        f"{int(budget):,}",
+        f"{peak:,}",
+        f"{target:,}",
+    )
     if peak <= target:
         return plan
-    best = peak                       # the least peak with buffers seen
+    best = peak  # the least peak with buffers seen
     over = int(problem.memory_budget)  # the last solver budget whose plan overshot the target
-    floor = 0                         # no plan's own terms go below this (from an infeasible solve)
+    floor = 0  # no plan's own terms go below this (from an infeasible solve)
     b = target - max(0, peak - int(plan.memory_per_device))
     last_cut = 0
     for _ in range(rounds):
@@ -239,8 +257,12 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
             b = (floor + over) // 2
             continue
         peak = peak_with_buffers(problem, cand)
-        log.debug("fit_with_buffers: solver budget %s gives a peak of %s with buffers (target %s)",
-                  f"{int(b):,}", f"{peak:,}", f"{target:,}")
+        log.debug(
+            "fit_with_buffers: solver budget %s gives a peak of %s with buffers (target %s)",
+            f"{int(b):,}",
+            f"{peak:,}",
+            f"{target:,}",
+        )
         if peak <= target:
             return cand
         # below the plan's own terms, not the budget it was solved under (the terms may have had slack: then
@@ -254,8 +276,9 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
         over = int(b)
         b = min(int(b), int(cand.memory_per_device)) - cut
     need = int(math.ceil(best / (1.0 - HEADROOM)))
-    raise InfeasibleBudgetError(budget, need, problem.mesh,
-                                f"found needs, with its collectives' buffers and {HEADROOM:.0%} headroom,")
+    raise InfeasibleBudgetError(
+        budget, need, problem.mesh, f"found needs, with its collectives' buffers and {HEADROOM:.0%} headroom,"
+    )
 
 
 def budget_for(problem: Any, plan: Any) -> int:
@@ -272,5 +295,11 @@ def leanest_with_buffers(problem: Any, needed: int, resolve: Callable[[Any], Any
     return max(int(needed), budget_for(problem, resolve(problem.with_budget(int(needed)))))
 
 
-__all__ = ["profile_with_buffers", "peak_with_buffers", "fit_with_buffers", "budget_for", "leanest_with_buffers",
-           "HEADROOM"]
+__all__ = [
+    "profile_with_buffers",
+    "peak_with_buffers",
+    "fit_with_buffers",
+    "budget_for",
+    "leanest_with_buffers",
+    "HEADROOM",
+]

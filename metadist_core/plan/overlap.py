@@ -31,6 +31,7 @@ the measured one:
 in the order the lowering issues them (kind, axis, bytes): the lowering's list
 must be the same (a test checks it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -48,18 +49,25 @@ OUTPUT = "<output>"
 class Prediction:
     """Seconds of one step under the cost model, and how they split."""
 
-    step: float                 # wall time of the step: compute plus the communication it waits for
-    compute: float              # sum of the ops' compute
-    comm: float                 # sum of the collectives' time (buckets: one latency each)
-    exposed_comm: float         # the part of comm the compute waits for
-    comm_bytes: int             # bytes the collectives move per device (per the cost model's buffers)
-    n_collectives: int          # collectives as priced (before bucketing)
-    n_buckets: int              # bucketed all_reduce calls
+    step: float  # wall time of the step: compute plus the communication it waits for
+    compute: float  # sum of the ops' compute
+    comm: float  # sum of the collectives' time (buckets: one latency each)
+    exposed_comm: float  # the part of comm the compute waits for
+    comm_bytes: int  # bytes the collectives move per device (per the cost model's buffers)
+    n_collectives: int  # collectives as priced (before bucketing)
+    n_buckets: int  # bucketed all_reduce calls
     details: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        return {"step": self.step, "compute": self.compute, "comm": self.comm, "exposed_comm": self.exposed_comm,
-                "comm_bytes": self.comm_bytes, "n_collectives": self.n_collectives, "n_buckets": self.n_buckets}
+        return {
+            "step": self.step,
+            "compute": self.compute,
+            "comm": self.comm,
+            "exposed_comm": self.exposed_comm,
+            "comm_bytes": self.comm_bytes,
+            "n_collectives": self.n_collectives,
+            "n_buckets": self.n_buckets,
+        }
 
 
 def priced_collectives(plan: Any) -> list[tuple[str, Collective]]:
@@ -94,22 +102,22 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     incoming, finals = plan.edge_index()
     comp_of = {n.id: float(problem.compute[i][choice[i]]) for i, n in enumerate(problem.nodes) if n.kind == "op"}
     bucket = problem.bucket_bytes
-    t = 0.0                                   # the compute stream
-    ready: dict[str, float] = {v: 0.0 for v in problem.outputs}   # value -> when its producer finished
+    t = 0.0  # the compute stream
+    ready: dict[str, float] = {v: 0.0 for v in problem.outputs}  # value -> when its producer finished
     for _i, n in enumerate(problem.nodes):
         if n.kind == "input":
             ready[n.outputs[0]] = 0.0
-    axis_free = [0.0] * mesh.ndim             # one collective at a time per mesh axis
-    done: dict[tuple, float | None] = {}      # (var, src, dst, phase) -> when the moved value is there
-    pending: dict[tuple, dict] = {}           # open gradient bucket per (axis, reduce, dtype)
-    opened: dict[tuple, int] = {}             # buckets opened per (kind, axis, reduce, dtype)
-    buckets: list[list[str]] = []             # the values of each bucket, as they run
+    axis_free = [0.0] * mesh.ndim  # one collective at a time per mesh axis
+    done: dict[tuple, float | None] = {}  # (var, src, dst, phase) -> when the moved value is there
+    pending: dict[tuple, dict] = {}  # open gradient bucket per (axis, reduce, dtype)
+    opened: dict[tuple, int] = {}  # buckets opened per (kind, axis, reduce, dtype)
+    buckets: list[list[str]] = []  # the values of each bucket, as they run
     stats = {"compute": 0.0, "comm": 0.0, "bytes": 0, "n": 0, "buckets": 0, "gather_buckets": 0}
 
     hidden = min(1.0, max(0.0, float(getattr(getattr(problem, "device", None), "overlap", 1.0))))
-    busy: list[tuple[float, float]] = []   # (start, end) of the asynchronous collectives not over yet
+    busy: list[tuple[float, float]] = []  # (start, end) of the asynchronous collectives not over yet
 
-    idle = 0.0   # where the compute stream last stopped waiting
+    idle = 0.0  # where the compute stream last stopped waiting
 
     def contend(start: float, end: float) -> None:
         """An asynchronous collective running from ``start`` to ``end``: compute at that time is slowed. One
@@ -134,7 +142,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             s = max(s, t)
             if s >= t + d:
                 break
-            d -= s - t                        # full speed up to the collective
+            d -= s - t  # full speed up to the collective
             if hidden > 0 and (e - s) * hidden >= d:
                 t = s + d / hidden
                 return
@@ -152,8 +160,9 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
 
     caps = {"all_reduce": bucket, "reduce_scatter": getattr(problem, "shard_bucket_bytes", None)}
 
-    def run_bucket(kind: str, axis: int, nbytes: int, start: float, members: list, counter: str,
-                   asynchronous: bool = True) -> None:
+    def run_bucket(
+        kind: str, axis: int, nbytes: int, start: float, members: list, counter: str, asynchronous: bool = True
+    ) -> None:
         """One ``kind`` collective for a whole bucket on ``axis``: its members are there when it ends."""
         cost = collective_cost(kind, nbytes, mesh.shape[axis], *mesh.link(axis, kind))
         s = max(start, axis_free[axis])
@@ -178,11 +187,11 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
         colls = [c for c in e.collectives if not c.is_free]
         stats["n"] += len(colls)
         stats["bytes"] += sum(c.nbytes for c in colls)
-        step = bucketed_step(problem, var, e.collectives)   # the one that joins a bucket (metadist_core.cost.buckets)
+        step = bucketed_step(problem, var, e.collectives)  # the one that joins a bucket (metadist_core.cost.buckets)
         if step is not None:
             c = e.collectives[step]
-            rest = [x for x in e.collectives[step + 1:] if not x.is_free]
-            if rest:   # they read the bucket's result: they run once it is there (wait)
+            rest = [x for x in e.collectives[step + 1 :] if not x.is_free]
+            if rest:  # they read the bucket's result: they run once it is there (wait)
                 after[key] = rest
             bk = bucket_key(problem, var, c)
             first = getattr(problem, "first_bucket_bytes", None) if c.kind == "all_reduce" else None
@@ -197,17 +206,17 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             b["members"].append(key)
             pending_members[key] = bk
             return
-        if all(c.kind in ("all_reduce", "reduce_scatter") for c in colls):   # deferred wait: issued at the producer
+        if all(c.kind in ("all_reduce", "reduce_scatter") for c in colls):  # deferred wait: issued at the producer
             at = ready.get(var, 0.0)
             for c in colls:
                 at = run_comm(c, at, asynchronous=True)
             done[key] = at
         else:
-            done[key] = None                                 # runs where its first reader is
+            done[key] = None  # runs where its first reader is
 
     pending_members: dict[tuple, tuple] = {}
-    after: dict[tuple, list] = {}   # the collectives of an edge after its bucketed one
-    gather_seq = gather_buckets(problem, choice)   # metadist_core.cost.gathers, in the order the program runs them
+    after: dict[tuple, list] = {}  # the collectives of an edge after its bucketed one
+    gather_seq = gather_buckets(problem, choice)  # metadist_core.cost.gathers, in the order the program runs them
     gather_of = {g.key: i for i, b in enumerate(gather_seq) for g in b}
     gathered: set[int] = set()
 
@@ -219,8 +228,15 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             if j < len(gather_seq) and j not in gathered:
                 gathered.add(j)
                 members = gather_seq[j]
-                run_bucket("all_gather", members[0].axis, sum(g.nbytes for g in members), t,
-                           [g.key for g in members], "gather_buckets", asynchronous=j > i)
+                run_bucket(
+                    "all_gather",
+                    members[0].axis,
+                    sum(g.nbytes for g in members),
+                    t,
+                    [g.key for g in members],
+                    "gather_buckets",
+                    asynchronous=j > i,
+                )
 
     def wait(var: str, e: Any) -> None:
         nonlocal t, idle
@@ -231,18 +247,18 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
             bk = pending_members.pop(key)
             if bk in pending:
                 flush(bk)
-        if key in after:   # async ones start as the bucket ends; the others where the reader is
+        if key in after:  # async ones start as the bucket ends; the others where the reader is
             at = done[key]
-            if at is None:   # its bucket ran (flushed above, or by a member waited for before)
+            if at is None:  # its bucket ran (flushed above, or by a member waited for before)
                 raise RuntimeError(f"the bucket of {key} has not run before its reader")
             for c in after.pop(key):
                 early = c.kind in ("all_reduce", "reduce_scatter")
                 at = run_comm(c, at if early else max(at, t), asynchronous=early)
             done[key] = at
-        if key in gather_of:   # a bucket of input gathers, one collective (unless prefetched), and the next
+        if key in gather_of:  # a bucket of input gathers, one collective (unless prefetched), and the next
             run_gathers(gather_of[key])
         at = done.get(key)
-        if at is None:                                       # synchronous: the compute runs it
+        if at is None:  # synchronous: the compute runs it
             at = t
             for c in e.collectives:
                 if not c.is_free:
@@ -276,9 +292,17 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     for bk in list(pending):
         flush(bk)
     end = max([t] + axis_free)
-    exposed = end - stats["compute"]   # what the compute waited, and the slowdown beside collectives
-    return Prediction(end, stats["compute"], stats["comm"], exposed, int(stats["bytes"]), int(stats["n"]),
-                      int(stats["buckets"]), {"gather_buckets": stats["gather_buckets"], "buckets": buckets})
+    exposed = end - stats["compute"]  # what the compute waited, and the slowdown beside collectives
+    return Prediction(
+        end,
+        stats["compute"],
+        stats["comm"],
+        exposed,
+        int(stats["bytes"]),
+        int(stats["n"]),
+        int(stats["buckets"]),
+        {"gather_buckets": stats["gather_buckets"], "buckets": buckets},
+    )
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -4,6 +4,7 @@ A plan holds a Sharding for every value, the strategy (option index) of every
 op, and for every edge (producer value -> consumer op input slot, graph output,
 updated state) the exact list of collectives that the cost model priced.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,7 +32,7 @@ class PlanEdge:
     var: str
     src: str
     dst: str
-    slot: int                     # input slot of dst; -1 for output and state edges
+    slot: int  # input slot of dst; -1 for output and state edges
     src_sharding: Sharding
     dst_sharding: Sharding
     collectives: list[Collective]
@@ -41,14 +42,27 @@ class PlanEdge:
         return sum(c.cost for c in self.collectives)
 
     def to_json(self) -> dict:
-        return {"var": self.var, "src": self.src, "dst": self.dst, "slot": self.slot,
-                "src_sharding": self.src_sharding.to_json(), "dst_sharding": self.dst_sharding.to_json(),
-                "collectives": [c.to_json() for c in self.collectives]}
+        return {
+            "var": self.var,
+            "src": self.src,
+            "dst": self.dst,
+            "slot": self.slot,
+            "src_sharding": self.src_sharding.to_json(),
+            "dst_sharding": self.dst_sharding.to_json(),
+            "collectives": [c.to_json() for c in self.collectives],
+        }
 
     @classmethod
     def from_json(cls, d) -> "PlanEdge":
-        return cls(d["var"], d["src"], d["dst"], d["slot"], Sharding.from_json(d["src_sharding"]),
-                   Sharding.from_json(d["dst_sharding"]), [Collective.from_json(c) for c in d["collectives"]])
+        return cls(
+            d["var"],
+            d["src"],
+            d["dst"],
+            d["slot"],
+            Sharding.from_json(d["src_sharding"]),
+            Sharding.from_json(d["dst_sharding"]),
+            [Collective.from_json(c) for c in d["collectives"]],
+        )
 
 
 @dataclass
@@ -57,23 +71,23 @@ class ShardingPlan:
 
     mesh_shape: tuple[int, ...]
     var_shardings: dict[str, Sharding]
-    op_strategies: dict[str, int]                  # op id -> option index in the problem
-    input_shardings: dict[str, Sharding]           # graph input -> how it is stored
-    strategies: dict[str, Strategy]                  # op id -> the chosen Strategy (input and output shardings)
+    op_strategies: dict[str, int]  # op id -> option index in the problem
+    input_shardings: dict[str, Sharding]  # graph input -> how it is stored
+    strategies: dict[str, Strategy]  # op id -> the chosen Strategy (input and output shardings)
     edges: list[PlanEdge]
-    objective: float                               # seconds per step under the cost model
+    objective: float  # seconds per step under the cost model
     compute_seconds: float = 0.0
     comm_seconds: float = 0.0
-    memory_per_device: int = 0                     # peak bytes per device over the step
-    lower_bound: float | None = None               # from the solver, when it has one
+    memory_per_device: int = 0  # peak bytes per device over the step
+    lower_bound: float | None = None  # from the solver, when it has one
     solver: str = ""
     solve_seconds: float = 0.0
     choices: list[int] = field(default_factory=list)
-    stats: PlanStats = field(default_factory=PlanStats)   # the figures beside the choices (planstats.py)
-    labels: dict[str, str] = field(default_factory=dict)   # parameter var -> the user's name of it
+    stats: PlanStats = field(default_factory=PlanStats)  # the figures beside the choices (planstats.py)
+    labels: dict[str, str] = field(default_factory=dict)  # parameter var -> the user's name of it
     problem: ShardingProblem | None = field(default=None, repr=False, compare=False)  # not serialised
-    stages: list = field(default_factory=list)     # pipeline stages (metadist_core.plan.stage.Stage); empty: none
-    recompute: list[str] = field(default_factory=list)   # forward op ids recomputed for the backward (recompute.py)
+    stages: list = field(default_factory=list)  # pipeline stages (metadist_core.plan.stage.Stage); empty: none
+    recompute: list[str] = field(default_factory=list)  # forward op ids recomputed for the backward (recompute.py)
 
     @property
     def gap(self) -> float | None:
@@ -86,9 +100,16 @@ class ShardingPlan:
 
     # -- building -----------------------------------------------------------
     @classmethod
-    def from_choices(cls, problem: ShardingProblem, choices: Union[Sequence[int], Mapping[str, int], np.ndarray],
-                     *, solver: str = "", solve_seconds: float = 0.0, lower_bound: float | None = None,
-                     stats: Mapping[str, Any] | PlanStats | None = None) -> "ShardingPlan":
+    def from_choices(
+        cls,
+        problem: ShardingProblem,
+        choices: Union[Sequence[int], Mapping[str, int], np.ndarray],
+        *,
+        solver: str = "",
+        solve_seconds: float = 0.0,
+        lower_bound: float | None = None,
+        stats: Mapping[str, Any] | PlanStats | None = None,
+    ) -> "ShardingPlan":
         """The plan in which node ``i`` takes option ``choices[i]`` (or a dict node id -> option)."""
         if isinstance(choices, Mapping):
             base = problem.replicated_choice()
@@ -141,15 +162,32 @@ class ShardingPlan:
             colls = [] if local else reshard(a, b, info["shape"], info.get("comm_dtype", info["dtype"]), mesh)
             pe = PlanEdge(e.var, src_node.id, dst, slot, a, b, colls)
             k = reshard_key(e.var, a, b, dst, problem.phases)
-            if k not in priced:   # one reshard per (value, target, reader phase), as the lowering runs it
+            if k not in priced:  # one reshard per (value, target, reader phase), as the lowering runs it
                 priced.add(k)
                 comm += problem.price(e.var, colls)
             edges.append(pe)
-        labels = {v: info["label"] for v, info in problem.vars.items()
-                  if info.get("label") and info["role"] == "parameter"}
-        return cls(tuple(mesh.shape), var_sh, op_str, in_sh, strategies, edges, compute + comm, compute, comm,
-                   terms.peak_memory(ch), lower_bound, solver, solve_seconds, [int(x) for x in ch], PlanStats.from_json(stats),
-                   labels, problem)
+        labels = {
+            v: info["label"] for v, info in problem.vars.items() if info.get("label") and info["role"] == "parameter"
+        }
+        return cls(
+            tuple(mesh.shape),
+            var_sh,
+            op_str,
+            in_sh,
+            strategies,
+            edges,
+            compute + comm,
+            compute,
+            comm,
+            terms.peak_memory(ch),
+            lower_bound,
+            solver,
+            solve_seconds,
+            [int(x) for x in ch],
+            PlanStats.from_json(stats),
+            labels,
+            problem,
+        )
 
     @classmethod
     def replicated(cls, problem: ShardingProblem, **kw) -> "ShardingPlan":
@@ -189,10 +227,12 @@ class ShardingPlan:
     def summary(self) -> str:
         n_coll = sum(1 for _, c in self.collectives() if not c.is_free)
         gap = "" if self.gap is None else f", gap {self.gap:.2%}"
-        return (f"{self.solver or 'plan'} on mesh {'x'.join(map(str, self.mesh_shape))}: "
-                f"{self.objective * 1e3:.3f} ms/step (compute {self.compute_seconds * 1e3:.3f}, "
-                f"comm {self.comm_seconds * 1e3:.3f}){gap}, {n_coll} collectives, "
-                f"{self.memory_per_device / 2**20:.1f} MiB/device, solved in {self.solve_seconds:.2f} s")
+        return (
+            f"{self.solver or 'plan'} on mesh {'x'.join(map(str, self.mesh_shape))}: "
+            f"{self.objective * 1e3:.3f} ms/step (compute {self.compute_seconds * 1e3:.3f}, "
+            f"comm {self.comm_seconds * 1e3:.3f}){gap}, {n_coll} collectives, "
+            f"{self.memory_per_device / 2**20:.1f} MiB/device, solved in {self.solve_seconds:.2f} s"
+        )
 
     def __str__(self) -> str:
         lines = [self.summary()]
@@ -207,18 +247,30 @@ class ShardingPlan:
             if not es:
                 rows.append((v, str(s), "", ""))
             for e in es:
-                rows.append((v, str(s), f"-> {e.dst}[{e.slot}] {e.dst_sharding}" if e.slot >= 0 else f"-> {e.dst} {e.dst_sharding}",
-                             "; ".join(str(c) for c in e.collectives if not c.is_free) or "local"))
+                rows.append(
+                    (
+                        v,
+                        str(s),
+                        f"-> {e.dst}[{e.slot}] {e.dst_sharding}" if e.slot >= 0 else f"-> {e.dst} {e.dst_sharding}",
+                        "; ".join(str(c) for c in e.collectives if not c.is_free) or "local",
+                    )
+                )
         shown = rows[:80]
         w = [max(len(r[c]) for r in shown) for c in range(3)]
         lines += ["  ".join(r[c].ljust(w[c]) for c in range(3)) + "  " + r[3] for r in shown]
         if len(rows) > len(shown):
-            lines.append(f"... {len(rows) - len(shown)} more rows (values not shown are replicated with no collectives)")
+            lines.append(
+                f"... {len(rows) - len(shown)} more rows (values not shown are replicated with no collectives)"
+            )
         if self.recompute:
             segs = (self.stats.recompute or {}).get("segments")
-            lines.append(f"recomputed for the backward: {len(self.recompute)} forward ops"
-                         + (f" in {segs} segments" if segs else "") + ": " + ", ".join(self.recompute[:12])
-                         + (" ..." if len(self.recompute) > 12 else ""))
+            lines.append(
+                f"recomputed for the backward: {len(self.recompute)} forward ops"
+                + (f" in {segs} segments" if segs else "")
+                + ": "
+                + ", ".join(self.recompute[:12])
+                + (" ..." if len(self.recompute) > 12 else "")
+            )
         if self.stats.autotune:
             lines.append(describe_autotune(self.stats.autotune))
         if self.stages:
@@ -229,8 +281,11 @@ class ShardingPlan:
     def placements(self) -> dict[str, tuple]:
         """``{parameter name: its Placements, one per mesh axis}`` as stored (metadist Placements; torch
         DTensor placements come from ``metadist_torch.to_dtensor_placements(plan)``)."""
-        return {self.labels.get(v, v): tuple(s) for v, s in self.input_shardings.items()
-                if v in self.labels or (self.problem is not None and self.problem.vars[v]["role"] == "parameter")}
+        return {
+            self.labels.get(v, v): tuple(s)
+            for v, s in self.input_shardings.items()
+            if v in self.labels or (self.problem is not None and self.problem.vars[v]["role"] == "parameter")
+        }
 
     def explain(self, *, presets: bool = True, solver: str | None = None) -> str:
         """Per parameter its placement, bytes per device and why (against the best alternative), per
@@ -241,15 +296,22 @@ class ShardingPlan:
     # -- JSON ---------------------------------------------------------------
     def to_json(self) -> dict:
         return {
-            "format": "metadist.ShardingPlan/1", "mesh_shape": list(self.mesh_shape),
+            "format": "metadist.ShardingPlan/1",
+            "mesh_shape": list(self.mesh_shape),
             "var_shardings": {k: v.to_json() for k, v in self.var_shardings.items()},
             "op_strategies": self.op_strategies,
             "input_shardings": {k: v.to_json() for k, v in self.input_shardings.items()},
             "strategies": {k: v.to_json() for k, v in self.strategies.items()},
-            "edges": [e.to_json() for e in self.edges], "objective": self.objective,
-            "compute_seconds": self.compute_seconds, "comm_seconds": self.comm_seconds,
-            "memory_per_device": self.memory_per_device, "lower_bound": self.lower_bound, "solver": self.solver,
-            "solve_seconds": self.solve_seconds, "choices": self.choices, "stats": self.stats.to_json(),
+            "edges": [e.to_json() for e in self.edges],
+            "objective": self.objective,
+            "compute_seconds": self.compute_seconds,
+            "comm_seconds": self.comm_seconds,
+            "memory_per_device": self.memory_per_device,
+            "lower_bound": self.lower_bound,
+            "solver": self.solver,
+            "solve_seconds": self.solve_seconds,
+            "choices": self.choices,
+            "stats": self.stats.to_json(),
             **({"labels": self.labels} if self.labels else {}),
             **({"stages": [st.to_json() for st in self.stages]} if self.stages else {}),
             **({"recompute": list(self.recompute)} if self.recompute else {}),
@@ -259,16 +321,26 @@ class ShardingPlan:
     def from_json(cls, d: Mapping) -> "ShardingPlan":
         if d.get("format") != "metadist.ShardingPlan/1":
             raise ValueError(f"not a ShardingPlan JSON (format {d.get('format')!r})")
-        return cls(tuple(d["mesh_shape"]), {k: Sharding.from_json(v) for k, v in d["var_shardings"].items()},
-                   {k: int(v) for k, v in d["op_strategies"].items()},
-                   {k: Sharding.from_json(v) for k, v in d["input_shardings"].items()},
-                   {k: Strategy.from_json(v) for k, v in d["strategies"].items()},
-                   [PlanEdge.from_json(e) for e in d["edges"]], float(d["objective"]),
-                   float(d.get("compute_seconds", 0.0)), float(d.get("comm_seconds", 0.0)),
-                   int(d.get("memory_per_device", 0)), d.get("lower_bound"), d.get("solver", ""),
-                   float(d.get("solve_seconds", 0.0)), list(d.get("choices", [])), PlanStats.from_json(d.get("stats")),
-                   dict(d.get("labels", {})), stages=_stages_from_json(d.get("stages", [])),
-                   recompute=list(d.get("recompute", [])))
+        return cls(
+            tuple(d["mesh_shape"]),
+            {k: Sharding.from_json(v) for k, v in d["var_shardings"].items()},
+            {k: int(v) for k, v in d["op_strategies"].items()},
+            {k: Sharding.from_json(v) for k, v in d["input_shardings"].items()},
+            {k: Strategy.from_json(v) for k, v in d["strategies"].items()},
+            [PlanEdge.from_json(e) for e in d["edges"]],
+            float(d["objective"]),
+            float(d.get("compute_seconds", 0.0)),
+            float(d.get("comm_seconds", 0.0)),
+            int(d.get("memory_per_device", 0)),
+            d.get("lower_bound"),
+            d.get("solver", ""),
+            float(d.get("solve_seconds", 0.0)),
+            list(d.get("choices", [])),
+            PlanStats.from_json(d.get("stats")),
+            dict(d.get("labels", {})),
+            stages=_stages_from_json(d.get("stages", [])),
+            recompute=list(d.get("recompute", [])),
+        )
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -276,10 +348,14 @@ class ShardingPlan:
 
 def describe_autotune(figures: dict) -> str:
     """One line: the plans timed and the one kept (for ``str(plan)`` and the CLI)."""
+
     def label(d: dict) -> str:
         return f"{d['strategy']} ({d['lowering']})" if d.get("lowering") else str(d["strategy"])
-    parts = [f"{label(c)} {c['measured_ms']:.1f} ms (predicted {c['predicted_ms']:.1f})"
-             for c in figures.get("candidates", [])]
+
+    parts = [
+        f"{label(c)} {c['measured_ms']:.1f} ms (predicted {c['predicted_ms']:.1f})"
+        for c in figures.get("candidates", [])
+    ]
     kept = label({"strategy": figures.get("chosen"), "lowering": figures.get("lowering")})
     return f"autotuned: {', '.join(parts)}; running {kept}"
 

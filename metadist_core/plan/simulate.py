@@ -6,6 +6,7 @@ exactly as priced, and the outputs must equal the unsplit run. Frontends lower
 the same plan to real collectives; tests use this to check plans (and the
 collective sequences of the cost model) without any framework.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -40,7 +41,7 @@ def axis_groups(mesh: Mesh, axis: int) -> list[list[Device]]:
     others = [range(s) if a != axis else [0] for a, s in enumerate(mesh.shape)]
     out = []
     for base in itertools.product(*others):
-        out.append([base[:axis] + (i,) + base[axis + 1:] for i in range(mesh.shape[axis])])
+        out.append([base[:axis] + (i,) + base[axis + 1 :] for i in range(mesh.shape[axis])])
     return out
 
 
@@ -94,14 +95,16 @@ class SimCollectives(Collectives):
 
     def reduce_scatter(self, vals: Values, c: Any, shape: tuple) -> Values:
         _expect(c, isinstance(c.before[c.axis], Partial) and c.after[c.axis] == Shard(c.dims[0]))
-        return self._groups(vals, c.axis, lambda p, n: [_chunk(reduce_pieces(p, c.reduce), c.dims[0], n, i)
-                                                        for i in range(n)])
+        return self._groups(
+            vals, c.axis, lambda p, n: [_chunk(reduce_pieces(p, c.reduce), c.dims[0], n, i) for i in range(n)]
+        )
 
     def all_to_all(self, vals: Values, c: Any, shape: tuple) -> Values:
         src, dst = c.dims
         _expect(c, c.before[c.axis] == Shard(src) and c.after[c.axis] == Shard(dst))
-        return self._groups(vals, c.axis, lambda p, n: [_chunk(np.concatenate(p, axis=src), dst, n, i)
-                                                        for i in range(n)])
+        return self._groups(
+            vals, c.axis, lambda p, n: [_chunk(np.concatenate(p, axis=src), dst, n, i) for i in range(n)]
+        )
 
     def local_split(self, vals: Values, c: Any, shape: tuple) -> Values:
         _expect(c, c.before[c.axis] == Replicate() and c.after[c.axis] == Shard(c.dims[0]))
@@ -140,8 +143,13 @@ def _expect(c: Any, ok: bool) -> None:
         raise SimulationError(f"collective {c.kind} on axis {c.axis} does not turn {c.before} into {c.after}")
 
 
-def simulate(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarray], run_local: LocalRunner,
-             ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+def simulate(
+    graph: MetaIR,
+    plan: Any,
+    mesh: Mesh,
+    inputs: Mapping[str, np.ndarray],
+    run_local: LocalRunner,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Run ``graph`` under ``plan`` on simulated devices (through :func:`metadist_core.plan.interpret.interpret`).
 
     Returns (graph outputs, updated state by state-input id), each whole as the
@@ -152,21 +160,31 @@ def simulate(graph: MetaIR, plan: Any, mesh: Mesh, inputs: Mapping[str, np.ndarr
     local: dict[str, Values] = {}
     for v in graph.inputs:
         sh = plan.input_shardings.get(v, rep)
-        local[v] = distribute(np.asarray(inputs[v]), sh, mesh) if graph.vars[v].is_tensor else \
-            {d: inputs[v] for d in devs}
+        local[v] = (
+            distribute(np.asarray(inputs[v]), sh, mesh) if graph.vars[v].is_tensor else {d: inputs[v] for d in devs}
+        )
 
     def run_op(op: MetaOp, ins: list[Values], out_sh: list[Sharding]) -> list[Values]:
         results: dict[Device, list[Any]] = {}
         for d in devs:
-            shapes = [None if (shp := graph.vars[o].shape) is None else shard_shape(shp, s, mesh, d)
-                      for o, s in zip(op.outputs, out_sh)]
+            shapes = [
+                None if (shp := graph.vars[o].shape) is None else shard_shape(shp, s, mesh, d)
+                for o, s in zip(op.outputs, out_sh)
+            ]
             r = run_local(op, [x[d] for x in ins], shapes)
             results[d] = list(r) if isinstance(r, (tuple, list)) else [r]
         return [{d: results[d][i] for d in devs} for i in range(len(op.outputs))]
 
     try:
-        res = interpret(graph, plan, mesh, local, run_op, SimCollectives(mesh),   # every device has every input
-                        whole=lambda v, sh: distribute(np.asarray(inputs[v]), sh, mesh))
+        res = interpret(
+            graph,
+            plan,
+            mesh,
+            local,
+            run_op,
+            SimCollectives(mesh),  # every device has every input
+            whole=lambda v, sh: distribute(np.asarray(inputs[v]), sh, mesh),
+        )
     except PlanError as e:
         raise SimulationError(str(e)) from None
     outputs = {}

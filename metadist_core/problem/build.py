@@ -7,6 +7,7 @@ over the values' liveness, the user's constraints, and one cost table per edge: 
 takes from its producer's sharding to each reader's, priced as the lowering runs them
 (:meth:`metadist_core.problem.problem.ShardingProblem.price`).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,7 +23,15 @@ from metadist_core.ir.ir import MetaIR
 from metadist_core.cost.phases import reader_phases
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Replicate, Shard, Sharding, largest_local_shape
-from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, Edge, Node, ShardingProblem, _distinct, gathers_bucketed
+from metadist_core.problem.problem import (
+    BUDGET_GATHER_SHARE,
+    GATHER_SHARE,
+    Edge,
+    Node,
+    ShardingProblem,
+    _distinct,
+    gathers_bucketed,
+)
 from metadist_core.problem.prune import useful_rules
 from metadist_core.cost.reshard import reshard, reshard_costs
 from metadist_core.discovery.rules import RuleBook, Strategy, expand_rules
@@ -45,7 +54,7 @@ def estimate_op_cost(op, graph: MetaIR) -> tuple[float, float]:
     name = op.key.split(".")[1] if op.key.count(".") >= 1 else op.key
     if name in ("mm", "addmm", "bmm", "matmul", "dot_general", "linear") and ins and outs and ins[-1].shape:
         k_shape = ins[0].shape if name != "addmm" else ins[1].shape
-        if k_shape is None:   # ins holds tensors only
+        if k_shape is None:  # ins holds tensors only
             raise ValueError(f"op {op.id} ({op.key}): a tensor input without a shape")
         k = k_shape[-1]
         return 2.0 * out_numel * k, nbytes
@@ -64,17 +73,26 @@ def input_options(shape: tuple[int, ...] | None, mesh: Mesh) -> list[Strategy]:
     return out
 
 
-def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
-                  op_costs: Mapping[str, tuple[float, float] | tuple[float, float, float]] | None = None,
-                  constraints: Iterable[Constraint | Mapping] | None = None,
-                  memory_budget: int | None = None,
-                  device: DeviceSpec | None = None,
-                  prune: bool = True,
-                  grad_compression: str | None = None,
-                  bucket_bytes: int | None = None, bucket_copies: int = 0,
-                  shard_bucket_bytes: int | None = None, phased: bool = True,
-                  first_bucket_bytes: int | None = None, whole_inputs: bool = False,
-                  gather_share: float | None = None, local_timer: "LocalTimer | None" = None) -> ShardingProblem:
+def build_problem(
+    graph: MetaIR,
+    rulebook: RuleBook,
+    mesh: Mesh,
+    *,
+    op_costs: Mapping[str, tuple[float, float] | tuple[float, float, float]] | None = None,
+    constraints: Iterable[Constraint | Mapping] | None = None,
+    memory_budget: int | None = None,
+    device: DeviceSpec | None = None,
+    prune: bool = True,
+    grad_compression: str | None = None,
+    bucket_bytes: int | None = None,
+    bucket_copies: int = 0,
+    shard_bucket_bytes: int | None = None,
+    phased: bool = True,
+    first_bucket_bytes: int | None = None,
+    whole_inputs: bool = False,
+    gather_share: float | None = None,
+    local_timer: "LocalTimer | None" = None,
+) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
     ``op_costs`` maps op id -> (flops, bytes) as a frontend reports them, or (flops, bytes, slowdown)
@@ -96,25 +114,32 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     (:mod:`metadist_core.cost.localtime`).
     """
     device = device or DEVICE_PRESETS["cpu"]
-    live, views = alias_liveness(graph, graph.liveness())   # a view takes no bytes and holds its base alive
-    live = inplace_state_liveness(graph, live, views)        # new state is written into the old in place
+    live, views = alias_liveness(graph, graph.liveness())  # a view takes no bytes and holds its base alive
+    live = inplace_state_liveness(graph, live, views)  # new state is written into the old in place
     vars_: dict[str, dict[str, Any]]
-    vars_ = {v.id: {"shape": v.shape, "dtype": v.dtype, "role": v.role, "live": list(live.get(v.id, (0, 0)))}
-             for v in graph.vars.values()}
+    vars_ = {
+        v.id: {"shape": v.shape, "dtype": v.dtype, "role": v.role, "live": list(live.get(v.id, (0, 0)))}
+        for v in graph.vars.values()
+    }
     for v in views:
-        vars_[v]["view"] = True   # no memory term of its own (metadist_core.ir.aliasing)
+        vars_[v]["view"] = True  # no memory term of its own (metadist_core.ir.aliasing)
     for mv in graph.vars.values():
         if mv.label:
-            vars_[mv.id]["label"] = mv.label   # the user's name (explain, constraints by name)
+            vars_[mv.id]["label"] = mv.label  # the user's name (explain, constraints by name)
     for v, wire in wire_dtypes(graph, grad_compression).items():
         vars_[v]["comm_dtype"] = wire
-    if shard_bucket_bytes:   # inputs the lowering may gather in buckets (metadist_core.cost.gathers)
+    if shard_bucket_bytes:  # inputs the lowering may gather in buckets (metadist_core.cost.gathers)
         for v in graph.inputs:
             if "comm_dtype" not in vars_[v]:
                 vars_[v]["gather_bucketed"] = True
-                vars_[v]["gather_priced"] = True   # and the solver prices them so (gathers_bucketed)
-                vars_[v]["gather_share"] = float(gather_share) if gather_share is not None else \
-                    GATHER_SHARE if memory_budget is None else BUDGET_GATHER_SHARE
+                vars_[v]["gather_priced"] = True  # and the solver prices them so (gathers_bucketed)
+                vars_[v]["gather_share"] = (
+                    float(gather_share)
+                    if gather_share is not None
+                    else GATHER_SHARE
+                    if memory_budget is None
+                    else BUDGET_GATHER_SHARE
+                )
     if bucket_bytes:
         for v in gradient_chain(graph):
             vars_[v]["bucketed"] = True
@@ -122,10 +147,13 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
     compute: list[np.ndarray] = []
     strat_cache: dict[tuple, tuple[list[Strategy], list[int]]] = {}
     warned: set[str] = set()
-    timed: list = []   # the ops local_timer may price at their local shapes
+    timed: list = []  # the ops local_timer may price at their local shapes
     sizes = sorted({n for n in mesh.shape if n > 1})
-    useful = useful_rules(graph, rulebook, sizes) if prune else {
-        op.id: {n: rulebook.rules_for(op, graph, n) for n in sizes} for op in graph.ops}
+    useful = (
+        useful_rules(graph, rulebook, sizes)
+        if prune
+        else {op.id: {n: rulebook.rules_for(op, graph, n) for n in sizes} for op in graph.ops}
+    )
     for v in graph.inputs:
         mv = graph.vars[v]
         opts = input_options(mv.shape, mesh)
@@ -135,8 +163,10 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
         t_in = [v for v in op.inputs if graph.vars[v].is_tensor]
         in_shapes = [graph.vars[v].shape for v in t_in]
         out_shapes = [graph.vars[v].shape for v in op.outputs]
-        rules = {n: tuple(r for r in rs if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs))
-                 for n, rs in useful[op.id].items()}
+        rules = {
+            n: tuple(r for r in rs if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs))
+            for n, rs in useful[op.id].items()
+        }
         sig = (op.signature(graph), tuple(sorted(rules.items())))
         if sig not in strat_cache:
             if not any(rules.values()) and op.key not in warned:
@@ -144,8 +174,11 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
                 log.debug("op %s (%s) has no sharding rules here; it runs replicated", op.id, op.key)
             strats = expand_rules(rules, mesh, in_shapes, out_shapes)
             opts = [Strategy(s.inputs, s.outputs) for s in strats] or [
-                Strategy(tuple(Sharding.replicated(mesh.ndim) for _ in t_in),
-                       tuple(Sharding.replicated(mesh.ndim) for _ in op.outputs))]
+                Strategy(
+                    tuple(Sharding.replicated(mesh.ndim) for _ in t_in),
+                    tuple(Sharding.replicated(mesh.ndim) for _ in op.outputs),
+                )
+            ]
             splits = [strategy_split(o.inputs, o.outputs, mesh) for o in opts]
             strat_cache[sig] = (opts, splits)
         opts, splits = strat_cache[sig]
@@ -155,17 +188,31 @@ def build_problem(graph: MetaIR, rulebook: RuleBook, mesh: Mesh, *,
         if local_timer is not None:
             timed.append((len(compute) - 1, op, opts, splits, flops, nbytes, dt))
         nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
-    if timed and local_timer is not None:   # timed holds ops only where there is a local_timer
+    if timed and local_timer is not None:  # timed holds ops only where there is a local_timer
         apply(local_timer, graph, mesh, device, timed, compute)
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
     cons = parse_constraints(constraints or [])
-    prob = ShardingProblem(graph.name, mesh, device, vars_, nodes, compute, [], allowed, len(graph.ops),
-                           memory_budget, cons, list(graph.outputs), dict(graph.aliases),
-                           int(bucket_bytes) if bucket_bytes else None, reader_phases(graph) if phased else {},
-                           int(bucket_copies),
-                           int(shard_bucket_bytes) if shard_bucket_bytes else None,
-                           first_bucket_bytes=int(first_bucket_bytes) if bucket_bytes and first_bucket_bytes else None,
-                           whole_inputs=whole_inputs)
+    prob = ShardingProblem(
+        graph.name,
+        mesh,
+        device,
+        vars_,
+        nodes,
+        compute,
+        [],
+        allowed,
+        len(graph.ops),
+        memory_budget,
+        cons,
+        list(graph.outputs),
+        dict(graph.aliases),
+        int(bucket_bytes) if bucket_bytes else None,
+        reader_phases(graph) if phased else {},
+        int(bucket_copies),
+        int(shard_bucket_bytes) if shard_bucket_bytes else None,
+        first_bucket_bytes=int(first_bucket_bytes) if bucket_bytes and first_bucket_bytes else None,
+        whole_inputs=whole_inputs,
+    )
     apply_constraints(prob)
     prob.edges = _build_edges(prob)
     return prob
@@ -185,15 +232,18 @@ def _build_edges(prob: ShardingProblem) -> list[Edge]:
 
     def table(var: str, srcs: list[Sharding], dsts: list[Sharding]) -> np.ndarray:
         info = prob.vars[var]
-        dtype = info.get("comm_dtype", info["dtype"])   # what the collectives move (grad_compression)
+        dtype = info.get("comm_dtype", info["dtype"])  # what the collectives move (grad_compression)
         # priced as ShardingProblem.price does: gradients' all_reduces in buckets, and inputs the lowering may
         # gather in buckets (metadist_core.cost.gathers) under a whole latency (their share of a bucket's under a
         # memory budget, a little under otherwise: ShardingProblem.price); a plain cost table would make
         # gathering a parameter cost what gathering its transpose does, and the lowering can bucket only the
         # former. The gradient buckets' memory (a reduce_scatter's concatenation held in flight, the copies
         # its chunks are made through) is counted by memprofile
-        bucketed = (bool(prob.bucket_bytes and info.get("bucketed")), gathers_bucketed(prob, var),
-                    info.get("gather_share"))
+        bucketed = (
+            bool(prob.bucket_bytes and info.get("bucketed")),
+            gathers_bucketed(prob, var),
+            info.get("gather_share"),
+        )
         local = prob.sliced(var)
         key = (info["shape"], dtype, tuple(srcs), tuple(dsts), bucketed, local)
         if key not in table_cache:

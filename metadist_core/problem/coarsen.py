@@ -20,6 +20,7 @@ Three passes, each a :func:`terms.contract`:
 Passes 1 and 3 restrict the search space; benchmarks/solvers.py checks on the
 2-layer graph that the optimum does not get worse.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,12 +32,14 @@ from metadist_core.problem.problem import ShardingProblem, gathers_bucketed
 from metadist_core.problem.terms import Terms, contract
 
 # Op names (the part after the framework prefix) that ride on their producer.
-FOLLOWER_OPS: frozenset[str] = frozenset("""
+FOLLOWER_OPS: frozenset[str] = frozenset(
+    """
 view _unsafe_view reshape t transpose permute unsqueeze squeeze expand clone detach alias contiguous
 _to_copy to copy lift_fresh_copy convert_element_type
 add sub mul div neg sqrt rsqrt pow exp log tanh gelu relu silu sigmoid abs where maximum minimum
 tanh_backward gelu_backward threshold_backward sign reciprocal lerp addcmul addcdiv square
-""".split())
+""".split()
+)
 
 
 def op_name(key: str) -> str:
@@ -82,12 +85,14 @@ class Coarsening:
 
 
 def identity(terms: Terms) -> Coarsening:
-    return Coarsening(terms, np.arange(terms.n_nodes), [np.arange(k) for k in terms.n_options],
-                      terms.size(), {"fine": terms.size()})
+    return Coarsening(
+        terms, np.arange(terms.n_nodes), [np.arange(k) for k in terms.n_options], terms.size(), {"fine": terms.size()}
+    )
 
 
-def coarsen(problem: ShardingProblem, *, followers: bool = True, fixed: bool = True, tie_layers: bool = True,
-            rounds: int = 3) -> Coarsening:
+def coarsen(
+    problem: ShardingProblem, *, followers: bool = True, fixed: bool = True, tie_layers: bool = True, rounds: int = 3
+) -> Coarsening:
     """Coarsen ``problem`` (see the module docstring); each pass can be switched off."""
     co = identity(problem.terms())
     if followers:
@@ -114,8 +119,12 @@ def _followers(problem: ShardingProblem) -> tuple[list[int], list[np.ndarray], l
         # an op on a graph input the solver prices gathered in buckets (metadist_core.cost.gathers) stays free:
         # gathering the input is cheaper than gathering the op's output (a parameter's transpose), which
         # riding on the input would leave as the only way
-        if node.kind == "op" and node.inputs and op_name(node.key) in FOLLOWER_OPS \
-                and not gathers_bucketed(problem, node.inputs[0]):
+        if (
+            node.kind == "op"
+            and node.inputs
+            and op_name(node.key) in FOLLOWER_OPS
+            and not gathers_bucketed(problem, node.inputs[0])
+        ):
             var0 = node.inputs[0]
             i, s = problem.definer(var0)
             g, mi = assign[i], maps[i]
@@ -135,7 +144,7 @@ def _followers(problem: ShardingProblem) -> tuple[list[int], list[np.ndarray], l
                     best[o.inputs[0]] = (score, k)
             srcs = [problem.nodes[i].options[mi[kg]].outputs[s] for kg in range(n_opts[g])]
             if len(set(node.inputs)) > 1 and any(count.get(sh, 0) > 1 for sh in srcs):
-                pass   # more than one way to read the other inputs: which is best depends on their producers
+                pass  # more than one way to read the other inputs: which is best depends on their producers
             elif all(sh in best for sh in srcs):
                 assign[j] = g
                 maps[j] = np.array([best[sh][1] for sh in srcs], dtype=np.int64)
@@ -182,12 +191,12 @@ def _tie(t: Terms, rounds: int) -> tuple[list[int], list[np.ndarray], list[int]]
     for m in t.mem:
         if m.node >= 0:
             mem_by_node.setdefault(m.node, []).append(_digest(m.nbytes))
-    for g in t.shared:   # a value read by several ops: its ends must look alike to share a decision
+    for g in t.shared:  # a value read by several ops: its ends must look alike to share a decision
         sig = _digest(g.table, g.merge)
         for role, (node, end_map) in [("src", (g.src, g.src_map))] + [("reader", r) for r in g.readers]:
             if node >= 0:
                 mem_by_node.setdefault(node, []).append(_digest(role, sig, end_map))
-    for tg in t.toggles:   # a node a toggle prices (recomputation) ties only with nodes priced alike
+    for tg in t.toggles:  # a node a toggle prices (recomputation) ties only with nodes priced alike
         for node, a in tg.unary:
             if node >= 0:
                 mem_by_node.setdefault(node, []).append(_digest("toggle", a))
@@ -203,8 +212,9 @@ def _tie(t: Terms, rounds: int) -> tuple[list[int], list[np.ndarray], list[int]]
     for _ in range(rounds):
         new = []
         for i in range(t.n_nodes):
-            nb = sorted((is_src, edge_sig[j], color[t.edges[j].dst if is_src else t.edges[j].src])
-                        for j, is_src in adj[i])
+            nb = sorted(
+                (is_src, edge_sig[j], color[t.edges[j].dst if is_src else t.edges[j].src]) for j, is_src in adj[i]
+            )
             new.append(_digest(color[i], nb))
         color = new
     ids: dict[str, int] = {}

@@ -1,4 +1,5 @@
 """User constraints on a ShardingProblem: pin a value's sharding, forbid a placement."""
+
 from __future__ import annotations
 
 import difflib
@@ -57,8 +58,10 @@ def parse_constraints(items: Iterable[Constraint | Mapping]) -> list[Constraint]
             p = c["forbid"]
             out.append(Forbid(p if isinstance(p, Placement) else parse_placement(p), c.get("var"), c.get("axis")))
         else:
-            raise ValueError(f"not a constraint: {c!r}; write Pin(var, sharding), Forbid(placement, var=None, "
-                             f"axis=None) or their JSON dicts {{'pin': ..., 'sharding': [...]}} / {{'forbid': 'P(sum)'}}")
+            raise ValueError(
+                f"not a constraint: {c!r}; write Pin(var, sharding), Forbid(placement, var=None, "
+                f"axis=None) or their JSON dicts {{'pin': ..., 'sharding': [...]}} / {{'forbid': 'P(sum)'}}"
+            )
     return out
 
 
@@ -70,22 +73,26 @@ def apply_constraints(prob: "ShardingProblem") -> None:
             if c.var not in prob.vars:
                 raise KeyError(f"constraint pins {c.var!r}, which is not a value of {prob.name!r}")
             if len(c.sharding) != prob.mesh.ndim:
-                raise ValueError(f"pin of {c.var!r}: sharding {c.sharding} has {len(c.sharding)} placements "
-                                 f"for the {prob.mesh.ndim}-axis mesh {prob.mesh}")
+                raise ValueError(
+                    f"pin of {c.var!r}: sharding {c.sharding} has {len(c.sharding)} placements "
+                    f"for the {prob.mesh.ndim}-axis mesh {prob.mesh}"
+                )
             i, s = prob.definer(c.var)
             mask = np.array([o.outputs[s] == c.sharding for o in prob.nodes[i].options])
             _narrow(prob, i, mask, c)
         else:
             if c.var is None:
                 where: Iterable[int] = range(len(prob.nodes))
-            else:   # only the nodes that read or write the value: a preset forbids per value, thousands of them
+            else:  # only the nodes that read or write the value: a preset forbids per value, thousands of them
                 users = _users(prob) if users is None else users
                 where = users.get(c.var, ())
             for i in where:
                 n = prob.nodes[i]
                 at = [j for j, var in enumerate((*n.inputs, *n.outputs)) if c.var is None or c.var == var]
-                mask = np.array([not any(c.hits(sh) for j, sh in enumerate((*o.inputs, *o.outputs)) if j in at)
-                                 for o in n.options], dtype=bool)
+                mask = np.array(
+                    [not any(c.hits(sh) for j, sh in enumerate((*o.inputs, *o.outputs)) if j in at) for o in n.options],
+                    dtype=bool,
+                )
                 _narrow(prob, i, mask, c)
 
 
@@ -103,8 +110,10 @@ def _narrow(prob: "ShardingProblem", i: int, mask: np.ndarray, c: Constraint) ->
     if not new.any():
         n = prob.nodes[i]
         choices = sorted({str(o) for o in n.options})[:6]
-        raise ValueError(f"constraint {c} leaves {n.kind} {n.id!r} ({n.key}) without any allowed sharding; "
-                         f"its options are {choices}{' ...' if len(n.options) > 6 else ''}; relax the constraint")
+        raise ValueError(
+            f"constraint {c} leaves {n.kind} {n.id!r} ({n.key}) without any allowed sharding; "
+            f"its options are {choices}{' ...' if len(n.options) > 6 else ''}; relax the constraint"
+        )
     prob.allowed[i] = new
 
 
@@ -149,8 +158,9 @@ def sharding_of(spec: Any, ndim: int, what: str) -> Sharding:
     elif isinstance(spec, (tuple, list)):
         items = list(spec)
     else:
-        raise TypeError(f"{what}: {spec!r} is not a placement; write Shard(d), Replicate(), or a tuple of them, "
-                        f"one per mesh axis")
+        raise TypeError(
+            f"{what}: {spec!r} is not a placement; write Shard(d), Replicate(), or a tuple of them, one per mesh axis"
+        )
     try:
         out = tuple(parse_placement(p) if isinstance(p, str) else p for p in items)
     except ValueError as e:
@@ -158,8 +168,10 @@ def sharding_of(spec: Any, ndim: int, what: str) -> Sharding:
     if any(not isinstance(p, Placement) for p in out):
         raise TypeError(f"{what}: {spec!r} holds something that is not a Placement")
     if len(out) != ndim:
-        raise ValueError(f"{what}: {len(out)} placements {tuple(map(str, out))} for a {ndim}-axis mesh; "
-                         f"give one Placement (used on every axis) or exactly {ndim}, one per axis")
+        raise ValueError(
+            f"{what}: {len(out)} placements {tuple(map(str, out))} for a {ndim}-axis mesh; "
+            f"give one Placement (used on every axis) or exactly {ndim}, one per axis"
+        )
     return Sharding(out)
 
 
@@ -174,9 +186,11 @@ def check_pin(prob: "ShardingProblem", var: str, sharding: Sharding, what: str) 
     options = sorted({str(o.outputs[s]) for o in prob.nodes[i].options})
     if not any(o.outputs[s] == sharding for o in prob.nodes[i].options):
         shape = prob.vars[var]["shape"]
-        raise ValueError(f"{what}: no rule allows {sharding} for {var_name(prob, var)} (shape {shape}) on mesh "
-                         f"{prob.mesh}; it may be {', '.join(options[:8])}{' ...' if len(options) > 8 else ''} "
-                         f"(a split dim must divide by the axis size)")
+        raise ValueError(
+            f"{what}: no rule allows {sharding} for {var_name(prob, var)} (shape {shape}) on mesh "
+            f"{prob.mesh}; it may be {', '.join(options[:8])}{' ...' if len(options) > 8 else ''} "
+            f"(a split dim must divide by the axis size)"
+        )
 
 
 def pins_by_name(prob: "ShardingProblem", named: Mapping[str, Any]) -> list[Pin]:
@@ -186,7 +200,7 @@ def pins_by_name(prob: "ShardingProblem", named: Mapping[str, Any]) -> list[Pin]
     labels = {v: info["label"] for v, info in prob.vars.items() if info.get("label")}
     inputs = {n.id for n in prob.nodes if n.kind == "input"}
     for v in inputs:
-        labels.setdefault(v, v)   # a frontend that names its inputs by path (JAX: params/layer/w)
+        labels.setdefault(v, v)  # a frontend that names its inputs by path (JAX: params/layer/w)
     pins: list[Pin] = []
     for pattern, spec in named.items():
         if not isinstance(pattern, str):
@@ -201,9 +215,11 @@ def pins_by_name(prob: "ShardingProblem", named: Mapping[str, Any]) -> list[Pin]
             names = sorted(labels.get(v, v) for v in inputs if prob.vars[v]["role"] == "parameter")
             close = difflib.get_close_matches(pattern, list(labels.values()), n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(map(repr, close))}? " if close else ""
-            raise ValueError(f"{what} names no value of {prob.name!r}: {hint}its {len(names)} parameters are "
-                             f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''} "
-                             f"(globs use * and ?, as in '*.fc.weight')")
+            raise ValueError(
+                f"{what} names no value of {prob.name!r}: {hint}its {len(names)} parameters are "
+                f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''} "
+                f"(globs use * and ?, as in '*.fc.weight')"
+            )
         for v in hits:
             check_pin(prob, v, sh, f"{what} on {labels.get(v, v)}")
             pins.append(Pin(v, sh))

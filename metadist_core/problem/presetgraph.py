@@ -6,6 +6,7 @@ the notes on what it could not pin; :func:`split_on` is the one sharding a
 preset asks for. :mod:`metadist_core.problem.presets` and
 :mod:`metadist_core.problem.tensor_parallel` build on them.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,11 +21,44 @@ if TYPE_CHECKING:  # pragma: no cover
     from metadist_core.problem.problem import ShardingProblem
 
 MATMULS = frozenset({"mm", "addmm", "linear", "matmul"})
-PASS_WEIGHT = frozenset({"t", "transpose", "permute", "_to_copy", "clone", "contiguous", "alias", "view",
-                         "_unsafe_view", "reshape", "detach", "convert_element_type"})
-NOT_ELEMENTWISE = frozenset({"native_layer_norm", "layer_norm", "_softmax", "softmax", "_log_softmax",
-                             "log_softmax", "rms_norm", "_fused_rms_norm", "native_group_norm", "sum", "mean",
-                             "amax", "cat", "split", "split_with_sizes", "embedding", "bmm", "var_mean"})
+PASS_WEIGHT = frozenset(
+    {
+        "t",
+        "transpose",
+        "permute",
+        "_to_copy",
+        "clone",
+        "contiguous",
+        "alias",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "detach",
+        "convert_element_type",
+    }
+)
+NOT_ELEMENTWISE = frozenset(
+    {
+        "native_layer_norm",
+        "layer_norm",
+        "_softmax",
+        "softmax",
+        "_log_softmax",
+        "log_softmax",
+        "rms_norm",
+        "_fused_rms_norm",
+        "native_group_norm",
+        "sum",
+        "mean",
+        "amax",
+        "cat",
+        "split",
+        "split_with_sizes",
+        "embedding",
+        "bmm",
+        "var_mean",
+    }
+)
 
 
 @dataclass
@@ -34,8 +68,9 @@ class PresetConstraints:
     name: str
     pins: list[Constraint]
     notes: list[str] = field(default_factory=list)
-    pairs: list[tuple[str, str]] = field(default_factory=list)   # tp: (column weight, row weight) var ids
-    gradients: dict[str, str] = field(default_factory=dict)       # zero2: gradient var -> parameter var
+    pairs: list[tuple[str, str]] = field(default_factory=list)  # tp: (column weight, row weight) var ids
+    gradients: dict[str, str] = field(default_factory=dict)  # zero2: gradient var -> parameter var
+
 
 def op_name(key: str) -> str:
     """``aten.mm.default`` -> ``mm``; ``jax.lax.dot_general`` -> ``dot_general``."""
@@ -123,8 +158,7 @@ class GraphView:
             upd = self.prob.aliases.get(p)
             if upd is None or upd not in self.producer:
                 continue
-            starts = [upd] + [self.prob.aliases[s] for s, o in self.owner.items()
-                              if o == p and s in self.prob.aliases]
+            starts = [upd] + [self.prob.aliases[s] for s, o in self.owner.items() if o == p and s in self.prob.aliases]
             found = self._grad_of(p, starts, set(marked))
             if found is not None:
                 out[found] = p
@@ -154,8 +188,8 @@ class GraphView:
                     if v not in marked:
                         if self._summable(v):
                             summable.append(v)
-                        todo.append(self.producer[v])   # the value it is computed from may be the gradient
-                elif d & ~1:   # still inside the optimizer's update: keep walking
+                        todo.append(self.producer[v])  # the value it is computed from may be the gradient
+                elif d & ~1:  # still inside the optimizer's update: keep walking
                     todo.append(self.producer[v])
         found = [v for v in seen if v in marked]
         if found:
@@ -165,14 +199,13 @@ class GraphView:
     def _summable(self, v: str) -> bool:
         """Can ``v`` be made as a partial sum on every mesh axis (some option of its definer gives it)?"""
         i, s = self.prob.definer(v)
-        return any(all(p.is_partial() and p.reduce == "sum" for p in o.outputs[s])
-                   for o in self.prob.nodes[i].options)
+        return any(all(p.is_partial() and p.reduce == "sum" for p in o.outputs[s]) for o in self.prob.nodes[i].options)
+
 
 # -- shardings -------------------------------------------------------------------------------------
 
 
-def split_on(shape: Sequence[int] | None, dim: int, axes: Sequence[int], mesh_shape: Sequence[int]
-             ) -> Sharding | None:
+def split_on(shape: Sequence[int] | None, dim: int, axes: Sequence[int], mesh_shape: Sequence[int]) -> Sharding | None:
     """``Shard(dim)`` on ``axes`` and Replicate elsewhere, or None when the dim does not divide evenly."""
     if not shape or not axes or dim >= len(shape):
         return None
@@ -197,8 +230,9 @@ class Pins:
         if sh is None:
             sh = Sharding.replicated(self.prob.mesh.ndim)
             if why:
-                self.out.notes.append(f"{var_name(self.prob, var)} {self.prob.vars[var]['shape']}: {why}; "
-                                      f"kept replicated")
+                self.out.notes.append(
+                    f"{var_name(self.prob, var)} {self.prob.vars[var]['shape']}: {why}; kept replicated"
+                )
         i, s = self.prob.definer(var)
         if not any(o.outputs[s] == sh for o in self.prob.nodes[i].options):
             self.out.notes.append(f"{var_name(self.prob, var)}: no rule gives {sh}; left to the solver")
@@ -207,5 +241,4 @@ class Pins:
         return True
 
 
-__all__ = ["MATMULS", "PASS_WEIGHT", "NOT_ELEMENTWISE", "PresetConstraints", "GraphView", "Pins", "op_name",
-           "split_on"]
+__all__ = ["MATMULS", "PASS_WEIGHT", "NOT_ELEMENTWISE", "PresetConstraints", "GraphView", "Pins", "op_name", "split_on"]

@@ -30,13 +30,22 @@ Optimizer state follows the parameter it belongs to where a preset does not
 say otherwise. A dim that does not divide evenly stays replicated, and a pin
 no rule allows is left out; both are listed in ``PresetConstraints.notes``.
 """
+
 from __future__ import annotations
 
 import copy
 import math
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
-from metadist_core.problem.constraints import Constraint, Forbid, Pin, annotation_pins, apply_constraints, pins_by_name, var_name
+from metadist_core.problem.constraints import (
+    Constraint,
+    Forbid,
+    Pin,
+    annotation_pins,
+    apply_constraints,
+    pins_by_name,
+    var_name,
+)
 from metadist_core.ir.placement import Partial, Placement, Replicate, Shard, Sharding
 from metadist_core.problem.presetgraph import GraphView, Pins, PresetConstraints, op_name, split_on
 from metadist_core.problem.tensor_parallel import tensor_parallel
@@ -44,6 +53,7 @@ from metadist_core.config import ALIASES, check_strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     from metadist_core.problem.problem import ShardingProblem
+
 
 def gathers_parameters(strategy: str) -> bool:
     """Does every plan of ``strategy`` gather the parameters where they are read (zero3/fsdp pins them split)?
@@ -57,8 +67,10 @@ def gathers_parameters(strategy: str) -> bool:
 
 def _forbid_readers(g: GraphView, pins: Pins, var: str, placements: list[Placement]) -> None:
     """Forbid ``placements`` (on any axis) where ``var`` is read, when every reader keeps an option."""
+
     def ok(sh: Sharding) -> bool:
         return not any(p in placements for p in sh)
+
     for i, slot in g.readers.get(var, []):
         if not any(ok(o.inputs[slot]) for o in g.prob.nodes[i].options):
             pins.out.notes.append(f"{var_name(g.prob, var)}: a reader cannot avoid {placements}; left open")
@@ -92,8 +104,9 @@ def _replicated_update(g: GraphView, pins: Pins, grads: Iterable[str]) -> None:
             pins.out.pins.extend(Forbid(Shard(d), var=v) for d in range(len(shape)))
 
 
-def preset_constraints(prob: "ShardingProblem", name: str, user: Mapping[str, Sharding] | None = None
-                       ) -> PresetConstraints:
+def preset_constraints(
+    prob: "ShardingProblem", name: str, user: Mapping[str, Sharding] | None = None
+) -> PresetConstraints:
     """The constraints of preset ``name`` on ``prob``. ``user``: the user's own pins (value -> sharding), which
     the tp presets respect beyond the pinned values themselves (:func:`~metadist_core.problem.tensor_parallel.tensor_parallel`)."""
     key = ALIASES.get(check_strategy(name), check_strategy(name))
@@ -108,11 +121,14 @@ def preset_constraints(prob: "ShardingProblem", name: str, user: Mapping[str, Sh
     if tp_axes:
         tensor_parallel(g, pins, tp_axes, user)
     for v in g.batch:
-        pins.pin(v, split_on(g.shape(v), 0, dp_axes, shape) if dp_axes else None,
-                 f"batch dim 0 does not divide by {math.prod(shape[a] for a in dp_axes)}" if dp_axes else "")
+        pins.pin(
+            v,
+            split_on(g.shape(v), 0, dp_axes, shape) if dp_axes else None,
+            f"batch dim 0 does not divide by {math.prod(shape[a] for a in dp_axes)}" if dp_axes else "",
+        )
     shard_state = key in ("zero1", "zero2", "zero3")
     shard_params = key == "zero3"
-    if key in ("ddp", "zero1", "zero2"):   # each device's gradient is a partial sum, reduced for the update
+    if key in ("ddp", "zero1", "zero2"):  # each device's gradient is a partial sum, reduced for the update
         grads = g.gradients()
         pins.out.gradients = grads
         if not grads:
@@ -120,20 +136,26 @@ def preset_constraints(prob: "ShardingProblem", name: str, user: Mapping[str, Sh
         partial = Sharding(tuple(Partial("sum") for _ in every))
         for v in grads:
             if pins.pin(v, partial, ""):
-                if key == "ddp":     # read whole: all-reduced
+                if key == "ddp":  # read whole: all-reduced
                     _forbid_readers(g, pins, v, [Shard(d) for d in range(len(g.shape(v) or ()))])
                 elif key == "zero2" and split_on(g.shape(v), 0, every, shape) is not None:
-                    _forbid_readers(g, pins, v, [Replicate()])   # read split: reduce-scattered
+                    _forbid_readers(g, pins, v, [Replicate()])  # read split: reduce-scattered
     if key == "ddp":
         _replicated_update(g, pins, pins.out.gradients)
     for p in g.params:
-        pins.pin(p, split_on(g.shape(p), 0, every, shape) if shard_params else None,
-                 f"dim 0 does not divide by {prob.mesh.size}" if shard_params else "")
+        pins.pin(
+            p,
+            split_on(g.shape(p), 0, every, shape) if shard_params else None,
+            f"dim 0 does not divide by {prob.mesh.size}" if shard_params else "",
+        )
     for s in g.states:
         if shard_state:
-            pins.pin(s, split_on(g.shape(s), 0, every, shape),
-                     f"dim 0 does not divide by {prob.mesh.size}" if g.shape(s) else "")
-        else:   # state lives like its parameter
+            pins.pin(
+                s,
+                split_on(g.shape(s), 0, every, shape),
+                f"dim 0 does not divide by {prob.mesh.size}" if g.shape(s) else "",
+            )
+        else:  # state lives like its parameter
             owner = g.owner.get(s)
             pinned = {c.var: c.sharding for c in pins.out.pins if isinstance(c, Pin)}
             sh = pinned.get(owner) if owner is not None and g.shape(owner) == g.shape(s) else None
@@ -141,6 +163,7 @@ def preset_constraints(prob: "ShardingProblem", name: str, user: Mapping[str, Sh
     for b in g.buffers:
         pins.pin(b, None)
     return pins.out
+
 
 # -- applying constraints ------------------------------------------------------------------------------
 
@@ -160,8 +183,12 @@ def constrain(prob: "ShardingProblem", extra: Sequence[Constraint]) -> "Sharding
     return p
 
 
-def steer(prob: "ShardingProblem", strategy: str = "auto", named: Mapping[str, Any] | None = None,
-          annotations: Mapping[str, Any] | None = None) -> "ShardingProblem":
+def steer(
+    prob: "ShardingProblem",
+    strategy: str = "auto",
+    named: Mapping[str, Any] | None = None,
+    annotations: Mapping[str, Any] | None = None,
+) -> "ShardingProblem":
     """``prob`` under the user's steering: annotations, constraints by name, then the strategy preset
     (the user's own pins win over the preset's on the same value)."""
     extra: list[Constraint] = []
@@ -170,10 +197,9 @@ def steer(prob: "ShardingProblem", strategy: str = "auto", named: Mapping[str, A
     if named:
         extra += pins_by_name(prob, named)
     if strategy and strategy != "auto":
-        user = {c.var: c.sharding for c in extra if isinstance(c, Pin)}   # annotations and names give pins only
+        user = {c.var: c.sharding for c in extra if isinstance(c, Pin)}  # annotations and names give pins only
         extra += [c for c in preset_constraints(prob, strategy, user).pins if c.var not in user]
     return constrain(prob, extra)
 
 
-__all__ = ["PresetConstraints", "GraphView", "preset_constraints",
-           "constrain", "steer", "split_on", "op_name"]
+__all__ = ["PresetConstraints", "GraphView", "preset_constraints", "constrain", "steer", "split_on", "op_name"]

@@ -13,6 +13,7 @@ The problem is self-contained: :meth:`ShardingProblem.to_json` keeps the mesh,
 value shapes, options and all cost tables, so recorded problems re-solve
 without the MetaIR.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,7 @@ import copy
 
 log = logging.getLogger("metadist.problem")
 
-OUTPUT = "<output>"   # consumer name of the final reshard of a graph output
+OUTPUT = "<output>"  # consumer name of the final reshard of a graph output
 
 # the part of the latency a bucketed parameter gather saves that the solver counts on (ShardingProblem.price):
 # GATHER_SHARE without a memory budget, where a plan gathers few inputs and a lone one pays a whole latency;
@@ -58,7 +59,8 @@ class InfeasibleBudgetError(ValueError):
             f"memory budget of {self.budget:,} bytes per device ({self.budget / 2**30:.3f} GiB) cannot be met "
             f"on mesh {mesh}: the plan with the least memory {how} {self.needed:,} bytes per device "
             f"({self.needed / 2**30:.3f} GiB); raise memory_budget to at least {self.needed:,} "
-            f"or use more devices")
+            f"or use more devices"
+        )
 
 
 @dataclass
@@ -67,19 +69,31 @@ class Node:
 
     id: str
     kind: str
-    key: str                 # op key, or the input's role
-    inputs: list[str]        # tensor input var per slot (op nodes)
-    outputs: list[str]       # vars defined by this node
+    key: str  # op key, or the input's role
+    inputs: list[str]  # tensor input var per slot (op nodes)
+    outputs: list[str]  # vars defined by this node
     options: list[Strategy]
 
     def to_json(self) -> dict:
-        return {"id": self.id, "kind": self.kind, "key": self.key, "inputs": self.inputs,
-                "outputs": self.outputs, "options": [o.to_json() for o in self.options]}
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "key": self.key,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "options": [o.to_json() for o in self.options],
+        }
 
     @classmethod
     def from_json(cls, d) -> "Node":
-        return cls(d["id"], d["kind"], d["key"], list(d["inputs"]), list(d["outputs"]),
-                   [Strategy.from_json(o) for o in d["options"]])
+        return cls(
+            d["id"],
+            d["kind"],
+            d["key"],
+            list(d["inputs"]),
+            list(d["outputs"]),
+            [Strategy.from_json(o) for o in d["options"]],
+        )
 
 
 @dataclass
@@ -101,15 +115,29 @@ class Edge:
     table: np.ndarray
 
     def to_json(self) -> dict:
-        return {"src": self.src, "src_slot": self.src_slot, "dst": self.dst, "dst_slot": self.dst_slot,
-                "var": self.var, "src_map": self.src_map.tolist(), "dst_map": self.dst_map.tolist(),
-                "table": self.table.tolist()}
+        return {
+            "src": self.src,
+            "src_slot": self.src_slot,
+            "dst": self.dst,
+            "dst_slot": self.dst_slot,
+            "var": self.var,
+            "src_map": self.src_map.tolist(),
+            "dst_map": self.dst_map.tolist(),
+            "table": self.table.tolist(),
+        }
 
     @classmethod
     def from_json(cls, d) -> "Edge":
-        return cls(d["src"], d["src_slot"], d["dst"], d["dst_slot"], d["var"],
-                   np.asarray(d["src_map"], dtype=np.int32), np.asarray(d["dst_map"], dtype=np.int32),
-                   np.asarray(d["table"], dtype=float))
+        return cls(
+            d["src"],
+            d["src_slot"],
+            d["dst"],
+            d["dst_slot"],
+            d["var"],
+            np.asarray(d["src_map"], dtype=np.int32),
+            np.asarray(d["dst_map"], dtype=np.int32),
+            np.asarray(d["table"], dtype=float),
+        )
 
 
 @dataclass
@@ -119,23 +147,23 @@ class ShardingProblem:
     name: str
     mesh: Mesh
     device: DeviceSpec
-    vars: dict[str, dict]                 # id -> {"shape", "dtype", "role", "live": [start, end]}
+    vars: dict[str, dict]  # id -> {"shape", "dtype", "role", "live": [start, end]}
     nodes: list[Node]
-    compute: list[np.ndarray]             # seconds per option
-    edges: list[Edge]                     # dst -1: final output reshard
+    compute: list[np.ndarray]  # seconds per option
+    edges: list[Edge]  # dst -1: final output reshard
     allowed: list[np.ndarray]
     n_steps: int
     memory_budget: int | None = None
     constraints: list[Constraint] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     aliases: dict[str, str] = field(default_factory=dict)
-    bucket_bytes: int | None = None       # the lowering buckets gradient all_reduces up to this size (None: off)
-    phases: dict[str, int] = field(default_factory=dict)   # op id -> reader phase (metadist_core.cost.phases)
-    bucket_copies: int = 0                # extra copies of a gradient bucket where it runs (metadist_core.plan.memprofile)
-    shard_bucket_bytes: int | None = None   # the lowering gathers inputs in buckets up to this size (gathers.py)
-    toggles: list = field(default_factory=list)   # terms.Toggle: yes/no decisions priced beside (recompute.py)
-    step_map: list[int] | None = None    # op position -> position in the toggles' graph (its last: the step count)
-    first_bucket_bytes: int | None = None   # the first gradient all_reduce bucket per group (None: bucket_bytes)
+    bucket_bytes: int | None = None  # the lowering buckets gradient all_reduces up to this size (None: off)
+    phases: dict[str, int] = field(default_factory=dict)  # op id -> reader phase (metadist_core.cost.phases)
+    bucket_copies: int = 0  # extra copies of a gradient bucket where it runs (metadist_core.plan.memprofile)
+    shard_bucket_bytes: int | None = None  # the lowering gathers inputs in buckets up to this size (gathers.py)
+    toggles: list = field(default_factory=list)  # terms.Toggle: yes/no decisions priced beside (recompute.py)
+    step_map: list[int] | None = None  # op position -> position in the toggles' graph (its last: the step count)
+    first_bucket_bytes: int | None = None  # the first gradient all_reduce bucket per group (None: bucket_bytes)
     # every process holds each user input ("input" role) whole: any layout of one is a local slice, no collective
     whole_inputs: bool = False
 
@@ -150,8 +178,10 @@ class ShardingProblem:
     def output_bytes(self, node: int, slot: int) -> np.ndarray:
         """Bytes per device of output ``slot`` of ``node`` under each of its options."""
         info = self.vars[self.nodes[node].outputs[slot]]
-        return np.array([local_bytes(info["shape"], info["dtype"], o.outputs[slot], self.mesh)
-                         for o in self.nodes[node].options], dtype=float)
+        return np.array(
+            [local_bytes(info["shape"], info["dtype"], o.outputs[slot], self.mesh) for o in self.nodes[node].options],
+            dtype=float,
+        )
 
     def sliced(self, var: str) -> bool:
         """Whether ``var`` is read in any layout by a local slice, with no collective: a user input every
@@ -189,28 +219,35 @@ class ShardingProblem:
         :data:`BUDGET_GATHER_SHARE`, the whole share, as a gradient's: the plans that meet a tight
         budget gather every layer's parameters, a bucket at a time.
         """
-        def shared(c: Any, steps: int, cap: int | None, share: float = 1.0) -> float:   # less what bucket-mates pay
-            if cap is None:   # a collective joins a bucket only where the problem has a bucket size
+
+        def shared(c: Any, steps: int, cap: int | None, share: float = 1.0) -> float:  # less what bucket-mates pay
+            if cap is None:  # a collective joins a bucket only where the problem has a bucket size
                 raise ValueError(f"{c.kind} of {var!r} priced in a bucket, but the problem has no bucket size")
             latency = steps * (self.mesh.shape[c.axis] - 1) * self.mesh.link(c.axis, c.kind)[0]
             return c.cost - share * latency * (1.0 - min(1.0, c.nbytes / cap))
 
         if gathers_bucketed(self, var) and len(collectives) == 1 and collectives[0].kind == "all_gather":
             return shared(collectives[0], 1, self.shard_bucket_bytes, self.vars[var].get("gather_share", GATHER_SHARE))
-        at = bucketed_step(self, var, collectives)   # the one collective that joins a bucket (metadist_core.cost.buckets)
+        at = bucketed_step(
+            self, var, collectives
+        )  # the one collective that joins a bucket (metadist_core.cost.buckets)
         total = 0.0
         for i, c in enumerate(collectives):
             if i == at:
-                total += shared(c, 2, self.bucket_bytes) if c.kind == "all_reduce" else \
-                    shared(c, 1, self.shard_bucket_bytes)
+                total += (
+                    shared(c, 2, self.bucket_bytes) if c.kind == "all_reduce" else shared(c, 1, self.shard_bucket_bytes)
+                )
             else:
                 total += c.cost
         return total
 
     def size(self) -> dict:
-        return {"nodes": len(self.nodes), "options": int(sum(len(n.options) for n in self.nodes)),
-                "edges": sum(1 for e in self.edges if e.dst >= 0),
-                "edge_cells": int(sum(e.table.size for e in self.edges if e.dst >= 0))}
+        return {
+            "nodes": len(self.nodes),
+            "options": int(sum(len(n.options) for n in self.nodes)),
+            "edges": sum(1 for e in self.edges if e.dst >= 0),
+            "edge_cells": int(sum(e.table.size for e in self.edges if e.dst >= 0)),
+        }
 
     @property
     def terms_read(self) -> bool:
@@ -230,10 +267,12 @@ class ShardingProblem:
         t = copy.copy(cached)
         t.budget = self.memory_budget
         t.toggles = list(self.toggles)
-        if self.step_map is not None:   # memory terms in the positions of the graph the toggles are priced on
+        if self.step_map is not None:  # memory terms in the positions of the graph the toggles are priced on
             sm = self.step_map
-            t.mem = [MemTerm(m.node, m.nbytes, sm[m.start] if m.start >= 0 else m.start,
-                             sm[m.end] if m.end >= 0 else m.end) for m in cached.mem]
+            t.mem = [
+                MemTerm(m.node, m.nbytes, sm[m.start] if m.start >= 0 else m.start, sm[m.end] if m.end >= 0 else m.end)
+                for m in cached.mem
+            ]
             t.n_steps = sm[-1]
         return t
 
@@ -245,7 +284,7 @@ class ShardingProblem:
             readers.setdefault(e.var, []).append(e)
         shared = []
         for _var, es in readers.items():
-            if len(es) > 1:   # read by several ends: one reshard per (value, target, phase), as the lowering runs it
+            if len(es) > 1:  # read by several ends: one reshard per (value, target, phase), as the lowering runs it
                 shared.append(self._shared_term(es))
                 continue
             e = es[0]
@@ -257,11 +296,21 @@ class ShardingProblem:
         for i, n in enumerate(self.nodes):
             for s, v in enumerate(n.outputs):
                 info = self.vars[v]
-                if info["shape"] is None or info.get("view") or info.get("host"):   # host: metadist_core.levers.offload
+                if info["shape"] is None or info.get("view") or info.get("host"):  # host: metadist_core.levers.offload
                     continue
                 mem.append(MemTerm(i, self.output_bytes(i, s), info["live"][0], info["live"][1]))
-        return Terms(unary, edges, mem, [a.copy() for a in self.allowed], self.n_steps, self.memory_budget, 0.0,
-                     [n.id for n in self.nodes], str(self.mesh), shared)
+        return Terms(
+            unary,
+            edges,
+            mem,
+            [a.copy() for a in self.allowed],
+            self.n_steps,
+            self.memory_budget,
+            0.0,
+            [n.id for n in self.nodes],
+            str(self.mesh),
+            shared,
+        )
 
     def edge_targets(self, e: Edge) -> list[Sharding]:
         """The target Sharding of each column of ``e.table``."""
@@ -298,7 +347,7 @@ class ShardingProblem:
             srcs = self.edge_sources(es[0])
             merge = np.tile(np.arange(len(cols), dtype=np.int32), (len(srcs), 1))
             for r, a in enumerate(srcs):
-                if a.has_partial():   # one early all_reduce serves every phase (phases.share_phase)
+                if a.has_partial():  # one early all_reduce serves every phase (phases.share_phase)
                     for (t, _), c in cols.items():
                         merge[r, c] = cols.get((t, FORWARD), c)
         return SharedTerm(es[0].src, es[0].src_map, ends, table, merge)
@@ -322,12 +371,20 @@ class ShardingProblem:
     # -- JSON ---------------------------------------------------------------
     def to_json(self) -> dict:
         return {
-            "format": "metadist.ShardingProblem/1", "name": self.name, "mesh": self.mesh.to_json(),
-            "device": self.device.to_json(), "vars": self.vars, "nodes": [n.to_json() for n in self.nodes],
-            "compute": [c.tolist() for c in self.compute], "edges": [e.to_json() for e in self.edges],
-            "allowed": [a.astype(int).tolist() for a in self.allowed], "n_steps": self.n_steps,
-            "memory_budget": self.memory_budget, "constraints": [c.to_json() for c in self.constraints],
-            "outputs": self.outputs, "aliases": self.aliases,
+            "format": "metadist.ShardingProblem/1",
+            "name": self.name,
+            "mesh": self.mesh.to_json(),
+            "device": self.device.to_json(),
+            "vars": self.vars,
+            "nodes": [n.to_json() for n in self.nodes],
+            "compute": [c.tolist() for c in self.compute],
+            "edges": [e.to_json() for e in self.edges],
+            "allowed": [a.astype(int).tolist() for a in self.allowed],
+            "n_steps": self.n_steps,
+            "memory_budget": self.memory_budget,
+            "constraints": [c.to_json() for c in self.constraints],
+            "outputs": self.outputs,
+            "aliases": self.aliases,
             **({"bucket_bytes": self.bucket_bytes} if self.bucket_bytes else {}),
             **({"phases": self.phases} if self.phases else {}),
             **({"bucket_copies": self.bucket_copies} if self.bucket_copies else {}),
@@ -338,16 +395,30 @@ class ShardingProblem:
     @classmethod
     def from_json(cls, d: Mapping) -> "ShardingProblem":
         if d.get("format") != "metadist.ShardingProblem/1":
-            raise ValueError(f"not a ShardingProblem JSON (format {d.get('format')!r}, expected "
-                             f"'metadist.ShardingProblem/1')")
+            raise ValueError(
+                f"not a ShardingProblem JSON (format {d.get('format')!r}, expected 'metadist.ShardingProblem/1')"
+            )
         vars_ = {k: {**v, "shape": None if v["shape"] is None else tuple(v["shape"])} for k, v in d["vars"].items()}
-        return cls(d["name"], Mesh.from_json(d["mesh"]), DeviceSpec.from_json(d["device"]), vars_,
-                   [Node.from_json(n) for n in d["nodes"]], [np.asarray(c, dtype=float) for c in d["compute"]],
-                   [Edge.from_json(e) for e in d["edges"]], [np.asarray(a, dtype=bool) for a in d["allowed"]],
-                   int(d["n_steps"]), d.get("memory_budget"), parse_constraints(d.get("constraints") or []),
-                   list(d.get("outputs", [])), dict(d.get("aliases", {})), d.get("bucket_bytes"),
-                   dict(d.get("phases", {})), int(d.get("bucket_copies", 0)), d.get("shard_bucket_bytes"),
-                   first_bucket_bytes=d.get("first_bucket_bytes"))
+        return cls(
+            d["name"],
+            Mesh.from_json(d["mesh"]),
+            DeviceSpec.from_json(d["device"]),
+            vars_,
+            [Node.from_json(n) for n in d["nodes"]],
+            [np.asarray(c, dtype=float) for c in d["compute"]],
+            [Edge.from_json(e) for e in d["edges"]],
+            [np.asarray(a, dtype=bool) for a in d["allowed"]],
+            int(d["n_steps"]),
+            d.get("memory_budget"),
+            parse_constraints(d.get("constraints") or []),
+            list(d.get("outputs", [])),
+            dict(d.get("aliases", {})),
+            d.get("bucket_bytes"),
+            dict(d.get("phases", {})),
+            int(d.get("bucket_copies", 0)),
+            d.get("shard_bucket_bytes"),
+            first_bucket_bytes=d.get("first_bucket_bytes"),
+        )
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), separators=(",", ":"))
@@ -370,5 +441,13 @@ def gathers_bucketed(prob: ShardingProblem, var: str) -> bool:
     return bool(prob.shard_bucket_bytes and prob.vars[var].get("gather_priced"))
 
 
-__all__ = ["OUTPUT", "InfeasibleBudgetError", "Node", "Edge", "ShardingProblem", "GATHER_SHARE", "BUDGET_GATHER_SHARE",
-           "gathers_bucketed"]
+__all__ = [
+    "OUTPUT",
+    "InfeasibleBudgetError",
+    "Node",
+    "Edge",
+    "ShardingProblem",
+    "GATHER_SHARE",
+    "BUDGET_GATHER_SHARE",
+    "gathers_bucketed",
+]

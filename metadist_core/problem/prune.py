@@ -13,6 +13,7 @@ Partial beside a contraction split of its matmul: the work is split, the free
 local step on the bias is what makes the row-parallel Linear). One pass in
 topological order decides it.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -22,8 +23,9 @@ from metadist_core.ir.placement import Partial, Shard
 from metadist_core.discovery.rules import RuleBook, ShardingRule
 
 
-def useful_rules(graph: MetaIR, rulebook: RuleBook, axis_sizes: Sequence[int] = (2,)
-                 ) -> dict[str, dict[int, list[ShardingRule]]]:
+def useful_rules(
+    graph: MetaIR, rulebook: RuleBook, axis_sizes: Sequence[int] = (2,)
+) -> dict[str, dict[int, list[ShardingRule]]]:
     """op id -> axis size -> the rules verified at that size that are not dominated (see the module docstring)."""
     out: dict[str, dict[int, list[ShardingRule]]] = {op.id: {} for op in graph.ops}
     for n in sorted(set(axis_sizes)):
@@ -41,9 +43,11 @@ def _useful_at(graph: MetaIR, rulebook: RuleBook, n: int) -> dict[str, list[Shar
         kept = []
         for r in rules:
             partial_slots = [(i, p.reduce) for i, p in enumerate(r.inputs) if isinstance(p, Partial)]
-            if partial_slots and not any(i < len(t_in) and reduce in genuine.get(t_in[i], ())
-                                         for i, reduce in partial_slots) \
-                    and not any(isinstance(p, Shard) for p in r.inputs):
+            if (
+                partial_slots
+                and not any(i < len(t_in) and reduce in genuine.get(t_in[i], ()) for i, reduce in partial_slots)
+                and not any(isinstance(p, Shard) for p in r.inputs)
+            ):
                 continue
             kept.append(r)
             for v, p in zip(op.outputs, r.outputs):

@@ -6,6 +6,7 @@ by rows; attention inputs and output are split by heads, the q/k/v projections
 that feed them alone by columns and the output projection by rows. A split
 weight is read only in its split, never gathered.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,9 @@ from metadist_core.ir.placement import Replicate, Shard, Sharding
 from metadist_core.problem.presetgraph import MATMULS, NOT_ELEMENTWISE, PASS_WEIGHT, GraphView, Pins, split_on
 
 
-def _weight_of(g: GraphView, var: str, dims: tuple[int, int] = (0, 1), depth: int = 6
-               ) -> tuple[str, tuple[int, int]] | None:
+def _weight_of(
+    g: GraphView, var: str, dims: tuple[int, int] = (0, 1), depth: int = 6
+) -> tuple[str, tuple[int, int]] | None:
     """The 2-D parameter ``var`` comes from through transposes/casts/views, and which of its dims are
     ``var``'s dims 0 and 1."""
     for _ in range(depth):
@@ -57,7 +59,7 @@ def _matmul_weight(g: GraphView, i: int) -> tuple[int, str, int, int, str | None
     if name == "addmm":
         bw = n.inputs[0]
         bias = bw if g.role.get(bw) == "parameter" and len(g.shape(bw) or ()) == 1 else None
-    return a, w[0], w[1][1], w[1][0], bias   # B = W^T-ish: B's dim 1 is the output feature dim
+    return a, w[0], w[1][1], w[1][0], bias  # B = W^T-ish: B's dim 1 is the output feature dim
 
 
 def _matmuls_reached(g: GraphView, var: str, step, depth: int) -> list[int]:
@@ -89,10 +91,12 @@ def _matmul_at(g: GraphView, i: int) -> tuple[int, str, int, int, str | None]:
 
 def _follow(g: GraphView, var: str, width: int, depth: int = 12) -> list[int]:
     """Forward matmul nodes that ``var`` reaches (as their activation) through ops keeping its last dim."""
+
     def step(i: int, v: str) -> list[str]:
         if g.name(i) in NOT_ELEMENTWISE or _residual(g, i, v):
             return []
         return [o for o in g.prob.nodes[i].outputs if (g.shape(o) or (None,))[-1] == width]
+
     return _matmuls_reached(g, var, step, depth)
 
 
@@ -107,7 +111,7 @@ def _back_to_matmuls(g: GraphView, var: str, depth: int = 10) -> list[int]:
         seen.add(i)
         if _matmul_weight(g, i) is not None:
             hits.append(i)
-        elif d < depth and (g.name(i) not in NOT_ELEMENTWISE or g.name(i) == "cat"):   # cat: a KV cache
+        elif d < depth and (g.name(i) not in NOT_ELEMENTWISE or g.name(i) == "cat"):  # cat: a KV cache
             todo += [(u, d + 1) for u in g.prob.nodes[i].inputs if g.role.get(u) is None]
     return hits
 
@@ -118,8 +122,7 @@ def _residual(g: GraphView, i: int, v: str) -> bool:
     the RMSNorm's elementwise ops, and is no column/row pair with it."""
     if g.name(i) not in ("add", "sub"):
         return False
-    return any(u != v and g.shape(u) == g.shape(v) and g.role.get(u) != "parameter"
-               for u in g.prob.nodes[i].inputs)
+    return any(u != v and g.shape(u) == g.shape(v) and g.role.get(u) != "parameter" for u in g.prob.nodes[i].inputs)
 
 
 def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str, Sharding] | None = None) -> None:
@@ -146,18 +149,21 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
         if n.kind != "op" or "scaled_dot_product" not in n.key or "backward" in n.key:
             continue
         # the q/k/v projections (behind the 4-D inputs) and the output projections, walked once
-        cols = [(v, _matmul_at(g, j)) for v in n.inputs[:3] if len(g.shape(v) or ()) == 4
-                for j in _back_to_matmuls(g, v)]
+        cols = [
+            (v, _matmul_at(g, j)) for v in n.inputs[:3] if len(g.shape(v) or ()) == 4 for j in _back_to_matmuls(g, v)
+        ]
         rows = [_matmul_at(g, j) for j in _follow_any(g, n.outputs[0])]
         mine = list(dict.fromkeys([r[1] for r in rows] + [c[1] for _, c in cols]))
-        if any(unsplit(w) for w in mine):   # a fused qkv weight named once
-            pins.out.notes.append(f"attention {n.id}: {', '.join(var_name(g.prob, w) for w in mine if unsplit(w))} "
-                                  f"pinned unsplit by the user; the attention is left to the solver")
+        if any(unsplit(w) for w in mine):  # a fused qkv weight named once
+            pins.out.notes.append(
+                f"attention {n.id}: {', '.join(var_name(g.prob, w) for w in mine if unsplit(w))} "
+                f"pinned unsplit by the user; the attention is left to the solver"
+            )
             continue
         for v in list(n.inputs[:3]) + list(n.outputs[:1]):
             if len(g.shape(v) or ()) == 4:
                 split(v, 1, "attention heads")
-        for v, (_, w, out_dim, _, bias) in cols:   # q/k/v projections: column-parallel (a fused qkv is left whole)
+        for v, (_, w, out_dim, _, bias) in cols:  # q/k/v projections: column-parallel (a fused qkv is left whole)
             shp = g.tensor_shape(v)
             if g.tensor_shape(w)[out_dim] == shp[1] * shp[3]:
                 split(w, out_dim, "column-parallel weight")
@@ -178,8 +184,10 @@ def tensor_parallel(g: GraphView, pins: Pins, axes: list[int], user: Mapping[str
             if w2 == w1 or g.tensor_shape(w2)[in2] != width:
                 continue
             if unsplit(w1) or unsplit(w2):
-                pins.out.notes.append(f"{var_name(g.prob, w1)} / {var_name(g.prob, w2)}: pinned unsplit by the "
-                                      f"user; the pair is left to the solver")
+                pins.out.notes.append(
+                    f"{var_name(g.prob, w1)} / {var_name(g.prob, w2)}: pinned unsplit by the "
+                    f"user; the pair is left to the solver"
+                )
                 continue
             pins.out.pairs.append((w1, w2))
             split(w1, out1, "column-parallel weight")
@@ -210,10 +218,11 @@ def _read_split(g: GraphView, pins: Pins, weight: str, dim: int, axes: list[int]
                 elif g.shape(o) == g.shape(v):
                     todo.append((o, d))
     for v, d in chain:
-        if not all(any(all(o.inputs[slot][a] == Shard(d) for a in axes) for o in g.prob.nodes[i].options)
-                   for i, slot in g.readers.get(v, [])):
-            pins.out.notes.append(f"{var_name(g.prob, v)}: a reader cannot take it split on dim {d}; "
-                                  f"it may be moved")
+        if not all(
+            any(all(o.inputs[slot][a] == Shard(d) for a in axes) for o in g.prob.nodes[i].options)
+            for i, slot in g.readers.get(v, [])
+        ):
+            pins.out.notes.append(f"{var_name(g.prob, v)}: a reader cannot take it split on dim {d}; it may be moved")
             continue
         others = [Replicate()] + [Shard(k) for k in range(len(g.shape(v) or ())) if k != d]
         pins.out.pins.extend(Forbid(p, var=v, axis=a) for p in others for a in axes)
@@ -221,8 +230,7 @@ def _read_split(g: GraphView, pins: Pins, weight: str, dim: int, axes: list[int]
 
 def _follow_any(g: GraphView, var: str, depth: int = 8) -> list[int]:
     """The first forward matmuls ``var`` reaches as their activation, through transposes, views and casts."""
-    return _matmuls_reached(g, var, lambda i, v: g.prob.nodes[i].outputs if g.name(i) in PASS_WEIGHT else [],
-                            depth)
+    return _matmuls_reached(g, var, lambda i, v: g.prob.nodes[i].outputs if g.name(i) in PASS_WEIGHT else [], depth)
 
 
 __all__ = ["tensor_parallel"]

@@ -9,6 +9,7 @@ defines it, and over which op positions it is live. :func:`contract` maps
 options of a finer Terms onto a coarser one (followers, tied layers, fixed
 nodes), which is all coarsening needs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -20,9 +21,9 @@ import numpy as np
 class EdgeTerm:
     src: int
     dst: int
-    src_map: np.ndarray   # option of src -> row of table
-    dst_map: np.ndarray   # option of dst -> column of table
-    table: np.ndarray     # seconds, rows x columns
+    src_map: np.ndarray  # option of src -> row of table
+    dst_map: np.ndarray  # option of dst -> column of table
+    table: np.ndarray  # seconds, rows x columns
 
     def cost(self, a: int, b: int) -> float:
         return float(self.table[self.src_map[a], self.dst_map[b]])
@@ -45,10 +46,10 @@ class SharedTerm:
     """
 
     src: int
-    src_map: np.ndarray                              # option of src -> row
-    readers: list[tuple[int, np.ndarray]]            # (node, option -> column)
-    table: np.ndarray                                # seconds, rows x columns
-    merge: np.ndarray | None = None                  # rows x columns -> the column actually paid (None: itself)
+    src_map: np.ndarray  # option of src -> row
+    readers: list[tuple[int, np.ndarray]]  # (node, option -> column)
+    table: np.ndarray  # seconds, rows x columns
+    merge: np.ndarray | None = None  # rows x columns -> the column actually paid (None: itself)
 
     def paid(self, row: int, col: int) -> int:
         """The column paid when a reader takes ``col`` under source row ``row``: columns that differ only in
@@ -64,9 +65,9 @@ class SharedTerm:
 @dataclass
 class MemTerm:
     node: int
-    nbytes: np.ndarray    # bytes per device under each option of ``node``
-    start: int            # first op position where the value is live (-1: before the first op)
-    end: int              # last op position (n_steps - 1 ... n_steps: held to the end)
+    nbytes: np.ndarray  # bytes per device under each option of ``node``
+    start: int  # first op position where the value is live (-1: before the first op)
+    end: int  # last op position (n_steps - 1 ... n_steps: held to the end)
 
 
 @dataclass
@@ -82,19 +83,20 @@ class Toggle:
     mem_add: list[MemTerm]
     mem_drop: list[MemTerm]
     name: str = ""
-    pairs: list[EdgeTerm] = field(default_factory=list)   # pairwise costs paid when on (both ends free nodes)
+    pairs: list[EdgeTerm] = field(default_factory=list)  # pairwise costs paid when on (both ends free nodes)
 
     def cost(self, choice: np.ndarray) -> float:
-        return float(sum(a[0 if n < 0 else choice[n]] for n, a in self.unary)
-                     + sum(e.cost(choice[e.src], choice[e.dst]) for e in self.pairs))
+        return float(
+            sum(a[0 if n < 0 else choice[n]] for n, a in self.unary)
+            + sum(e.cost(choice[e.src], choice[e.dst]) for e in self.pairs)
+        )
 
 
 def _toggle_terms(on: np.ndarray | None, toggles: list[Toggle]) -> list[tuple[MemTerm, int]]:
     """(term, +1 added / -1 dropped) of the toggles that are on."""
     if on is None:
         return []
-    return [(m, sg) for t, o in zip(toggles, on) if o
-            for sg, ms in ((1, t.mem_add), (-1, t.mem_drop)) for m in ms]
+    return [(m, sg) for t, o in zip(toggles, on) if o for sg, ms in ((1, t.mem_add), (-1, t.mem_drop)) for m in ms]
 
 
 @dataclass
@@ -102,14 +104,14 @@ class Terms:
     unary: list[np.ndarray]
     edges: list[EdgeTerm]
     mem: list[MemTerm]
-    allowed: list[np.ndarray]          # bool per option
-    n_steps: int = 0                   # op positions span -1 .. n_steps
+    allowed: list[np.ndarray]  # bool per option
+    n_steps: int = 0  # op positions span -1 .. n_steps
     budget: int | None = None
-    offset: float = 0.0                # constant cost folded out of the problem
+    offset: float = 0.0  # constant cost folded out of the problem
     names: list[str] = field(default_factory=list)
-    mesh_name: str = "?"               # the mesh, for messages (an infeasible budget names it)
-    shared: list[SharedTerm] = field(default_factory=list)   # values read by several ops: paid once per target
-    toggles: list[Toggle] = field(default_factory=list)      # yes/no decisions priced beside the shardings
+    mesh_name: str = "?"  # the mesh, for messages (an infeasible budget names it)
+    shared: list[SharedTerm] = field(default_factory=list)  # values read by several ops: paid once per target
+    toggles: list[Toggle] = field(default_factory=list)  # yes/no decisions priced beside the shardings
 
     @property
     def n_nodes(self) -> int:
@@ -121,8 +123,12 @@ class Terms:
 
     def size(self) -> dict:
         """Problem size figures: nodes, options, edges and edge table cells."""
-        return {"nodes": self.n_nodes, "options": int(sum(self.n_options)), "edges": len(self.edges),
-                "edge_cells": int(sum(e.table.size for e in self.edges))}
+        return {
+            "nodes": self.n_nodes,
+            "options": int(sum(self.n_options)),
+            "edges": len(self.edges),
+            "edge_cells": int(sum(e.table.size for e in self.edges)),
+        }
 
     def masked_unary(self, i: int) -> np.ndarray:
         u = self.unary[i].astype(float).copy()
@@ -150,8 +156,9 @@ class Terms:
         unary = [u.astype(float).copy() for u in self.unary]
         edges = list(self.edges)
         offset = self.offset + sum(_fold_per_reader(g, unary, edges) for g in self.shared)
-        return Terms(unary, edges, self.mem, self.allowed, self.n_steps, self.budget, offset, self.names,
-                     self.mesh_name)
+        return Terms(
+            unary, edges, self.mem, self.allowed, self.n_steps, self.budget, offset, self.names, self.mesh_name
+        )
 
     def memory_profile(self, choice: np.ndarray, on: np.ndarray | None = None) -> np.ndarray:
         """Bytes per device live at each position -1 .. n_steps (index 0 is position -1), with the toggles
@@ -204,8 +211,9 @@ def _compress(dense: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return src_map.reshape(-1).astype(np.int32), dst_map.reshape(-1).astype(np.int32), cols
 
 
-def _onto(e: EdgeTerm, assign: list[int], maps: list[np.ndarray]) -> tuple[int, int, np.ndarray, np.ndarray,
-                                                                          tuple[int, np.ndarray] | None]:
+def _onto(
+    e: EdgeTerm, assign: list[int], maps: list[np.ndarray]
+) -> tuple[int, int, np.ndarray, np.ndarray, tuple[int, np.ndarray] | None]:
     """Edge ``e`` on the coarse nodes: its coarse ends, their option maps into its table, and ``(node, cost
     per option)`` when it folds into one node's unary cost (node -1: a constant, one entry), else None."""
     cu, cw = assign[e.src], assign[e.dst]
@@ -221,8 +229,9 @@ def _onto(e: EdgeTerm, assign: list[int], maps: list[np.ndarray]) -> tuple[int, 
     return cu, cw, smap, dmap, None
 
 
-def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options: list[int],
-             names: list[str] | None = None) -> Terms:
+def contract(
+    terms: Terms, assign: list[int], maps: list[np.ndarray], n_options: list[int], names: list[str] | None = None
+) -> Terms:
     """Coarser Terms in which fine node ``i`` takes option ``maps[i][k]`` when coarse node ``assign[i]`` takes ``k``.
 
     ``assign[i] == -1`` fixes fine node ``i`` to option ``maps[i][0]``: its
@@ -311,16 +320,22 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
             continue
         if s_node < 0 and all(n < 0 for n, _ in readers):
             offset += g2.cost(np.zeros(0, dtype=np.int64))
-        elif len(readers) == 1:   # one reader left: an ordinary pairwise term
+        elif len(readers) == 1:  # one reader left: an ordinary pairwise term
             offset += _fold_per_reader(g2, unary, edges)
-        else:   # terms with the same ends (tied layers) pick the same columns: their tables add up
-            key = (s_node, s_map.tobytes(), tuple((n, m.tobytes()) for n, m in readers), g.table.shape,
-                   None if g.merge is None else g.merge.tobytes())
+        else:  # terms with the same ends (tied layers) pick the same columns: their tables add up
+            key = (
+                s_node,
+                s_map.tobytes(),
+                tuple((n, m.tobytes()) for n, m in readers),
+                g.table.shape,
+                None if g.merge is None else g.merge.tobytes(),
+            )
             if key in merged:
                 merged[key].table = merged[key].table + g.table
             else:
                 merged[key] = g2
                 shared.append(g2)
+
     def mem_of(m: MemTerm) -> MemTerm:
         if m.node < 0:
             return m
@@ -334,7 +349,7 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
         return (-1, a[maps[node][:1]]) if assign[node] < 0 else (int(assign[node]), a[maps[node]])
 
     toggles = []
-    for t in terms.toggles:   # a toggle's costs on one coarse node add up; constants fold into one entry
+    for t in terms.toggles:  # a toggle's costs on one coarse node add up; constants fold into one entry
         by: dict[int, np.ndarray] = {}
         on_pairs: list[EdgeTerm] = []
 
@@ -343,13 +358,25 @@ def contract(terms: Terms, assign: list[int], maps: list[np.ndarray], n_options:
 
         for node, a in t.unary:
             put(*unary_of(node, a))
-        for e in t.pairs:   # as the edges above: inside one node or to a fixed one it is a unary cost
+        for e in t.pairs:  # as the edges above: inside one node or to a fixed one it is a unary cost
             cu, cw, smap, dmap, folded = _onto(e, assign, maps)
             if folded is not None:
                 put(*folded)
             else:
                 on_pairs.append(EdgeTerm(cu, cw, smap, dmap, e.table))
-        toggles.append(Toggle(list(by.items()), [mem_of(m) for m in t.mem_add], [mem_of(m) for m in t.mem_drop],
-                              t.name, on_pairs))
-    return Terms(unary, edges, [mem_of(m) for m in terms.mem], allowed, terms.n_steps, terms.budget, offset,
-                 names or [f"n{i}" for i in range(n)], terms.mesh_name, shared, toggles)
+        toggles.append(
+            Toggle(list(by.items()), [mem_of(m) for m in t.mem_add], [mem_of(m) for m in t.mem_drop], t.name, on_pairs)
+        )
+    return Terms(
+        unary,
+        edges,
+        [mem_of(m) for m in terms.mem],
+        allowed,
+        terms.n_steps,
+        terms.budget,
+        offset,
+        names or [f"n{i}" for i in range(n)],
+        terms.mesh_name,
+        shared,
+        toggles,
+    )

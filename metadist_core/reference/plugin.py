@@ -5,6 +5,7 @@ these ops exactly as it does for aten, lax or TE ops, and `metadist demo`
 plans a small transformer block built from them. Op keys start with ``np.``.
 Discovery runs in float64.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,17 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from metadist_core.config import load_settings
-from metadist_core.driver.frontend import (Frontend, FrontendTraits, Lowered, Program, Resolved, Traced, Trials,
-                                           WholeStep, not_supported)
+from metadist_core.driver.frontend import (
+    Frontend,
+    FrontendTraits,
+    Lowered,
+    Program,
+    Resolved,
+    Traced,
+    Trials,
+    WholeStep,
+    not_supported,
+)
 from metadist_core.hookspecs import hookimpl
 from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.ir.mesh import Mesh
@@ -42,7 +52,7 @@ def _layer_norm(x: np.ndarray, w: np.ndarray, b: np.ndarray, ndim: int = 1, eps:
 
 
 def _gelu(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
 
 
 def _ax(attrs_dim):
@@ -154,8 +164,13 @@ def op_spec(op: MetaOp, graph: MetaIR, seed: int = 0) -> OpSpec:
     attrs = dict(op.attrs)
     if op.key in RESHAPES:
         out_shape = _known_shape(graph, op.outputs[0])
-        return OpSpec(lambda x: run_op(op.key, [x], attrs), examples, op.key,
-                      reshape_fn=lambda x, shape: np.reshape(x, shape), out_shape=out_shape)
+        return OpSpec(
+            lambda x: run_op(op.key, [x], attrs),
+            examples,
+            op.key,
+            reshape_fn=lambda x, shape: np.reshape(x, shape),
+            out_shape=out_shape,
+        )
     return OpSpec(lambda *xs: run_op(op.key, xs, attrs), examples, op.key)
 
 
@@ -163,8 +178,10 @@ def _known_shape(graph: MetaIR, v: str) -> tuple[int, ...]:
     """The shape of ``v``, which a reference op needs."""
     shape = graph.vars[v].shape
     if shape is None:
-        raise ValueError(f"value {v!r} of graph {graph.name!r} has no known shape; the reference ops run on "
-                         "numpy arrays and need every value's shape (give it one when building the graph)")
+        raise ValueError(
+            f"value {v!r} of graph {graph.name!r} has no known shape; the reference ops run on "
+            "numpy arrays and need every value's shape (give it one when building the graph)"
+        )
     return tuple(shape)
 
 
@@ -199,8 +216,10 @@ class ReferenceFrontend(Frontend):
     def trace(self, fn: Any, args: tuple, kwargs: dict) -> Traced:
         graph = fn(*args, **kwargs)
         if not isinstance(graph, MetaIR):
-            raise TypeError(f"the reference frontend traces functions that return a MetaIR; "
-                            f"{getattr(fn, '__name__', fn)!r} returned {type(graph).__name__}")
+            raise TypeError(
+                f"the reference frontend traces functions that return a MetaIR; "
+                f"{getattr(fn, '__name__', fn)!r} returned {type(graph).__name__}"
+            )
         return Traced(graph)
 
     def resolve_mesh(self, mesh: Any, profile: Any) -> Resolved:
@@ -208,8 +227,7 @@ class ReferenceFrontend(Frontend):
             mesh = (2,)
         if isinstance(mesh, Mesh):
             return Resolved(mesh)
-        shape = Mesh.parse(mesh).shape if isinstance(mesh, str) else \
-            ((mesh,) if isinstance(mesh, int) else tuple(mesh))
+        shape = Mesh.parse(mesh).shape if isinstance(mesh, str) else ((mesh,) if isinstance(mesh, int) else tuple(mesh))
         return Resolved(profile.mesh(shape))
 
     def lower(self, traced: Traced, program: Program, resolved: Resolved, settings: Any) -> Lowered:
@@ -222,8 +240,9 @@ class ReferenceFrontend(Frontend):
 
         def run(*arrays: np.ndarray) -> tuple[dict, dict]:
             if len(arrays) != len(graph.inputs):
-                raise TypeError(f"{graph.name} takes {len(graph.inputs)} inputs ({', '.join(graph.inputs)}), "
-                                f"got {len(arrays)}")
+                raise TypeError(
+                    f"{graph.name} takes {len(graph.inputs)} inputs ({', '.join(graph.inputs)}), got {len(arrays)}"
+                )
             return simulate(graph, plan, mesh, dict(zip(graph.inputs, arrays)), run_local)
 
         return Lowered(run)
@@ -245,8 +264,13 @@ def rules_for(key: str, *example_inputs: np.ndarray, axis_size: int = 2, **attrs
     xs = [np.asarray(x, dtype=np.float64) for x in example_inputs]
     if key in RESHAPES:
         out_shape = tuple(np.reshape(xs[0], attrs["shape"]).shape)
-        spec = OpSpec(lambda x: run_op(key, [x], attrs), xs, key,
-                      reshape_fn=lambda x, shape: np.reshape(x, shape), out_shape=out_shape)
+        spec = OpSpec(
+            lambda x: run_op(key, [x], attrs),
+            xs,
+            key,
+            reshape_fn=lambda x, shape: np.reshape(x, shape),
+            out_shape=out_shape,
+        )
     else:
         spec = OpSpec(lambda *a: run_op(key, a, attrs), xs, key)
     return discover_rules(spec, axis_size)
@@ -264,16 +288,21 @@ def run_demo(mesh_text: str = "4", solver: str | None = None, cache_dir: str | N
     settings = load_settings(solver=solver, cache_dir=cache_dir)
     pm = PluginManager()
     graph = transformer_block(batch=8, seq=16, width=32, hidden=128, name="demo-block")
-    print(f"MetaDist demo: a transformer block ({len(graph.ops)} ops, numpy reference frontend) "
-          f"on a simulated mesh {mesh} with solver {settings.solver!r}")
+    print(
+        f"MetaDist demo: a transformer block ({len(graph.ops)} ops, numpy reference frontend) "
+        f"on a simulated mesh {mesh} with solver {settings.solver!r}"
+    )
     result = plan_graph(graph, mesh, plugins=pm, settings=dataclasses.replace(settings, progress=True))
     sizes = sorted({n for n in mesh.shape if n > 1})
     keys = {(e.key, n) for n in sizes for op in graph.ops if (e := result.rulebook.lookup(op, graph, n))}
-    n_rules = sum(len(result.rulebook.rules_for(op, graph, n)) for n in sizes
-                  for op in graph.unique_signatures().values())
-    print(f"rules: {n_rules} verified one-axis rules over {len(graph.unique_signatures())} op signatures and "
-          f"{result.rulebook.discovered + result.rulebook.cache_hits} op patterns "
-          f"({result.rulebook.cache_hits} read from the cache)")
+    n_rules = sum(
+        len(result.rulebook.rules_for(op, graph, n)) for n in sizes for op in graph.unique_signatures().values()
+    )
+    print(
+        f"rules: {n_rules} verified one-axis rules over {len(graph.unique_signatures())} op signatures and "
+        f"{result.rulebook.discovered + result.rulebook.cache_hits} op patterns "
+        f"({result.rulebook.cache_hits} read from the cache)"
+    )
     del keys
     print(result.plan)
 
@@ -287,8 +316,13 @@ def run_demo(mesh_text: str = "4", solver: str | None = None, cache_dir: str | N
     t_sim = time.perf_counter() - t
     loss = graph.outputs[0]
     diff = abs(float(outs[loss]) - float(ref[loss]))
-    print(f"loss: {float(outs[loss]):.10f} on {mesh.size} simulated devices, "
-          f"{float(ref[loss]):.10f} on one device (|diff| {diff:.1e})")
-    print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items())
-          + f", one-device step {t_single * 1e3:.1f} ms, simulated step {t_sim * 1e3:.1f} ms")
+    print(
+        f"loss: {float(outs[loss]):.10f} on {mesh.size} simulated devices, "
+        f"{float(ref[loss]):.10f} on one device (|diff| {diff:.1e})"
+    )
+    print(
+        "timings: "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in result.timings.items())
+        + f", one-device step {t_single * 1e3:.1f} ms, simulated step {t_sim * 1e3:.1f} ms"
+    )
     return 0 if diff <= 1e-9 * max(1.0, abs(float(ref[loss]))) else 1

@@ -1,4 +1,5 @@
 """Small MetaIR graphs with hand-derived rules, for problem and solver tests."""
+
 from metadist_core.ir.ir import MetaIR
 from metadist_core.discovery.rules import OpRules, RuleBook
 
@@ -13,6 +14,7 @@ def reference_pm():
         @hookimpl
         def metadist_frontend(self):
             return ReferenceFrontend()
+
     pm = PluginManager(load_entry_points=False)
     pm.register(_Plugin(), "frontend", "reference")
     return pm
@@ -25,6 +27,7 @@ def rules_by_op(book: RuleBook, graph: MetaIR, n: int) -> dict:
 
 def rulebook(graph: MetaIR) -> RuleBook:
     from benchmarks.synthetic_rules import rules_for_op
+
     book = RuleBook()
     for _sig, op in graph.unique_signatures().items():
         book.add_op(op, graph, OpRules(op.key, rules_for_op(op, graph)))

@@ -1,4 +1,5 @@
 """metadist_core must import no framework: checked in a fresh interpreter."""
+
 import pkgutil
 import subprocess
 import sys
@@ -8,8 +9,16 @@ import metadist_core
 
 def test_core_modules_import_no_framework():
     mods = sorted(m.name.split(".", 1)[1] for m in pkgutil.walk_packages(metadist_core.__path__, "metadist_core."))
-    assert {"ir.placement", "ir.ir", "discovery.shardcombine", "discovery.rules", "driver.compile", "hookspecs",
-            "plugins", "driver.cli"} <= set(mods)
+    assert {
+        "ir.placement",
+        "ir.ir",
+        "discovery.shardcombine",
+        "discovery.rules",
+        "driver.compile",
+        "hookspecs",
+        "plugins",
+        "driver.cli",
+    } <= set(mods)
     code = (
         "import importlib, sys\n"
         f"for m in {mods!r}:\n"
@@ -45,9 +54,8 @@ def test_core_source_imports_no_frontend_or_framework():
                 if n.split(".")[0] in FRONTEND_PACKAGES + FRAMEWORKS:
                     bad.append(f"{path.name}:{node.lineno} imports {n}")
         text = path.read_text()
-        for pkg in FRONTEND_PACKAGES[:3]:   # importlib/__import__ with a frontend's name in the source
+        for pkg in FRONTEND_PACKAGES[:3]:  # importlib/__import__ with a frontend's name in the source
             for needle in (f'import_module("{pkg}', f"import_module('{pkg}", f'__import__("{pkg}'):
                 if needle in text:
                     bad.append(f"{path.name} imports {pkg} dynamically")
     assert not bad, "metadist_core reaches up the flow: " + "; ".join(bad)
-

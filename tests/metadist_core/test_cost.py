@@ -1,4 +1,5 @@
 """Cost model: collective formulas, and reshard sequences checked by simulating them on numpy pieces."""
+
 import itertools
 
 import numpy as np
@@ -30,7 +31,7 @@ def layout(full, sh: Sharding, mesh: Mesh, rng):
         if isinstance(p, Partial):
             for c in pieces:
                 if c[a] == 0:
-                    group = [c[:a] + (j,) + c[a + 1:] for j in range(mesh.shape[a])]
+                    group = [c[:a] + (j,) + c[a + 1 :] for j in range(mesh.shape[a])]
                     total = pieces[c].copy()
                     for g in group[1:]:
                         r = rng.integers(-5, 5, size=total.shape).astype(float)
@@ -43,7 +44,7 @@ def layout(full, sh: Sharding, mesh: Mesh, rng):
 def groups(mesh, axis):
     others = [range(s) if a != axis else [0] for a, s in enumerate(mesh.shape)]
     for c in itertools.product(*others):
-        yield [c[:axis] + (j,) + c[axis + 1:] for j in range(mesh.shape[axis])]
+        yield [c[:axis] + (j,) + c[axis + 1 :] for j in range(mesh.shape[axis])]
 
 
 def apply(pieces, step: Collective, mesh: Mesh):
@@ -92,8 +93,7 @@ def all_shardings(ndim, mesh, shape):
             yield Sharding(combo)
 
 
-@pytest.mark.parametrize("mesh_shape,shape", [((2, 2), (4, 6)), ((2, 3), (6, 5)), ((2, 2, 2), (8, 4)),
-                                              ((4,), (6, 7))])
+@pytest.mark.parametrize("mesh_shape,shape", [((2, 2), (4, 6)), ((2, 3), (6, 5)), ((2, 2, 2), (8, 4)), ((4,), (6, 7))])
 def test_reshard_sequences_move_the_data_right(mesh_shape, shape):
     mesh = Mesh(mesh_shape)
     rng = np.random.default_rng(0)
@@ -143,7 +143,7 @@ def test_collective_costs_follow_alpha_beta():
 
 def test_compute_and_memory():
     assert compute_cost(2e9, 1e3, split=4) == pytest.approx(2e9 / 4 / 100e9)
-    assert compute_cost(1.0, 20e9) == pytest.approx(1.0)   # memory bound
+    assert compute_cost(1.0, 20e9) == pytest.approx(1.0)  # memory bound
     mesh = Mesh((2, 4))
     assert local_bytes((8, 8), "float32", Sharding([Shard(0), Shard(1)]), mesh) == 4 * 2 * 4
     assert local_bytes((8, 8), "float32", Sharding([P, R]), mesh) == 256
@@ -155,23 +155,28 @@ def test_collective_json_round_trip():
     assert "axis" in str(s[0])
 
 
-@pytest.mark.parametrize("mesh_shape,shape", [((2, 2, 2), (8, 6, 4)), ((2, 2, 2), (16,)), ((2, 4), (12, 8)),
-                                              ((8, 16), (24, 40))])
+@pytest.mark.parametrize(
+    "mesh_shape,shape", [((2, 2, 2), (8, 6, 4)), ((2, 2, 2), (16,)), ((2, 4), (12, 8)), ((8, 16), (24, 40))]
+)
 def test_table_costs_equal_the_priced_step_lists_for_every_pair(mesh_shape, shape):
     """The compiled all-pairs search the problem's edge tables read agrees with the step list reshard
     returns (what the lowering runs), pair by pair, and refuses what reshard refuses."""
     from metadist_core.cost.reshard import reshard_costs
-    mesh = Mesh(mesh_shape, alpha=(1e-6, 3e-6, 5e-6)[:len(mesh_shape)], beta=(1e-9, 2e-9, 4e-9)[:len(mesh_shape)])
+
+    mesh = Mesh(mesh_shape, alpha=(1e-6, 3e-6, 5e-6)[: len(mesh_shape)], beta=(1e-9, 2e-9, 4e-9)[: len(mesh_shape)])
     opts = [Replicate(), Partial("sum"), Partial("max")] + [Shard(d) for d in range(len(shape))]
-    states = [Sharding(c) for c in itertools.product(opts, repeat=len(mesh_shape))
-              if largest_local_shape(shape, c, mesh_shape) is not None]
+    states = [
+        Sharding(c)
+        for c in itertools.product(opts, repeat=len(mesh_shape))
+        if largest_local_shape(shape, c, mesh_shape) is not None
+    ]
     compared = 0
-    for a in states[::max(1, len(states) // 24)]:   # two dozen sources, every destination
+    for a in states[:: max(1, len(states) // 24)]:  # two dozen sources, every destination
         reachable = []
         for b in states:
             try:
                 reachable.append((b, reshard_cost(a, b, shape, "float32", mesh)))
-            except ValueError:   # e.g. Partial(max) -> Partial(sum): no step sequence
+            except ValueError:  # e.g. Partial(max) -> Partial(sum): no step sequence
                 with pytest.raises(ValueError):
                     reshard_costs(a, [b], shape, "float32", mesh)
         got = reshard_costs(a, [b for b, _ in reachable], shape, "float32", mesh)

@@ -1,4 +1,5 @@
 """Compute is priced by dtype: tensor-core rates for bf16/fp16, fp32 rates otherwise; specs round-trip as JSON."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ def test_the_same_matmul_in_bf16_is_priced_faster_by_the_tensor_core_ratio(prese
     seconds = {}
     for dtype in ("float32", "bfloat16", "float16"):
         g = matmul_graph(dtype)
-        flops = 2.0 * 4096 ** 3
+        flops = 2.0 * 4096**3
         nbytes = float(sum(v.nbytes for v in g.vars.values()))
         prob = build_problem(g, RuleBook(), mesh, op_costs={"mm": (flops, nbytes)}, device=dev)
         i = next(j for j, node in enumerate(prob.nodes) if node.id == "mm")
@@ -44,7 +45,7 @@ def test_the_same_matmul_in_bf16_is_priced_faster_by_the_tensor_core_ratio(prese
 
 def test_memory_bound_ops_are_priced_by_bytes_not_by_dtype_rate():
     dev = DEVICE_PRESETS["a100"]
-    nbytes_fp32, nbytes_bf16 = 4e9, 2e9   # an elementwise op: 1e9 FLOPs, far below either FLOP ceiling
+    nbytes_fp32, nbytes_bf16 = 4e9, 2e9  # an elementwise op: 1e9 FLOPs, far below either FLOP ceiling
     t32 = compute_cost(1e9, nbytes_fp32, device=dev, dtype="float32")
     t16 = compute_cost(1e9, nbytes_bf16, device=dev, dtype="bfloat16")
     assert t32 == pytest.approx(nbytes_fp32 / dev.mem_bandwidth)
@@ -54,17 +55,17 @@ def test_memory_bound_ops_are_priced_by_bytes_not_by_dtype_rate():
 def test_compute_dtype_is_the_widest_floating_input():
     assert compute_dtype(["bfloat16", "bfloat16"]) == "bfloat16"
     assert compute_dtype(["float32", "bfloat16"]) == "float32"
-    assert compute_dtype(["int64"], ["float16"]) == "float16"    # an embedding lookup: its table's dtype
+    assert compute_dtype(["int64"], ["float16"]) == "float16"  # an embedding lookup: its table's dtype
     assert compute_dtype(["int64", "bool"]) is None
     assert DEVICE_PRESETS["cpu"].flops_for("bfloat16") == DEVICE_PRESETS["cpu"].peak_flops
     assert DEVICE_PRESETS["a100"].flops_for(None) == 19.5e12
 
 
 def test_device_spec_json_round_trip_and_old_files():
-    dev = DeviceSpec("x", 1e12, 1e11, 2 ** 30, 1e-6, {"float16": 8e12, "bfloat16": 4e12})
+    dev = DeviceSpec("x", 1e12, 1e11, 2**30, 1e-6, {"float16": 8e12, "bfloat16": 4e12})
     back = DeviceSpec.from_json(json.loads(json.dumps(dev.to_json())))
     assert back == dev and hash(back) == hash(dev)
     assert back.flops_for("float16") == 8e12 and back.flops_for("float32") == 1e12
-    old = {"name": "old", "peak_flops": 5e11, "mem_bandwidth": 1e10, "memory_bytes": 2 ** 30, "op_overhead": 0.0}
-    spec = DeviceSpec.from_json(old)   # written before per-dtype rates existed
+    old = {"name": "old", "peak_flops": 5e11, "mem_bandwidth": 1e10, "memory_bytes": 2**30, "op_overhead": 0.0}
+    spec = DeviceSpec.from_json(old)  # written before per-dtype rates existed
     assert spec.flops_by_dtype == () and spec.flops_for("bfloat16") == 5e11

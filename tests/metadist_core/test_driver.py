@@ -1,5 +1,6 @@
 """The one driver: a toy frontend (the numpy reference frontend) registered through the same hook as
 torch, JAX and TVM, compiled through compile_step / CompiledStep, and checked against the unsplit run."""
+
 import numpy as np
 import pytest
 
@@ -39,11 +40,18 @@ def test_toy_frontend_compiles_through_the_driver(tmp_path, mesh):
     pm = _pm()
     fe = pm.frontend("toy")
     assert isinstance(fe, Frontend) and fe.traits.owns(type("Op", (), {"key": "np.matmul"})())
-    res = compile_step(fe, transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32},
-                       load_settings(cache_dir=str(tmp_path), progress=False), mesh=mesh, plugins=pm)
+    res = compile_step(
+        fe,
+        transformer_block,
+        (),
+        {"batch": 4, "seq": 8, "width": 16, "hidden": 32},
+        load_settings(cache_dir=str(tmp_path), progress=False),
+        mesh=mesh,
+        plugins=pm,
+    )
     assert set(res.timings) >= {"trace", "discover", "build_problem", "solve", "lower"}
     assert res.mesh.shape == mesh and res.plan.mesh_shape == mesh
-    for seed in (1, 2):   # data the planner never saw
+    for seed in (1, 2):  # data the planner never saw
         ins = _inputs(res.graph, seed)
         outs, _ = res.runnable(*ins)
         ref = run_graph(res.graph, dict(zip(res.graph.inputs, ins)))
@@ -82,7 +90,7 @@ def test_plan_only_is_handled_by_the_driver(tmp_path, monkeypatch, capsys):
         with pytest.raises(planonly.PlanOnlyDone) as done:
             compile_step(pm.frontend("toy"), transformer_block, (), {}, load_settings(progress=False), plugins=pm)
     assert done.value.path == str(out) and not isinstance(done.value, SystemExit)
-    assert planonly.requested() is None   # the setting ends with its context
+    assert planonly.requested() is None  # the setting ends with its context
     assert out.is_file() and "planned on mesh 2x4" in capsys.readouterr().out
 
 
@@ -99,8 +107,15 @@ def test_misspelled_hook_is_an_error_naming_it():
     assert "typo" not in pm.names("frontend")
 
 
-@pytest.mark.parametrize("argv", [["demo", "--solver", "nope"], ["demo", "--reference", "--solver", "nope"],
-                                  ["plan", "x.py", "--solver", "nope"], ["plan", "g.json", "--solver", "nope"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--solver", "nope"],
+        ["demo", "--reference", "--solver", "nope"],
+        ["plan", "x.py", "--solver", "nope"],
+        ["plan", "g.json", "--solver", "nope"],
+    ],
+)
 def test_cli_unknown_solver_is_one_line_and_launches_nothing(capsys, argv):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
@@ -114,11 +129,13 @@ def test_an_adapter_that_runs_no_ops_is_refused_when_defined():
     from metadist_core.reference.plugin import ReferenceFrontend
 
     with _pytest.raises(TypeError, match="runs no ops for discovery"):
-        class NoRunner(ReferenceFrontend):   # noqa: F841 - concrete, neither runner_module nor op_spec
+
+        class NoRunner(ReferenceFrontend):  # noqa: F841 - concrete, neither runner_module nor op_spec
             traits = FrontendTraits(op_prefixes=("np.",))
 
-    class Partial(Frontend):   # still abstract: allowed
+    class Partial(Frontend):  # still abstract: allowed
         pass
+
     assert Partial.__abstractmethods__
 
 
@@ -127,6 +144,7 @@ def test_the_first_gradient_bucket_follows_the_measured_overlap(monkeypatch):
     the profile measured that nothing overlaps (4 gloo ranks on 2 cores: 0), it only adds a latency, so
     auto gives none; where something does (or nothing was measured), DDP's. A number the user set stays."""
     from metadist_core.config import DDP_FIRST_BUCKET_MB, NO_OVERLAP, load_settings, resolve_first_bucket
+
     s = load_settings(progress=False)
     assert s.first_bucket_mb is None and s.first_bucket_bytes == int(DDP_FIRST_BUCKET_MB * 2**20)
     none = resolve_first_bucket(s, 0.0)
@@ -150,13 +168,15 @@ def test_the_fsdp_preset_prices_its_parameter_gathers_as_bucketed_without_a_budg
     from metadist_core.driver.compile import plan_graph
     from metadist_core.ir.mesh import Mesh
     from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE
+
     pm = _pm()
     graph = pm.frontend("toy").trace(transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}).graph
-    mesh = Mesh((4,), alpha=[1e-3], beta=[1e-9])   # latency-bound, as gloo on small models
+    mesh = Mesh((4,), alpha=[1e-3], beta=[1e-9])  # latency-bound, as gloo on small models
     shares, gaps = {}, {}
     for strategy in ("auto", "fsdp"):
-        s = load_settings(cache_dir=str(tmp_path), progress=False, strategy=strategy, shard_bucket_mb=0.004,
-                          bucket_mb=0.004)   # buckets of 4 KiB: this block's parameters fill several
+        s = load_settings(
+            cache_dir=str(tmp_path), progress=False, strategy=strategy, shard_bucket_mb=0.004, bucket_mb=0.004
+        )  # buckets of 4 KiB: this block's parameters fill several
         res = plan_graph(graph, mesh, plugins=pm, settings=s, traits=FrontendTraits(shard_buckets=True))
         shares[strategy] = {res.problem.vars[v]["gather_share"] for v in graph.inputs}
         pr = predict(res.plan, res.problem)
@@ -177,16 +197,17 @@ def test_under_a_budget_that_no_bucket_priced_plan_meets_the_gathers_are_priced_
     from metadist_core.driver.compile import plan_graph
     from metadist_core.ir.mesh import Mesh
     from metadist_core.problem.problem import BUDGET_GATHER_SHARE, GATHER_SHARE, InfeasibleBudgetError
+
     pm = _pm()
     graph = pm.frontend("toy").trace(transformer_block, (), {"batch": 4, "seq": 8, "width": 16, "hidden": 32}).graph
     s = load_settings(cache_dir=str(tmp_path), progress=False, memory_budget=1 << 30)
     res = plan_graph(graph, Mesh((4,)), plugins=pm, settings=s, traits=FrontendTraits(shard_buckets=True))
     shares = {res.problem.vars[v]["gather_share"] for v in graph.inputs}
-    assert shares == {BUDGET_GATHER_SHARE}, shares   # it fits: priced by bucket share, planned once
+    assert shares == {BUDGET_GATHER_SHARE}, shares  # it fits: priced by bucket share, planned once
 
     real, seen = recompute.choose, []
 
-    def choose(g, budget, solve, *a, **kw):   # as if no bucket-priced plan met the budget
+    def choose(g, budget, solve, *a, **kw):  # as if no bucket-priced plan met the budget
         problem, _ = solve(g)
         seen.append({problem.vars[v].get("gather_share") for v in g.inputs})
         if seen[-1] != {GATHER_SHARE}:

@@ -1,4 +1,5 @@
 """plan.explain(), the picture and `metadist explain` on a small training step of reference ops."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,7 @@ def test_the_reasons_agree_with_the_cost_tables(planned):
 def test_presets_are_priced_on_the_same_problem(planned):
     rows = {r["strategy"]: r for r in compare_presets(planned.problem)}
     assert set(rows) == {"ddp", "zero1", "zero2", "zero3", "tp", "tp+dp"}
-    for r in rows.values():   # nothing beats the unconstrained optimum
+    for r in rows.values():  # nothing beats the unconstrained optimum
         assert r["objective"] >= planned.plan.objective * (1 - 1e-9)
 
 

@@ -1,5 +1,6 @@
 """Discovery in forked worker processes: the same rules as in one process, and an op that kills its
 process runs replicated (one warning naming it) while the rest of the step is still discovered."""
+
 import dataclasses
 import logging
 import os
@@ -32,8 +33,9 @@ class _Crashing(_Forking):
         if op.key != CRASHES:
             return spec
 
-        def trap(*args):   # what a kernel that divides by an empty dim does to its process
+        def trap(*args):  # what a kernel that divides by an empty dim does to its process
             os.kill(os.getpid(), signal.SIGFPE)
+
         return dataclasses.replace(spec, fn=trap)
 
 
@@ -81,9 +83,9 @@ def test_an_op_that_kills_its_process_runs_replicated_and_discovery_goes_on(capl
 
 def test_worker_count_falls_back_to_one_process():
     fork, plain = _Forking(), ReferenceFrontend()
-    assert worker_count(0, 100, [plain]) == 1          # a frontend that cannot fork
-    assert worker_count(0, 3, [fork]) == 1             # too few patterns to pay for a fork
-    assert worker_count(1, 100, [fork]) == 1           # asked for none
-    assert worker_count(3, 2, [fork]) == 2             # never more than the patterns
+    assert worker_count(0, 100, [plain]) == 1  # a frontend that cannot fork
+    assert worker_count(0, 3, [fork]) == 1  # too few patterns to pay for a fork
+    assert worker_count(1, 100, [fork]) == 1  # asked for none
+    assert worker_count(3, 2, [fork]) == 2  # never more than the patterns
     assert worker_count(0, 100, [fork], all_owned=False) == 1
     assert 1 <= worker_count(0, 100, [fork]) <= 8

@@ -1,5 +1,6 @@
 """The one plan interpreter: identical reshards of a value run once, plan ends are checked, and the
 mixed-Partial reduce convention is the simulator's."""
+
 import numpy as np
 import pytest
 
@@ -34,11 +35,12 @@ def _three_readers():
 def test_a_reshard_read_by_three_ops_runs_once():
     ir = _three_readers()
     mesh = Mesh((2,))
-    problem = build_problem(ir, RuleBook(), mesh)     # no rules: every op replicated
+    problem = build_problem(ir, RuleBook(), mesh)  # no rules: every op replicated
     plan = ShardingPlan.replicated(problem)
     x_sh = Sharding([Shard(0)])
-    plan.input_shardings["x"] = x_sh                   # x stored split: each reader needs it gathered
+    plan.input_shardings["x"] = x_sh  # x stored split: each reader needs it gathered
     from metadist_core.cost.reshard import reshard
+
     for e in plan.edges:
         if e.var == "x":
             e.src_sharding = x_sh
@@ -87,6 +89,7 @@ def _late_reduce_case(mesh_shape, n_rows, cols):
     reduces y before the transpose. Returns the graph, the plan and the inputs' full values."""
     from metadist_core.cost.reshard import reshard
     from metadist_core.discovery.rules import Strategy
+
     g = GraphBuilder("late_reduce")
     x, w = g.input("x", (n_rows, 16)), g.input("w", (16, cols))
     y = g.op("np.matmul", x, w)
@@ -95,7 +98,7 @@ def _late_reduce_case(mesh_shape, n_rows, cols):
     ir = g.ir
     mesh = Mesh(mesh_shape)
     plan = ShardingPlan.replicated(build_problem(ir, RuleBook(), mesh))
-    split = lambda d: Sharding([Shard(d)] * mesh.ndim)   # noqa: E731
+    split = lambda d: Sharding([Shard(d)] * mesh.ndim)  # noqa: E731
     part = Sharding([Partial("sum")] * mesh.ndim)
     rep = Sharding.replicated(mesh.ndim)
     mm = next(op for op in ir.ops if op.key == "np.matmul")
@@ -111,15 +114,18 @@ def _late_reduce_case(mesh_shape, n_rows, cols):
     return ir, plan, mesh, {"x": rng.standard_normal((n_rows, 16)), "w": rng.standard_normal((16, cols))}
 
 
-@pytest.mark.parametrize("mesh_shape,n_rows,cols,dims", [((2,), 8, 6, {}), ((2, 2), 8, 6, {0: 1}),
-                                                          ((2, 2), 12, 6, {0: 1}), ((2, 2), 8, 8, {0: 0})],
-                         ids=["2", "2x2", "2x2-rows12", "2x2-square"])
+@pytest.mark.parametrize(
+    "mesh_shape,n_rows,cols,dims",
+    [((2,), 8, 6, {}), ((2, 2), 8, 6, {0: 1}), ((2, 2), 12, 6, {0: 1}), ((2, 2), 8, 8, {0: 0})],
+    ids=["2", "2x2", "2x2-rows12", "2x2-square"],
+)
 def test_a_transpose_runs_before_the_reduce_planned_ahead_of_it(mesh_shape, n_rows, cols, dims):
     """With ``reduce_after`` the transpose runs on the Partial value and the same collectives (on a (2, 2)
     mesh a reduce-scatter, an all-reduce and an all-gather) on its result: the same numbers, the same list
     of collectives. On (2, 2) the planned dim 0 of y (8 or 12 rows) is dim 1 of the transposed (6, n) value:
     6 does not split 4 ways, so the dims move with the permutation; a square y keeps the planned dim."""
     from metadist_core.plan.interpret import late_reduces
+
     ir, plan, mesh, full = _late_reduce_case(mesh_shape, n_rows, cols)
     inc, _ = plan.edge_index()
     tr = next(op for op in ir.ops if op.key == "np.transpose")
@@ -128,12 +134,14 @@ def test_a_transpose_runs_before_the_reduce_planned_ahead_of_it(mesh_shape, n_ro
 
     def perm(op):
         return tuple(op.attrs["perm"]) if op.key == "np.transpose" else None
+
     late = late_reduces(ir, plan, inc, mesh, perm)
     assert set(late) == {tr.id} and late[tr.id] == dims, late
 
     def run_op(op, ins, out_sh):
         r = {d: run_local(op, [v[d] for v in ins], [None]) for d in devices(mesh)}
         return [r]
+
     local = {v: distribute(full[v], plan.input_shardings[v], mesh) for v in ("x", "w")}
     ref = run_graph(ir, full)[ir.outputs[0]]
     planned = interpret(ir, plan, mesh, local, run_op, SimCollectives(mesh))
@@ -142,5 +150,6 @@ def test_a_transpose_runs_before_the_reduce_planned_ahead_of_it(mesh_shape, n_ro
         (out,) = res.outputs.values()
         for d in devices(mesh):
             np.testing.assert_allclose(out[d], ref, rtol=1e-12)
-    assert [(v, c.kind, c.nbytes) for v, c in moved.collectives] == \
-        [(v, c.kind, c.nbytes) for v, c in planned.collectives]
+    assert [(v, c.kind, c.nbytes) for v, c in moved.collectives] == [
+        (v, c.kind, c.nbytes) for v, c in planned.collectives
+    ]

@@ -48,8 +48,12 @@ def test_json_round_trip_and_signatures():
     ir = transformer_block()
     sigs = ir.unique_signatures()
     assert len(sigs) < len(ir.ops)  # q, k, v projections share one signature
-    assert g.ops[2].signature(g) != MetaIR.from_json({**g.to_json(), "ops": [
-        {**o.to_json(), "attrs": {"factor": 0.25}} if o.key == "np.scale" else o.to_json() for o in g.ops]}).ops[2].signature(g)
+    assert g.ops[2].signature(g) != MetaIR.from_json(
+        {
+            **g.to_json(),
+            "ops": [{**o.to_json(), "attrs": {"factor": 0.25}} if o.key == "np.scale" else o.to_json() for o in g.ops],
+        }
+    ).ops[2].signature(g)
 
 
 def test_bad_graphs_are_refused():

@@ -1,6 +1,7 @@
 """The packages' import graph: no loop anywhere, and in the core no arrow from an earlier stage of the flow to a
 later one. Every import statement counts, at module level and inside functions; only imports under
 ``if TYPE_CHECKING:`` (never run) are left out."""
+
 from __future__ import annotations
 
 import ast
@@ -8,12 +9,26 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"metadist_core": "metadist_core", "metadist_torch": "metadist_torch", "metadist_jax": "metadist_jax",
-            "metadist_tvm": "metadist_tvm", "metadist_solvers": "solvers"}
+PACKAGES = {
+    "metadist_core": "metadist_core",
+    "metadist_torch": "metadist_torch",
+    "metadist_jax": "metadist_jax",
+    "metadist_tvm": "metadist_tvm",
+    "metadist_solvers": "solvers",
+}
 
 #: the core's layers, bottom first: a module may import its own layer and the layers below it
-CORE_LAYERS = (("config", "hookspecs", "plugins", "progress", "version"), ("ir",), ("discovery",), ("cost",), ("problem",),
-               ("plan",), ("levers",), ("driver",), ("reference",))
+CORE_LAYERS = (
+    ("config", "hookspecs", "plugins", "progress", "version"),
+    ("ir",),
+    ("discovery",),
+    ("cost",),
+    ("problem",),
+    ("plan",),
+    ("levers",),
+    ("driver",),
+    ("reference",),
+)
 
 
 def modules() -> dict[str, tuple[Path, bool]]:
@@ -49,8 +64,11 @@ def imports() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
-                base = ".".join(here[:len(here) - node.level + 1] + ([node.module] if node.module else [])) \
-                    if node.level else node.module
+                base = (
+                    ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level
+                    else node.module
+                )
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
             for t in targets:
                 while t not in mods and "." in t:
@@ -111,8 +129,10 @@ def core_layer(name: str) -> int | None:
 def test_no_import_loop_anywhere():
     found = loops(imports())
     mods = modules()
-    assert not found, "import loops (each line: modules that import each other, directly or around a loop):\n" + \
-        "\n".join(", ".join(str(mods[m][0].relative_to(ROOT)) for m in comp) for comp in found)
+    assert not found, (
+        "import loops (each line: modules that import each other, directly or around a loop):\n"
+        + "\n".join(", ".join(str(mods[m][0].relative_to(ROOT)) for m in comp) for comp in found)
+    )
 
 
 def test_core_imports_run_down_the_flow():
@@ -123,15 +143,22 @@ def test_core_imports_run_down_the_flow():
         for dst in targets:
             b = core_layer(dst)
             if a is not None and b is not None and b > a:
-                back.append(f"{mods[src][0].relative_to(ROOT)} ({'/'.join(CORE_LAYERS[a])}) imports "
-                            f"{mods[dst][0].relative_to(ROOT)} ({'/'.join(CORE_LAYERS[b]) if b < len(CORE_LAYERS) else 'the package'})")
+                back.append(
+                    f"{mods[src][0].relative_to(ROOT)} ({'/'.join(CORE_LAYERS[a])}) imports "
+                    f"{mods[dst][0].relative_to(ROOT)} ({'/'.join(CORE_LAYERS[b]) if b < len(CORE_LAYERS) else 'the package'})"
+                )
     assert not back, "imports from an earlier stage of the flow into a later one:\n" + "\n".join(sorted(back))
 
 
 def test_the_core_imports_no_frontend():
     edges = imports()
-    bad = sorted(f"{s} -> {d}" for s, ds in edges.items() if s.startswith("metadist_core") for d in ds
-                 if not d.startswith("metadist_core"))
+    bad = sorted(
+        f"{s} -> {d}"
+        for s, ds in edges.items()
+        if s.startswith("metadist_core")
+        for d in ds
+        if not d.startswith("metadist_core")
+    )
     assert not bad, "the core imports a frontend or solver package: " + "; ".join(bad)
 
 

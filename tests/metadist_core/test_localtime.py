@@ -4,6 +4,7 @@ A fake frontend "measures" a matmul split by its rows at twice its roofline and 
 the problem's compute must carry exactly those ratios, each kernel is measured once per compile and kept
 on disk for the next, a kernel not measured takes the median of those measured, and a spent budget
 measures nothing more."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,7 +21,7 @@ from metadist_core.discovery.rules import RuleBook
 
 #: slow enough that every matmul here is over localtime.MIN_SECONDS at its roofline
 DEV = DeviceSpec("slow", 1e8, 1e8, op_overhead=0.0)
-RATES = DeviceSpec("measured-alongside", 2e8, 5e7, op_overhead=0.0)   # other rates: only ratios carry over
+RATES = DeviceSpec("measured-alongside", 2e8, 5e7, op_overhead=0.0)  # other rates: only ratios carry over
 
 
 def _graph():
@@ -93,7 +94,7 @@ def test_each_strategy_is_priced_at_its_measured_ratio_and_each_kernel_timed_onc
             ratio = _expected_ratio(ir, node, strategy, mesh)
             assert timed.compute[i][k] == pytest.approx(plain.compute[i][k] * ratio, rel=1e-9)
             split_rows += ratio > 1.5
-    assert split_rows > 0   # the rows-split strategies are there, and dearer than their roofline said
+    assert split_rows > 0  # the rows-split strategies are there, and dearer than their roofline said
     # the non-matmul ops are untouched
     for i, node in enumerate(timed.nodes):
         if node.kind == "op" and node.key != "np.matmul":
@@ -111,7 +112,7 @@ def test_each_strategy_is_priced_at_its_measured_ratio_and_each_kernel_timed_onc
 def test_a_kernel_not_measured_takes_the_median_of_those_measured(setup):
     ir, mesh, book = setup
     plain = build_problem(ir, book, mesh, device=DEV)
-    refuse = {(64, 32, 48)}   # the first matmul, whole: the replicated strategy is not measured
+    refuse = {(64, 32, 48)}  # the first matmul, whole: the replicated strategy is not measured
     fe = FakeFrontend(ir, refuse)
     timer = LocalTimer(fe.wants, fe.measure)
     timed = build_problem(ir, book, mesh, device=DEV, local_timer=timer)

@@ -1,4 +1,5 @@
 """The memory model's views (metadist_core.ir.aliasing) and the plan's peak with collective buffers (memprofile)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,8 @@ from _small_graphs import linear_step, rulebook
 
 def _view_graph() -> MetaIR:
     g = MetaIR("views")
-    g.add_input("x", (8, 4), "float32", "input")                                      # 128 bytes
-    g.add_op("aten.t.default", ["x"], [("xt", (4, 8), "float32")], id="t")            # a view: no bytes
+    g.add_input("x", (8, 4), "float32", "input")  # 128 bytes
+    g.add_op("aten.t.default", ["x"], [("xt", (4, 8), "float32")], id="t")  # a view: no bytes
     g.add_op("aten.mul.Tensor", ["x"], [("y", (8, 4), "float32")], {"scalar": 2.0}, id="m1")
     g.add_op("aten.mul.Tensor", ["xt"], [("z", (4, 8), "float32")], {"scalar": 2.0}, id="m2")
     g.set_outputs(["z"])
@@ -29,7 +30,7 @@ def test_a_view_takes_no_bytes_and_holds_its_base_alive():
     assert is_view(g.ops[0]) and not is_view(g.ops[1])
     live, views = alias_liveness(g, g.liveness())
     assert views == {"xt"}
-    assert live["x"] == [-1, 2]   # x is last read at position 0, its view at position 2
+    assert live["x"] == [-1, 2]  # x is last read at position 0, its view at position 2
     problem = build_problem(g, RuleBook(), Mesh((1,)))
     plan = ShardingPlan.replicated(problem)
     # by hand: position 1 holds x and y, position 2 x and z (the view xt shares x's storage): 256 bytes;
@@ -75,7 +76,7 @@ def test_fitting_the_buffers_cuts_below_the_plans_own_terms_not_the_budget(monke
     from metadist_core.plan import memprofile
     from metadist_core.problem.problem import InfeasibleBudgetError
 
-    mib = 2 ** 20
+    mib = 2**20
     budget = 48 * mib
     target = int(budget * (1 - memprofile.HEADROOM))
     # (own terms, peak with buffers): the solver returns the plan with the most own bytes under its budget
@@ -95,6 +96,7 @@ def test_fitting_the_buffers_cuts_below_the_plans_own_terms_not_the_budget(monke
         if not fit:
             raise InfeasibleBudgetError(p.memory_budget, plans[-1][0], "4")
         return types.SimpleNamespace(memory_per_device=max(fit))
+
     peaks = dict(plans)
     monkeypatch.setattr(memprofile, "peak_with_buffers", lambda prob, plan: peaks[plan.memory_per_device])
     got = memprofile.fit_with_buffers(P(budget), resolve(P(budget)), resolve)
@@ -108,12 +110,16 @@ def test_a_reduce_scatter_buckets_concatenation_is_held_while_it_is_in_flight():
     first read of a member's result), whichever comes first. An all_reduce bucket reduces its
     concatenation in place, which is its result: the extra copy exists only where it runs."""
     from metadist_core.plan.memprofile import _buckets
+
     rs, ar = ("reduce_scatter", 0, "sum", "float32"), ("all_reduce", 0, "sum", "float32")
     # (issue, last read, result bytes, group, copies, partial-sum bytes, held, first read)
-    reduced = [(1, 20, 10.0, rs, 2, 40.0, 40.0, 18), (2, 20, 10.0, rs, 2, 40.0, 40.0, 18),
-               (5, 20, 10.0, rs, 2, 40.0, 40.0, 19)]
+    reduced = [
+        (1, 20, 10.0, rs, 2, 40.0, 40.0, 18),
+        (2, 20, 10.0, rs, 2, 40.0, 40.0, 18),
+        (5, 20, 10.0, rs, 2, 40.0, 40.0, 19),
+    ]
     out = _buckets(reduced, {"reduce_scatter": 100, "all_reduce": 100})
-    assert (2, 5, 80.0) in out and (5, 19, 40.0) in out   # the first until the second is issued; the last until read
+    assert (2, 5, 80.0) in out and (5, 19, 40.0) in out  # the first until the second is issued; the last until read
     assert not [iv for iv in out if iv[2] == 80.0 and iv != (2, 5, 80.0)]
     # no next bucket before the read: held until the wait
     out = _buckets([(3, 30, 10.0, rs, 2, 40.0, 40.0, 12)], {"reduce_scatter": 100})
@@ -125,4 +131,4 @@ def test_a_reduce_scatter_buckets_concatenation_is_held_while_it_is_in_flight():
     out = _buckets([(*r[:4], 1, *r[5:]) for r in reduced], {"reduce_scatter": 100})
     assert (2, 5, 80.0) in out and (5, 19, 40.0) in out
     out = _buckets([(r[0], r[1], 40.0, ar, 1, *r[5:]) for r in reduced], {"all_reduce": 100})
-    assert (2, 2, 0.0) in out and (5, 5, 0.0) in out   # reduced in place: the result is the concatenation
+    assert (2, 2, 0.0) in out and (5, 5, 0.0) in out  # reduced in place: the result is the concatenation

@@ -1,6 +1,7 @@
 """A value read in the forward and again after it is moved once per reader phase (metadist_core.cost.phases):
 the interpreter runs it so, the plan, the exact Terms, the ILP and the memory profile price it so, and a
 Partial source's one early all_reduce still serves both phases."""
+
 import itertools
 
 import numpy as np
@@ -84,7 +85,7 @@ def test_forward_ops_are_phase_0_and_the_rest_phase_1():
     inference.add_input("x", (4, 4), "float32", "input")
     inference.add_op("aten.mul.Tensor", ["x"], [("y", (4, 4), "float32")], {"scalar": 2.0}, id="m")
     inference.set_outputs(["y"])
-    assert reader_phases(inference) == {}   # one phase: every op feeds the output
+    assert reader_phases(inference) == {}  # one phase: every op feeds the output
 
 
 def _gathered_weight_plan(mesh):
@@ -93,9 +94,14 @@ def _gathered_weight_plan(mesh):
     whole = Sharding([R] * mesh.ndim)
     split = Sharding([Shard(0)] + [R] * (mesh.ndim - 1))
     # w stored split, read whole by the forward mm and again whole by the update's decay
-    ch = _choice(p, {"w": lambda o: o.outputs[0] == split,
-                     "mm": lambda o: o.inputs[1] == whole and o.inputs[0] == whole,
-                     "decay": lambda o: o.inputs[0] == whole and o.outputs[0] == whole})
+    ch = _choice(
+        p,
+        {
+            "w": lambda o: o.outputs[0] == split,
+            "mm": lambda o: o.inputs[1] == whole and o.inputs[0] == whole,
+            "decay": lambda o: o.inputs[0] == whole and o.outputs[0] == whole,
+        },
+    )
     return g, p, ch
 
 
@@ -107,10 +113,10 @@ def test_a_weight_read_in_both_phases_is_gathered_twice_everywhere(mesh_shape):
     gathers = [(v, c.kind, c.nbytes) for v, c in priced_collectives(plan) if v == "w"]
     assert len(gathers) == 2 and {k for _, k, _ in gathers} == {"all_gather"}
     # the interpreter runs exactly the priced list, and the plan still computes the one-device numbers
-    res = interpret(g, plan, mesh, {v: v for v in g.inputs}, lambda op, ins, sh: [op.id] * len(op.outputs),
-                    _Recorder())
-    assert [(v, c.kind, c.axis, c.nbytes) for v, c in res.collectives if not c.is_free] == \
-        [(v, c.kind, c.axis, c.nbytes) for v, c in priced_collectives(plan)]
+    res = interpret(g, plan, mesh, {v: v for v in g.inputs}, lambda op, ins, sh: [op.id] * len(op.outputs), _Recorder())
+    assert [(v, c.kind, c.axis, c.nbytes) for v, c in res.collectives if not c.is_free] == [
+        (v, c.kind, c.axis, c.nbytes) for v, c in priced_collectives(plan)
+    ]
     rng = np.random.default_rng(7)
     feeds = {v: rng.standard_normal(g.vars[v].shape) for v in g.inputs}
     outs, state = simulate(g, plan, mesh, feeds, _run_local)
@@ -126,7 +132,7 @@ def test_the_backward_copy_is_not_held_from_the_forward():
     mesh = Mesh((2,))
     g, p, ch = _gathered_weight_plan(mesh)
     plan = ShardingPlan.from_choices(p, ch)
-    merged = ShardingProblem.from_json({**p.to_json(), "phases": {}})   # one phase: the copy is kept
+    merged = ShardingProblem.from_json({**p.to_json(), "phases": {}})  # one phase: the copy is kept
     assert not merged.phases and p.phases
     one = ShardingPlan.from_choices(merged, ch)
     # one gather fewer when the copy is kept, and a higher peak: the 96-byte copy spans the forward's end
@@ -138,16 +144,21 @@ def test_a_partial_source_read_in_both_phases_is_reduced_once():
     mesh = Mesh((2,))
     g = two_phase_step()
     # y = x @ w made Partial (contraction split) and read whole by the loss (forward) and by dy (after)
-    p = build_problem(g, rulebook(g), mesh, constraints=[Pin("x", Sharding([Shard(1)])),
-                                                         Pin("w", Sharding([Shard(0)]))])
-    ch = _choice(p, {"mm": lambda o: o.outputs[0] == Sharding([Partial("sum")]),
-                     "loss": lambda o: o.inputs[0] == Sharding([R]),
-                     "dy": lambda o: o.inputs[0] == Sharding([R])})
+    p = build_problem(
+        g, rulebook(g), mesh, constraints=[Pin("x", Sharding([Shard(1)])), Pin("w", Sharding([Shard(0)]))]
+    )
+    ch = _choice(
+        p,
+        {
+            "mm": lambda o: o.outputs[0] == Sharding([Partial("sum")]),
+            "loss": lambda o: o.inputs[0] == Sharding([R]),
+            "dy": lambda o: o.inputs[0] == Sharding([R]),
+        },
+    )
     plan = ShardingPlan.from_choices(p, ch)
     reduces = [c for v, c in priced_collectives(plan) if v == "y"]
     assert [c.kind for c in reduces] == ["all_reduce"]
-    res = interpret(g, plan, mesh, {v: v for v in g.inputs}, lambda op, ins, sh: [op.id] * len(op.outputs),
-                    _Recorder())
+    res = interpret(g, plan, mesh, {v: v for v in g.inputs}, lambda op, ins, sh: [op.id] * len(op.outputs), _Recorder())
     assert [c.kind for v, c in res.collectives if v == "y" and not c.is_free] == ["all_reduce"]
     one = all_reduce_cost(8 * 6 * 4, 2, mesh.alpha[0], mesh.beta[0])
     y_cost = sum(c.cost for c in reduces)
@@ -161,7 +172,7 @@ def test_ilp_matches_brute_force_with_phased_reshards(mesh_shape):
     g = two_phase_step()
     p = build_problem(g, rulebook(g), mesh, constraints=[Pin("loss", Sharding([R] * len(mesh_shape)))])
     t = p.terms()
-    assert any(s.merge is not None for s in t.shared)   # the phases are in the exact terms
+    assert any(s.merge is not None for s in t.shared)  # the phases are in the exact terms
     allowed = [np.flatnonzero(a) for a in t.allowed]
     assert np.prod([len(a) for a in allowed]) < 2e5, "too many plans to enumerate"
     best = min(t.objective(np.array(c)) for c in itertools.product(*allowed))

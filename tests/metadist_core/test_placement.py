@@ -1,8 +1,17 @@
 import pytest
 
 from metadist_core.ir.mesh import Mesh
-from metadist_core.ir.placement import (IndivisibleError, Partial, Replicate, Shard, Sharding, chunk_bounds,
-                                        chunk_sizes, parse_placement, shard_shape)
+from metadist_core.ir.placement import (
+    IndivisibleError,
+    Partial,
+    Replicate,
+    Shard,
+    Sharding,
+    chunk_bounds,
+    chunk_sizes,
+    parse_placement,
+    shard_shape,
+)
 
 
 def test_placements_are_values():

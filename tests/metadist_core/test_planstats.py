@@ -1,4 +1,5 @@
 """PlanStats: typed fields for what the driver records, solver figures in ``extra``, one flat dict in JSON."""
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,13 @@ def test_solver_figures_go_to_extra_and_known_keys_to_fields():
 
 def test_an_old_plan_json_with_a_stats_dict_loads_and_round_trips():
     old = _plan().to_json()
-    old["stats"] = {"strategy": "ddp", "first_bucket_mb": 0.0, "peak_with_buffers": 123, "sizes": [3, 2],
-                    "autotune": {"chosen": "ddp", "lowering": None, "candidates": []}}
+    old["stats"] = {
+        "strategy": "ddp",
+        "first_bucket_mb": 0.0,
+        "peak_with_buffers": 123,
+        "sizes": [3, 2],
+        "autotune": {"chosen": "ddp", "lowering": None, "candidates": []},
+    }
     plan = ShardingPlan.from_json(json.loads(json.dumps(old)))
     assert plan.stats.strategy == "ddp" and plan.stats.first_bucket_mb == 0.0
     assert plan.stats.peak_with_buffers == 123 and plan.stats.extra == {"sizes": [3, 2]}
@@ -37,7 +43,9 @@ def test_an_old_plan_json_with_a_stats_dict_loads_and_round_trips():
 
 def test_the_plan_prints_its_autotune_line_from_the_typed_field():
     plan = _plan({"strategy": "ddp"})
-    plan.stats.autotune = {"chosen": "ddp", "lowering": None,
-                           "candidates": [{"strategy": "ddp", "lowering": None, "measured_ms": 2.0,
-                                           "predicted_ms": 1.0}]}
+    plan.stats.autotune = {
+        "chosen": "ddp",
+        "lowering": None,
+        "candidates": [{"strategy": "ddp", "lowering": None, "measured_ms": 2.0, "predicted_ms": 1.0}],
+    }
     assert "autotuned: ddp 2.0 ms (predicted 1.0); running ddp" in str(plan)

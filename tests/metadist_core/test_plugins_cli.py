@@ -48,14 +48,17 @@ def test_cli_plugins_and_rules(capsys):
     assert "S(1)    S(0)    ->  P(sum)" in out
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["frobnicate"], "invalid choice"),
-    (["plan"], "required"),
-    (["rules", "np.matmul", "8xq"], "cannot read a shape"),
-    (["plan", "missing.json"], "no such file"),
-    (["rules", "np.nope", "4x4"], "has no op"),
-    (["rules", "zz.nope", "4x4"], "no loaded frontend"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["frobnicate"], "invalid choice"),
+        (["plan"], "required"),
+        (["rules", "np.matmul", "8xq"], "cannot read a shape"),
+        (["plan", "missing.json"], "no such file"),
+        (["rules", "np.nope", "4x4"], "has no op"),
+        (["rules", "zz.nope", "4x4"], "no loaded frontend"),
+    ],
+)
 def test_cli_errors_are_one_line(capsys, argv, needle):
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()

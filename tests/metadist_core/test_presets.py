@@ -1,5 +1,6 @@
 """Strategy presets and constraints by name, on a small training step of numpy reference ops: each preset
 pins the layout it promises, the simulated plan gives the unsplit numbers, bad names fail clearly."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -73,16 +74,16 @@ def test_every_preset_pins_its_layout_and_keeps_the_numbers(mesh_shape, cache):
             assert (sh["w1"], sh["w2"]) == ((S0, S0) if name in ("zero3", "fsdp") else (R, R)), name
             assert sh["m1"] == (R if name == "ddp" else S0), name
         kinds = {c.kind for _, c in res.plan.collectives()}
-        if name in ("ddp", "zero1", "zero2"):   # gradients made as partial sums, then reduced
+        if name in ("ddp", "zero1", "zero2"):  # gradients made as partial sums, then reduced
             pc = preset_constraints(res.problem.unsteered, name)
             assert pc.gradients == {g1: "w1", g2: "w2"}
             P = Sharding((Partial("sum"),) * nd)
             assert res.plan.var_shardings[g1] == P and res.plan.var_shardings[g2] == P
             assert ("all_reduce" if name == "ddp" else "reduce_scatter") in kinds, (name, kinds)
-        if name == "tp":   # Megatron pair: w1 by columns, w2 by rows; state follows w1; batch whole
+        if name == "tp":  # Megatron pair: w1 by columns, w2 by rows; state follows w1; batch whole
             assert preset_constraints(res.problem.unsteered, name).pairs == [("w1", "w2")]
             assert (sh["w1"], sh["w2"], sh["m1"], sh["x"]) == (S1, S0, S1, R)
-        if name in ("tp", "tp+dp"):   # Megatron never gathers a weight: the matmuls read them split
+        if name in ("tp", "tp+dp"):  # Megatron never gathers a weight: the matmuls read them split
             assert not [(e.var, str(c)) for e, c in res.plan.collectives() if e.var in ("w1", "w2")], name
         if name == "tp+dp":
             last = lambda p: Sharding((Replicate(),) * (nd - 1) + (p,))  # noqa: E731
@@ -94,14 +95,21 @@ def test_every_preset_pins_its_layout_and_keeps_the_numbers(mesh_shape, cache):
 def test_constraints_by_name_and_glob_are_kept(cache):
     ir, _, _ = mlp_step()
     mesh = Mesh((2, 2))
-    res = plan_graph(ir, mesh, cache_dir=cache, progress=False,
-                     constraints={"mlp.fc1.weight": (Shard(0), Replicate()), "mlp.fc2.*": Replicate()})
+    res = plan_graph(
+        ir,
+        mesh,
+        cache_dir=cache,
+        progress=False,
+        constraints={"mlp.fc1.weight": (Shard(0), Replicate()), "mlp.fc2.*": Replicate()},
+    )
     sh = res.plan.input_shardings
     assert sh["w1"] == Sharding((Shard(0), Replicate()))
     assert sh["w2"] == Sharding((Replicate(), Replicate()))
     _check_numbers(ir, res.plan, mesh)
-    assert res.plan.placements() == {"mlp.fc1.weight": (Shard(0), Replicate()), "mlp.fc2.weight": (Replicate(),
-                                                                                                    Replicate())}
+    assert res.plan.placements() == {
+        "mlp.fc1.weight": (Shard(0), Replicate()),
+        "mlp.fc2.weight": (Replicate(), Replicate()),
+    }
 
 
 def test_bad_names_and_placements_fail_clearly(cache):
@@ -112,13 +120,21 @@ def test_bad_names_and_placements_fail_clearly(cache):
     with pytest.raises(ValueError, match=r"no rule allows \[S\(2\)\] for mlp\.fc1\.weight"):
         plan_graph(ir, mesh, cache_dir=cache, progress=False, constraints={"mlp.fc1.weight": Shard(2)})
     with pytest.raises(ValueError, match=r"3 placements .* for a 1-axis mesh"):
-        plan_graph(ir, mesh, cache_dir=cache, progress=False,
-                   constraints={"mlp.fc1.weight": (Shard(0), Replicate(), Replicate())})
+        plan_graph(
+            ir,
+            mesh,
+            cache_dir=cache,
+            progress=False,
+            constraints={"mlp.fc1.weight": (Shard(0), Replicate(), Replicate())},
+        )
 
 
 def test_an_unknown_strategy_lists_the_presets_at_decoration():
-    with pytest.raises(ValueError, match=r"unknown strategy 'zero4'; choose one of auto, ddp, zero1, zero2, zero3, "
-                                         r"fsdp, tp, tp\+dp"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown strategy 'zero4'; choose one of auto, ddp, zero1, zero2, zero3, "
+        r"fsdp, tp, tp\+dp",
+    ):
         CompiledStep(ReferenceFrontend(), lambda: None, strategy="zero4")
     assert load_settings(strategy="FSDP").strategy == "fsdp"
     assert "tp+dp" in STRATEGIES

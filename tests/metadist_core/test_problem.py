@@ -1,4 +1,5 @@
 """ShardingProblem: construction, constraints, coarsening and the JSON round trip."""
+
 import json
 
 import numpy as np
@@ -23,7 +24,7 @@ def test_nodes_options_and_edges():
     p = build_problem(g, rulebook(g), Mesh((2,)))
     assert [n.id for n in p.nodes] == ["x", "w", "mm", "scale", "sum", "decay"]
     mm = p.nodes[p.op_node("mm")]
-    assert len(mm.options) == 4          # replicated + row, column, contraction split
+    assert len(mm.options) == 4  # replicated + row, column, contraction split
     assert any(o.outputs[0] == Sharding([Partial("sum")]) for o in mm.options)
     # the output s is priced back to Replicate; the updated w goes back to w's node
     assert any(e.dst == -1 and e.var == "s" for e in p.edges)
@@ -74,18 +75,26 @@ def test_forbid_on_a_value_narrows_exactly_its_writer_and_readers():
         touched = 0
         for i, n in enumerate(p.nodes):
             names = list(n.inputs) + list(n.outputs)
-            want = np.array([free.allowed[i][k] and not any(
-                v == var and sh[0] == placement for v, sh in zip(names, list(o.inputs) + list(o.outputs)))
-                for k, o in enumerate(n.options)], dtype=bool)
+            want = np.array(
+                [
+                    free.allowed[i][k]
+                    and not any(
+                        v == var and sh[0] == placement for v, sh in zip(names, list(o.inputs) + list(o.outputs))
+                    )
+                    for k, o in enumerate(n.options)
+                ],
+                dtype=bool,
+            )
             assert (p.allowed[i] == want).all(), (var, placement, n.id)
             touched += bool((want != free.allowed[i]).any())
-        assert touched >= 2, (var, placement)   # the writer and at least one reader lost options
+        assert touched >= 2, (var, placement)  # the writer and at least one reader lost options
 
 
 def test_json_round_trip_keeps_costs_and_plans():
     g = linear_step()
-    p = build_problem(g, rulebook(g), Mesh((2, 2)), constraints=[{"forbid": "P(sum)", "var": "y"}],
-                      memory_budget=10_000)
+    p = build_problem(
+        g, rulebook(g), Mesh((2, 2)), constraints=[{"forbid": "P(sum)", "var": "y"}], memory_budget=10_000
+    )
     q = ShardingProblem.loads(json.dumps(p.to_json()))
     assert q.to_json() == p.to_json()
     rng = np.random.default_rng(0)
@@ -101,6 +110,7 @@ def test_json_round_trip_keeps_costs_and_plans():
 def test_coarsening_maps_back_exactly():
     from benchmarks.synthetic_gpt2 import build_gpt2
     from benchmarks.synthetic_rules import synthetic_rulebook
+
     G = build_gpt2("gpt2-tiny-2l", layers=2)
     p = build_problem(G.graph, synthetic_rulebook(G.graph), Mesh((2, 2)), op_costs=G.op_costs)
     fine = p.terms()

@@ -1,4 +1,5 @@
 """Pruning dominated Partial-input rules shrinks the problem and never changes the optimum."""
+
 import pytest
 
 from metadist_core.cost.model import strategy_split

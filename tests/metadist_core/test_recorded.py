@@ -1,4 +1,5 @@
 """Loading the recorded GPT-2 training steps (tests/data/graphs/*.json) into MetaIR."""
+
 import json
 import os
 from pathlib import Path
@@ -51,7 +52,7 @@ def test_load_matches_the_file(fname):
     assert roles.count("input") == 1 and g.vars[data["inputs"][-1]["var"]].dtype == "int64"
     # the trace's _tensor_constant* come in as buffers after the file's inputs
     assert g.inputs[: len(data["inputs"])] == [i["var"] for i in data["inputs"]]
-    assert all(g.vars[v].role == "buffer" and v.startswith("_tensor_constant") for v in g.inputs[len(data["inputs"]):])
+    assert all(g.vars[v].role == "buffer" and v.startswith("_tensor_constant") for v in g.inputs[len(data["inputs"]) :])
 
     assert len(g.aliases) == 3 * n_par
     for i in range(3 * n_par):
@@ -83,7 +84,10 @@ def test_tiny_graph_details():
     assert len(cat.inputs) == 3 and cat.attrs["args"] == [[{"$in": 0}, {"$in": 1}, {"$in": 2}], 2]
     z = g.op("zeros")
     assert z.inputs == [] and z.attrs["kwargs"] == {
-        "dtype": {"$dtype": "float32"}, "layout": {"$torch": "strided"}, "device": {"$device": "cpu"}}
+        "dtype": {"$dtype": "float32"},
+        "layout": {"$torch": "strided"},
+        "device": {"$device": "cpu"},
+    }
     assert g.op("clone").attrs["kwargs"] == {"memory_format": {"$torch": "contiguous_format"}}
     assert g.op("_log_softmax_backward_data").attrs["args"][-1] == {"$dtype": "float32"}
     assert g.vars["_tensor_constant0"].shape == (0,)
@@ -111,8 +115,12 @@ def test_clear_errors():
         recorded_graph_from_json(dict(data, outputs=outs), "swapped")
     # the two moment lists swapped: shapes agree, but the dataflow does not
     n_par = (len(outs) - 1) // 3
-    outs = [data["outputs"][0]] + data["outputs"][1:1 + n_par] + data["outputs"][1 + 2 * n_par:] \
-        + data["outputs"][1 + n_par:1 + 2 * n_par]
+    outs = (
+        [data["outputs"][0]]
+        + data["outputs"][1 : 1 + n_par]
+        + data["outputs"][1 + 2 * n_par :]
+        + data["outputs"][1 + n_par : 1 + 2 * n_par]
+    )
     with pytest.raises(ValueError, match="does not follow"):
         recorded_graph_from_json(dict(data, outputs=outs), "swapped-moments")
     with pytest.raises(ValueError, match="inputs"):

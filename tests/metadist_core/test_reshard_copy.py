@@ -1,6 +1,7 @@
 """A gather or scatter of a dim behind another of more than one element copies its whole buffer (XLA's CPU
 runtime transposes it, the torch lowering concatenates or packs the pieces): priced where the mesh's links
 measured a local copy (``local_copy``), once per byte of the collective's buffer; nothing otherwise."""
+
 from __future__ import annotations
 
 import pytest

@@ -45,8 +45,12 @@ def _pm():
 
 def test_rulebook_json_round_trip(tmp_path):
     book = RuleBook(cache_dir=tmp_path)
-    book.add("k|8x4|float32|x", OpRules("np.relu", [ShardingRule((Shard(0),), (Shard(0),)),
-                                                    ShardingRule((Partial("max"),), (Partial("max"),))]))
+    book.add(
+        "k|8x4|float32|x",
+        OpRules(
+            "np.relu", [ShardingRule((Shard(0),), (Shard(0),)), ShardingRule((Partial("max"),), (Partial("max"),))]
+        ),
+    )
     path = book.save()
     assert path.name == CACHE_FILE
     again = RuleBook.load(tmp_path)
@@ -68,8 +72,14 @@ def test_second_discovery_reads_the_cache(tmp_path):
     assert {s: book2.rules(s) for s in book2.entries} == {s: book.rules(s) for s in book.entries}
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 0, "entries": {}}),
-                                     json.dumps({"version": 1, "entries": {"x": {"rules": 3}}})])
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        json.dumps({"version": 0, "entries": {}}),
+        json.dumps({"version": 1, "entries": {"x": {"rules": 3}}}),
+    ],
+)
 def test_corrupt_or_old_cache_warns_once_and_is_rebuilt(tmp_path, caplog, content):
     (tmp_path / CACHE_FILE).write_text(content)
     with caplog.at_level(logging.WARNING, logger="metadist"):
@@ -90,6 +100,7 @@ def test_cache_dir_from_environment(tmp_path, monkeypatch):
 
 def test_op_without_runner_runs_replicated_with_one_warning(caplog):
     from metadist_core.ir.ir import MetaIR
+
     g = MetaIR()
     g.add_input("x", (4, 4), "float32")
     g.add_op("custom.thing", ["x"], [("y", (4, 4), "float32")])
@@ -103,9 +114,11 @@ def test_op_without_runner_runs_replicated_with_one_warning(caplog):
 
 
 def test_expand_rules_to_2d_mesh():
-    rules = [ShardingRule((Shard(0), Replicate()), (Shard(0),)),
-             ShardingRule((Replicate(), Shard(1)), (Shard(1),)),
-             ShardingRule((Shard(1), Shard(0)), (Partial("sum"),))]
+    rules = [
+        ShardingRule((Shard(0), Replicate()), (Shard(0),)),
+        ShardingRule((Replicate(), Shard(1)), (Shard(1),)),
+        ShardingRule((Shard(1), Shard(0)), (Partial("sum"),)),
+    ]
     mesh = Mesh((2, 2))
     strategies = expand_rules(rules, mesh, [(8, 8), (8, 4)], [(8, 4)])
     as_text = {str(s) for s in strategies}

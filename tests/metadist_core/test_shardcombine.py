@@ -1,5 +1,6 @@
 """ShardCombine on the numpy reference ops: every rule found is right, the known rules are found,
 and wrong rules are rejected even where a single draw would let them through."""
+
 import math
 
 import numpy as np
@@ -167,9 +168,11 @@ def test_known_wrong_rule_rejected_even_if_close():
 
 def test_integer_draw_is_exact(monkeypatch):
     """An integer-valued draw must match exactly: a sum that is off by a tiny amount is rejected."""
+
     def almost_sum(a):
         s = a.sum(0)
         return s + 1e-11 * (a.shape[0] != 8)  # wrong only on shards
+
     rules = discover_rules(OpSpec(almost_sum, [np.random.default_rng(0).normal(size=(8, 3))], "almost_sum"), 2)
     assert _rule([Shard(0)], [P("sum")]) not in rules
 
@@ -179,6 +182,7 @@ def test_ops_that_raise_on_shards_are_rejected_not_crashing():
         if a.shape[0] != 8:
             raise ValueError("only full batches")
         return a * 2
+
     rules = discover_rules(OpSpec(picky, [np.ones((8, 4))], "picky"), 2)
     assert _rule([Shard(1)], [Shard(1)]) in rules
     assert not any(r.inputs[0] == Shard(0) for r in rules)
@@ -195,6 +199,7 @@ def test_random_op_is_unrunnable():
 def test_multiple_and_non_tensor_outputs():
     def split_and_count(a):
         return a[:, :3], a[:, 3:], a.shape[1]
+
     rules = discover_rules(OpSpec(split_and_count, [np.ones((8, 6))], "split"), 2)
     assert _rule([Shard(0)], [Shard(0), Shard(0), R]) in rules
     assert not any(r.inputs[0] == Shard(1) for r in rules)  # column counts change on shards
@@ -229,12 +234,13 @@ def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype, n):
     and the others lie strictly below (above), some close to the value and some far past its scale.
     On more than 2 devices the random values are windows of one pool: no two pieces are the same."""
     from metadist_core.discovery.verify import partial_pieces
+
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((6, 7, 5)) * 3).astype(dtype)
     pieces = np.stack(partial_pieces(x, reduce, n, rng, False))
     flat = pieces.reshape(n, -1)
     assert all(not np.array_equal(flat[i], flat[j]) for i in range(n) for j in range(i))
-    if reduce in ("max", "min"):   # every device owns some elements, about 1/n of them
+    if reduce in ("max", "min"):  # every device owns some elements, about 1/n of them
         owned = (pieces == x[None]).reshape(n, -1).sum(axis=1)
         assert (owned > 0).all() and owned.sum() == x.size
     assert pieces.shape == (n,) + x.shape and pieces.dtype == x.dtype
@@ -246,10 +252,10 @@ def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype, n):
     back = pieces.max(axis=0) if reduce == "max" else pieces.min(axis=0)
     assert np.array_equal(back, x)
     owners = (pieces == x[None]).sum(axis=0)
-    assert (owners == 1).all()                                    # one device holds the value
+    assert (owners == 1).all()  # one device holds the value
     gap = np.abs(pieces - x[None])[pieces != x[None]]
     scale = max(float(np.abs(x).max()), 1.0)
-    assert (gap < 0.5 * np.abs(x).max()).any() and (gap > 5 * scale).any()   # near and far gaps
+    assert (gap < 0.5 * np.abs(x).max()).any() and (gap > 5 * scale).any()  # near and far gaps
     if reduce == "max":
         assert (pieces <= x[None]).all()
     else:
@@ -258,6 +264,7 @@ def test_partial_pieces_reduce_to_the_value_and_straddle_it(reduce, dtype, n):
 
 def test_replicated_inputs_run_the_op_once_not_on_every_device():
     from metadist_core.discovery.shardcombine import _Runner
+
     spec = OpSpec(lambda a: np.tanh(a), [np.ones((6, 5))], "tanh")
     stats = DiscoveryStats()
     runner = _Runner(spec, 16, stats)

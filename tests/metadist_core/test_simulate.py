@@ -1,5 +1,6 @@
 """Plans run on simulated devices give exactly the unsplit numbers: any plan the problem allows,
 on 1-D, 2-D and 3-D meshes, with the collectives the cost model chose. A wrong rule is caught."""
+
 import numpy as np
 import pytest
 
@@ -62,6 +63,7 @@ def test_distribute_and_assemble_are_inverse():
     x = np.arange(7 * 6, dtype=float).reshape(7, 6)
     for sh in ([Shard(0), Shard(1)], [Shard(1), Shard(0)], [Partial("sum"), Shard(0)], [Shard(0), Shard(0)]):
         from metadist_core.ir.placement import Sharding
+
         s = Sharding(sh)
         if sh == [Shard(0), Shard(0)]:
             x2 = np.arange(12 * 2, dtype=float).reshape(12, 2)
@@ -108,20 +110,21 @@ def test_inputs_every_device_holds_whole_are_sliced_not_moved(block, shape):
         outs, _ = simulate(ir, plan, mesh, inputs, run_local)
         for o in ir.outputs:
             np.testing.assert_allclose(outs[o], ref[o], rtol=1e-9, atol=1e-12)
-    assert sliced > 0   # some reader took another layout than the stored one
+    assert sliced > 0  # some reader took another layout than the stored one
 
 
 def test_a_sliced_input_on_an_engine_without_whole_inputs_is_a_clear_error(block):
     from metadist_core.plan.interpret import PlanError, interpret
+
     ir, book, inputs, _ = block
     mesh = Mesh((2,))
     problem = build_problem(ir, book, mesh, whole_inputs=True)
     rng = np.random.default_rng(3)
     while True:
-        plan = ShardingPlan.from_choices(problem, [int(rng.choice(np.flatnonzero(problem.allowed[i])))
-                                                   for i in range(len(problem.nodes))])
+        plan = ShardingPlan.from_choices(
+            problem, [int(rng.choice(np.flatnonzero(problem.allowed[i]))) for i in range(len(problem.nodes))]
+        )
         if any(e.src_sharding != e.dst_sharding and ir.vars[e.var].role == "input" for e in plan.edges):
             break
     with pytest.raises(PlanError, match="whole_inputs=False"):
-        interpret(ir, plan, mesh, {v: None for v in ir.inputs}, lambda op, ins, sh: [None] * len(op.outputs),
-                  object())
+        interpret(ir, plan, mesh, {v: None for v in ir.inputs}, lambda op, ins, sh: [None] * len(op.outputs), object())

@@ -1,5 +1,6 @@
 """Pipeline stages in the core: the cut-point DP against brute force, the stages of a small training graph
 (what each stage runs, owns, receives and sends), the checks, and the plan's record of its stages."""
+
 from __future__ import annotations
 
 import itertools
@@ -36,7 +37,7 @@ def mlp_step(layers: int = 4, b: int = 8, w: int = 4) -> MetaIR:
     g.add_op("aten.mul.Tensor", ["d", "one"], [("d1", (b, w), "float32")], id="mul")
     g.add_op("aten.sum.default", ["d1"], [("loss", (), "float32")], id="loss")
     gr = "d"
-    for i in reversed(range(layers)):   # a stand-in backward: gradient of each W from its input and gr
+    for i in reversed(range(layers)):  # a stand-in backward: gradient of each W from its input and gr
         g.add_op("aten.mm.default", [acts[i], gr], [(f"gW{i}", (w, w), "float32")], id=f"bw{i}")
         g.add_op("aten.mul.Tensor", [gr, f"h{i}"], [(f"g{i}", (b, w), "float32")], id=f"bg{i}")
         gr = f"g{i}"
@@ -68,7 +69,7 @@ def test_dp_matches_brute_force_over_cut_points(seed, p):
                 continue
             assert dp.bottleneck == pytest.approx(bf.bottleneck)
             assert sum(dp.stage_times) == pytest.approx(sum(bf.stage_times))
-            again = evaluate_cuts(t, cut, dp.cuts, 4, **kw)   # the DP's own figures are those of its cuts
+            again = evaluate_cuts(t, cut, dp.cuts, 4, **kw)  # the DP's own figures are those of its cuts
             assert again.bottleneck == pytest.approx(dp.bottleneck)
             assert dp.step_time == pytest.approx((4 + p - 1) * dp.bottleneck)
             if budget is not None:
@@ -80,8 +81,8 @@ def test_a_budget_no_cut_meets_gives_none_and_gpipe_keeps_more_in_flight():
     assert best_cuts(t, cut, 2, 4, op_memory=[10] * 4, budget=15) is None
     one = best_cuts(t, cut, 2, 4, act_memory=[1] * 4, schedule="1f1b")
     gp = best_cuts(t, cut, 2, 4, act_memory=[1] * 4, schedule="gpipe")
-    assert one.stage_memory == [4, 2]        # 1F1B: stage s holds min(m, p - s) micro-batches
-    assert gp.stage_memory == [8, 8]         # GPipe: all m
+    assert one.stage_memory == [4, 2]  # 1F1B: stage s holds min(m, p - s) micro-batches
+    assert gp.stage_memory == [8, 8]  # GPipe: all m
     assert bubble_fraction(4, 2) == pytest.approx(1 / 5)
 
 
@@ -96,20 +97,20 @@ def test_stages_of_a_training_graph():
         stages = build_stages(g, ops, list(cuts))
         assert [s.index for s in stages] == [0, 1, 2]
         ran = [i for s in stages for i in s.ops if i != "full"]
-        assert ran == core                                   # contiguous, each op once (free ops aside)
-        assert stages[0].inputs == ["x", "y"]                # the batch enters stage 0
+        assert ran == core  # contiguous, each op once (free ops aside)
+        assert stages[0].inputs == ["x", "y"]  # the batch enters stage 0
         assert stages[-1].outputs == ["loss"]
         for a, b in zip(stages, stages[1:]):
-            assert a.outputs == b.inputs                     # what one stage sends the next receives
+            assert a.outputs == b.inputs  # what one stage sends the next receives
             sent = sum(g.vars[v].nbytes for v in a.outputs)
-            assert sent == cross[cuts[a.index]]              # the DP's price of the cut is what is sent
+            assert sent == cross[cuts[a.index]]  # the DP's price of the cut is what is sent
         owned = [p for s in stages for p in s.params]
-        assert sorted(owned) == ["W0", "W1", "W2", "W3"]     # each parameter lives in one stage
+        assert sorted(owned) == ["W0", "W1", "W2", "W3"]  # each parameter lives in one stage
         assert "W0" in stages[0].params
         last = stages[-1]
         if "mm_tied" in last.ops and "mm0" not in last.ops:
-            assert "W0" in last.inputs                       # a tied weight travels like an activation
-        for s in stages:                                     # every value a stage reads is there
+            assert "W0" in last.inputs  # a tied weight travels like an activation
+        for s in stages:  # every value a stage reads is there
             have = set(s.inputs) | set(s.params) | {o for i in s.ops for o in g.op(i).outputs}
             need = {v for i in s.ops for v in g.op(i).inputs}
             assert need <= have, (cuts, s.index, need - have)
@@ -134,6 +135,7 @@ def test_bad_combinations_are_clear_errors():
 def test_plan_records_its_stages_in_json_and_str():
     from metadist_core.driver.compile import replicated_plan
     from metadist_core.plan.plan import ShardingPlan
+
     g = mlp_step()
     plan, _ = replicated_plan(g, Mesh((1,)))
     assert plan.stages == []

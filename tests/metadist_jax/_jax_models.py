@@ -1,4 +1,5 @@
 """The example models, loaded from examples/jax by path, and a side-by-side runner."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -54,5 +55,6 @@ def assert_trees_close(a, b, rtol=1e-4, atol=1e-6):
     lb = jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
     for (path, x), y in zip(la, lb):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
-                                   err_msg=f"leaf {jax.tree_util.keystr(path)}")
+        np.testing.assert_allclose(
+            np.asarray(x), np.asarray(y), rtol=rtol, atol=atol, err_msg=f"leaf {jax.tree_util.keystr(path)}"
+        )

@@ -1,7 +1,8 @@
 """One process of the two-process test: the MLP step under jax.distributed on 4 local CPU devices.
 
-    python _mp_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz CACHE_DIR STEPS
+python _mp_worker.py PROCESS_ID NUM_PROCESSES PORT OUT.npz CACHE_DIR STEPS
 """
+
 import os
 import sys
 
@@ -34,7 +35,9 @@ for i in range(int(steps)):
     loss, params, opt_state = step(params, opt_state, mlp.make_batch(i, **mlp.TEST_BATCH))
     losses.append(float(to_host(loss)))
 leaves = {jax.tree_util.keystr(p): to_host(v) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
-specs = {k: str(v.sharding.spec) for k, v in
-         [(jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]]}
+specs = {
+    k: str(v.sharding.spec)
+    for k, v in [(jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_flatten_with_path(params)[0]]
+}
 np.savez(out, losses=np.asarray(losses), digest=plan_digest(step.plan), specs=repr(specs), **leaves)
 jax.distributed.shutdown()

@@ -1,4 +1,5 @@
 """JAX tests run on 8 virtual CPU devices: XLA_FLAGS is set here, before anything initializes a JAX backend."""
+
 import os
 
 _FLAG = "--xla_force_host_platform_device_count=8"
@@ -15,8 +16,10 @@ def devices8():
     """The 8 CPU devices; skips when JAX came up with another count (a backend started before this conftest)."""
     n = jax.device_count()
     if n != 8:
-        pytest.skip(f"these tests need 8 JAX devices, JAX has {n}: a backend was initialized before "
-                    f"tests/metadist_jax/conftest.py could set XLA_FLAGS={_FLAG}; run tests/metadist_jax alone")
+        pytest.skip(
+            f"these tests need 8 JAX devices, JAX has {n}: a backend was initialized before "
+            f"tests/metadist_jax/conftest.py could set XLA_FLAGS={_FLAG}; run tests/metadist_jax alone"
+        )
     return jax.devices()
 
 

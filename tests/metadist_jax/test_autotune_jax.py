@@ -1,4 +1,5 @@
 """Autotune on JAX: the plans are timed on the 8 devices, the fastest kept, and it gives one device's numbers."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +16,7 @@ from _jax_models import assert_trees_close, mlp_case, side_by_side  # noqa: E402
 
 
 def test_timed_plans_keep_the_fastest_and_the_single_device_numbers(devices8, rule_cache, monkeypatch):
-    monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")   # autotune runs with measured costs only
+    monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")  # autotune runs with measured costs only
     mlp, opt, params, opt_state, _ = mlp_case()
     step_fn = mlp.make_step(opt)
     before = jax.tree.map(np.asarray, params)
@@ -26,12 +27,12 @@ def test_timed_plans_keep_the_fastest_and_the_single_device_numbers(devices8, ru
     fig = step.plan.stats.autotune
     got = {(c["strategy"], c["lowering"]): c for c in fig["candidates"]}
     plans = {name for name, _ in got}
-    assert "auto" in plans and len(plans) >= 2, fig   # the solver's plan and at least one preset's differ
+    assert "auto" in plans and len(plans) >= 2, fig  # the solver's plan and at least one preset's differ
     assert {low for name, low in got if name == "auto"} == {"shard_map", "gspmd", "gspmd-io"}, fig
     assert all(c["measured_ms"] > 0 and c["predicted_ms"] > 0 for c in got.values())
     kept = got[(fig["chosen"], fig["lowering"])]["measured_ms"]
     first = got[("auto", "shard_map")]["measured_ms"]
-    assert kept <= first                               # never slower than the solver's plan, as timed
+    assert kept <= first  # never slower than the solver's plan, as timed
     if (fig["chosen"], fig["lowering"]) != ("auto", "shard_map"):
         assert kept < first * (1 - MARGIN)
         assert kept == min(c["measured_ms"] for c in got.values())
@@ -54,8 +55,9 @@ def test_the_lowerings_of_one_plan_share_its_placed_arguments(devices8, rule_cac
     leaves = len(jax.tree.leaves((params, opt_state, batch)))
     before = len(jax.live_arrays())
     resolved = step.frontend.resolve_mesh(res.mesh, MeshProfile())
-    trials = step.frontend.lower(res.traced, Trials(res.plan, (params, opt_state, batch), {}), resolved,
-                                 step.settings).trials
+    trials = step.frontend.lower(
+        res.traced, Trials(res.plan, (params, opt_state, batch), {}), resolved, step.settings
+    ).trials
     assert [t.lowering for t in trials] == ["shard_map", "gspmd", "gspmd-io"]
     placed = len(jax.live_arrays()) - before
     assert leaves <= placed < 2 * leaves, (placed, leaves)

@@ -3,6 +3,7 @@
 The compiled step on 8 virtual CPU devices matches the single-device jitted
 step within bf16 tolerance over 3 steps, with the plan really splitting it.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -54,6 +55,7 @@ def make_step(loss_fn, optimizer):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return loss, optax.apply_updates(params, updates), opt_state
+
     return train_step
 
 
@@ -65,8 +67,9 @@ def _run(step_fn, params, mesh, rule_cache, opt):
     return step, side_by_side(step_fn, step, params, opt_state, batches)
 
 
-@pytest.mark.parametrize("mesh", [(8,), pytest.param((2, 4), marks=pytest.mark.slow)],
-                         ids=lambda m: "x".join(map(str, m)))
+@pytest.mark.parametrize(
+    "mesh", [(8,), pytest.param((2, 4), marks=pytest.mark.slow)], ids=lambda m: "x".join(map(str, m))
+)
 def test_bf16_compute_matches_single_device(devices8, rule_cache, mesh):
     mlp = load_example("mlp")
     opt = optax.adam(1e-3)
@@ -81,12 +84,12 @@ def test_bf16_compute_matches_single_device(devices8, rule_cache, mesh):
 def test_bf16_parameters_and_state_match_single_device(devices8, rule_cache):
     mlp = load_example("mlp")
     opt = optax.adam(1e-3)
-    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16),
-                                    mlp.init_params(jax.random.key(0), SIZES))
+    params = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), mlp.init_params(jax.random.key(0), SIZES))
     step, ((lr, pr, sr), (lm, pm, sm)) = _run(make_step(mlp.loss_fn, opt), params, (8,), rule_cache, opt)
     np.testing.assert_allclose(lm, lr, rtol=BF16_TOL)
     assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(pm))
     assert_mostly_close(pr, pm)
-    big = max((v for v in step.graph.inputs if step.graph.vars[v].role == "parameter"),
-              key=lambda v: step.graph.vars[v].numel)
+    big = max(
+        (v for v in step.graph.inputs if step.graph.vars[v].role == "parameter"), key=lambda v: step.graph.vars[v].numel
+    )
     assert step.graph.vars[big].dtype == "bfloat16"

@@ -1,4 +1,5 @@
 """Every cost-model collective lowered to lax inside shard_map moves data exactly as metadist_core.plan.simulate does."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,8 +21,10 @@ LOCAL = (4, 8)
 def _cases():
     out = []
     for axis in (0, 1):
+
         def sh(p):
             return Sharding([p if a == axis else R for a in range(2)])
+
         for red in ("sum", "avg", "max", "min"):
             out.append(Collective("all_reduce", axis, (), red, 0, 0.0, sh(Partial(red)), sh(R)))
             out.append(Collective("reduce_scatter", axis, (1,), red, 0, 0.0, sh(Partial(red)), sh(Shard(1))))

@@ -1,5 +1,6 @@
 """metadist_compile on 8 virtual CPU devices: same loss, parameters and optimizer state as the
 single-device jitted step over 5 steps, on meshes (8,) and (2, 4), with a large parameter sharded."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -69,9 +70,11 @@ def test_flax_transformer_adam_matches_single_device(devices8, rule_cache, mesh)
     # exercised whatever the cost model prefers for a model this small); the rest is the solver's choice
     from metadist_core.problem.constraints import Pin
     from metadist_core.ir.placement import Replicate, Shard, Sharding
+
     pin = Pin("params/params/block0/up/kernel", Sharding([Shard(1)] + [Replicate()] * (len(mesh) - 1)))
-    step = metadist_compile(step_fn, mesh=mesh, cache_dir=rule_cache, memory_budget=TRANSFORMER_BUDGET[mesh],
-                            constraints=[pin])
+    step = metadist_compile(
+        step_fn, mesh=mesh, cache_dir=rule_cache, memory_budget=TRANSFORMER_BUDGET[mesh], constraints=[pin]
+    )
     batches = [T.make_batch(i, cfg) for i in range(STEPS)]
     (lr, pr, sr), (lm, pm, sm) = side_by_side(step_fn, step, params, opt_state, batches)
 
@@ -81,8 +84,13 @@ def test_flax_transformer_adam_matches_single_device(devices8, rule_cache, mesh)
 
     big = _largest_param(step.plan, step.graph)
     assert step.graph.vars[big].numel >= 4096
-    sharded = [v for v in step.graph.inputs if step.graph.vars[v].role == "parameter"
-               and step.graph.vars[v].numel >= 4096 and not step.plan.input_shardings[v].is_fully_replicated()]
+    sharded = [
+        v
+        for v in step.graph.inputs
+        if step.graph.vars[v].role == "parameter"
+        and step.graph.vars[v].numel >= 4096
+        and not step.plan.input_shardings[v].is_fully_replicated()
+    ]
     assert sharded, f"no large parameter is sharded:\n{step.plan}"
     leaves = dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(pm)[0])
     assert any(not x.sharding.is_fully_replicated for x in leaves.values() if x.size >= 4096)
@@ -127,8 +135,9 @@ def test_mesh_must_match_device_count(devices8):
 
 def test_uneven_dims_never_split_unevenly(devices8, rule_cache):
     """A batch of 12 on mesh (8,) cannot split 8 ways: the plan keeps every split even, and runs."""
+
     def step_fn(p, s, batch):
-        x, = batch
+        (x,) = batch
         loss, g = jax.value_and_grad(lambda w: jax.numpy.mean(jax.numpy.tanh(x @ w) ** 2))(p["w"])
         return loss, {"w": p["w"] - 0.1 * g}, s
 

@@ -5,6 +5,7 @@ parameter, its gradient and its two moments once and writes the new three (7x th
 scalars), where op by op the same ops move 5-6x that again; the planner's op costs carry those bytes; the
 forward and backward keep their op-by-op bytes.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -38,7 +39,7 @@ def test_each_parameters_adam_update_is_one_loop_of_seven_passes():
         loop = mine[0]
         size = g.vars[p].nbytes
         fused = sum(fb[i] for i in loop)
-        assert 7 * size <= fused <= 7 * size + 64, (p, size, fused)   # p, g, m, v in; p, m, v out
+        assert 7 * size <= fused <= 7 * size + 64, (p, size, fused)  # p, g, m, v in; p, m, v out
         unfused = sum(g.vars[v].nbytes for i in loop for v in g.op(i).inputs + g.op(i).outputs)
         assert unfused > 4 * fused
     fwd = set(forward_ops(g))
@@ -54,13 +55,17 @@ def test_the_planner_prices_the_update_at_its_fused_bytes_and_the_rest_op_by_op(
         assert costs[op.id][1] == (fb[op.id] if op.id in fb else own), op.id
 
 
-@pytest.mark.parametrize("name,make,passes", [
-    ("sgd", lambda: optax.sgd(0.1), 3),                          # p, g in; p out
-    ("sgd momentum", lambda: optax.sgd(0.1, momentum=0.9), 5),   # p, g, trace in; p, trace out
-    ("adamw", lambda: optax.adamw(1e-3, weight_decay=0.01), 7),
-])
+@pytest.mark.parametrize(
+    "name,make,passes",
+    [
+        ("sgd", lambda: optax.sgd(0.1), 3),  # p, g in; p out
+        ("sgd momentum", lambda: optax.sgd(0.1, momentum=0.9), 5),  # p, g, trace in; p, trace out
+        ("adamw", lambda: optax.adamw(1e-3, weight_decay=0.01), 7),
+    ],
+)
 def test_other_optimizers_fuse_to_their_passes(name, make, passes):
     from _jax_models import load_example
+
     mlp = load_example("mlp")
     opt = make()
     params = mlp.init_params(jax.random.key(0), mlp.TEST_SIZES)

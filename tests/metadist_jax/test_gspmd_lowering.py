@@ -1,5 +1,6 @@
 """A plan lowered through GSPMD (metadist_jax.gspmd) gives the single-device numbers and keeps the plan's
 stored layouts, on meshes (8,) and (2, 4)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -19,11 +20,12 @@ def test_a_plan_through_gspmd_matches_one_device(devices8, rule_cache, mesh, str
     mlp, opt, params, opt_state, batch = mlp_case()
     step_fn = mlp.make_step(opt)
     step = metadist_compile(step_fn, mesh=mesh, cache_dir=rule_cache, strategy=strategy)
-    step(params, opt_state, batch)   # plans it
+    step(params, opt_state, batch)  # plans it
     plan, graph, ctx = step.plan, step.graph, step.last.traced.context
-    sharded = [v for v, s in plan.input_shardings.items() if not s.is_fully_replicated()
-               and graph.vars[v].role == "parameter"]
-    assert sharded, str(plan)        # a plan that splits parameters, so that the layouts matter
+    sharded = [
+        v for v, s in plan.input_shardings.items() if not s.is_fully_replicated() and graph.vars[v].role == "parameter"
+    ]
+    assert sharded, str(plan)  # a plan that splits parameters, so that the layouts matter
 
     run = LoweredStep(lower_gspmd(graph, plan, step.mesh, step.jax_mesh, ctx.output_ids), ctx)
     batches = [mlp.make_batch(i, **mlp.TEST_BATCH) for i in range(3)]
@@ -67,15 +69,19 @@ def test_the_data_parallel_plan_held_at_its_ends_is_jax_jits_data_parallelism(de
     assert_trees_close(pr, pm, atol=1e-5)
 
     rep, split = NamedSharding(step.jax_mesh, P()), NamedSharding(step.jax_mesh, P(tuple(step.jax_mesh.axis_names)))
-    dp_in = (jax.tree.map(lambda _: rep, params), jax.tree.map(lambda _: rep, opt_state),
-             jax.tree.map(lambda _: split, batches[0]))
+    dp_in = (
+        jax.tree.map(lambda _: rep, params),
+        jax.tree.map(lambda _: rep, opt_state),
+        jax.tree.map(lambda _: split, batches[0]),
+    )
     hand = jax.jit(step_fn, in_shardings=dp_in, out_shardings=(rep, dp_in[0], dp_in[1]))
-    hand_hlo = hand.lower(*[jax.device_put(a, s) for a, s in zip((params, opt_state, batches[0]), dp_in)]
-                          ).compile().as_text()
+    hand_hlo = (
+        hand.lower(*[jax.device_put(a, s) for a, s in zip((params, opt_state, batches[0]), dp_in)]).compile().as_text()
+    )
     ours_hlo = run.compiled_text(params, opt_state, batches[0])
 
     def instructions(text: str) -> int:
-        entry = text[text.index("ENTRY"):]
+        entry = text[text.index("ENTRY") :]
         return len(re.findall(r"^\s*(?:ROOT )?%\S+ = ", entry, re.M))
 
     ours = sorted(collectives(ours_hlo))

@@ -6,6 +6,7 @@ stands between the two and XLA fuses the transpose into each reader as a strided
 data-parallel step on 8 virtual devices ran 53.6 ms so, 22 ms with the all-reduce after it. The lowering
 runs such a transpose on the Partial value and the collectives on its result, their dims permuted.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,11 +35,14 @@ def _reduce_before_transposes(step):
     for i, n in enumerate(prob.nodes):
         if n.kind != "op" or n.key != "jax.lax.transpose":
             continue
-        whole = [k for k, o in enumerate(n.options)
-                 if o.inputs[0].is_fully_replicated() and o.outputs[0].is_fully_replicated()]
+        whole = [
+            k
+            for k, o in enumerate(n.options)
+            if o.inputs[0].is_fully_replicated() and o.outputs[0].is_fully_replicated()
+        ]
         assert whole, f"transpose {n.id} has no replicated option: {n.options}"
         choices[i] = whole[0]
-        prob.allowed[i][whole[0]] = True   # the ddp preset pins what the solver chose
+        prob.allowed[i][whole[0]] = True  # the ddp preset pins what the solver chose
         ids.append(n.id)
     return ShardingPlan.from_choices(prob, choices), ids
 
@@ -58,13 +62,15 @@ def _whole_gradients(hlo: str, weights: set) -> list[tuple[int, int]]:
     for line in hlo.splitlines():
         m = re.search(r"= (.*?) (all-reduce|all-gather)(-start)?\(", line)
         if m:
-            out += [(int(a), int(b)) for a, b in re.findall(r"f32\[(\d+),(\d+)\]", m.group(1))
-                    if int(a) * int(b) in sizes]
+            out += [
+                (int(a), int(b)) for a, b in re.findall(r"f32\[(\d+),(\d+)\]", m.group(1)) if int(a) * int(b) in sizes
+            ]
     return out
 
 
-@pytest.mark.parametrize("mesh,features", [((8,), None), ((2, 4), None), ((2, 4), 12)],
-                         ids=["8", "2x4", "2x4-features12"])
+@pytest.mark.parametrize(
+    "mesh,features", [((8,), None), ((2, 4), None), ((2, 4), 12)], ids=["8", "2x4", "2x4-features12"]
+)
 def test_a_reduce_before_a_transpose_runs_after_it(devices8, rule_cache, mesh, features):
     """features=12: the first weight's gradient is (12, 256), whose dim 0 does not split 8 ways, so its
     reduce-scatter and all-gather act on the dim the transpose moves the planned one to."""
@@ -82,10 +88,10 @@ def test_a_reduce_before_a_transpose_runs_after_it(devices8, rule_cache, mesh, f
     plan, ids = _reduce_before_transposes(step)
     graph = step.graph
     inc, _ = plan.edge_index()
-    assert ids and all(inc[(t, 0)].collectives for t in ids), str(plan)   # the weight gradients' transposes
+    assert ids and all(inc[(t, 0)].collectives for t in ids), str(plan)  # the weight gradients' transposes
     late = late_reduces(graph, plan, inc, step.problem.mesh, moves_only)
     assert set(late) == set(ids)
-    if features is not None:   # some edge scatters, and on the first weight's gradient the dim moves
+    if features is not None:  # some edge scatters, and on the first weight's gradient the dim moves
         assert any(d != e for dims in late.values() for d, e in dims.items()), late
 
     prog = lower_plan(graph, plan, step.problem.mesh, step.jax_mesh)
@@ -94,17 +100,20 @@ def test_a_reduce_before_a_transpose_runs_after_it(devices8, rule_cache, mesh, f
     hlo = prog.fn.lower(*args).compile().as_text()
     # the bytes priced for each kind of collective (XLA may combine all-reduces); each gradient moved in its
     # weight's shape: its transpose ran on the Partial value, next to the dot
-    assert _bytes_by_kind(collectives(hlo)) == _bytes_by_kind((c.kind, int(c.nbytes))
-                                                              for _, c in priced_collectives(plan))
+    assert _bytes_by_kind(collectives(hlo)) == _bytes_by_kind(
+        (c.kind, int(c.nbytes)) for _, c in priced_collectives(plan)
+    )
     weights = {tuple(layer["w"].shape) for layer in params.values()}
     moved = _whole_gradients(hlo, weights)
     assert moved and set(moved) <= weights, (moved, weights)
 
     # held before the transposes, the reduces leave them standing
-    body = build_body(graph, plan, step.problem.mesh, list(graph.outputs),
-                      reduce_after=lambda op: None)
-    held = jax.jit(jax.shard_map(body, mesh=step.jax_mesh, in_specs=tuple(prog.in_specs),
-                                 out_specs=tuple(prog.out_specs), check_vma=False))
+    body = build_body(graph, plan, step.problem.mesh, list(graph.outputs), reduce_after=lambda op: None)
+    held = jax.jit(
+        jax.shard_map(
+            body, mesh=step.jax_mesh, in_specs=tuple(prog.in_specs), out_specs=tuple(prog.out_specs), check_vma=False
+        )
+    )
     for got, w in zip(held(*args), want):
         np.testing.assert_allclose(np.asarray(got), w, rtol=1e-5, atol=1e-6)
     assert not set(_whole_gradients(held.lower(*args).compile().as_text(), weights)) <= weights

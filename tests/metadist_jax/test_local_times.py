@@ -7,6 +7,7 @@ a quarter; the rate of a kernel changes with its shape, not by 2.5x here), and t
 the same rounds. A compile with measured costs times its matmuls, keeps them beside the profile, and
 still gives the single-device numbers; ``local_time_seconds=0`` times none.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,11 @@ def test_matmuls_are_timed_at_their_local_shapes(devices8):
     op = next(o for o in dots if len([v for v in o.inputs if g.vars[v].is_tensor]) == 2)
     dims = op.payload.params["dimension_numbers"]
     assert dims == (((1,), (0,)), ((), ())), "the test needs a plain (m,k)@(k,n) matmul"
-    reqs = [(op, ((m, k), (k, n)), ("float32", "float32")), (op, ((m // 4, k), (k, n)), ("float32", "float32")),
-            (op, ((m, k), (k + 1, n)), ("float32", "float32"))]   # shapes a matmul refuses
+    reqs = [
+        (op, ((m, k), (k, n)), ("float32", "float32")),
+        (op, ((m // 4, k), (k, n)), ("float32", "float32")),
+        (op, ((m, k), (k + 1, n)), ("float32", "float32")),
+    ]  # shapes a matmul refuses
     times = fe.time_ops(reqs, fe.resolve_mesh(Mesh((8,)), MeshProfile()))
     secs, rates = times.seconds, times.device
     whole, quarter, refused = secs
@@ -47,6 +51,7 @@ def test_matmuls_are_timed_at_their_local_shapes(devices8):
 
 def test_a_measured_compile_times_its_matmuls_and_keeps_the_numbers(devices8, tmp_path, monkeypatch):
     import metadist_jax.calibrate as cal
+
     real = cal.measure_live
     monkeypatch.setattr(cal, "measure_live", lambda jm, shape, cached=None, iters=5: real(jm, shape, cached, iters=2))
     monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")
@@ -57,7 +62,7 @@ def test_a_measured_compile_times_its_matmuls_and_keeps_the_numbers(devices8, tm
     (lr, pr, sr), (lm, pm, sm) = side_by_side(step_fn, step, params, state, batches)
     stats = step.plan.stats.local_times
     assert stats["kernels_timed"] > 0 and stats["median_slowdown"] > 0
-    assert list((tmp_path / "profiles").glob("*-local.json"))   # kept for the next compile on this machine
+    assert list((tmp_path / "profiles").glob("*-local.json"))  # kept for the next compile on this machine
     assert_trees_close(lr, lm)
     assert_trees_close(pr, pm)
 

@@ -1,5 +1,6 @@
 """micro_batches for JAX on 8 virtual CPU devices: the batch cut into equal parts inside one shard_map gives
 the single-device whole-batch step's loss, parameters and optimizer state over 3 steps (rtol 1e-4)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +17,9 @@ from _jax_models import assert_trees_close, load_example, side_by_side  # noqa: 
 STEPS = 3
 
 
-@pytest.mark.parametrize("mesh,m", [((8,), 4), pytest.param((2, 4), 2, marks=pytest.mark.slow)],
-                         ids=["8-mb4", "2x4-mb2"])
+@pytest.mark.parametrize(
+    "mesh,m", [((8,), 4), pytest.param((2, 4), 2, marks=pytest.mark.slow)], ids=["8-mb4", "2x4-mb2"]
+)
 def test_mlp_micro_batches_match_the_whole_batch(devices8, rule_cache, mesh, m):
     mlp = load_example("mlp")
     opt = optax.adam(1e-3)

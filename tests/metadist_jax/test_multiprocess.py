@@ -1,5 +1,6 @@
 """Two processes under jax.distributed on CPU (gloo), 4 devices each, run the MLP step on mesh (8,)
 and agree with one process on 8 devices: same plan, same losses, same parameters."""
+
 from __future__ import annotations
 
 import os
@@ -45,9 +46,16 @@ def test_two_processes_agree_with_one(devices8, rule_cache, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
     outs = [tmp_path / f"p{i}.npz" for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", str(port), str(outs[i]), rule_cache,
-                               str(STEPS)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), "2", str(port), str(outs[i]), rule_cache, str(STEPS)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     logs = []
     for p in procs:
         try:

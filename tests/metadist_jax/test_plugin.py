@@ -1,5 +1,6 @@
 """The JAX frontend adapter: loads without jax, prices meshes with the profile it is given, and runs
 through the one driver (metadist_core.driver.compile) on any mesh, one device included."""
+
 from __future__ import annotations
 
 import subprocess
@@ -19,20 +20,25 @@ from metadist_jax.plugin import JaxFrontend  # noqa: E402
 
 
 def test_loading_the_plugin_imports_no_jax():
-    code = ("import sys, metadist_jax.plugin as p; fe = p.metadist_frontend(); "
-            "assert fe.name == 'jax' and fe.traits.op_prefixes == ('jax.lax.',); "
-            "assert 'jax' not in sys.modules, 'jax was imported'")
+    code = (
+        "import sys, metadist_jax.plugin as p; fe = p.metadist_frontend(); "
+        "assert fe.name == 'jax' and fe.traits.op_prefixes == ('jax.lax.',); "
+        "assert 'jax' not in sys.modules, 'jax was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_resolve_mesh_prices_with_the_profile(devices8):
     fe = JaxFrontend()
-    prof = MeshProfile(nodes=2, devices_per_node=4,
-                       levels={"intra": {"alpha": 1e-6, "beta": 1e-10}, "inter": {"alpha": 5e-5, "beta": 1e-9}})
+    prof = MeshProfile(
+        nodes=2,
+        devices_per_node=4,
+        levels={"intra": {"alpha": 1e-6, "beta": 1e-10}, "inter": {"alpha": 5e-5, "beta": 1e-9}},
+    )
     resolved = fe.resolve_mesh((2, 4), prof)
     mesh = resolved.mesh
     assert mesh.shape == (2, 4) and mesh.alpha == (5e-5, 1e-6) and mesh.beta == (1e-9, 1e-10)
-    assert resolved.engine.devices.shape == (2, 4)   # the jax.sharding.Mesh, resolved with it
+    assert resolved.engine.devices.shape == (2, 4)  # the jax.sharding.Mesh, resolved with it
     given = Mesh((8,), ("x",), alpha=3e-6)
     assert fe.resolve_mesh(given, prof).mesh is given
     with pytest.raises(MeshMismatchError, match="multiply to 8"):

@@ -12,6 +12,7 @@
 * A metadist ``Mesh`` given as ``mesh=`` keeps link costs of its own; one with
   the built-in costs (a shape and axis names) takes the measured ones.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -59,31 +60,41 @@ def test_jax_step_has_one_reader_phase(devices8, rule_cache):
 
 
 def test_hlo_parser_reads_tuples_groups_and_async_starts():
-    text = "\n".join([
-        "  %a = f32[4,8]{1,0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%r",
-        "  %b = (f32[16]{0}, bf16[2,2]{1,0}) all-reduce(%y, %z), replica_groups=[2,4]<=[8]",
-        "  %c = f32[8,4]{1,0} reduce-scatter(%w), replica_groups=[2,4]<=[8], dimensions={0}",
-        "  %d = (f32[2]{0}, f32[8]{0}) all-gather-start(%v), replica_groups={{0,1,2,3}}",
-        "  %e = f32[8]{0} all-gather-done(%d)",
-        "  %f = f32[3]{0} add(%p, %q)",
-    ])
-    assert collectives(text) == [("all_reduce", 128), ("all_reduce", 64 + 8), ("reduce_scatter", 128 * 4),
-                                 ("all_gather", 32)]
-    starts = "\n".join([   # a combined all-reduce-start's tuple is its results; a permute's holds contexts
-        "  %g = (f32[16]{0}, f32[4]{0}) all-reduce-start(%a, %b), replica_groups={{0,1}}, to_apply=%r",
-        "  %h = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%c), source_target_pairs={{0,1}}",
-    ])
+    text = "\n".join(
+        [
+            "  %a = f32[4,8]{1,0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%r",
+            "  %b = (f32[16]{0}, bf16[2,2]{1,0}) all-reduce(%y, %z), replica_groups=[2,4]<=[8]",
+            "  %c = f32[8,4]{1,0} reduce-scatter(%w), replica_groups=[2,4]<=[8], dimensions={0}",
+            "  %d = (f32[2]{0}, f32[8]{0}) all-gather-start(%v), replica_groups={{0,1,2,3}}",
+            "  %e = f32[8]{0} all-gather-done(%d)",
+            "  %f = f32[3]{0} add(%p, %q)",
+        ]
+    )
+    assert collectives(text) == [
+        ("all_reduce", 128),
+        ("all_reduce", 64 + 8),
+        ("reduce_scatter", 128 * 4),
+        ("all_gather", 32),
+    ]
+    starts = "\n".join(
+        [  # a combined all-reduce-start's tuple is its results; a permute's holds contexts
+            "  %g = (f32[16]{0}, f32[4]{0}) all-reduce-start(%a, %b), replica_groups={{0,1}}, to_apply=%r",
+            "  %h = (f32[8]{0}, f32[8]{0}, u32[], u32[]) collective-permute-start(%c), source_target_pairs={{0,1}}",
+        ]
+    )
     assert collectives(starts) == [("all_reduce", 80), ("collective_permute", 32)]
 
 
 def test_profile_measured_cached_and_grown(devices8, tmp_path, monkeypatch):
     import metadist_jax.calibrate as cal
+
     calls = []
     real = cal.measure_live
 
     def counting(jax_mesh, shape, cached=None, iters=5):
         calls.append(tuple(shape))
         return real(jax_mesh, shape, cached, iters=2)
+
     monkeypatch.setattr(cal, "measure_live", counting)
     fe = JaxFrontend()
     settings = load_settings(cache_dir=str(tmp_path), measure_links=True, mesh_profile=None)
@@ -95,10 +106,10 @@ def test_profile_measured_cached_and_grown(devices8, tmp_path, monkeypatch):
     assert alpha > 0
     key = profile_key(8, m8.device_kind)
     assert cached_profile(str(tmp_path), key) is not None
-    again = profile_for(fe, m8, settings)          # read from the cache: nothing measured
+    again = profile_for(fe, m8, settings)  # read from the cache: nothing measured
     assert calls == [(8,)] and again.axis_costs["8"][0]["alpha"] == alpha
     m24 = fe.resolve_mesh((2, 4), MeshProfile())
-    grown = profile_for(fe, m24, settings)         # a new shape: measured and added
+    grown = profile_for(fe, m24, settings)  # a new shape: measured and added
     assert calls == [(8,), (2, 4)]
     assert set(grown.axis_costs) == {"8", "2x4"}
     mesh = grown.mesh((2, 4))
@@ -124,6 +135,7 @@ def test_given_mesh_keeps_its_link_costs(devices8, rule_cache):
 def test_a_mesh_of_shape_only_takes_the_measured_costs(devices8, rule_cache, monkeypatch):
     """``Mesh((8,))`` says a shape and axis names, not costs: the measured profile prices it."""
     import metadist_jax.calibrate as cal
+
     real = cal.measure_live
     monkeypatch.setattr(cal, "measure_live", lambda jm, shape, cached=None, iters=5: real(jm, shape, cached, iters=2))
     monkeypatch.setenv("METADIST_MEASURE_LINKS", "1")
@@ -140,17 +152,20 @@ def test_calibration_times_its_programs_in_interleaved_rounds():
     backwards in turn, so that a slow spell of the shared cores falls on every figure alike; each figure is
     the median of all its runs."""
     import metadist_jax.calibrate as cal
+
     calls: list = []
 
     def prog(name):
         def run(arg):
             calls.append(name)
             return arg
+
         return run
+
     progs = cal._Programs()
     assert [progs.add(prog(name), 1) for name in "abc"] == [0, 1, 2]
-    out = progs.run(iters=2, rounds=3)   # 2 // 2 + 1 = 2 runs of each a round
-    assert calls[:3] == list("abc")      # each run once before any timing
+    out = progs.run(iters=2, rounds=3)  # 2 // 2 + 1 = 2 runs of each a round
+    assert calls[:3] == list("abc")  # each run once before any timing
     timed = calls[3:]
     assert timed == list("aabbcc") + list("ccbbaa") + list("aabbcc")
     assert len(out) == 3 and all(t >= 0 for t in out)

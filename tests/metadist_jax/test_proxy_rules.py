@@ -3,6 +3,7 @@ reshape's new sizes, slice bounds and sizes) are rewritten by value as metadist_
 rewrites the op's attrs (metadist_jax.oprunner.proxied_payload); an op carrying a jaxpr, a literal with a
 large dim or a large param that is no size of its tensors is discovered at its real shapes. Every rule
 the transformer example's step gets is re-checked by the independent checker of the torch tests."""
+
 import logging
 import sys
 from pathlib import Path
@@ -28,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_torch"))
 def _eqn(fn, *args):
     """The one equation ``fn`` traces to, as an OpPayload."""
     eqn = jax.make_jaxpr(fn)(*args).jaxpr.eqns[-1]
-    return OpPayload(eqn.primitive, dict(eqn.params), list(range(len(eqn.invars))),
-                     tuple(v.aval for v in eqn.outvars))
+    return OpPayload(eqn.primitive, dict(eqn.params), list(range(len(eqn.invars))), tuple(v.aval for v in eqn.outvars))
 
 
 def test_size_params_follow_the_proxy_and_the_rest_refuses():
@@ -40,7 +40,7 @@ def test_size_params_follow_the_proxy_and_the_rest_refuses():
     assert tuple(p.out_avals[0].shape) == (3, 13, 7)
     out = p.prim.bind(jnp.ones((13, 7)), **p.params)
     assert out.shape == (3, 13, 7)
-    sl = _eqn(lambda a: jax.lax.slice(a, (0, 0), (48, 10)), x)   # 10: a bound that is no size of the op
+    sl = _eqn(lambda a: jax.lax.slice(a, (0, 0), (48, 10)), x)  # 10: a bound that is no size of the op
     with pytest.raises(NoProxy):
         proxied_payload(sl, {48: 13, 20: 7}, 4)
     scan = _eqn(lambda a: jax.lax.scan(lambda c, r: (c + r, c), jnp.zeros(20), a)[0], x)
@@ -50,6 +50,7 @@ def test_size_params_follow_the_proxy_and_the_rest_refuses():
 
 def test_transformer_rules_at_proxy_sizes_pass_the_independent_checker(caplog):
     from test_rule_soundness import check_book
+
     T = load_example("transformer")
     cfg = T.Config(vocab=96, width=32, heads=2, layers=1, hidden=128, seq=16)
     model, params = T.init(cfg)

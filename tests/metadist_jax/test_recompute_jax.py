@@ -1,5 +1,6 @@
 """Activation recomputation through the JAX frontend: under a budget only recomputation meets, the flax
 transformer's compiled step (mesh (8,), 8 virtual devices) recomputes and keeps the single-device numbers."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,9 +35,8 @@ def test_flax_transformer_recomputes_with_single_device_numbers(devices8, rule_c
     batches = [T.make_batch(i, cfg, batch=16) for i in range(3)]
     fe = JaxFrontend()
     graph = fe.trace(step_fn, (params, opt_state, batches[0]), {}).graph
-    with pytest.raises(RecomputeBudgetError) as e:   # priced as the compile prices it: the JAX lowering's buffers
-        plan_graph(graph, Mesh((8,)), settings=load_settings(memory_budget=1, cache_dir=rule_cache),
-                   traits=fe.traits)
+    with pytest.raises(RecomputeBudgetError) as e:  # priced as the compile prices it: the JAX lowering's buffers
+        plan_graph(graph, Mesh((8,)), settings=load_settings(memory_budget=1, cache_dir=rule_cache), traits=fe.traits)
     without, lean = e.value.without, e.value.with_recompute
     assert without > lean > 0, (without, lean)
     # both figures are the solver's leanest plans measured with their buffers, upper bounds of the least
@@ -46,7 +46,7 @@ def test_flax_transformer_recomputes_with_single_device_numbers(devices8, rule_c
     (lr, pr, sr), (lm, pm, sm) = side_by_side(step_fn, step, params, opt_state, batches)
     assert step.plan.recompute, f"no recomputation under {budget:,} bytes (leanest without: {without:,})"
     assert step.plan.memory_per_device <= budget
-    assert sum(op.id.endswith("@rc") for op in step.graph.ops) == len(step.plan.recompute)   # the graph that ran
+    assert sum(op.id.endswith("@rc") for op in step.graph.ops) == len(step.plan.recompute)  # the graph that ran
     np.testing.assert_allclose(lm, lr, rtol=1e-4)
     # Adam divides each gradient by its own running size: a gradient near zero whose float32 sum runs in
     # another order moves its weight by a visible part of the learning rate (1e-3); measured 3.4e-5 on

@@ -1,5 +1,6 @@
 """pipeline_stages for JAX: `metadist plan` prices the stages (plan-only mode, for any frontend); running a
 pipelined JAX step is a clear "not yet for JAX" error, raised before any planning."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,6 @@ from metadist_core.driver.frontend import NotSupported  # noqa: E402
 from metadist_jax import metadist_compile  # noqa: E402
 
 from _jax_models import mlp_case  # noqa: E402
-
-
 
 
 def test_running_a_pipelined_jax_step_is_a_clear_error(devices8, rule_cache):
@@ -36,5 +35,5 @@ def test_metadist_plan_prices_jax_stages(devices8, rule_cache, tmp_path, monkeyp
     assert "pipeline: 2 stages along mesh axis 0" in text
     plan = json.loads(out.read_text())
     assert [s["devices"] for s in plan["stages"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert plan["mesh_shape"] == [4]          # each stage planned on the other axis
+    assert plan["mesh_shape"] == [4]  # each stage planned on the other axis
     assert sum(len(s["params"]) for s in plan["stages"]) > 0

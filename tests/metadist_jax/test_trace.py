@@ -1,4 +1,5 @@
 """Tracing a JAX step into MetaIR: nested jaxprs inlined, control flow kept whole, state aliased."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,11 +17,11 @@ def _step(params, opt_state, batch):
 
     @jax.jit
     def inner(w, x):
-        return jax.nn.relu(x @ w)                            # pjit + custom_jvp inside
+        return jax.nn.relu(x @ w)  # pjit + custom_jvp inside
 
     def loss_fn(p):
         h = inner(p["w"], x)
-        c, _ = jax.lax.scan(lambda c, r: (c + r, None), jnp.zeros(h.shape[1]), h)   # scan stays one op
+        c, _ = jax.lax.scan(lambda c, r: (c + r, None), jnp.zeros(h.shape[1]), h)  # scan stays one op
         return jnp.mean((h.sum(1) - y) ** 2) + 1e-3 * jnp.sum(c)
 
     loss, g = jax.value_and_grad(loss_fn)(params)
@@ -41,6 +42,7 @@ def test_inlines_nested_jaxprs_and_keeps_control_flow():
     g.validate()
     # every attr is JSON-able, so the signature keys the rule cache
     import json
+
     for op in g.ops:
         json.dumps(op.attrs)
         assert op.payload is not None

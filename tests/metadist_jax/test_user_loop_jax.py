@@ -12,6 +12,7 @@ optimizer state at the end (rtol 1e-5), on a mesh whose plan really splits somet
 Each test counts the compiles (traces of the step), so that a value the trace folded would show as a
 wrong number and a needless compile as a wrong count.
 """
+
 from __future__ import annotations
 
 import functools
@@ -28,7 +29,7 @@ from metadist_jax import metadist_compile  # noqa: E402
 from _jax_models import assert_trees_close  # noqa: E402
 
 STEPS = 8
-SIZES = (16, 64, 8)     # a small MLP: 16 -> 64 -> 8
+SIZES = (16, 64, 8)  # a small MLP: 16 -> 64 -> 8
 BATCH = 16
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -38,8 +39,10 @@ def _init_params(seed: int = 0) -> dict:
     params = {}
     for i, (a, b) in enumerate(zip(SIZES[:-1], SIZES[1:])):
         key, k = jax.random.split(key)
-        params[f"layer{i}"] = {"w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
-                               "b": jnp.zeros((b,), jnp.float32)}
+        params[f"layer{i}"] = {
+            "w": jax.random.normal(k, (a, b), jnp.float32) / np.sqrt(a),
+            "b": jnp.zeros((b,), jnp.float32),
+        }
     return params
 
 
@@ -90,16 +93,26 @@ def _check_trees(ref, got) -> None:
 
 def _split_state(step) -> list[str]:
     """Optimizer-state and batch inputs the plan stores split (not replicated) on the mesh."""
-    return [v for v, sh in step.plan.input_shardings.items()
-            if v.startswith(("opt_state/", "batch/")) and not sh.is_fully_replicated()]
+    return [
+        v
+        for v, sh in step.plan.input_shardings.items()
+        if v.startswith(("opt_state/", "batch/")) and not sh.is_fully_replicated()
+    ]
 
 
 SCHEDULES = {
-    "warmup_cosine": (optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=3, decay_steps=STEPS,
-                                                         end_value=1e-4), (8,), "zero1"),
-    "linear_then_cosine": (optax.join_schedules([optax.linear_schedule(1e-3, 1e-2, 3),
-                                                 optax.cosine_decay_schedule(1e-2, STEPS - 3, alpha=0.1)], [3]),
-                           (2, 4), "ddp"),
+    "warmup_cosine": (
+        optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=3, decay_steps=STEPS, end_value=1e-4),
+        (8,),
+        "zero1",
+    ),
+    "linear_then_cosine": (
+        optax.join_schedules(
+            [optax.linear_schedule(1e-3, 1e-2, 3), optax.cosine_decay_schedule(1e-2, STEPS - 3, alpha=0.1)], [3]
+        ),
+        (2, 4),
+        "ddp",
+    ),
 }
 
 
@@ -108,7 +121,7 @@ def test_schedule_follows_the_step_count(devices8, rule_cache, monkeypatch, name
     """The learning rate an optax schedule reads from the state's count changes every call: the compiled
     step follows it with its one compile."""
     schedule, mesh, strategy = SCHEDULES[name]
-    assert len({float(schedule(i)) for i in range(STEPS)}) == STEPS   # a new rate every call
+    assert len({float(schedule(i)) for i in range(STEPS)}) == STEPS  # a new rate every call
     opt = optax.adamw(schedule, weight_decay=1e-2)
     step_fn = _make_step(opt)
     params = _init_params()
@@ -147,7 +160,7 @@ def test_inject_hyperparams_set_by_hand(devices8, rule_cache, monkeypatch):
     pr, sr, pm, sm = params, state, params, state
     first = None
     for i in range(STEPS):
-        if i:   # the first call runs with the state as opt.init made it
+        if i:  # the first call runs with the state as opt.init made it
             for s in (sr, sm):
                 s.hyperparams["learning_rate"] = jnp.asarray(lrs[i])
                 s.hyperparams["weight_decay"] = jnp.asarray(wds[i])
@@ -156,12 +169,11 @@ def test_inject_hyperparams_set_by_hand(devices8, rule_cache, monkeypatch):
         lr_, pr, sr = ref(pr, sr, b)
         lm, pm, sm = step(pm, sm, b)
         np.testing.assert_allclose(float(lm), float(lr_), rtol=RTOL, err_msg=f"loss of call {i}")
-        if lrs[i] == 0.0:   # no step at all, whatever the gradient and the weight decay
-            jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-                                   before, pm)
+        if lrs[i] == 0.0:  # no step at all, whatever the gradient and the weight decay
+            jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), before, pm)
         if first is None:
             first = step.last
-        assert step.last is first   # the same compiled program every call
+        assert step.last is first  # the same compiled program every call
         np.testing.assert_allclose(float(sm.hyperparams["learning_rate"]), lrs[i], rtol=1e-6)
     _check_trees(pr, pm)
     _check_trees(sr, sm)
@@ -169,7 +181,7 @@ def test_inject_hyperparams_set_by_hand(devices8, rule_cache, monkeypatch):
     assert len(compiles) == 1
     assert _split_state(step), f"the plan splits nothing:\n{step.plan}"
     mu = sm.inner_state[0].mu["layer0"]["w"]
-    assert not mu.sharding.is_fully_replicated   # zero1: the Adam moments stay split
+    assert not mu.sharding.is_fully_replicated  # zero1: the Adam moments stay split
 
 
 def test_python_arguments_change_between_calls(devices8, rule_cache, monkeypatch):
@@ -181,10 +193,18 @@ def test_python_arguments_change_between_calls(devices8, rule_cache, monkeypatch
     state = opt.init(params)
     step = metadist_compile(step_fn, mesh=(2, 4), strategy="ddp", cache_dir=rule_cache)
     compiles = _count_compiles(monkeypatch, step)
-    refs: dict = {}   # the plain step, jitted with the flag and the mode static
+    refs: dict = {}  # the plain step, jitted with the flag and the mode static
 
-    calls = [(False, "relu", 1.0), (True, "relu", 0.5), (True, "relu", 2.0), (False, "relu", 0.5),
-             (True, "tanh", 1.0), (False, "relu", 1.5), (True, "tanh", 0.25), (True, "relu", 1.0)]
+    calls = [
+        (False, "relu", 1.0),
+        (True, "relu", 0.5),
+        (True, "relu", 2.0),
+        (False, "relu", 0.5),
+        (True, "tanh", 1.0),
+        (False, "relu", 1.5),
+        (True, "tanh", 0.25),
+        (True, "relu", 1.0),
+    ]
     pr, sr, pm, sm = params, state, params, state
     seen: list = []
     for i, (flag, act, scale) in enumerate(calls):
@@ -192,8 +212,9 @@ def test_python_arguments_change_between_calls(devices8, rule_cache, monkeypatch
         ref = refs.setdefault((flag, act), jax.jit(functools.partial(step_fn, use_dropout=flag, act=act)))
         lr_, pr, sr = ref(pr, sr, b, scale)
         lm, pm, sm = step(pm, sm, b, scale, use_dropout=flag, act=act)
-        np.testing.assert_allclose(float(lm), float(lr_), rtol=RTOL,
-                                   err_msg=f"loss of call {i} (use_dropout={flag}, act={act}, scale={scale})")
+        np.testing.assert_allclose(
+            float(lm), float(lr_), rtol=RTOL, err_msg=f"loss of call {i} (use_dropout={flag}, act={act}, scale={scale})"
+        )
         if (flag, act) not in seen:
             seen.append((flag, act))
         assert len(compiles) == len(seen), f"call {i}: {len(compiles)} compiles for {seen}"

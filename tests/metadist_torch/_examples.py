@@ -1,4 +1,5 @@
 """The torch examples (examples/torch/*.py) as modules, for tests that build their models and steps."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -4,6 +4,7 @@ Per strategy (ddp, fsdp, tp) it compiles the GPT example, runs three steps (the 
 ``step.memory``), checks the losses against a single-device copy, then measures one
 step of DDP and FSDP2 with the same tracker. Rank 0 writes every rank's figures to ``$MD_TEST_OUT``.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ STRATEGIES = ("ddp", "fsdp", "tp")
 
 def _config():
     import gpt
+
     return gpt.GPTConfig(vocab=128, seq=32, width=64, heads=4, layers=2, batch=8)
 
 
@@ -26,6 +28,7 @@ def check_strategy(strategy: str, errors: list, out: dict) -> None:
     import torch
     import gpt
     from metadist_torch import metadist_compile
+
     c = _config()
     batches = [gpt.batch(c, s) for s in range(3)]
     ref_m, ref_o = gpt.build(c)
@@ -50,12 +53,13 @@ def eager_baselines(out: dict, rank: int, world: int) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
     from metadist_torch.memory import measure_peak, state_tensors
+
     c = _config()
     per = c.batch // world
-    b = tuple(x[rank * per:(rank + 1) * per] for x in gpt.batch(c, 0))
+    b = tuple(x[rank * per : (rank + 1) * per] for x in gpt.batch(c, 0))
     model, opt = gpt.build(c)
     d = DDP(model)
-    gpt.train_step(d, opt, *b)   # the optimizer state exists from the second step on: measure that one
+    gpt.train_step(d, opt, *b)  # the optimizer state exists from the second step on: measure that one
     _, m = measure_peak(lambda: gpt.train_step(d, opt, *b), state_tensors(model, opt) + list(b))
     out["eager_ddp"] = m.as_dict()
     model, _ = gpt.build(c)
@@ -72,6 +76,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
     from metadist_torch.engine import ensure_process_group, finish_worker
+
     torch.set_num_threads(1)
     rank, world = ensure_process_group()
     errors: list = []
@@ -79,7 +84,7 @@ def main() -> int:
     for s in STRATEGIES:
         try:
             check_strategy(s, errors, out)
-        except Exception as e:   # report, go on with the next plan
+        except Exception as e:  # report, go on with the next plan
             errors.append(f"{s}: {type(e).__name__}: {e}")
     try:
         eager_baselines(out, rank, world)

@@ -4,6 +4,7 @@ Per config: AdamW (weight decay) over 4 steps, loss, parameters and optimizer st
 eager single-device step; the optimizer state must sit on the host device, the rank program must hold
 the transfers and run ops on the host. Rank 0 writes {"errors": [...], "report": [...]} to MD_TEST_OUT.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ def full(t):
 def check(name, strategy, errors, report):
     from metadist_torch import metadist_compile
     from metadist_torch.offload import count_transfers, host_tensors
+
     g = torch.Generator().manual_seed(7)
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(STEPS)]
     m_ref, o_ref = build()
@@ -49,6 +51,7 @@ def check(name, strategy, errors, report):
         got = [float(step(m, o, *d)) for d in data]
     except Exception as e:  # reported by the test
         import traceback
+
         errors.append(f"{name}: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return
     for i, (a, b) in enumerate(zip(ref, got)):
@@ -69,15 +72,27 @@ def check(name, strategy, errors, report):
     moves = count_transfers(prog.lowered.gm)
     if not moves["md_to_host"] or not moves["md_to_device"] or not prog.offload.host_nodes:
         errors.append(f"{name}: the rank program holds no offload: {moves}, {prog.offload.host_nodes} host nodes")
-    sharded_state = sum(1 for v, s in step.plan.input_shardings.items()
-                        if step.graph.vars[v].role == "optimizer_state" and not s.is_fully_replicated())
-    report.append({"name": name, "loss": got[-1], "loss_ref": ref[-1], "transfers": moves,
-                   "host_nodes": prog.offload.host_nodes, "sharded_state": sharded_state,
-                   "offload": step.plan.stats.offload})
+    sharded_state = sum(
+        1
+        for v, s in step.plan.input_shardings.items()
+        if step.graph.vars[v].role == "optimizer_state" and not s.is_fully_replicated()
+    )
+    report.append(
+        {
+            "name": name,
+            "loss": got[-1],
+            "loss_ref": ref[-1],
+            "transfers": moves,
+            "host_nodes": prog.offload.host_nodes,
+            "sharded_state": sharded_state,
+            "offload": step.plan.stats.offload,
+        }
+    )
 
 
 def main() -> int:
     from metadist_torch.engine import ensure_process_group
+
     ensure_process_group()
     errors: list[str] = []
     report: list[dict] = []
@@ -93,6 +108,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     from metadist_torch.engine import finish_worker
+
     code = 1
     try:
         code = main()

@@ -7,6 +7,7 @@ Every rank finds the budget the same way: halfway (with micro-batches three quar
 leanest plan with every segment recomputed to the leanest without recomputation (the RecomputeBudgetError of an impossible budget gives both). Rank 0 prints
 ``RECOMPUTE OK <case>`` when everything matched.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -39,6 +40,7 @@ def _gpt2_case():
         m = gpt2(n_positions=64, n_layer=2, n_embd=64, n_head=4, vocab_size=128)
         # SGD with momentum: GPT-2's key bias has a zero gradient but for rounding, which Adam would amplify
         return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
     return build, [(b,) for b in tokens(128, 16, 64, STEPS)], lm_step
 
 
@@ -48,10 +50,11 @@ def _budget(build, batch, step_fn, mesh_shape, at: float = 0.5) -> tuple[int, in
     from metadist_core.ir.mesh import Mesh
     from metadist_core.levers.recompute import RecomputeBudgetError
     from metadist_torch.plugin import TorchFrontend
+
     model, opt = build()
     fe = TorchFrontend()
     graph = fe.trace(step_fn, (model, opt, *batch), {}).graph
-    try:   # priced as the compile prices it: the lowering's bucket copies, the whole batch on every rank
+    try:  # priced as the compile prices it: the lowering's bucket copies, the whole batch on every rank
         plan_graph(graph, Mesh(mesh_shape), settings=load_settings(memory_budget=1), traits=fe.traits)
     except RecomputeBudgetError as e:
         return int(e.with_recompute + at * (e.without - e.with_recompute)), e.without, e.with_recompute
@@ -66,12 +69,13 @@ def main() -> int:
     import torch.distributed as dist
     from metadist_torch import metadist_compile
     from metadist_torch.engine import ensure_process_group
+
     case = sys.argv[1]
     torch.set_num_threads(1)
     ensure_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     build, batches, step_fn = {"gpt": _gpt_case, "gpt_mb": _gpt_case, "gpt2": _gpt2_case}[case]()
-    mb = 2 if case == "gpt_mb" else 1   # micro-batches: the plan is made (and recomputes) for one of them
+    mb = 2 if case == "gpt_mb" else 1  # micro-batches: the plan is made (and recomputes) for one of them
     errors: list[str] = []
     try:
         first = tuple(t[: t.shape[0] // mb] for t in batches[0])
@@ -99,9 +103,12 @@ def main() -> int:
             if not torch.allclose(a, b, rtol=RTOL, atol=RTOL * max(1e-3, b.abs().max().item())):
                 errors.append(f"{k} differs by {(a - b).abs().max().item():.3g}")
         if rank == 0:
-            print(f"{case}: budget {budget:,} between {lean:,} (all recomputed) and {without:,} (none); "
-                  f"plan: {plan.summary()}; recomputed {len(plan.recompute)} ops "
-                  f"{plan.stats.recompute}; losses {got} vs {ref}", flush=True)
+            print(
+                f"{case}: budget {budget:,} between {lean:,} (all recomputed) and {without:,} (none); "
+                f"plan: {plan.summary()}; recomputed {len(plan.recompute)} ops "
+                f"{plan.stats.recompute}; losses {got} vs {ref}",
+                flush=True,
+            )
     except Exception:
         errors.append(traceback.format_exc())
     if errors:

@@ -4,6 +4,7 @@ rtol 1e-4), and the planner pipelines when no unpipelined plan meets the memory 
 
 Every rank runs the eager step itself and compares; rank 0 writes the errors of all ranks to $MD_TEST_OUT.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ def _check(name, build, batches, step_fn, errors, report, compare=None, **kw):
     from _pipeline_worker import _load  # noqa: F401 - same loader as the micro-batch worker
     from test_compile_distributed import _compare
     from metadist_torch import metadist_compile
+
     compare = compare or _compare
     model_ref, opt_ref = build()
     losses_ref = [float(step_fn(model_ref, opt_ref, *b).detach()) for b in batches]
@@ -28,6 +30,7 @@ def _check(name, build, batches, step_fn, errors, report, compare=None, **kw):
         losses = [float(step(model, opt, *b)) for b in batches]
     except Exception as e:  # pragma: no cover - reported by the test
         import traceback
+
         errors.append(f"{name}: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return
     compare(name, model_ref, opt_ref, model, opt, losses_ref, losses, errors)
@@ -35,16 +38,27 @@ def _check(name, build, batches, step_fn, errors, report, compare=None, **kw):
     mods = getattr(step.runnable, "modules", {})
     ran = next(iter(mods.values())).sub.ran if mods else {}
     sharded = sum(1 for p in next(iter(mods.values())).placements.values() if "Shard" in str(p)) if mods else 0
-    report.append({"name": name, "stages": len(plan.stages), "plan_mesh": list(plan.mesh_shape),
-                   "devices": [s.devices for s in plan.stages], "pipeline": plan.stats.pipeline,
-                   "text": str(plan).splitlines()[-len(plan.stages) - 1:] if plan.stages else [],
-                   "ran": ran, "sharded_values": sharded, "loss": losses[-1], "loss_ref": losses_ref[-1]})
+    report.append(
+        {
+            "name": name,
+            "stages": len(plan.stages),
+            "plan_mesh": list(plan.mesh_shape),
+            "devices": [s.devices for s in plan.stages],
+            "pipeline": plan.stats.pipeline,
+            "text": str(plan).splitlines()[-len(plan.stages) - 1 :] if plan.stages else [],
+            "ran": ran,
+            "sharded_values": sharded,
+            "loss": losses[-1],
+            "loss_ref": losses_ref[-1],
+        }
+    )
 
 
 def worker() -> int:
     import torch
     import torch.distributed as dist
     from _pipeline_worker import _load
+
     torch.set_num_threads(1)
     repo = Path(__file__).resolve().parents[2]
     gpt = _load(repo / "examples" / "torch" / "gpt.py", "example_gpt")
@@ -55,8 +69,7 @@ def worker() -> int:
     build = lambda: gpt.build(c)  # noqa: E731
     mode = os.environ.get("MD_STAGES_MODES", "all")
     runs = {
-        "gpt-pp2-1f1b-tp@2x2": dict(mesh=(2, 2), pipeline_stages=2, schedule="1f1b", micro_batches=4,
-                                    strategy="tp"),
+        "gpt-pp2-1f1b-tp@2x2": dict(mesh=(2, 2), pipeline_stages=2, schedule="1f1b", micro_batches=4, strategy="tp"),
         "gpt-pp2-gpipe@2x2": dict(mesh=(2, 2), pipeline_stages=2, schedule="gpipe", micro_batches=2),
         "gpt-pp4-1f1b@4": dict(mesh=(4,), pipeline_stages=4, schedule="1f1b", micro_batches=4),
         "gpt-pp4-interleaved@4": dict(mesh=(4,), pipeline_stages=4, schedule="interleaved", micro_batches=4),
@@ -68,13 +81,21 @@ def worker() -> int:
         if mode != "all" and name not in mode.split(","):
             continue
         if "auto" in name:
-            _check(name, lambda: gpt.build(cw), [gpt.batch(cw, s) for s in range(STEPS)], gpt.train_step, errors,
-                   report, **kw)
+            _check(
+                name,
+                lambda: gpt.build(cw),
+                [gpt.batch(cw, s) for s in range(STEPS)],
+                gpt.train_step,
+                errors,
+                report,
+                **kw,
+            )
         else:
             _check(name, build, gb, gpt.train_step, errors, report, **kw)
     # transformers' GPT-2 (tied input and output embeddings: the owning stage sends the weight on and gets its
     # gradient back through the pipeline's backward), AdamW; key-bias noise masked as in test_third_party
     from _pipeline_worker import _masked_compare
+
     third = _load(Path(__file__).resolve().parent / "test_third_party.py", "third_party")
     ids = [(torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(i)),) for i in range(STEPS)]
     gpt2_runs = {
@@ -88,6 +109,7 @@ def worker() -> int:
     # a bad combination: 3 stages on a first axis of 4 devices
     try:
         from metadist_torch import metadist_compile
+
         m, o = build()
         metadist_compile(mesh=(4,), pipeline_stages=3)(gpt.train_step)(m, o, *gb[0])
         errors.append("pipeline_stages=3 on mesh (4,) was accepted")

@@ -6,6 +6,7 @@ schedule, a weight decay, a frozen layer, a param group, train/eval, a Python
 flag, gradients accumulated over calls. :func:`run_both` runs it with the plain
 step and with ``metadist_compile(**kw)`` and returns what differs.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,8 +22,9 @@ WIDTH, CLASSES, BATCH = 16, 8, 16
 
 def build_model(dropout: float = 0.0, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(WIDTH, 32), nn.GELU(), nn.Dropout(dropout), nn.Linear(32, 32), nn.GELU(),
-                         nn.Linear(32, CLASSES))
+    return nn.Sequential(
+        nn.Linear(WIDTH, 32), nn.GELU(), nn.Dropout(dropout), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, CLASSES)
+    )
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +89,8 @@ def _adamw(model: nn.Module, **kw: Any) -> torch.optim.Optimizer:
 def _warmup_cosine(call, model, opt):
     total, warm = 7, 2
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (total - warm))))
+        opt, lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / (total - warm)))
+    )
     out = []
     for s in range(total):
         out.append(call(clipped_step, model, opt, *batch(s)))
@@ -180,10 +183,12 @@ def _accumulate(call, model, opt):
 
 
 LOOPS = {
-    "warmup_cosine": Loop("warmup_cosine", lambda m: _adamw(m, weight_decay=0.01), _warmup_cosine,
-                          steps=[clipped_step]),
-    "onecycle_sgd": Loop("onecycle_sgd", lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9,
-                                                                   nesterov=True), _onecycle),
+    "warmup_cosine": Loop(
+        "warmup_cosine", lambda m: _adamw(m, weight_decay=0.01), _warmup_cosine, steps=[clipped_step]
+    ),
+    "onecycle_sgd": Loop(
+        "onecycle_sgd", lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, nesterov=True), _onecycle
+    ),
     "onecycle_adamw": Loop("onecycle_adamw", lambda m: _adamw(m), _onecycle),
     "plateau": Loop("plateau", lambda m: _adamw(m), _plateau),
     "lr_by_hand": Loop("lr_by_hand", lambda m: torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9), _by_hand),
@@ -192,10 +197,13 @@ LOOPS = {
     # frozen: one re-plan; unfrozen: another, since the frozen layer's step counters fell behind the others'
     # (the first program read them all as one)
     "freeze": Loop("freeze", lambda m: _adamw(m), _freeze, replans=2),
-    "add_param_group": Loop("add_param_group", lambda m: torch.optim.AdamW(
-        [p for mod in list(m)[:5] for p in mod.parameters()], lr=1e-2), _add_group, replans=1),
-    "train_eval": Loop("train_eval", lambda m: _adamw(m), _train_eval, dropout=0.25,
-                       steps=[train_step, eval_step]),
+    "add_param_group": Loop(
+        "add_param_group",
+        lambda m: torch.optim.AdamW([p for mod in list(m)[:5] for p in mod.parameters()], lr=1e-2),
+        _add_group,
+        replans=1,
+    ),
+    "train_eval": Loop("train_eval", lambda m: _adamw(m), _train_eval, dropout=0.25, steps=[train_step, eval_step]),
     "python_flag": Loop("python_flag", lambda m: _adamw(m), _flag, steps=[flag_step]),
     # .grad appears after the first call: one re-plan; zero_grad() clears it: the first program again
     "accumulate": Loop("accumulate", lambda m: _adamw(m), _accumulate, replans=1, steps=[backward_step]),
@@ -232,9 +240,9 @@ def run_both(loop: Loop, rtol: float, **compile_kw: Any) -> tuple[list[str], dic
             errors.append(f"{loop.name}: parameter {name} differs by {(full(p) - q).abs().max().item():.3g}")
         if (p.grad is None) != (q.grad is None) or (q.grad is not None and not close(full(p.grad), q.grad, rtol)):
             errors.append(f"{loop.name}: {name}.grad differs")
-    for (p, q) in zip(_group_params(opt), _group_params(ref_opt)):
+    for p, q in zip(_group_params(opt), _group_params(ref_opt)):
         st, rst = opt.state.get(p, {}), ref_opt.state.get(q, {})
-        for k, v in rst.items():   # MetaDist makes every parameter's state before its first step: eager's subset
+        for k, v in rst.items():  # MetaDist makes every parameter's state before its first step: eager's subset
             if isinstance(v, torch.Tensor) and not close(full(st[k]).to(v.dtype), v, rtol):
                 errors.append(f"{loop.name}: optimizer state {k} differs")
     for g, rg in zip(opt.param_groups, ref_opt.param_groups):
@@ -242,8 +250,12 @@ def run_both(loop: Loop, rtol: float, **compile_kw: Any) -> tuple[list[str], dic
             if k != "params" and g[k] != rg[k]:
                 errors.append(f"{loop.name}: param group {k}: {g[k]!r} against {rg[k]!r}")
     train = compiled[loop.steps[0]]
-    info = {"replans": train.replans, "reasons": list(train.replan_reasons),
-            "signatures": len(train.cache), "programs": sum(len(v) for v in train.cache.values())}
+    info = {
+        "replans": train.replans,
+        "reasons": list(train.replan_reasons),
+        "signatures": len(train.cache),
+        "programs": sum(len(v) for v in train.cache.values()),
+    }
     if loop.replans is not None and train.replans != loop.replans:
         errors.append(f"{loop.name}: {train.replans} re-plans ({train.replan_reasons}), expected {loop.replans}")
     return errors, info
@@ -252,8 +264,11 @@ def run_both(loop: Loop, rtol: float, **compile_kw: Any) -> tuple[list[str], dic
 def close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     """Equal to ``rtol`` of the tensor's scale: |a - b| <= rtol * max|b| everywhere (an element near zero is
     held to the same absolute bound as the rest of its tensor)."""
-    return a.shape == b.shape and bool((a - b).abs().max() <= rtol * max(float(b.abs().max()), 1e-12)) \
-        if b.numel() else a.shape == b.shape
+    return (
+        a.shape == b.shape and bool((a - b).abs().max() <= rtol * max(float(b.abs().max()), 1e-12))
+        if b.numel()
+        else a.shape == b.shape
+    )
 
 
 def _group_params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ sharded, then 3 more steps (the uninterrupted run, written to OUT_DIR).
 after it, 3 steps each, against the uninterrupted run. Rank 0 writes
 ``OUT_DIR/<mode>.json`` with the errors and the measured figures.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,14 +36,14 @@ from metadist_core.problem.constraints import Pin  # noqa: E402
 from metadist_core.ir.placement import Shard, Sharding  # noqa: E402
 
 RTOL = 1e-4
-BF16_TOL = 2e-2          # bf16 has 8 bits of mantissa: ~4e-3 per rounding, a few roundings per value
+BF16_TOL = 2e-2  # bf16 has 8 bits of mantissa: ~4e-3 per rounding, a few roundings per value
 CKPT_CFG = mlp.MLPConfig(hidden=64, batch=16, layers=2, optimizer="adamw")
-DDP_CFG = mlp.MLPConfig(hidden=64, batch=1024, layers=2, optimizer="adamw", lr=3e-3)   # batch >> width
-AMP_CFG = mlp.MLPConfig(hidden=64, batch=256, layers=2, optimizer="sgd")   # not Adam: see check_autocast
-SLOW_LINKS = {"alpha": 1e-6, "beta": 1e-8}   # 100 MB/s: bytes, not latency, decide (DDP's regime)
+DDP_CFG = mlp.MLPConfig(hidden=64, batch=1024, layers=2, optimizer="adamw", lr=3e-3)  # batch >> width
+AMP_CFG = mlp.MLPConfig(hidden=64, batch=256, layers=2, optimizer="sgd")  # not Adam: see check_autocast
+SLOW_LINKS = {"alpha": 1e-6, "beta": 1e-8}  # 100 MB/s: bytes, not latency, decide (DDP's regime)
 FP16_CFG = mlp.MLPConfig(hidden=64, batch=64, layers=2, optimizer="adamw", lr=3e-3)
-FP16_TOL = 5e-3          # fp16: 11 bits of mantissa; the split batch sums its pieces in another order
-OVERFLOW_STEP = 2        # the batch of this step overflows an fp16 gradient in its first rows only
+FP16_TOL = 5e-3  # fp16: 11 bits of mantissa; the split batch sums its pieces in another order
+OVERFLOW_STEP = 2  # the batch of this step overflows an fp16 gradient in its first rows only
 
 
 def scaled_step(model, opt, scaler, x, y):
@@ -61,7 +62,7 @@ def build_scaled(cfg=FP16_CFG):
     that grows every 2 clean steps, so that growth and back-off both happen within a few steps."""
     model, _ = mlp.build(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=True)
-    return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=2)
+    return model, opt, torch.amp.GradScaler("cpu", init_scale=2.0**14, growth_interval=2)
 
 
 def scaled_batches(cfg=FP16_CFG, steps: int = 5):
@@ -75,6 +76,7 @@ def scaled_batches(cfg=FP16_CFG, steps: int = 5):
 def check_scaler(name, mesh, errors, report, **compile_kw):
     """fp16 + GradScaler against eager fp16 + GradScaler: losses, weights, the scale, the skipped step."""
     from metadist_torch import metadist_compile
+
     batches = scaled_batches()
     m_ref, o_ref, s_ref = build_scaled()
     ref, ref_scales = [], []
@@ -91,13 +93,20 @@ def check_scaler(name, mesh, errors, report, **compile_kw):
             before = {k: full(v).detach().clone() for k, v in m.state_dict().items()}
         got.append(float(step(m, o, s, *b).detach()))
         scales.append(float(full(s._scale)))
-        if i == OVERFLOW_STEP:   # skipped on every device: the weights did not move at all
+        if i == OVERFLOW_STEP:  # skipped on every device: the weights did not move at all
             moved = [k for k, v in m.state_dict().items() if not torch.equal(full(v).detach(), before[k])]
             if moved:
-                errors.append(f"{name}: the overflowing step changed {moved} on rank "
-                              f"{dist.get_rank() if dist.is_initialized() else 0}; it must skip the update")
-    compare_losses(name, [x for i, x in enumerate(got) if i != OVERFLOW_STEP],
-                   [x for i, x in enumerate(ref) if i != OVERFLOW_STEP], FP16_TOL, errors)
+                errors.append(
+                    f"{name}: the overflowing step changed {moved} on rank "
+                    f"{dist.get_rank() if dist.is_initialized() else 0}; it must skip the update"
+                )
+    compare_losses(
+        name,
+        [x for i, x in enumerate(got) if i != OVERFLOW_STEP],
+        [x for i, x in enumerate(ref) if i != OVERFLOW_STEP],
+        FP16_TOL,
+        errors,
+    )
     compare_state(name, m, m_ref, FP16_TOL, errors)
     if scales != ref_scales:
         errors.append(f"{name}: scales {scales} vs eager {ref_scales}")
@@ -119,12 +128,14 @@ def autocast_step(model, opt, x, y):
 def graph_of(fn, *objects_and_batch):
     """The traced graph of ``fn(*objects, *batch)`` (model, optimizer, maybe a scaler, then the batch)."""
     from metadist_torch.trace import trace_step
+
     return trace_step(fn, (*objects_and_batch[:-1], *objects_and_batch[-1])).graph
 
 
 def slow_link_profile(out_dir: Path) -> str:
     """A mesh profile whose links are slow enough that all-reducing gradients beats gathering the batch."""
     from metadist_core.cost.profile import MeshProfile
+
     path = out_dir / "slow-links.json"
     if dist.get_rank() == 0:
         path.write_text(json.dumps(MeshProfile(levels={"intra": SLOW_LINKS, "inter": SLOW_LINKS}).to_json()))
@@ -148,9 +159,13 @@ def profile_env(path: str):
 
 def sharded_pins(graph, n: int) -> list[Pin]:
     """Store every matrix (and its optimizer state) split by rows: the checkpoint holds real shards."""
-    return [Pin(v, Sharding((Shard(0),))) for v in graph.inputs
-            if graph.vars[v].role in ("parameter", "optimizer_state") and graph.vars[v].ndim == 2
-            and graph.vars[v].shape[0] % n == 0]
+    return [
+        Pin(v, Sharding((Shard(0),)))
+        for v in graph.inputs
+        if graph.vars[v].role in ("parameter", "optimizer_state")
+        and graph.vars[v].ndim == 2
+        and graph.vars[v].shape[0] % n == 0
+    ]
 
 
 def full(t):
@@ -194,11 +209,12 @@ def predicted_bytes(plan, only=None) -> int:
 
 def check_autocast(mesh, profile, errors, report):
     from metadist_torch import metadist_compile
+
     batches = [mlp.batch(AMP_CFG, s) for s in range(3)]
     m_ref, o_ref = mlp.build(AMP_CFG)
     ref = [float(autocast_step(m_ref, o_ref, *b)) for b in batches]
     m, o = mlp.build(AMP_CFG)
-    with profile_env(profile):   # gradients all-reduced (in bf16 where autocast made them bf16)
+    with profile_env(profile):  # gradients all-reduced (in bf16 where autocast made them bf16)
         # the ddp preset: gradients made as partial sums and all-reduced (pinning only where the batch is
         # stored no longer splits it: every rank holds the whole batch, and the tiny step then ran replicated).
         # SGD, not Adam: the bf16 partial gradients summed over 4 ranks round differently from one matmul's,
@@ -212,13 +228,18 @@ def check_autocast(mesh, profile, errors, report):
         errors.append(f"autocast: the traced step holds no bfloat16 value ({dtypes})")
     if not any(not c.is_free for _, c in step.plan.collectives()):
         errors.append(f"autocast: the plan splits nothing: {step.plan.summary()}")
-    report["autocast"] = {"losses": got, "ref": ref, "plan": step.plan.summary(),
-                          "collectives": sum(1 for _, c in step.plan.collectives() if not c.is_free)}
+    report["autocast"] = {
+        "losses": got,
+        "ref": ref,
+        "plan": step.plan.summary(),
+        "collectives": sum(1 for _, c in step.plan.collectives() if not c.is_free),
+    }
 
 
 def check_compression(mesh, errors, report, steps=50):
     from metadist_core.cost.compression import wire_dtypes
     from metadist_torch import metadist_compile
+
     batches = [mlp.batch(DDP_CFG, s) for s in range(steps)]
     m0, o0 = mlp.build(DDP_CFG)
     graph = graph_of(mlp.train_step, m0, o0, batches[0])
@@ -235,17 +256,26 @@ def check_compression(mesh, errors, report, steps=50):
         losses += [float(step(m, o, *b)) for b in batches[1:]]
         secs = (time.perf_counter() - t0) / (steps - 1)
         counted = step.comm_stats.total / (steps - 1)
-        out[str(mode)] = {"losses": losses, "counted": counted, "predicted": predicted_bytes(step.plan),
-                          "predicted_grad": predicted_bytes(step.plan, grads), "step_ms": 1e3 * secs,
-                          "objective_s": step.plan.objective, "comm_s": step.plan.comm_seconds,
-                          "params": [full(p).detach().clone() for p in m.parameters()]}
+        out[str(mode)] = {
+            "losses": losses,
+            "counted": counted,
+            "predicted": predicted_bytes(step.plan),
+            "predicted_grad": predicted_bytes(step.plan, grads),
+            "step_ms": 1e3 * secs,
+            "objective_s": step.plan.objective,
+            "comm_s": step.plan.comm_seconds,
+            "params": [full(p).detach().clone() for p in m.parameters()],
+        }
         if counted != out[str(mode)]["predicted"]:
-            errors.append(f"compression {mode}: counted {counted} bytes per step, the plan predicts "
-                          f"{out[str(mode)]['predicted']}")
+            errors.append(
+                f"compression {mode}: counted {counted} bytes per step, the plan predicts {out[str(mode)]['predicted']}"
+            )
     u, c = out["None"], out["bf16"]
     if u["predicted_grad"] == 0 or c["predicted_grad"] * 2 != u["predicted_grad"]:
-        errors.append(f"compression: gradient bytes {c['predicted_grad']} compressed vs {u['predicted_grad']} "
-                      f"uncompressed; expected half")
+        errors.append(
+            f"compression: gradient bytes {c['predicted_grad']} compressed vs {u['predicted_grad']} "
+            f"uncompressed; expected half"
+        )
     non_grad_u, non_grad_c = u["counted"] - u["predicted_grad"], c["counted"] - c["predicted_grad"]
     if non_grad_u != non_grad_c:
         errors.append(f"compression: non-gradient bytes changed: {non_grad_c} vs {non_grad_u}")
@@ -257,14 +287,19 @@ def check_compression(mesh, errors, report, steps=50):
     report["compression"] = {
         "counted_bytes_per_step": {"none": u["counted"], "bf16": c["counted"]},
         "gradient_bytes_per_step": {"none": u["predicted_grad"], "bf16": c["predicted_grad"]},
-        "loss_20": {"none": l20u, "bf16": l20c}, f"loss_{steps}": {"none": u["losses"][-1], "bf16": c["losses"][-1]},
-        "max_rel_loss_drift": max(drift), f"rel_loss_drift_{steps}": drift[-1],
-        "max_rel_param_drift": pdrift, "step_ms": {"none": u["step_ms"], "bf16": c["step_ms"]},
-        "predicted_comm_s": {"none": u["comm_s"], "bf16": c["comm_s"]}}
+        "loss_20": {"none": l20u, "bf16": l20c},
+        f"loss_{steps}": {"none": u["losses"][-1], "bf16": c["losses"][-1]},
+        "max_rel_loss_drift": max(drift),
+        f"rel_loss_drift_{steps}": drift[-1],
+        "max_rel_param_drift": pdrift,
+        "step_ms": {"none": u["step_ms"], "bf16": c["step_ms"]},
+        "predicted_comm_s": {"none": u["comm_s"], "bf16": c["comm_s"]},
+    }
 
 
 def check_save(mesh, out_dir: Path, errors, report):
     from metadist_torch import metadist_compile, save_checkpoint
+
     batches = [mlp.batch(CKPT_CFG, s) for s in range(6)]
     m_ref, o_ref = mlp.build(CKPT_CFG)
     ref = [float(mlp.train_step(m_ref, o_ref, *b)) for b in batches]
@@ -274,8 +309,9 @@ def check_save(mesh, out_dir: Path, errors, report):
     losses = [float(step(m, o, *b)) for b in batches[:3]]
     w = m[0].weight
     if not (hasattr(w, "placements") and w.placements[0].is_shard()):
-        errors.append(f"save: the first weight is not stored sharded: {type(w).__name__} "
-                      f"{getattr(w, 'placements', None)}")
+        errors.append(
+            f"save: the first weight is not stored sharded: {type(w).__name__} {getattr(w, 'placements', None)}"
+        )
     dist.barrier()
     t_save = save_checkpoint(out_dir / "ckpt", m, o)
     losses += [float(step(m, o, *b)) for b in batches[3:]]
@@ -293,20 +329,23 @@ def check_save(mesh, out_dir: Path, errors, report):
 
 def check_resume(name, out_dir: Path, mesh, errors, report, *, after_compile: bool):
     from metadist_torch import load_checkpoint, metadist_compile
+
     done = torch.load(out_dir / "uninterrupted.pt")
     batches = [mlp.batch(CKPT_CFG, s) for s in range(6)]
-    m, o = mlp.build(mlp.MLPConfig(**{**CKPT_CFG.__dict__, "seed": 11}))   # other initial values
+    m, o = mlp.build(mlp.MLPConfig(**{**CKPT_CFG.__dict__, "seed": 11}))  # other initial values
     pins = sharded_pins(graph_of(mlp.train_step, *mlp.build(CKPT_CFG), batches[0]), mesh[0]) if mesh else []
     step = metadist_compile(mesh=mesh, constraints=pins)(mlp.train_step)
-    if after_compile:   # state already lives as DTensors of this mesh; one step moves it away first
+    if after_compile:  # state already lives as DTensors of this mesh; one step moves it away first
         step(m, o, *batches[5])
     t_load = load_checkpoint(out_dir / "ckpt", m, o)
     losses = [float(step(m, o, *b)) for b in batches[3:]]
     compare_losses(name, losses, done["losses"][3:], RTOL, errors)
     for k, v in m.state_dict().items():
         if not close(v, done["state"][k], RTOL):
-            errors.append(f"{name}: {k} differs from the uninterrupted run by "
-                          f"{(full(v).double() - done['state'][k].double()).abs().max().item():.3g}")
+            errors.append(
+                f"{name}: {k} differs from the uninterrupted run by "
+                f"{(full(v).double() - done['state'][k].double()).abs().max().item():.3g}"
+            )
     report[name] = {"losses": losses, "load_s": t_load}
 
 
@@ -314,21 +353,31 @@ def main() -> int:
     torch.set_num_threads(1)
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
     from metadist_torch.engine import ensure_process_group
+
     ensure_process_group()
     errors: list[str] = []
     report: dict = {}
     world = dist.get_world_size()
     profile = slow_link_profile(out_dir)
-    checks = {"four": [lambda: check_autocast((world,), profile, errors, report),
-                       lambda: check_scaler("scaler_ddp", (world,), errors, report, strategy="ddp"),
-                       lambda: check_scaler("scaler_sharded", (world,), errors, report, constraints=sharded_pins(
-                           graph_of(scaled_step, *build_scaled(), scaled_batches()[0]), world)),
-                       lambda: check_compression((world,), errors, report),
-                       lambda: check_save((world,), out_dir, errors, report)],
-              "two": [lambda: check_resume("resume_before_compile", out_dir, (world,), errors, report,
-                                           after_compile=False),
-                      lambda: check_resume("resume_after_compile", out_dir, (world,), errors, report,
-                                           after_compile=True)]}[mode]
+    checks = {
+        "four": [
+            lambda: check_autocast((world,), profile, errors, report),
+            lambda: check_scaler("scaler_ddp", (world,), errors, report, strategy="ddp"),
+            lambda: check_scaler(
+                "scaler_sharded",
+                (world,),
+                errors,
+                report,
+                constraints=sharded_pins(graph_of(scaled_step, *build_scaled(), scaled_batches()[0]), world),
+            ),
+            lambda: check_compression((world,), errors, report),
+            lambda: check_save((world,), out_dir, errors, report),
+        ],
+        "two": [
+            lambda: check_resume("resume_before_compile", out_dir, (world,), errors, report, after_compile=False),
+            lambda: check_resume("resume_after_compile", out_dir, (world,), errors, report, after_compile=True),
+        ],
+    }[mode]
     for check in checks:
         t0 = time.perf_counter()
         try:
@@ -339,8 +388,9 @@ def main() -> int:
     gathered = [None] * world
     dist.all_gather_object(gathered, errors)
     if dist.get_rank() == 0:
-        (out_dir / f"{mode}.json").write_text(json.dumps({"errors": [e for es in gathered for e in es],
-                                                           "report": report}, indent=1, default=str))
+        (out_dir / f"{mode}.json").write_text(
+            json.dumps({"errors": [e for es in gathered for e in es], "report": report}, indent=1, default=str)
+        )
     return 0
 
 

@@ -7,6 +7,7 @@ compares loss, parameters and optimizer state over 5 steps (rtol 1e-4). Besides
 the solver's plans, a plan of random strategies (seeded) drives every kind of
 collective through the lowering. This file is also the worker (run as a script).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ import pytest
 from metadist_core.hookspecs import hookimpl
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 STEPS = 5
 RTOL = 1e-4
 
@@ -33,6 +34,7 @@ def _full(t):
 
 def _compare(name, model_ref, opt_ref, model, opt, losses_ref, losses, errors):
     import torch
+
     for i, (a, b) in enumerate(zip(losses_ref, losses)):
         if abs(a - b) > RTOL * max(1.0, abs(a)):
             errors.append(f"{name}: loss of step {i}: {b} vs single-device {a}")
@@ -63,8 +65,9 @@ def _compare(name, model_ref, opt_ref, model, opt, losses_ref, losses, errors):
             b = _full(b).detach()
             atol = RTOL * max(1e-3, a.abs().max().item(), 0.1 * scale.get(k, 0.0))
             if not torch.allclose(b.double(), a.double(), rtol=RTOL, atol=atol):
-                errors.append(f"{name}: optimizer state[{i}][{k}] differs by "
-                              f"{(b.double() - a.double()).abs().max().item():.3g}")
+                errors.append(
+                    f"{name}: optimizer state[{i}][{k}] differs by {(b.double() - a.double()).abs().max().item():.3g}"
+                )
 
 
 class RandomSolver:
@@ -83,9 +86,11 @@ class RandomSolver:
     def metadist_solve(self, problem, options):
         import numpy as np
         from metadist_core.plan.plan import ShardingPlan
+
         rng = np.random.default_rng(self.seed)
-        return ShardingPlan.from_choices(problem, [int(rng.integers(len(n.options))) for n in problem.nodes],
-                                         solver="random")
+        return ShardingPlan.from_choices(
+            problem, [int(rng.integers(len(n.options))) for n in problem.nodes], solver="random"
+        )
 
 
 class FailingSolver:
@@ -103,24 +108,71 @@ class FailingSolver:
 def _random_solver(seed):
     """A PluginManager with the installed plugins and a random solver; the solver's name."""
     from metadist_core.plugins import PluginManager
+
     solver = RandomSolver(seed)
     pm = PluginManager()
     pm.register(solver, "solver", solver.name)
     return pm, solver.name
 
 
-def _check(name, mod, cfg, mesh, errors, report, *, random_seed=None, memory_budget=None, expect_sharded=False,
-           retrace=False, checkpoint=False, all_in_place=False, min_gather_buckets=0, env=None, **options):
+def _check(
+    name,
+    mod,
+    cfg,
+    mesh,
+    errors,
+    report,
+    *,
+    random_seed=None,
+    memory_budget=None,
+    expect_sharded=False,
+    retrace=False,
+    checkpoint=False,
+    all_in_place=False,
+    min_gather_buckets=0,
+    env=None,
+    **options,
+):
     from unittest import mock
+
     with mock.patch.dict(os.environ, env or {}):
-        _check_in(name, mod, cfg, mesh, errors, report, random_seed=random_seed, memory_budget=memory_budget,
-                  expect_sharded=expect_sharded, retrace=retrace, checkpoint=checkpoint, all_in_place=all_in_place,
-                  min_gather_buckets=min_gather_buckets, **options)
+        _check_in(
+            name,
+            mod,
+            cfg,
+            mesh,
+            errors,
+            report,
+            random_seed=random_seed,
+            memory_budget=memory_budget,
+            expect_sharded=expect_sharded,
+            retrace=retrace,
+            checkpoint=checkpoint,
+            all_in_place=all_in_place,
+            min_gather_buckets=min_gather_buckets,
+            **options,
+        )
 
 
-def _check_in(name, mod, cfg, mesh, errors, report, *, random_seed, memory_budget, expect_sharded, retrace,
-              checkpoint, all_in_place, min_gather_buckets, **options):
+def _check_in(
+    name,
+    mod,
+    cfg,
+    mesh,
+    errors,
+    report,
+    *,
+    random_seed,
+    memory_budget,
+    expect_sharded,
+    retrace,
+    checkpoint,
+    all_in_place,
+    min_gather_buckets,
+    **options,
+):
     from metadist_torch import metadist_compile
+
     batches = [mod.batch(cfg, s) for s in range(STEPS)]
     if retrace:  # a new input shape mid-run: traced and planned again, state moved if the plan stores it otherwise
         batches[3:] = [tuple(t[: t.shape[0] // 2 + 1] for t in b) for b in batches[3:]]
@@ -136,6 +188,7 @@ def _check_in(name, mod, cfg, mesh, errors, report, *, random_seed, memory_budge
         losses = [float(step(model, opt, *b)) for b in batches]
     except Exception as e:  # pragma: no cover - reported by the test
         import traceback
+
         errors.append(f"{name}: raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
         return
     _compare(name, model_ref, opt_ref, model, opt, losses_ref, losses, errors)
@@ -143,15 +196,19 @@ def _check_in(name, mod, cfg, mesh, errors, report, *, random_seed, memory_budge
         errors.append(f"{name}: {len(step.cache)} compiled signatures after one shape change, expected 2")
     if checkpoint:  # sharded parameters and optimizer state save with torch.distributed.checkpoint
         import torch.distributed.checkpoint as dcp
+
         try:
-            dcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
-                     checkpoint_id=str(Path(os.environ["MD_TEST_OUT"]).parent / f"ckpt-{name}"))
+            dcp.save(
+                {"model": model.state_dict(), "optim": opt.state_dict()},
+                checkpoint_id=str(Path(os.environ["MD_TEST_OUT"]).parent / f"ckpt-{name}"),
+            )
         except Exception as e:  # pragma: no cover - reported by the test
             errors.append(f"{name}: torch.distributed.checkpoint.save failed: {type(e).__name__}: {e}")
     buckets = step.runnable.lowered.gather_buckets
     # the first gradient bucket is decided on rank 0 from its profile's measured overlap (metadist_core.config
     # resolve_first_bucket) and shared with the plan: every rank lowers the same all_reduce buckets
     import torch.distributed as dist
+
     first = step.plan.stats.first_bucket_mb
     mine = (first, step.runnable.lowered.reduce_buckets)
     every = [None] * dist.get_world_size()
@@ -162,22 +219,35 @@ def _check_in(name, mod, cfg, mesh, errors, report, *, random_seed, memory_budge
         errors.append(f"{name}: {len(buckets)} gather buckets, expected at least {min_gather_buckets}")
     written = step.runnable.lowered.state_inputs
     inplace = step.runnable.inplace_updates
-    tensors = [v for v in written if step.graph.vars[v].numel > 1]   # not the (merged) 0-d step counters
+    tensors = [v for v in written if step.graph.vars[v].numel > 1]  # not the (merged) 0-d step counters
     if all_in_place and sorted(set(tensors) - set(inplace)):
-        errors.append(f"{name}: {len(inplace)} of {len(written)} state updates ran in place; not: "
-                      f"{sorted(set(tensors) - set(inplace))[:5]}")
+        errors.append(
+            f"{name}: {len(inplace)} of {len(written)} state updates ran in place; not: "
+            f"{sorted(set(tensors) - set(inplace))[:5]}"
+        )
     plan, graph = step.plan, step.graph
-    sharded = sorted(v for v, s in plan.input_shardings.items()
-                     if not s.is_fully_replicated() and graph.vars[v].role == "parameter")
+    sharded = sorted(
+        v for v, s in plan.input_shardings.items() if not s.is_fully_replicated() and graph.vars[v].role == "parameter"
+    )
     big = [v for v in sharded if graph.vars[v].numel >= 1024]
     n_coll = sum(1 for _, c in plan.collectives() if not c.is_free)
     if expect_sharded and not big:
         errors.append(f"{name}: no large weight is sharded in the plan: {plan.summary()}")
-    report.append({"name": name, "mesh": list(plan.mesh_shape), "loss": losses[-1], "loss_ref": losses_ref[-1],
-                   "sharded_params": len(sharded), "large_sharded": big[:5], "collectives": n_coll,
-                   "counted_bytes": step.comm_stats.total, "timings": step.timings,
-                   "inplace_updates": f"{len(inplace)}/{len(written)}",
-                   "input_pieces": len(step.runnable.lowered.input_pieces)})
+    report.append(
+        {
+            "name": name,
+            "mesh": list(plan.mesh_shape),
+            "loss": losses[-1],
+            "loss_ref": losses_ref[-1],
+            "sharded_params": len(sharded),
+            "large_sharded": big[:5],
+            "collectives": n_coll,
+            "counted_bytes": step.comm_stats.total,
+            "timings": step.timings,
+            "inplace_updates": f"{len(inplace)}/{len(written)}",
+            "input_pieces": len(step.runnable.lowered.input_pieces),
+        }
+    )
 
 
 class _CustomOpModel:
@@ -187,7 +257,9 @@ class _CustomOpModel:
     @staticmethod
     def make():
         import torch
+
         if not hasattr(_CustomOpModel, "op"):
+
             @torch.library.custom_op("mdtest::twice", mutates_args=(), schema="(Tensor x) -> Tensor")
             def twice(x):
                 return x * 2.0
@@ -231,8 +303,13 @@ def _check_custom_op(errors, report):
         m = M()
         return m, torch.optim.SGD(m.parameters(), lr=0.05)
 
-    data = [(torch.randn(8, 8, generator=torch.Generator().manual_seed(i)),
-             torch.randn(8, 4, generator=torch.Generator().manual_seed(100 + i))) for i in range(3)]
+    data = [
+        (
+            torch.randn(8, 8, generator=torch.Generator().manual_seed(i)),
+            torch.randn(8, 4, generator=torch.Generator().manual_seed(100 + i)),
+        )
+        for i in range(3)
+    ]
     m_ref, o_ref = build()
     ref = [float(step(m_ref, o_ref, *d)) for d in data]
     seen: list[str] = []
@@ -264,6 +341,7 @@ def worker() -> int:
     import importlib.util
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
     sys.path.insert(0, str(REPO / "examples" / "torch"))
 
@@ -283,6 +361,7 @@ def worker() -> int:
     # a mesh that is not the world: a clear error, before any collective
     try:
         from metadist_torch import metadist_compile
+
         m, o = mlp.build(mlp.MLPConfig(hidden=16))
         metadist_compile(mesh=(world + 1,))(mlp.train_step)(m, o, *mlp.batch(mlp.MLPConfig(hidden=16)))
         errors.append("a mesh of the wrong size was accepted")
@@ -292,6 +371,7 @@ def worker() -> int:
     # rank 0 cannot plan: every rank raises (the others name rank 0), none hangs
     try:
         from metadist_core.plugins import PluginManager
+
         pm = PluginManager()
         pm.register(FailingSolver(), "solver", "failing")
         m, o = mlp.build(mlp.MLPConfig(hidden=16))
@@ -303,24 +383,63 @@ def worker() -> int:
             errors.append(f"rank {dist.get_rank()}: a failing solver gave {type(e).__name__}: {e}")
     for mesh in meshes:
         tag = "x".join(map(str, mesh))
-        _check(f"mlp-adamw@{tag}", mlp, mlp.MLPConfig(hidden=64, batch=16, optimizer="adamw"), mesh, errors, report,
-               retrace=True, all_in_place=True)
-        _check(f"mlp-sgd-random-plan@{tag}", mlp, mlp.MLPConfig(hidden=24, batch=12, layers=2, optimizer="sgd"),
-               mesh, errors, report, random_seed=1)
-        _check(f"mlp-adam-random-plan@{tag}", mlp, mlp.MLPConfig(hidden=20, batch=10, layers=2, optimizer="adam"),
-               mesh, errors, report, random_seed=2)
+        _check(
+            f"mlp-adamw@{tag}",
+            mlp,
+            mlp.MLPConfig(hidden=64, batch=16, optimizer="adamw"),
+            mesh,
+            errors,
+            report,
+            retrace=True,
+            all_in_place=True,
+        )
+        _check(
+            f"mlp-sgd-random-plan@{tag}",
+            mlp,
+            mlp.MLPConfig(hidden=24, batch=12, layers=2, optimizer="sgd"),
+            mesh,
+            errors,
+            report,
+            random_seed=1,
+        )
+        _check(
+            f"mlp-adam-random-plan@{tag}",
+            mlp,
+            mlp.MLPConfig(hidden=20, batch=10, layers=2, optimizer="adam"),
+            mesh,
+            errors,
+            report,
+            random_seed=2,
+        )
         _check(f"cnn@{tag}", cnn, cnn.CNNConfig(channels=8, image=8, batch=8), mesh, errors, report)
         # a budget no replicated plan meets (expect_sharded checks that a large weight is sharded); with the
         # memory model's bucket copies and 3 % headroom 380,000 bytes had needed recomputation on 2 ranks
-        _check(f"gpt-vocab96@{tag}", gpt, gpt.GPTConfig(vocab=96, **gpt_small), mesh, errors, report,
-               memory_budget=int(os.environ.get("MD_TEST_GPT_BUDGET", "430000")), expect_sharded=True,
-               checkpoint=True)
+        _check(
+            f"gpt-vocab96@{tag}",
+            gpt,
+            gpt.GPTConfig(vocab=96, **gpt_small),
+            mesh,
+            errors,
+            report,
+            memory_budget=int(os.environ.get("MD_TEST_GPT_BUDGET", "430000")),
+            expect_sharded=True,
+            checkpoint=True,
+        )
         _check(f"gpt-vocab97@{tag}", gpt, gpt.GPTConfig(vocab=97, **gpt_small), mesh, errors, report)
     if world == 2:  # dropout runs replicated; every rank draws what the single-device step draws
         _check("gpt-dropout@2", gpt, gpt.GPTConfig(vocab=64, dropout=0.1, **gpt_small), (2,), errors, report)
         # ZeRO-3 in 10 KiB gather buckets: each bucket of parameters is gathered while the one before is read
-        _check("gpt-zero3-prefetch@2", gpt, gpt.GPTConfig(vocab=64, **{**gpt_small, "layers": 2}), (2,), errors,
-               report, strategy="zero3", env={"METADIST_SHARD_BUCKET_MB": "0.01"}, min_gather_buckets=3)
+        _check(
+            "gpt-zero3-prefetch@2",
+            gpt,
+            gpt.GPTConfig(vocab=64, **{**gpt_small, "layers": 2}),
+            (2,),
+            errors,
+            report,
+            strategy="zero3",
+            env={"METADIST_SHARD_BUCKET_MB": "0.01"},
+            min_gather_buckets=3,
+        )
         _check_custom_op(errors, report)
     gathered = [None] * world
     dist.all_gather_object(gathered, errors)
@@ -335,8 +454,15 @@ def worker() -> int:
 
 def _launch(nproc: int, out: Path, cache: Path) -> dict:
     from _torchrun import launch
-    return launch(__file__, nproc, ["--worker"], out=out, METADIST_CACHE_DIR=str(cache),
-                  METADIST_SOLVER=os.environ.get("METADIST_SOLVER", "ilp"))
+
+    return launch(
+        __file__,
+        nproc,
+        ["--worker"],
+        out=out,
+        METADIST_CACHE_DIR=str(cache),
+        METADIST_SOLVER=os.environ.get("METADIST_SOLVER", "ilp"),
+    )
 
 
 @pytest.mark.slow
@@ -364,8 +490,7 @@ def test_compiled_steps_match_single_device_on_2_and_4_gloo_ranks(tmp_path):
                 assert r["large_sharded"], r
     # an input read in another layout than it is stored in is sliced from the whole batch every rank holds
     # (the loss's token count from the whole targets: no all_reduce), with the single-device numbers above
-    assert any(r.get("input_pieces") for rep in results.values() for r in rep if r["name"].startswith("gpt")), \
-        results
+    assert any(r.get("input_pieces") for rep in results.values() for r in rep if r["name"].startswith("gpt")), results
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:

@@ -3,6 +3,7 @@
 Each model runs 5 steps eagerly and 5 steps compiled from the same start;
 loss, parameters, buffers and optimizer state must agree (rtol 1e-4).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -24,7 +25,7 @@ mlp, gpt, cnn = load_example("mlp"), load_example("gpt"), load_example("cnn")
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     n = torch.get_num_threads()
-    torch.set_num_threads(1)   # the machines running tests are small and shared
+    torch.set_num_threads(1)  # the machines running tests are small and shared
     yield
     torch.set_num_threads(n)
 
@@ -32,8 +33,7 @@ def _one_thread():
 def _close(a, b, what):
     a, b = a.detach().double(), b.detach().double()
     scale = max(1e-3, a.abs().max().item()) if a.numel() else 1.0
-    assert torch.allclose(b, a, rtol=RTOL, atol=RTOL * scale), \
-        f"{what} differs by {(a - b).abs().max().item():.3g}"
+    assert torch.allclose(b, a, rtol=RTOL, atol=RTOL * scale), f"{what} differs by {(a - b).abs().max().item():.3g}"
 
 
 def _run_and_compare(build, batches, step_fn, **compile_kw):
@@ -88,6 +88,7 @@ def test_a_memory_budget_on_one_device_is_planned_not_ignored():
     only rank of a one-device mesh, gives the eager numbers and holds less; not met at all, the error
     gives both byte counts."""
     from metadist_core.levers.recompute import RecomputeBudgetError
+
     c = gpt.GPTConfig(vocab=97, seq=16, width=32, heads=2, layers=2, batch=4)
     batches = [gpt.batch(c, s) for s in range(3)]
     plain = _run_and_compare(lambda: gpt.build(c), batches, gpt.train_step)
@@ -167,6 +168,7 @@ def test_mesh_that_is_not_the_world_is_a_clear_error():
 
 def test_unknown_solver_is_a_clear_error():
     from metadist_core.plugins import UnknownSolverError
+
     c = mlp.MLPConfig(hidden=8, batch=4, layers=1)
     model, opt = mlp.build(c)
     with pytest.raises(UnknownSolverError, match="known solvers"):
@@ -183,6 +185,7 @@ def test_torch_adapter_traces_and_lowers():
     from metadist_core.driver.compile import replicated_plan
     from metadist_core.plugins import PluginManager
     from metadist_core.cost.profile import load_profile
+
     fe = PluginManager().frontend("torch")
     assert fe.traits.runner_module == "metadist_torch.oprunner"
     c = mlp.MLPConfig(hidden=8, batch=4, layers=1)
@@ -227,13 +230,14 @@ def test_compiled_step_uses_a_solver_plugin_passed_in():
     c = mlp.MLPConfig(hidden=8, batch=4, layers=1)
     model, opt = mlp.build(c)
     step = metadist_compile(solver="replicating", plugins=pm)(mlp.train_step)
-    float(step(model, opt, *mlp.batch(c, 0)))   # one device: the replicated plan, no solver call
+    float(step(model, opt, *mlp.batch(c, 0)))  # one device: the replicated plan, no solver call
     assert step.settings.solver == "replicating" and step.comm_stats.total == 0
     with pytest.raises(UnknownSolverError, match="known solvers"):
-        metadist_compile(solver="replicating")(mlp.train_step)   # not among the installed plugins
+        metadist_compile(solver="replicating")(mlp.train_step)  # not among the installed plugins
 
 
 def test_demo_refuses_an_unknown_solver_before_launching():
     from metadist_core.plugins import PluginManager, UnknownSolverError
+
     with pytest.raises(UnknownSolverError, match="unknown solver 'no-such-solver'; known solvers"):
         PluginManager().frontend("torch").demo(["--nproc", "2", "--solver", "no-such-solver"])

@@ -5,6 +5,7 @@ transformers' GPT-2) the one-pass graph has no in-place op left and gives bit fo
 re-traced graph on real data; where aliasing could make the rename wrong the pass declines and the
 re-trace runs.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,6 +43,7 @@ def _sgd():
         o.step()
         o.zero_grad()
         return loss
+
     return step, (m, o, torch.randn(6, 8), torch.randn(6, 4))
 
 
@@ -53,16 +55,20 @@ def _gpt2_hf():
 
 
 def _mutating(gm) -> list[str]:
-    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and
-            getattr(getattr(n.target, "_schema", None), "is_mutable", False)]
+    return [
+        str(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and getattr(getattr(n.target, "_schema", None), "is_mutable", False)
+    ]
 
 
 def _run(traced, users, seed: int):
     """The traced graph on real data: the state as it is, the user's inputs with fresh noise on the floats."""
     g = torch.Generator().manual_seed(seed)
     state = [s.get().detach().clone() for s in traced.state.slots]
-    users = [u + torch.randn(u.shape, generator=g, dtype=u.dtype) if u.dtype.is_floating_point else u.clone()
-             for u in users]
+    users = [
+        u + torch.randn(u.shape, generator=g, dtype=u.dtype) if u.dtype.is_floating_point else u.clone() for u in users
+    ]
     return traced.gm(*state, *users)
 
 
@@ -75,6 +81,7 @@ def test_one_pass_equals_retracing(make, monkeypatch):
     def spy(gm):
         taken.append(real(gm))
         return taken[-1]
+
     monkeypatch.setattr(trace_mod, "functionalize_in_place", spy)
     fast = trace_step(fn, args, {})
     assert taken == [True], "the one-pass functionalization declined a plain training step"
@@ -93,6 +100,7 @@ def test_one_pass_equals_retracing(make, monkeypatch):
 
 def _captured(f, *xs):
     from torch.fx.experimental.proxy_tensor import make_fx
+
     return make_fx(f)(*xs)
 
 
@@ -105,7 +113,7 @@ def test_a_view_read_after_its_base_is_written_declines_and_the_retrace_is_right
     x, y = torch.randn(3, 4), torch.randn(3, 4)
     gm = _captured(f, x.clone(), y)
     assert functionalize_in_place(gm) is False
-    assert _mutating(gm) == ["aten.mul_.Tensor"]   # declined: untouched
+    assert _mutating(gm) == ["aten.mul_.Tensor"]  # declined: untouched
     fgm = trace_mod.functionalize_graph(_captured(f, x.clone(), y), [x.clone(), y])
     assert _mutating(fgm) == []
     want = f(x.clone(), y)
@@ -115,10 +123,10 @@ def test_a_view_read_after_its_base_is_written_declines_and_the_retrace_is_right
 
 def test_chained_in_place_results_read_the_newest_value():
     def f(x, y):
-        a = x.mul_(y)       # an alias of x
-        z = x * 2           # reads x after the first write
-        x.add_(1.5)         # a is x: it sees this write too
-        b = torch.div(y, 3).mul_(2).add_(x)   # a fresh tensor written twice
+        a = x.mul_(y)  # an alias of x
+        z = x * 2  # reads x after the first write
+        x.add_(1.5)  # a is x: it sees this write too
+        b = torch.div(y, 3).mul_(2).add_(x)  # a fresh tensor written twice
         return a + 0, z, b, x
 
     x, y = torch.randn(5), torch.randn(5)
@@ -132,7 +140,7 @@ def test_chained_in_place_results_read_the_newest_value():
 
 def test_a_write_that_would_change_dtype_declines():
     def f(x, y):
-        x.add_(y)   # float32 written with float64: the functional add would give float64
+        x.add_(y)  # float32 written with float64: the functional add would give float64
         return x
 
     gm = _captured(f, torch.randn(4), torch.randn(4, dtype=torch.float64))

@@ -1,6 +1,7 @@
 """AxisComm.all_gather_bucket and reduce_scatter_bucket on 3 gloo ranks (forked processes): uneven pieces
 (one rank empty) split on different dims, in one call, give each whole tensor (each rank's chunk of each
 sum), as one collective each would."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -21,6 +22,7 @@ def _worker(rank: int, store: str, q) -> None:
         from metadist_core.ir.placement import chunk_sizes
         from metadist_torch.collectives import AxisComm
         from metadist_torch.stats import CommStats
+
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=N)
         g = torch.Generator().manual_seed(0)
         fulls = [torch.randn(shape, generator=g).to(dt) for shape, _, dt in FULL]
@@ -43,10 +45,17 @@ def _worker(rank: int, store: str, q) -> None:
             for o, t, d in zip(got, total, dims):
                 want = torch.chunk(t * scale, N, dim=d)[rank] if chunk_sizes(t.shape[d], N)[rank] else t.narrow(d, 0, 0)
                 ok = ok and o.shape == want.shape and torch.allclose(o, want, rtol=1e-6, atol=1e-6)
-        q.put((rank, ok, stats.calls.get("all_gather"), stats.bytes.get("all_gather"),
-               sum(t.numel() * t.element_size() for t in fulls)))
+        q.put(
+            (
+                rank,
+                ok,
+                stats.calls.get("all_gather"),
+                stats.bytes.get("all_gather"),
+                sum(t.numel() * t.element_size() for t in fulls),
+            )
+        )
         dist.destroy_process_group()
-    except Exception as e:   # report, never hang the parent
+    except Exception as e:  # report, never hang the parent
         q.put((rank, repr(e), None, None, None))
 
 

@@ -6,6 +6,7 @@ targets alone it splits with two scalar all_reduces. The rewrite must give the k
 on one device, keep class-weighted losses whole (their total weight is summed in another order), and
 give the single-device numbers under a plan that splits the batch.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,6 +26,7 @@ def _nll_ops(graph):
 def _loss_fn():
     def step(logits, targets):
         return F.cross_entropy(logits, targets, ignore_index=-100)
+
     return step
 
 
@@ -32,7 +34,7 @@ def _data(n=37, c=11, seed=0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, c, generator=g) * 3
     targets = torch.randint(0, c, (n,), generator=g)
-    targets[: n // 3] = -100          # every ignored target on the first pieces: uneven over any split
+    targets[: n // 3] = -100  # every ignored target on the first pieces: uneven over any split
     return logits, targets
 
 
@@ -82,6 +84,7 @@ def _worker(rank: int, store: str, rules: str, q) -> None:
         from metadist_core.ir.mesh import Mesh
         from metadist_core.ir.placement import Partial, Sharding, Shard
         from metadist_torch.lower import lower_plan
+
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
         logits, targets = _data(n=24)
@@ -90,17 +93,22 @@ def _worker(rank: int, store: str, rules: str, q) -> None:
         split, psum = Sharding((Shard(0),)), Sharding((Partial("sum"),))
         mesh = Mesh((2,), alpha=[1e-6], beta=[1e-12])
         pins = [Pin(v, split) for v in g.inputs[:2]] + [Pin(nll.outputs[0], psum)]
-        plan = plan_graph(g, mesh, settings=load_settings(progress=False, cache_dir=rules, discovery_workers=1),
-                          constraints=pins).plan
+        plan = plan_graph(
+            g, mesh, settings=load_settings(progress=False, cache_dir=rules, discovery_workers=1), constraints=pins
+        ).plan
         rg = lower_plan(g, plan, mesh, coords=(rank,), groups=[dist.group.WORLD])
         outs = rg(logits.chunk(2)[rank], targets.chunk(2)[rank])
-        big = tuple(logits.shape)   # no logits-sized value may be gathered but the gradient the step returns
-        kinds = sorted((c.kind, v) for v, c in rg.collectives
-                       if c.kind == "all_gather" and tuple(g.vars[v].shape) == big and v not in g.outputs)
+        big = tuple(logits.shape)  # no logits-sized value may be gathered but the gradient the step returns
+        kinds = sorted(
+            (c.kind, v)
+            for v, c in rg.collectives
+            if c.kind == "all_gather" and tuple(g.vars[v].shape) == big and v not in g.outputs
+        )
         q.put((rank, [o.detach().numpy() for o in outs[:2]], kinds, plan.var_shardings[nll.outputs[0]] == psum))
         dist.destroy_process_group()
-    except Exception:   # report, never hang the parent
+    except Exception:  # report, never hang the parent
         import traceback
+
         q.put((rank, traceback.format_exc(), None, None))
 
 
@@ -108,10 +116,12 @@ def test_batch_split_loss_gives_the_single_device_numbers(tmp_path):
     """Two gloo ranks (forked) run the lowered program of a plan that splits the batch and makes the loss
     a partial sum (pinned), with every ignored target on rank 0: loss and gradient are the full batch's."""
     import multiprocessing as mp
+
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), str(tmp_path / "rules"), q))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), str(tmp_path / "rules"), q)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = [q.get(timeout=240) for _ in range(2)]

@@ -4,6 +4,7 @@ A collective hands a rank a contiguous tensor where the trace saw a transposed o
 their output out after their input (CPU flash attention follows the query's layout). A view that was legal
 at the traced strides (the attention output transposed back and merged into one dim) must still run.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,13 +28,13 @@ def test_a_view_legal_only_at_the_traced_strides_runs_on_contiguous_inputs():
     q, k, v = (torch.randn(2, 8, 4, 16, generator=g).transpose(1, 2) for _ in range(3))
     tr = TorchFrontend().trace(_attention, (q, k, v), {})
     views = [op for op in tr.graph.ops if op.key == "aten.view.default"]
-    assert views, [op.key for op in tr.graph.ops]   # the merge traced as a view, legal at the traced strides
+    assert views, [op.key for op in tr.graph.ops]  # the merge traced as a view, legal at the traced strides
     mesh = Mesh((1,))
     plan, _ = replicated_plan(tr.graph, mesh)
     rg = lower_plan(tr.graph, plan, mesh, coords=(0,), groups=None, coalesce=False)
-    flat = [t.contiguous() for t in (q, k, v)]   # the same values as a collective hands them over
+    flat = [t.contiguous() for t in (q, k, v)]  # the same values as a collective hands them over
     out = torch.nn.functional.scaled_dot_product_attention(*flat, is_causal=True).transpose(1, 2)
-    with pytest.raises(RuntimeError, match="view size is not compatible"):   # the traced view, run as traced
+    with pytest.raises(RuntimeError, match="view size is not compatible"):  # the traced view, run as traced
         out.view(2, 8, -1)
     by_name = dict(zip(tr.graph.inputs, flat))
     got = rg(*[by_name[n] for n in rg.input_vars])

@@ -1,4 +1,5 @@
 """Peak memory measured (metadist_torch.memory) against the cost model's prediction (plan.memory_per_device)."""
+
 from __future__ import annotations
 
 import os
@@ -13,30 +14,30 @@ from metadist_torch.memory import LIVE_STORAGES, LiveTensorTracker, measure_peak
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_memory_worker.py")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 
 from _torchrun import launch  # noqa: E402
 
 
 def test_tracker_counts_known_allocations_frees_views_and_resizes():
-    base = torch.zeros(1000)                      # 4,000 bytes held before the call
+    base = torch.zeros(1000)  # 4,000 bytes held before the call
     orig_resize = torch.UntypedStorage.resize_
 
     def step():
-        x = torch.empty(1000)                     # +4,000
-        y = torch.empty(2000)                     # +8,000 -> peak 16,000 with the base
-        del y                                     # -8,000
-        v = x.view(10, 100).t()                   # views: no new storage
-        w = torch.ones(500)                       # +2,000
-        x.untyped_storage().resize_(0)            # -4,000 (as FSDP2 frees a gathered parameter)
+        x = torch.empty(1000)  # +4,000
+        y = torch.empty(2000)  # +8,000 -> peak 16,000 with the base
+        del y  # -8,000
+        v = x.view(10, 100).t()  # views: no new storage
+        w = torch.ones(500)  # +2,000
+        x.untyped_storage().resize_(0)  # -4,000 (as FSDP2 frees a gathered parameter)
         return w, v
 
     (w, v), m = measure_peak(step, [base])
     assert m.method == LIVE_STORAGES
     assert m.baseline_bytes == 4000
     assert m.peak_bytes == 16000
-    assert m.end_bytes == 4000 + 2000   # x resized to nothing, y freed, the view adds nothing
-    assert torch.UntypedStorage.resize_ is orig_resize   # the patch that follows resize_ is undone
+    assert m.end_bytes == 4000 + 2000  # x resized to nothing, y freed, the view adds nothing
+    assert torch.UntypedStorage.resize_ is orig_resize  # the patch that follows resize_ is undone
 
 
 def test_tracker_counts_a_shared_storage_once_and_sees_autograd():
@@ -59,6 +60,7 @@ def test_compiled_step_memory_matches_prediction_on_one_device():
     sys.path.insert(0, str(REPO / "examples" / "torch"))
     import gpt
     from metadist_torch import metadist_compile
+
     c = gpt.GPTConfig(vocab=128, seq=32, width=64, heads=4, layers=2, batch=8)
     model, opt = gpt.build(c)
     ref_m, ref_o = gpt.build(c)
@@ -85,6 +87,7 @@ def test_measure_memory_off_leaves_step_memory_empty(monkeypatch):
 
     def step(w, x):
         return (w * x).sum()
+
     compiled = metadist_compile()(step)
     compiled(torch.ones(4), torch.ones(4))
     assert compiled.memory == {}
@@ -119,10 +122,16 @@ dist.destroy_process_group()
 def test_a_gradient_bucket_holds_the_copies_the_memory_model_counts(tmp_path):
     import subprocess
     from metadist_torch.plugin import TorchFrontend
+
     BUCKET_COPIES = TorchFrontend.traits.bucket_copies
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", BUCKET_SCRIPT, str(tmp_path / "pg")], env=env, text=True,
-                         capture_output=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", BUCKET_SCRIPT, str(tmp_path / "pg")],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     peaks = dict(line.split() for line in out.stdout.splitlines())
     members = 7000 * 4

@@ -4,6 +4,7 @@ One process here (world size 1: the traced graph rewritten by metadist_torch.off
 on 2 gloo ranks is test_offload_distributed.py. On this CPU machine the host is the device, so the
 transfers are identities, but the program holds them and the update runs as the host region says.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -36,6 +37,7 @@ def test_offloaded_step_gives_the_single_device_numbers_and_keeps_state_on_the_h
     from metadist_core.levers.offload import host_region
     from metadist_torch import metadist_compile
     from metadist_torch.offload import count_transfers, host_tensors
+
     data = _data()
     m_ref, o_ref = _build()
     ref = [float(_step(m_ref, o_ref, *d).detach()) for d in data]
@@ -67,6 +69,7 @@ def test_offloaded_step_gives_the_single_device_numbers_and_keeps_state_on_the_h
 
 def test_a_step_without_optimizer_state_offloads_nothing():
     from metadist_torch import metadist_compile
+
     torch.manual_seed(0)
     m = torch.nn.Linear(4, 2)
     o = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -82,6 +85,7 @@ def test_a_step_without_optimizer_state_offloads_nothing():
 
 def test_offload_setting_is_checked():
     from metadist_core.config import load_settings
+
     assert load_settings(offload="optimizer").offload == "optimizer"
     assert load_settings().offload is None
     with pytest.raises(ValueError, match="unknown offload 'gpu'.*'optimizer'"):
@@ -92,6 +96,7 @@ def test_offload_setting_is_checked():
 
 def test_device_spec_host_link_round_trips_and_presets_have_one():
     from metadist_core.cost.model import DEVICE_PRESETS, DeviceSpec
+
     d = DeviceSpec("x", 1e12, 1e11, host_link=32e9)
     assert DeviceSpec.from_json(d.to_json()) == d
     assert DeviceSpec.from_json(DeviceSpec().to_json()).host_link is None
@@ -107,6 +112,7 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
     from metadist_core.driver.compile import plan_graph
     from metadist_core.ir.mesh import Mesh
     from metadist_torch.trace import trace_step
+
     m, o = _build()
     x, y = _data()[0]
     graph = trace_step(_step, (m, o, x, y)).graph
@@ -119,7 +125,7 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
     assert off_plan.choices == on_dev.choices
     state_bytes = sum(graph.vars[v].numel * 4 for v in graph.inputs if graph.vars[v].role == "optimizer_state")
     stats = off_plan.stats.offload
-    assert stats["host_state_bytes"] == state_bytes   # replicated under ddp: every rank holds all of it
+    assert stats["host_state_bytes"] == state_bytes  # replicated under ddp: every rank holds all of it
     assert off_plan.memory_per_device <= on_dev.memory_per_device - state_bytes
     param_bytes = sum(graph.vars[v].numel * 4 for v in graph.inputs if graph.vars[v].role == "parameter")
     assert stats["to_host_bytes"] == 2 * param_bytes and stats["to_device_bytes"] == param_bytes
@@ -134,6 +140,7 @@ def test_a_frontend_that_cannot_offload_says_so():
     from metadist_core.driver.frontend import NotSupported
     from metadist_core.driver.compile import compile_step
     from metadist_core.reference.plugin import ReferenceFrontend
+
     with pytest.raises(NotSupported, match="offload='optimizer' is not yet for the reference frontend"):
         compile_step(ReferenceFrontend(), lambda: None, (), {}, load_settings(offload="optimizer"))
 
@@ -150,6 +157,7 @@ def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_o
     import time
     from metadist_core.plan.overlap import predict
     from metadist_torch import metadist_compile, plugin
+
     timed_on = []
 
     real = plugin.TorchFrontend.time_ops
@@ -157,13 +165,16 @@ def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_o
     def time_ops(self, requests, resolved, traced=None, program=False):
         timed_on.append(plugin._state_device(traced.context, "cuda"))
         return real(self, requests, resolved, traced, program)
+
     # the step's state "on a GPU": here the CPU stands in, measured as the GPU would be
     monkeypatch.setattr(plugin, "_state_device", lambda step, kind=None: torch.device("cpu"))
     monkeypatch.setattr(plugin.TorchFrontend, "time_ops", time_ops)
-    def build():   # wide enough that its compute, not the call around it, is the step's time
+
+    def build():  # wide enough that its compute, not the call around it, is the step's time
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3)
+
     g = torch.Generator().manual_seed(3)
     data = [(torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)) for _ in range(12)]
     m_ref, o_ref = build()
@@ -178,12 +189,11 @@ def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_o
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), (i, float(got), float(ref))
     dev = step.problem.device
     assert dev.name == "measured-cpu" and dev.op_overhead > 0, dev
-    assert timed_on == [torch.device("cpu")], timed_on   # the ops were timed, on the step's device
+    assert timed_on == [torch.device("cpu")], timed_on  # the ops were timed, on the step's device
     assert "op_times" in step.timings
     measured, priced = statistics.median(ts[2:]), predict(step.plan, step.problem).step
     assert priced > 0 and measured > 0
-    print(f"one-device step priced {priced * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms "
-          f"({priced / measured:.2f}x)")
+    print(f"one-device step priced {priced * 1e3:.2f} ms, measured {measured * 1e3:.2f} ms ({priced / measured:.2f}x)")
 
 
 def test_timing_the_whole_program_leaves_the_random_generators_as_they_were(monkeypatch):
@@ -191,12 +201,14 @@ def test_timing_the_whole_program_leaves_the_random_generators_as_they_were(monk
     dropout draws from the generators there, so it must put them back: the compiled step's losses and
     the draws after it equal eager's."""
     from metadist_torch import metadist_compile, plugin
+
     ran = []
     real = plugin.TorchFrontend.time_ops
 
     def time_ops(self, requests, resolved, traced=None, program=False):
         ran.append(program and traced is not None)
         return real(self, requests, resolved, traced, program)
+
     monkeypatch.setattr(plugin, "_state_device", lambda step, kind=None: torch.device("cpu"))
     monkeypatch.setattr(plugin.TorchFrontend, "time_ops", time_ops)
 
@@ -204,6 +216,7 @@ def test_timing_the_whole_program_leaves_the_random_generators_as_they_were(monk
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 4))
         return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     m_ref, o_ref = build()
     torch.manual_seed(5)
@@ -213,6 +226,6 @@ def test_timing_the_whole_program_leaves_the_random_generators_as_they_were(monk
     step = metadist_compile(memory_budget=1 << 40)(_step)
     torch.manual_seed(5)
     got = [float(step(m, o, x, torch.zeros(8, 4))) for _ in range(2)]
-    assert ran == [True]   # the program was there to be timed
+    assert ran == [True]  # the program was there to be timed
     assert got == pytest.approx(ref, rel=1e-5), (got, ref)
     assert torch.equal(torch.rand(3), ref_next)

@@ -6,6 +6,7 @@ placements onto simulated devices, the op runs per device, the outputs are
 put together per the rule's output placements and compared with the full op
 in float64.
 """
+
 import os
 import math
 from pathlib import Path
@@ -159,8 +160,11 @@ def test_plugin_is_found_and_owns_aten_only(tiny):
 def test_importing_the_plugin_imports_no_torch():
     import subprocess
     import sys
-    code = ("import sys, metadist_torch.plugin as p; fe = p.metadist_frontend(); "
-            "assert fe.name == 'torch' and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
+
+    code = (
+        "import sys, metadist_torch.plugin as p; fe = p.metadist_frontend(); "
+        "assert fe.name == 'torch' and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -278,8 +282,10 @@ def test_backward_ops_of_slices_split_with_their_gradient():
     the piece's size (rotary embeddings' backward; replicated-only rules replicated LLaMA's forward). Each rule is
     checked here on fresh data against the whole op, pieces given the local size as the lowering gives it."""
     g = torch.randn(6, 4, 8, dtype=torch.float64)
-    for op, args, out_dim_of in ((aten.slice_backward.default, ([6, 4, 16], 2, 0, 8, 1), {0: 0, 1: 1}),
-                                 (aten.select_backward.default, ([6, 5, 4, 8], 1, 3), {0: 0, 1: 2, 2: 3})):
+    for op, args, out_dim_of in (
+        (aten.slice_backward.default, ([6, 4, 16], 2, 0, 8, 1), {0: 0, 1: 1}),
+        (aten.select_backward.default, ([6, 5, 4, 8], 1, 3), {0: 0, 1: 2, 2: 3}),
+    ):
         rules = rules_for(op, torch.randn(*g.shape), *args)
         for d, od in out_dim_of.items():
             assert _has(rules, [S(d)], [S(od)]), (op, d, [str(r) for r in rules])
@@ -305,7 +311,7 @@ def test_grouped_query_attention_splits_by_batch_and_by_head_group():
     rules = rules_for(op, q, k, v, 0.0, True)
     assert _has(rules, [S(0), S(0), S(0)], [S(0), S(0)])
     assert _has(rules, [S(1), S(1), S(1)], [S(1), S(1)]), [str(r) for r in rules]
-    assert not _has(rules, [S(1), S(1), R()], [S(1), S(1)])   # a key head split from its value head
+    assert not _has(rules, [S(1), S(1), R()], [S(1), S(1)])  # a key head split from its value head
     q, k, v = torch.randn(3, 8, 5, 16), torch.randn(3, 2, 5, 16), torch.randn(3, 2, 5, 16)
     whole = op(q, k, v, 0.0, True)
     pieces = [op(qp, kp, vp, 0.0, True) for qp, kp, vp in zip(q.chunk(2, 1), k.chunk(2, 1), v.chunk(2, 1))]
@@ -327,12 +333,15 @@ def test_addmm_splits_its_contraction_with_the_bias_as_a_partial_sum():
     torch.testing.assert_close(got, torch.addmm(b, x, w))
 
 
-
 def test_unrunnable_ops():
     x = torch.randn(4, 4)
-    for op, args in ((aten.native_dropout.default, (x, 0.5, True)), (aten.nonzero.default, (x,)),
-                     (aten._local_scalar_dense.default, (torch.tensor(1.0),)),
-                     (aten.rand.default, ([4, 4],)), (aten.bernoulli.p, (x, 0.5))):
+    for op, args in (
+        (aten.native_dropout.default, (x, 0.5, True)),
+        (aten.nonzero.default, (x,)),
+        (aten._local_scalar_dense.default, (torch.tensor(1.0),)),
+        (aten.rand.default, ([4, 4],)),
+        (aten.bernoulli.p, (x, 0.5)),
+    ):
         with pytest.raises(Unrunnable):
             rules_for(op, *args)
     # no dropout: deterministic, so it runs
@@ -369,8 +378,10 @@ def test_op_cost(tiny):
 
 # -- discovery over the recorded graph ------------------------------------------------
 
-SLOW_KEYS = ("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
-             "aten.native_layer_norm_backward.default")
+SLOW_KEYS = (
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+    "aten.native_layer_norm_backward.default",
+)
 
 
 def _representatives(graph):
@@ -421,9 +432,14 @@ def test_op_cost_matches_flop_counter_on_a_traced_step():
     from metadist_torch.calls import TORCH_DTYPES, rebuild, resolve_overload
     from metadist_torch.trace import trace_step
 
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                              torch.nn.ConvTranspose2d(8, 4, 2, stride=2), torch.nn.Flatten(),
-                              torch.nn.Linear(4 * 16 * 16, 10))
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.ReLU(),
+        torch.nn.ConvTranspose2d(8, 4, 2, stride=2),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 16 * 16, 10),
+    )
 
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
 
@@ -445,15 +461,17 @@ def test_op_cost_matches_flop_counter_on_a_traced_step():
         ins = [graph.vars[v] for v in op.inputs]
         tensors = [torch.empty(v.shape, dtype=TORCH_DTYPES[v.dtype], device="meta") for v in ins]
         with FlopCounterMode(display=False) as fc:
-            overload(*rebuild(op.attrs.get("args", []), tensors, device="meta"),
-                     **rebuild(op.attrs.get("kwargs", {}), tensors, device="meta"))
+            overload(
+                *rebuild(op.attrs.get("args", []), tensors, device="meta"),
+                **rebuild(op.attrs.get("kwargs", {}), tensors, device="meta"),
+            )
         want = fc.get_total_flops()
         if want:
             counted += 1
             assert op_cost(op, graph)[0] == want, op.key
     keys = {op.key for op in graph.ops}
     assert "aten.convolution_backward.default" in keys
-    assert counted >= 8   # convolutions, their backward, addmm, mm, bmm...
+    assert counted >= 8  # convolutions, their backward, addmm, mm, bmm...
 
 
 def test_an_op_no_proxy_stands_for_is_named_with_the_reason(caplog):

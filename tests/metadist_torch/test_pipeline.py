@@ -4,6 +4,7 @@ equals the eager whole-batch step (loss, parameters, optimizer state; 3 steps, r
 In this process at world size 1, and (slow) under torchrun on 4 gloo ranks with meshes (4,) and (2, 2):
 the GPT example, transformers' GPT-2 with AdamW, and a random plan (Partial gradients accumulate in place).
 """
+
 from __future__ import annotations
 
 import sys
@@ -19,7 +20,7 @@ from metadist_torch import metadist_compile  # noqa: E402
 
 from test_compile_single import _run_and_compare, cnn, gpt, mlp  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 from _torchrun import launch  # noqa: E402
 
 STEPS = 3
@@ -36,21 +37,22 @@ def _one_thread():
 @pytest.mark.parametrize("optimizer", ["sgd", "adam", "adamw"])
 def test_mlp_micro_batches_match_the_whole_batch(optimizer):
     c = mlp.MLPConfig(hidden=16, batch=8, layers=2, optimizer=optimizer)
-    step = _run_and_compare(lambda: mlp.build(c), [mlp.batch(c, s) for s in range(STEPS)], mlp.train_step,
-                            micro_batches=4)
+    step = _run_and_compare(
+        lambda: mlp.build(c), [mlp.batch(c, s) for s in range(STEPS)], mlp.train_step, micro_batches=4
+    )
     batch_in = [v for v in step.graph.inputs if step.graph.vars[v].role == "input"]
-    assert step.graph.vars[batch_in[0]].shape[0] == 2   # traced and planned for one micro-batch
+    assert step.graph.vars[batch_in[0]].shape[0] == 2  # traced and planned for one micro-batch
 
 
 def test_gpt_example_micro_batches_match_the_whole_batch():
     c = gpt.GPTConfig(vocab=97, seq=16, width=32, heads=2, layers=1, batch=4)
-    _run_and_compare(lambda: gpt.build(c), [gpt.batch(c, s) for s in range(STEPS)], gpt.train_step,
-                     micro_batches=2)
+    _run_and_compare(lambda: gpt.build(c), [gpt.batch(c, s) for s in range(STEPS)], gpt.train_step, micro_batches=2)
 
 
 def test_sum_reduced_loss_sums_the_gradients_and_clipping_sees_the_whole_gradient():
     """A sum loss adds micro-batch gradients; a global-norm clip between backward and step runs once, on the
     accumulated gradient (the cut is at the backward's results, not at what the optimizer reads)."""
+
     def build():
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
@@ -72,16 +74,18 @@ def test_sum_reduced_loss_sums_the_gradients_and_clipping_sees_the_whole_gradien
 
 def test_cut_puts_forward_and_backward_per_micro_batch_and_adam_once():
     from metadist_core.plugins import PluginManager
+
     c = mlp.MLPConfig(hidden=8, batch=4, layers=1, optimizer="adam")
     model, opt = mlp.build(c)
     traced = PluginManager().frontend("torch").trace(mlp.train_step, (model, opt, *mlp.batch(c, 0)), {})
     cut = cut_at_gradients(traced.graph, 4)
     roles = lambda g: {g.vars[v].role for v in g.inputs}  # noqa: E731
-    assert "optimizer_state" not in roles(cut.grad_graph)          # no optimizer per micro-batch
+    assert "optimizer_state" not in roles(cut.grad_graph)  # no optimizer per micro-batch
     assert "input" in roles(cut.grad_graph)
     params = [v for v in traced.graph.inputs if traced.graph.vars[v].role == "parameter"]
-    assert sorted(traced.graph.vars[g].numel for g in cut.gradients) == \
-        sorted(traced.graph.vars[p].numel for p in params)         # one gradient per parameter (a bias's (1, n))
+    assert sorted(traced.graph.vars[g].numel for g in cut.gradients) == sorted(
+        traced.graph.vars[p].numel for p in params
+    )  # one gradient per parameter (a bias's (1, n))
     assert not any(traced.graph.vars[v].role == "input" for v in cut.update_graph.inputs)
     assert set(cut.update_graph.aliases) == {v for v in traced.graph.aliases if traced.graph.vars[v].role != "buffer"}
 
@@ -118,8 +122,12 @@ def test_pipeline_stages_on_an_axis_of_another_size_is_a_clear_error():
 
 @pytest.mark.slow
 def test_micro_batches_match_single_device_on_4_gloo_ranks(tmp_path):
-    res = launch(Path(__file__).parent / "_pipeline_worker.py", 4, out=tmp_path / "out.json",
-                 METADIST_CACHE_DIR=str(tmp_path / "rules"))
+    res = launch(
+        Path(__file__).parent / "_pipeline_worker.py",
+        4,
+        out=tmp_path / "out.json",
+        METADIST_CACHE_DIR=str(tmp_path / "rules"),
+    )
     assert not res["errors"], "\n".join(res["errors"])
     names = {r["name"] for r in res["report"]}
     assert names == {"gpt-mb4@4", "gpt-mb4@2x2", "mlp-adam-random-plan-mb2@2x2", "gpt2-adamw-mb4@2x2"}

@@ -1,4 +1,5 @@
 """`metadist plan SCRIPT`: the script runs until its first compiled step, which is planned for the mesh asked."""
+
 import json
 from pathlib import Path
 
@@ -14,8 +15,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_plan_a_torch_script_for_a_mesh_larger_than_this_machine(tmp_path, capsys):
     out = tmp_path / "mlp.plan.json"
-    assert cli.main(["plan", str(REPO / "examples/torch/mlp.py"), "--mesh", "2x4", "--out", str(out),
-                     "--", "--steps", "1"]) == 0
+    assert (
+        cli.main(
+            ["plan", str(REPO / "examples/torch/mlp.py"), "--mesh", "2x4", "--out", str(out), "--", "--steps", "1"]
+        )
+        == 0
+    )
     plan = ShardingPlan.from_json(json.loads(out.read_text()))
     assert plan.mesh_shape == (2, 4)
     assert any(not s.is_fully_replicated() for s in plan.var_shardings.values())
@@ -36,8 +41,26 @@ def test_plan_gpt2_small_at_its_real_size(tmp_path, capsys):
     at proxy sizes, so this takes seconds to a minute on 2 cores, not hours (no timing is asserted)."""
     pytest.importorskip("transformers")
     out = tmp_path / "gpt2-small.plan.json"
-    assert cli.main(["plan", str(REPO / "examples/torch/gpt2_hf.py"), "--mesh", "2x4", "--out", str(out),
-                     "--cache-dir", str(tmp_path / "rules"), "--", "--size", "small", "--seq", "1024"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                str(REPO / "examples/torch/gpt2_hf.py"),
+                "--mesh",
+                "2x4",
+                "--out",
+                str(out),
+                "--cache-dir",
+                str(tmp_path / "rules"),
+                "--",
+                "--size",
+                "small",
+                "--seq",
+                "1024",
+            ]
+        )
+        == 0
+    )
     plan = ShardingPlan.from_json(json.loads(out.read_text()))
     assert plan.mesh_shape == (2, 4)
     text = capsys.readouterr().out

@@ -9,6 +9,7 @@ checkpoint loaded before and after the first compiled call), and finally this
 process loads it at world size 1; each resumed run must give the numbers of
 the run that never stopped.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +23,7 @@ torch = pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "examples" / "torch"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 
 import mlp  # noqa: E402
 import production_worker as W  # noqa: E402
@@ -81,7 +82,7 @@ def test_grad_compression_prices_half_the_gradient_bytes(rules):
     for mode in ("bf16", "fp16"):
         t, gb, p = got[mode]
         assert gb * 2 == grad > 0
-        assert t - gb == total - grad          # nothing else changes
+        assert t - gb == total - grad  # nothing else changes
         assert p.comm_seconds < plan.comm_seconds
 
 
@@ -106,7 +107,7 @@ def test_grad_compression_setting():
 def test_fp16_grad_scaler_step_matches_eager_on_one_device():
     errors: list[str] = []
     report: dict = {}
-    W.check_scaler("scaler@1", None, errors, report)   # 5 steps; step 2 overflows and is skipped
+    W.check_scaler("scaler@1", None, errors, report)  # 5 steps; step 2 overflows and is skipped
     assert not errors, "\n".join(errors)
     scales = report["scaler@1"]["scales"]
     assert scales[W.OVERFLOW_STEP] == scales[W.OVERFLOW_STEP - 1] / 2 and scales[-1] == 2 * scales[-2]
@@ -114,11 +115,12 @@ def test_fp16_grad_scaler_step_matches_eager_on_one_device():
 
 def test_grad_scaler_with_a_plain_optimizer_names_the_fix():
     from metadist_torch.amp import ScalerError
+
     m, _ = mlp.build(W.FP16_CFG)
     opt = torch.optim.AdamW(m.parameters())
     with pytest.raises(ScalerError, match=r"AdamW \(not fused\).*\.item\(\).*fused=True"):
         metadist_compile()(W.scaled_step)(m, opt, torch.amp.GradScaler("cpu"), *mlp.batch(W.FP16_CFG))
-    disabled = torch.amp.GradScaler("cpu", enabled=False)   # a disabled scaler is a plain optimizer step
+    disabled = torch.amp.GradScaler("cpu", enabled=False)  # a disabled scaler is a plain optimizer step
     loss = metadist_compile()(W.scaled_step)(m, opt, disabled, *mlp.batch(W.FP16_CFG))
     assert torch.isfinite(loss)
 
@@ -130,6 +132,7 @@ def test_finiteness_tests_never_take_one_piece_for_the_whole(op, shape):
     (False everywhere); the nonfinite draws (inf/NaN in one piece) must reject it."""
     from metadist_core.ir.placement import Partial, Replicate
     from metadist_torch import rules_for
+
     rules = rules_for(getattr(torch.ops.aten, op).default, torch.randn(shape), axis_size=2)
     assert rules
     for r in rules:
@@ -162,8 +165,14 @@ def test_checkpoint_resumes_at_world_size_1_before_and_after_compile(tmp_path):
 
 
 def _launch(nproc: int, mode: str, out: Path, cache: Path) -> dict:
-    res = launch(Path(__file__).parent / "production_worker.py", nproc, [mode, str(out)], out=out / f"{mode}.json",
-                 METADIST_CACHE_DIR=str(cache), METADIST_SOLVER="ilp")
+    res = launch(
+        Path(__file__).parent / "production_worker.py",
+        nproc,
+        [mode, str(out)],
+        out=out / f"{mode}.json",
+        METADIST_CACHE_DIR=str(cache),
+        METADIST_SOLVER="ilp",
+    )
     assert not res["errors"], "\n".join(res["errors"])
     return res["report"]
 
@@ -171,7 +180,7 @@ def _launch(nproc: int, mode: str, out: Path, cache: Path) -> dict:
 @pytest.mark.slow
 def test_production_features_under_torchrun(tmp_path):
     four = _launch(4, "four", tmp_path, tmp_path / "rules")
-    for name in ("scaler_ddp", "scaler_sharded"):   # fp16 + GradScaler: one step overflows on one device only
+    for name in ("scaler_ddp", "scaler_sharded"):  # fp16 + GradScaler: one step overflows on one device only
         scales = four[name]["scales"]
         assert scales[W.OVERFLOW_STEP] == scales[W.OVERFLOW_STEP - 1] / 2, name
     comp = four["compression"]

@@ -10,6 +10,7 @@
 - 4 gloo ranks: the compiled GPT example and transformers' GPT-2 under such a budget give the single-device
   numbers (slow; the GPT example case runs in CI).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -30,7 +31,7 @@ from metadist_torch.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 
 
 def _gpt():
@@ -59,7 +60,7 @@ def _run_on_one_device(graph, step, user):
     n_s = len(step.state.slots)
     vals = {step.in_names[i]: s.get().detach().clone() for i, s in enumerate(step.state.slots)}
     vals.update({step.in_names[n_s + j]: t for j, t in enumerate(user)})
-    vals.update({n: t for n, t in zip(step.in_names[n_s + len(user):], step.constants)})
+    vals.update({n: t for n, t in zip(step.in_names[n_s + len(user) :], step.constants)})
     torch.manual_seed(7)
     with torch.no_grad():
         return rg(*[vals[v] for v in rg.input_vars]), rg
@@ -115,6 +116,7 @@ def test_segment_search_goes_down_from_all_and_stops_where_fewer_cost_more(shape
     down to the fewest that fit. Each time the count predicted fastest is taken."""
     from metadist_core.problem.problem import InfeasibleBudgetError
     from metadist_core.levers.recompute import choose
+
     tr, _ = _traced(layers=4)
     g = tr.graph
     n = len(order(segments(g)))
@@ -124,23 +126,23 @@ def test_segment_search_goes_down_from_all_and_stops_where_fewer_cost_more(shape
     solved = []
 
     def solve(graph):
-        k = sum(op.id.endswith(SUFFIX) for op in graph.ops)   # recomputed ops: which count this is
+        k = sum(op.id.endswith(SUFFIX) for op in graph.ops)  # recomputed ops: which count this is
         counts = {sum(len(s.recompute) for s in order(segments(g))[:j]): j for j in range(n + 1)}
         j = counts[k]
         solved.append(j)
         if j < fewest:
             raise InfeasibleBudgetError(1, 2 + fewest - j, Mesh((1,)))
         return None, _Priced(100.0 + j if shape == "fewer_is_faster" else 100.0 - j)
+
     graph, (_, plan), segs = choose(g, 1, solve)
     if shape == "more_is_faster":
         assert len(segs) == n and solved == [0, n, n // 2], solved
-    elif shape == "more_is_faster_above_half":   # half does not fit; the count between is slower: stop
+    elif shape == "more_is_faster_above_half":  # half does not fit; the count between is slower: stop
         assert len(segs) == n and solved == [0, n, n // 2, (n // 2 + n) // 2], solved
     else:
         assert len(segs) == fewest, (len(segs), solved)
         assert solved[:2] == [0, n] and fewest - 1 in solved and len(solved) <= 2 + 2 * n.bit_length(), solved
-    assert plan.objective == min(100.0 + j if shape == "fewer_is_faster" else 100.0 - j
-                                 for j in solved if j >= fewest)
+    assert plan.objective == min(100.0 + j if shape == "fewer_is_faster" else 100.0 - j for j in solved if j >= fewest)
 
 
 def test_toggles_price_the_rewritten_graph_exactly():
@@ -165,8 +167,9 @@ def test_toggles_price_the_rewritten_graph_exactly():
         prob = build_problem(g, res.rulebook, mesh, op_costs=costs, device=res.problem.device)
         price_segments(prob, g, segs)
         t = prob.terms()
-        ch = np.asarray(ShardingPlan.from_choices(prob, {n.id: int(k) for n, k in zip(res.problem.nodes,
-                                                                                       res.plan.choices)}).choices)
+        ch = np.asarray(
+            ShardingPlan.from_choices(prob, {n.id: int(k) for n, k in zip(res.problem.nodes, res.plan.choices)}).choices
+        )
         by_id = {n.id: int(k) for n, k in zip(prob.nodes, ch)}
         for picked in ([], [0], [1, 3], list(range(len(segs)))):
             on = np.zeros(len(segs), dtype=bool)
@@ -182,11 +185,11 @@ def test_toggles_price_the_rewritten_graph_exactly():
 def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
     tr, _ = _traced(layers=2)
     g, mesh = tr.graph, Mesh((4,))
-    with pytest.raises(RecomputeBudgetError) as e:   # nothing fits one byte: both leanest figures come back
+    with pytest.raises(RecomputeBudgetError) as e:  # nothing fits one byte: both leanest figures come back
         plan_graph(g, mesh, settings=load_settings(memory_budget=1))
     without, lean = e.value.without, e.value.with_recompute
     assert without > lean > 0, (without, lean)
-    half = (without + lean) // 2   # halfway: a plan recomputes and fits, whichever way it is chosen
+    half = (without + lean) // 2  # halfway: a plan recomputes and fits, whichever way it is chosen
     res = plan_graph(g, mesh, settings=load_settings(memory_budget=half))
     assert res.plan.recompute and res.plan.stats.peak_with_buffers <= half, res.plan.stats.recompute
     # three quarters of the way the ILP's own choice fits (halfway, with HiGHS 1.16, the 2 segments it picks
@@ -207,6 +210,7 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
     # the search over segment counts (what a solver without toggles gets) finds no cheaper plan (1 %: the
     # search picks by overlap.predict, the ILP by its objective)
     import metadist_core.levers.recompute as rc
+
     monkeypatch.setattr(rc, "price_segments", lambda problem, *a: problem)
     searched = plan_graph(g, mesh, settings=load_settings(memory_budget=budget))
     assert searched.plan.stats.recompute["chosen_by"].startswith("search")
@@ -221,6 +225,7 @@ def test_planner_recomputes_under_a_budget_only_recompute_meets(monkeypatch):
 
 def _torchrun(case: str, timeout: int = 900) -> str:
     from _torchrun import run_torchrun
+
     r = run_torchrun(Path(__file__).with_name("_recompute_worker.py"), 4, [case], timeout=timeout)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout

@@ -1,5 +1,6 @@
 """State updates run in the state's own storage (metadist_torch.reinplace): the same numbers as the functional
 program, the storage kept, and every case where writing in place would change a value left functional."""
+
 from __future__ import annotations
 
 import sys
@@ -45,28 +46,42 @@ def test_a_pointwise_chain_runs_in_the_state_and_returns_it():
         m = aten.mul.Tensor(s, 0.9)
         m2 = aten.add.Tensor(m, g, alpha=0.1)
         return (aten.sum.default(g), aten.addcmul.default(m2, g, g, value=0.5))
+
     s, g = torch.randn(4, 8), torch.randn(4, 8)
     done, ref, got, after = _run(f, 1, s, g)
     assert done
     assert _same(ref, got)
-    assert torch.equal(after, ref[1])      # the new value is in the state's storage
-    assert got[1] is after                 # and the program returns the state itself
+    assert torch.equal(after, ref[1])  # the new value is in the state's storage
+    assert got[1] is after  # and the program returns the state itself
 
 
-@pytest.mark.parametrize("case", ["old value read later", "view read later", "reads its own view", "dtype changes",
-                                  "intermediate returned", "self twice", "user output"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "old value read later",
+        "view read later",
+        "reads its own view",
+        "dtype changes",
+        "intermediate returned",
+        "self twice",
+        "user output",
+    ],
+)
 def test_updates_that_would_change_a_value_stay_functional(case):
     s, g = torch.randn(4, 4), torch.randn(4, 4)
     if case == "old value read later":
+
         def f(s, g):
             new = aten.mul.Tensor(s, 2.0)
             return (aten.add.Tensor(s, 1.0), new)
     elif case == "view read later":
+
         def f(s, g):
             v = aten.t.default(s)
             new = aten.mul.Tensor(s, 2.0)
             return (aten.mm.default(v, g), new)
     elif case == "reads its own view":
+
         def f(s, g):
             return (aten.sum.default(g), aten.mul.Tensor(s, aten.t.default(s)))
     elif case == "dtype changes":
@@ -75,34 +90,39 @@ def test_updates_that_would_change_a_value_stay_functional(case):
         def f(s, g):
             return (aten.sum.default(g), aten.add.Tensor(s, g))
     elif case == "intermediate returned":
+
         def f(s, g):
             m = aten.mul.Tensor(s, 2.0)
             return (m, aten.add.Tensor(m, g))
     elif case == "self twice":
+
         def f(s, g):
             return (aten.sum.default(g), aten.mul.Tensor(s, s))
     else:
+
         def f(s, g):
             new = aten.mul.Tensor(s, 2.0)
             return (new, new)
+
     done, ref, got, after = _run(f, 1, s, g)
     assert not done
     assert _same(ref, got)
-    assert torch.equal(after, s)   # the state is untouched by the program
+    assert torch.equal(after, s)  # the state is untouched by the program
 
 
 def test_only_pointwise_ops_with_an_in_place_twin_qualify():
     assert inplace_overload(aten.lerp.Scalar) is aten.lerp_.Scalar
     assert inplace_overload(aten.addcdiv.default) is aten.addcdiv_.default
-    assert inplace_overload(aten.mm.default) is None          # not pointwise
-    assert inplace_overload(aten.t.default) is None           # a view
-    assert inplace_overload(aten.clone.default) is None       # pointwise, no clone_
-    assert inplace_overload(aten.where.self) is None          # first argument is not self
+    assert inplace_overload(aten.mm.default) is None  # not pointwise
+    assert inplace_overload(aten.t.default) is None  # a view
+    assert inplace_overload(aten.clone.default) is None  # pointwise, no clone_
+    assert inplace_overload(aten.where.self) is None  # first argument is not self
 
 
 def _mlp(optimizer):
     sys.path.insert(0, str(REPO / "examples" / "torch"))
     import mlp
+
     cfg = mlp.MLPConfig(hidden=32, batch=8, optimizer=optimizer)
     return mlp, cfg
 
@@ -111,6 +131,7 @@ def _mlp(optimizer):
 def test_compiled_step_updates_state_in_place_with_the_functional_numbers(optimizer, monkeypatch):
     import metadist_torch.program as program
     from metadist_torch import metadist_compile
+
     mlp, cfg = _mlp(optimizer)
     batches = [mlp.batch(cfg, s) for s in range(3)]
 
@@ -129,14 +150,17 @@ def test_compiled_step_updates_state_in_place_with_the_functional_numbers(optimi
     step_i, model_i, opt_i, losses_i, ptrs = run(True)
     assert losses_i == losses_f
     assert all(torch.equal(a, b) for a, b in zip(_state(model_f, opt_f), _state(model_i, opt_i)))
-    assert [t.data_ptr() for t in _state(model_i, opt_i)] == ptrs       # updated in their own storage
+    assert [t.data_ptr() for t in _state(model_i, opt_i)] == ptrs  # updated in their own storage
     assert step_f.runnable.inplace_updates == []
     traced = step_i.runnable.traced
     # every update but the step counters' (merged into one 0-d value that all of them copy)
-    own = [traced.in_names[k] for k, o in enumerate(traced.state_out)
-           if o is not None and traced.state.slots[k].get().numel() > 1]
+    own = [
+        traced.in_names[k]
+        for k, o in enumerate(traced.state_out)
+        if o is not None and traced.state.slots[k].get().numel() > 1
+    ]
     assert sorted(step_i.runnable.inplace_updates) == sorted(own) and len(own) >= len(list(model_i.parameters()))
-    model_e, opt_e = mlp.build(cfg)                                     # and the eager step's numbers
+    model_e, opt_e = mlp.build(cfg)  # and the eager step's numbers
     losses_e = [float(mlp.train_step(model_e, opt_e, *b)) for b in batches]
     assert losses_i == pytest.approx(losses_e, rel=1e-5)
     for a, b in zip(model_e.parameters(), model_i.parameters()):

@@ -8,6 +8,7 @@ pattern at a third proxy size that discovery never used. It re-checks every
 rule of every op pattern of the recorded GPT-2 step, of the GPT and CNN
 examples, and of the op classes that convenient data used to fool.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,6 +30,7 @@ TRIALS = 4
 
 
 # -- the checker's own sampling, splitting and combining ---------------------------------------------
+
 
 def sample_like(x: np.ndarray, rng: np.random.Generator, wide_ints: bool) -> np.ndarray:
     if not isinstance(x, np.ndarray) or x.size == 0:
@@ -62,7 +64,7 @@ def split(x, p, n: int, rng: np.random.Generator) -> list:
         return chunk(x, p.dim, n)
     e = rng.laplace(0.0, 1.0 + np.abs(x), (n,) + x.shape)
     if p.reduce in ("sum", "avg"):
-        e = e - e.mean(axis=0)              # zero-sum noise
+        e = e - e.mean(axis=0)  # zero-sum noise
         base = x / n if p.reduce == "sum" else x
         return [(base + e[i]).astype(x.dtype) for i in range(n)]
     sign = -1.0 if p.reduce == "max" else 1.0
@@ -88,8 +90,11 @@ def close(a, b) -> bool:
     if not np.issubdtype(a.dtype, np.floating):
         return bool(np.array_equal(a, b))
     fin = np.isfinite(a)
-    if not np.array_equal(fin, np.isfinite(b)) or not np.array_equal(a[~fin], b[~fin]) and \
-            not np.array_equal(np.isnan(a), np.isnan(b)):
+    if (
+        not np.array_equal(fin, np.isfinite(b))
+        or not np.array_equal(a[~fin], b[~fin])
+        and not np.array_equal(np.isnan(a), np.isnan(b))
+    ):
         return False
     scale = float(np.max(np.abs(a[fin]))) if fin.any() else 1.0
     return bool(np.allclose(a[fin], b[fin], rtol=1e-6, atol=1e-9 * max(scale, 1.0)))
@@ -104,7 +109,7 @@ def check_rule(spec, rule: ShardingRule, n: int, rng: np.random.Generator, out_s
     ex = list(spec.example_inputs)
     for t in range(TRIALS):
         inputs = None
-        for wide in (True, False):           # wide integers where the op accepts them
+        for wide in (True, False):  # wide integers where the op accepts them
             cand = [sample_like(x, rng, wide) for x in ex]
             try:
                 with np.errstate(all="ignore"):
@@ -114,7 +119,7 @@ def check_rule(spec, rule: ShardingRule, n: int, rng: np.random.Generator, out_s
             except Exception:
                 continue
         if inputs is None:
-            return None                      # the op takes none of our draws: nothing to check against
+            return None  # the op takes none of our draws: nothing to check against
         pieces = [split(x, p, n, rng) for x, p in zip(inputs, rule.inputs)]
         per_dev = []
         for r in range(n):
@@ -154,7 +159,7 @@ def check_book(graph, book: RuleBook, pm: PluginManager, n: int, seed: int = 7) 
         if entry is None or entry.status != "ok":
             continue
         try:
-            p_op, p_graph = proxy_op(op, graph, n, instance=2)     # a size discovery never ran
+            p_op, p_graph = proxy_op(op, graph, n, instance=2)  # a size discovery never ran
         except NoProxy:
             p_op, p_graph = op, graph
         try:
@@ -171,9 +176,11 @@ def check_book(graph, book: RuleBook, pm: PluginManager, n: int, seed: int = 7) 
 
 # -- the tests ---------------------------------------------------------------------------------
 
+
 def test_the_checker_catches_a_wrong_rule():
     """A checker that cannot fail proves nothing: softmax split along the dim it normalises is wrong."""
     from metadist_torch.oprunner import build_spec  # noqa: F401 - the frontend is loaded
+
     pm = PluginManager()
     graph = load_recorded_graph(GRAPHS / "gpt2-tiny-2l-adamw.json")
     op = next(o for o in graph.ops if o.key == "aten._softmax.default" or o.key == "aten._log_softmax.default")
@@ -212,26 +219,53 @@ def test_every_rule_of_the_recorded_gpt2_step_on_larger_axes_is_right(n):
 
 
 aten = torch.ops.aten
-FOOLED_BEFORE = [   # op, example arguments, a rule that convenient data let through (now it must not be found)
+FOOLED_BEFORE = [  # op, example arguments, a rule that convenient data let through (now it must not be found)
     ("any", lambda: (aten.any.dim, torch.rand(8, 6) < 0.5, 1), ShardingRule((Shard(1),), (Replicate(),))),
     ("all", lambda: (aten.all.dim, torch.rand(8, 6) < 0.5, 1), ShardingRule((Shard(1),), (Replicate(),))),
-    ("clamp", lambda: (aten.clamp.default, torch.randn(8, 6), -10.0, 10.0),
-     ShardingRule((Partial("sum"),), (Partial("sum"),))),
-    ("hardtanh", lambda: (aten.hardtanh.default, torch.randn(8, 6), -8.0, 8.0),
-     ShardingRule((Partial("sum"),), (Partial("sum"),))),
-    ("clamp_min", lambda: (aten.clamp_min.default, torch.randn(8, 6), -9.0),
-     ShardingRule((Partial("sum"),), (Partial("sum"),))),
-    ("nll_loss mean", lambda: (aten.nll_loss_forward.default, torch.log_softmax(torch.randn(4, 5), 1),
-                               torch.tensor([0, 1, 2, 3]), None, 1, -100),
-     ShardingRule((Shard(0), Shard(0)), (Partial("avg"), Partial("sum")))),
-    ("mul float int", lambda: (aten.mul.Tensor, torch.randn(8, 6), torch.randint(0, 2, (8, 6))),
-     ShardingRule((Partial("max"), Replicate()), (Partial("max"),))),
-    ("prod int", lambda: (aten.prod.dim_int, torch.randint(1, 3, (8, 6)), 1),
-     ShardingRule((Shard(1),), (Partial("min"),))),
+    (
+        "clamp",
+        lambda: (aten.clamp.default, torch.randn(8, 6), -10.0, 10.0),
+        ShardingRule((Partial("sum"),), (Partial("sum"),)),
+    ),
+    (
+        "hardtanh",
+        lambda: (aten.hardtanh.default, torch.randn(8, 6), -8.0, 8.0),
+        ShardingRule((Partial("sum"),), (Partial("sum"),)),
+    ),
+    (
+        "clamp_min",
+        lambda: (aten.clamp_min.default, torch.randn(8, 6), -9.0),
+        ShardingRule((Partial("sum"),), (Partial("sum"),)),
+    ),
+    (
+        "nll_loss mean",
+        lambda: (
+            aten.nll_loss_forward.default,
+            torch.log_softmax(torch.randn(4, 5), 1),
+            torch.tensor([0, 1, 2, 3]),
+            None,
+            1,
+            -100,
+        ),
+        ShardingRule((Shard(0), Shard(0)), (Partial("avg"), Partial("sum"))),
+    ),
+    (
+        "mul float int",
+        lambda: (aten.mul.Tensor, torch.randn(8, 6), torch.randint(0, 2, (8, 6))),
+        ShardingRule((Partial("max"), Replicate()), (Partial("max"),)),
+    ),
+    (
+        "prod int",
+        lambda: (aten.prod.dim_int, torch.randint(1, 3, (8, 6)), 1),
+        ShardingRule((Shard(1),), (Partial("min"),)),
+    ),
     ("silu tiny", lambda: (aten.silu.default, torch.randn(2)), ShardingRule((Partial("min"),), (Partial("min"),))),
     ("mish tiny", lambda: (aten.mish.default, torch.randn(2)), ShardingRule((Partial("min"),), (Partial("min"),))),
-    ("hardswish tiny", lambda: (aten.hardswish.default, torch.randn(2)),
-     ShardingRule((Partial("min"),), (Partial("min"),))),
+    (
+        "hardswish tiny",
+        lambda: (aten.hardswish.default, torch.randn(2)),
+        ShardingRule((Partial("min"),), (Partial("min"),)),
+    ),
 ]
 
 
@@ -248,7 +282,7 @@ def test_ops_that_convenient_data_fooled(name, make, wrong_rule):
     shapes = [np.shape(o) for o in outs(spec.fn(*spec.example_inputs))]
     bad = [f"{r}: {why}" for r in rules if (why := check_rule(spec, r, 2, rng, shapes))]
     assert not bad, f"{name}: wrong rules {bad}"
-    assert len(rules) >= 2   # not only the replicated one
+    assert len(rules) >= 2  # not only the replicated one
 
 
 @pytest.mark.slow
@@ -256,10 +290,12 @@ def test_ops_that_convenient_data_fooled(name, make, wrong_rule):
 def test_every_rule_of_the_examples_is_right(example, monkeypatch):
     """The examples' steps traced by the torch frontend; their rules on axes of 2 and 4, re-checked."""
     import importlib.util
+
     path = Path(__file__).resolve().parents[2] / "examples" / "torch" / f"{example}.py"
     spec = importlib.util.spec_from_file_location(f"example_{example}", path)
     mod = importlib.util.module_from_spec(spec)
     import sys
+
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     cfg = mod.GPTConfig() if example == "gpt" else mod.CNNConfig()

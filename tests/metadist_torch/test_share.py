@@ -1,4 +1,5 @@
 """Sharing the plan between ranks, without torchrun: an engine stub plays the other ranks' side."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ def test_a_rank_with_another_graph_is_an_error_on_every_rank():
     sent = {"plan": plan.to_json(), "digest": graph_digest(graph)}
     with pytest.raises(PlanShareError, match=r"rank\(s\) 1 traced another graph.*same model and optimizer"):
         share_plan(StubEngine(1, sent=sent), None, other)
-    with pytest.raises(PlanShareError, match=r"rank\(s\) 1 traced another graph"):   # rank 0 learns it too
+    with pytest.raises(PlanShareError, match=r"rank\(s\) 1 traced another graph"):  # rank 0 learns it too
         share_plan(StubEngine(0, agree=[True, False]), plan, graph)
 
 
@@ -66,5 +67,5 @@ def test_rank_0_failing_to_plan_reaches_the_other_ranks():
     with pytest.raises(PlanShareError, match="rank 0 could not plan the step: ValueError: no plan today"):
         share_plan(StubEngine(1, sent=e0.broadcasts[0]), None, graph)
     e1 = StubEngine(1)
-    share_error(e1, ValueError("x"))   # only rank 0 sends
+    share_error(e1, ValueError("x"))  # only rank 0 sends
     assert e1.broadcasts == []

@@ -5,6 +5,7 @@ numbers; bad names fail clearly on every rank; rank 0 explains a plan (every par
 One torchrun launch checks everything (each rank costs seconds of imports); this file is also the worker.
 Afterwards, ``metadist plan --compare`` prices the presets on the GPT example (reusing the launch's rules).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 STEPS = 3
 RTOL = 1e-4
 PRESET_NAMES = ("ddp", "zero1", "zero2", "zero3", "tp", "tp+dp")
@@ -26,6 +27,7 @@ PRESET_NAMES = ("ddp", "zero1", "zero2", "zero3", "tp", "tp+dp")
 
 def _load_gpt():
     import importlib.util
+
     spec = importlib.util.spec_from_file_location("example_gpt", REPO / "examples" / "torch" / "gpt.py")
     m = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = m
@@ -36,6 +38,7 @@ def _load_gpt():
 def _same(name, gpt, cfg, step_fn, compiled_fn, errors):
     """Run the single-device step and the compiled one side by side; compare loss, parameters, state."""
     import torch
+
     model_ref, opt_ref = gpt.build(cfg)
     model, opt = gpt.build(cfg)
     batches = [gpt.batch(cfg, s) for s in range(STEPS)]
@@ -48,11 +51,13 @@ def _same(name, gpt, cfg, step_fn, compiled_fn, errors):
     for (k, v), w in zip(model_ref.state_dict().items(), model.state_dict().values()):
         if not torch.allclose(full(w), v.double(), rtol=RTOL, atol=RTOL * max(1e-3, v.abs().max().item())):
             errors.append(f"{name}: {k} differs by {(full(w) - v.double()).abs().max().item():.3g}")
-    for pr, p in zip([p for g in opt_ref.param_groups for p in g["params"]],
-                     [p for g in opt.param_groups for p in g["params"]]):
+    for pr, p in zip(
+        [p for g in opt_ref.param_groups for p in g["params"]], [p for g in opt.param_groups for p in g["params"]]
+    ):
         for k, a in opt_ref.state[pr].items():
             if isinstance(a, torch.Tensor) and not torch.allclose(
-                    full(opt.state[p][k]), a.double(), rtol=RTOL, atol=RTOL * max(1e-3, a.abs().max().item())):
+                full(opt.state[p][k]), a.double(), rtol=RTOL, atol=RTOL * max(1e-3, a.abs().max().item())
+            ):
                 errors.append(f"{name}: optimizer state {k} differs")
 
 
@@ -60,6 +65,7 @@ def _layout(name, step, errors, report):
     """Check the parameter layout a preset promises."""
     from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
     from metadist_core.problem.presets import preset_constraints
+
     plan, graph, prob = step.plan, step.graph, step.problem
     R2, S0 = Sharding((Replicate(), Replicate())), Sharding((Shard(0), Shard(0)))
     params = [v for v in graph.inputs if graph.vars[v].role == "parameter"]
@@ -80,13 +86,14 @@ def _layout(name, step, errors, report):
         want(states, R2 if name == "ddp" else S0, "optimizer state")
     if name == "ddp" and "all_reduce" not in kinds:
         errors.append(f"ddp: no all_reduce in the plan ({kinds})")
-    if name in ("ddp", "zero1", "zero2") and prob is not None:   # rank 0 holds the problem
+    if name in ("ddp", "zero1", "zero2") and prob is not None:  # rank 0 holds the problem
         grads = preset_constraints(prob.unsteered, name).gradients
         P = Sharding((Partial("sum"), Partial("sum")))
         partial = [v for v in grads if plan.var_shardings[v] == P]
         if len(partial) < len(params) // 2:
-            errors.append(f"{name}: {len(partial)} of {len(grads)} gradients are partial sums "
-                          f"({len(params)} parameters)")
+            errors.append(
+                f"{name}: {len(partial)} of {len(grads)} gradients are partial sums ({len(params)} parameters)"
+            )
     if name == "zero2" and "reduce_scatter" not in kinds:
         errors.append(f"zero2: no reduce_scatter in the plan ({kinds})")
     if name in ("tp", "tp+dp"):
@@ -97,10 +104,14 @@ def _layout(name, step, errors, report):
         want([by["blocks.0.out.weight"], by["blocks.0.proj.weight"]], row, "the row-parallel out/proj")
         want([by["blocks.0.ln1.weight"], by["head.weight"]], R2, "other parameters")
         want(batch, R2 if name == "tp" else Sharding((Shard(0), Replicate())), "the batch")
-        heads = [v for op in graph.ops if "scaled_dot_product" in op.key and "backward" not in op.key
-                 for v in op.inputs[:3]]
-        want(heads, Sharding((Shard(1), Shard(1))) if name == "tp" else Sharding((Replicate(), Shard(1))),
-             "attention q/k/v (heads)")
+        heads = [
+            v for op in graph.ops if "scaled_dot_product" in op.key and "backward" not in op.key for v in op.inputs[:3]
+        ]
+        want(
+            heads,
+            Sharding((Shard(1), Shard(1))) if name == "tp" else Sharding((Replicate(), Shard(1))),
+            "attention q/k/v (heads)",
+        )
 
 
 def worker() -> int:
@@ -110,10 +121,11 @@ def worker() -> int:
 
     from metadist_core.ir.placement import Replicate, Shard, Sharding
     from metadist_torch import annotate, metadist_compile, to_dtensor_placements
+
     torch.set_num_threads(1)
     gpt = _load_gpt()
     cfg = gpt.GPTConfig(vocab=96, seq=16, width=32, heads=4, layers=1, batch=4)
-    rank = int(os.environ["RANK"])   # the process group starts with the first compiled step
+    rank = int(os.environ["RANK"])  # the process group starts with the first compiled step
     errors: list[str] = []
     report: list[dict] = []
     out = Path(os.environ["MD_TEST_OUT"])
@@ -124,6 +136,7 @@ def worker() -> int:
             _layout(name, step, errors, report)
         except Exception as e:  # pragma: no cover - reported by the test
             import traceback
+
             errors.append(f"{name}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
     # constraints by name and glob, and annotate inside the step
     logits_pin = (Shard(0), Replicate())
@@ -147,25 +160,28 @@ def worker() -> int:
         if plan.input_shardings[by["blocks.0.fc.weight"]] != Sharding((Shard(1), Replicate())):
             errors.append(f"glob constraint not kept: {plan.input_shardings[by['blocks.0.fc.weight']]}")
         if len(g.annotations) != 1 or any(plan.var_shardings[v] != Sharding(logits_pin) for v in g.annotations):
-            errors.append(f"annotate not kept: {g.annotations} -> "
-                          f"{[plan.var_shardings[v] for v in g.annotations]}")
+            errors.append(f"annotate not kept: {g.annotations} -> {[plan.var_shardings[v] for v in g.annotations]}")
         tp = to_dtensor_placements(plan)
         if tuple(type(p).__name__ for p in tp["blocks.0.fc.weight"]) != ("Shard", "Replicate"):
             errors.append(f"to_dtensor_placements: {tp['blocks.0.fc.weight']}")
-        if rank == 0:   # explain names every parameter; the picture is written
+        if rank == 0:  # explain names every parameter; the picture is written
             text = plan.explain()
             missing = [n for n in by if n not in text]
             if missing or "strategy presets" not in text or "zero3" not in text:
                 errors.append(f"explain misses {missing[:5]} or the presets:\n{text[:2000]}")
             (out.parent / "explain.txt").write_text(text)
             from metadist_core.plan.explain import draw_plan
+
             draw_plan(plan, str(out.parent / "plan.png"))
     except Exception as e:  # pragma: no cover - reported by the test
         import traceback
+
         errors.append(f"constraints+annotate: {type(e).__name__}: {e}\n{traceback.format_exc()}")
     # bad names and unsatisfiable placements: a clear error on every rank (rank 0 names it)
-    for bad, needle in (({"no.such.weight": Replicate()}, "no.such.weight"),
-                        ({"blocks.0.ln1.weight": Shard(1)}, "blocks.0.ln1.weight")):
+    for bad, needle in (
+        ({"no.such.weight": Replicate()}, "no.such.weight"),
+        ({"blocks.0.ln1.weight": Shard(1)}, "blocks.0.ln1.weight"),
+    ):
         m, o = gpt.build(cfg)
         try:
             metadist_compile(mesh=(2, 2), constraints=bad)(gpt.train_step)(m, o, *gpt.batch(cfg))
@@ -188,20 +204,49 @@ def test_presets_constraints_annotate_and_explain_on_4_gloo_ranks(tmp_path, caps
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
     from _torchrun import launch
+
     cache = tmp_path / "rules"
     res = launch(__file__, 4, ["--worker"], out=tmp_path / "out.json", timeout=1500, METADIST_CACHE_DIR=str(cache))
     assert not res["errors"], "\n".join(res["errors"])
     assert [r["name"] for r in res["report"]] == list(PRESET_NAMES)
     import matplotlib.image as mpimg
+
     img = mpimg.imread(tmp_path / "plan.png")
     assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 200
     assert "blocks.0.fc.weight" in (tmp_path / "explain.txt").read_text()
     # metadist plan --compare on the GPT example, with the rules the launch found
     from metadist_core.driver import cli
+
     plan_out = tmp_path / "gpt.plan.json"
-    assert cli.main(["plan", str(REPO / "examples/torch/gpt.py"), "--mesh", "2x2", "--compare", "--cache-dir",
-                     str(cache), "--out", str(plan_out), "--", "--steps", "1", "--vocab", "96", "--width", "32",
-                     "--seq", "16", "--layers", "1", "--batch", "4"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                str(REPO / "examples/torch/gpt.py"),
+                "--mesh",
+                "2x2",
+                "--compare",
+                "--cache-dir",
+                str(cache),
+                "--out",
+                str(plan_out),
+                "--",
+                "--steps",
+                "1",
+                "--vocab",
+                "96",
+                "--width",
+                "32",
+                "--seq",
+                "16",
+                "--layers",
+                "1",
+                "--batch",
+                "4",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     for name in ("auto (plan)",) + tuple(n for n in PRESET_NAMES):
         assert f"\n{name} " in text, text[-3000:]

@@ -1,4 +1,5 @@
 """Kernels that do not check their inputs' shapes never see mismatched pieces during discovery."""
+
 import numpy as np
 import pytest
 
@@ -14,14 +15,19 @@ def _graph(key, shapes, attrs, outs):
     g = MetaIR("one")
     for i, (s, dt) in enumerate(shapes):
         g.add_input(f"in{i}", s, dt)
-    g.add_op(key, [f"in{i}" for i in range(len(shapes))], [(f"out{i}", o, "float32") for i, o in enumerate(outs)],
-             attrs)
+    g.add_op(
+        key, [f"in{i}" for i in range(len(shapes))], [(f"out{i}", o, "float32") for i, o in enumerate(outs)], attrs
+    )
     return g
 
 
 def test_log_softmax_backward_rejects_mismatched_pieces_instead_of_reading_past_them():
-    g = _graph("aten._log_softmax_backward_data.default", [((8, 16), "float32"), ((8, 16), "float32")],
-               {"args": [{"$in": 0}, {"$in": 1}, 1, {"$dtype": "float32"}], "kwargs": {}}, [(8, 16)])
+    g = _graph(
+        "aten._log_softmax_backward_data.default",
+        [((8, 16), "float32"), ((8, 16), "float32")],
+        {"args": [{"$in": 0}, {"$in": 1}, 1, {"$dtype": "float32"}], "kwargs": {}},
+        [(8, 16)],
+    )
     spec = op_spec(g.ops[0], g)
     x = np.random.default_rng(0).standard_normal((8, 16))
     with pytest.raises(Exception):  # noqa: B017 - the native kernel would run on a half-size grad and read past it
@@ -34,10 +40,19 @@ def test_log_softmax_backward_rejects_mismatched_pieces_instead_of_reading_past_
 
 def test_layer_norm_backward_rejects_mismatched_statistics():
     args = [{"$in": 0}, {"$in": 1}, [16], {"$in": 2}, {"$in": 3}, {"$in": 4}, {"$in": 5}, [True, True, True]]
-    g = _graph("aten.native_layer_norm_backward.default",
-               [((8, 16), "float32"), ((8, 16), "float32"), ((8, 1), "float32"), ((8, 1), "float32"),
-                ((16,), "float32"), ((16,), "float32")],
-               {"args": args, "kwargs": {}}, [(8, 16), (16,), (16,)])
+    g = _graph(
+        "aten.native_layer_norm_backward.default",
+        [
+            ((8, 16), "float32"),
+            ((8, 16), "float32"),
+            ((8, 1), "float32"),
+            ((8, 1), "float32"),
+            ((16,), "float32"),
+            ((16,), "float32"),
+        ],
+        {"args": args, "kwargs": {}},
+        [(8, 16), (16,), (16,)],
+    )
     spec = op_spec(g.ops[0], g)
     ex = [np.asarray(x) for x in spec.example_inputs]
     with pytest.raises(Exception):  # noqa: B017 - mean/rstd for half the rows: the native kernel reads past them
@@ -51,9 +66,12 @@ def test_max_pool_backward_never_writes_through_indices_of_another_piece():
     """Row pieces of the max-pool indices point past a row piece of the input: the native kernel
     writes out of bounds (heap corruption); discovery must reject the candidate, not run it."""
     kw = [[2, 2], [2, 2], [0, 0], [1, 1], False]
-    g = _graph("aten.max_pool2d_with_indices_backward.default",
-               [((2, 3, 4, 4), "float32"), ((2, 3, 8, 8), "float32"), ((2, 3, 4, 4), "int64")],
-               {"args": [{"$in": 0}, {"$in": 1}, *kw, {"$in": 2}], "kwargs": {}}, [(2, 3, 8, 8)])
+    g = _graph(
+        "aten.max_pool2d_with_indices_backward.default",
+        [((2, 3, 4, 4), "float32"), ((2, 3, 8, 8), "float32"), ((2, 3, 4, 4), "int64")],
+        {"args": [{"$in": 0}, {"$in": 1}, *kw, {"$in": 2}], "kwargs": {}},
+        [(2, 3, 8, 8)],
+    )
     spec = op_spec(g.ops[0], g)
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     _, idx = torch.ops.aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
@@ -66,8 +84,12 @@ def test_max_pool_backward_never_writes_through_indices_of_another_piece():
 
 
 def test_adaptive_avg_pool_backward_checks_channels_before_running():
-    g = _graph("aten._adaptive_avg_pool2d_backward.default", [((2, 8, 1, 1), "float32"), ((2, 8, 4, 4), "float32")],
-               {"args": [{"$in": 0}, {"$in": 1}], "kwargs": {}}, [(2, 8, 4, 4)])
+    g = _graph(
+        "aten._adaptive_avg_pool2d_backward.default",
+        [((2, 8, 1, 1), "float32"), ((2, 8, 4, 4), "float32")],
+        {"args": [{"$in": 0}, {"$in": 1}], "kwargs": {}},
+        [(2, 8, 4, 4)],
+    )
     spec = op_spec(g.ops[0], g)
     gr, x = (np.asarray(a) for a in spec.example_inputs)
     with pytest.raises(ValueError, match="channel dims"):  # natively: heap corruption

@@ -2,6 +2,7 @@
 layers, new param groups, train/eval, Python flags and gradients accumulated over calls give the plain
 loop's numbers, with the re-plans the change needs (none for a schedule). The loops live in
 ``_user_loops.py``; ``test_user_loop_ranks.py`` runs them on 4 ranks."""
+
 from __future__ import annotations
 
 import logging
@@ -36,10 +37,15 @@ def test_the_inventory_names_every_number_the_optimizer_reads():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1)
     step = trace_step(L.train_step, (model, opt, *L.batch(0)))
     names = {s.name for s in step.hyper.slots}
-    assert {"opt0.group0.lr", "opt0.group0.betas[0]", "opt0.group0.betas[1]", "opt0.group0.eps",
-            "opt0.group0.weight_decay"} <= names
+    assert {
+        "opt0.group0.lr",
+        "opt0.group0.betas[0]",
+        "opt0.group0.betas[1]",
+        "opt0.group0.eps",
+        "opt0.group0.weight_decay",
+    } <= names
     fed = {step.hyper.slots[i].key for i, _ in step.hyper.feeds}
-    assert {"lr", "betas", "eps", "weight_decay"} <= fed   # read at run time, not folded
+    assert {"lr", "betas", "eps", "weight_decay"} <= fed  # read at run time, not folded
     src = step.gm.code
     assert "0.95" not in src and "0.001" not in src, "a number of the param group was folded into the program"
 
@@ -67,11 +73,13 @@ def test_replan_logs_what_changed_and_warns_past_max_replans(caplog):
     with caplog.at_level(logging.INFO, logger="metadist"), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for s in range(5):
-            model[0].requires_grad_(s % 2 == 0)   # each call undoes the last: one kept program re-plans every call
+            model[0].requires_grad_(s % 2 == 0)  # each call undoes the last: one kept program re-plans every call
             step(model, opt, *L.batch(s))
     assert step.replans == 4
-    assert sum("re-planning train_step: requires_grad of the parameters changed" in r.getMessage()
-               for r in caplog.records) == 4
+    assert (
+        sum("re-planning train_step: requires_grad of the parameters changed" in r.getMessage() for r in caplog.records)
+        == 4
+    )
     mine = [x for x in w if "re-planned" in str(x.message)]
     assert len(mine) == 1 and "max_replans=2" in str(mine[0].message) and "requires_grad" in str(mine[0].message)
 
@@ -83,6 +91,7 @@ def test_unknown_setting_is_an_error_naming_the_settings():
 
 def test_guard_check_is_cheap_and_state_edits_are_guarded():
     import time
+
     model = L.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = metadist_compile()(L.train_step)
@@ -93,7 +102,7 @@ def test_guard_check_is_cheap_and_state_edits_are_guarded():
     t = time.perf_counter()
     for _ in range(100):
         watch.failed(args, {})
-    assert (time.perf_counter() - t) / 100 < 0.01   # a loose bound: the check must not cost a step
+    assert (time.perf_counter() - t) / 100 < 0.01  # a loose bound: the check must not cost a step
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert "autocast" in (watch.failed(args, {}) or "")
     with torch.no_grad():
@@ -102,5 +111,5 @@ def test_guard_check_is_cheap_and_state_edits_are_guarded():
     assert "hooks" in (watch.failed(args, {}) or "")
     h.remove()
     assert watch.failed(args, {}) is None
-    opt.load_state_dict(opt.state_dict())   # new state dicts: the program must not read the old ones
+    opt.load_state_dict(opt.state_dict())  # new state dicts: the program must not read the old ones
     assert "optimizer's state" in (watch.failed(args, {}) or "")

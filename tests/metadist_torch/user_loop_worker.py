@@ -6,6 +6,7 @@ the ranks, so every re-plan really moves state) against the plain loop run on th
 a layer frozen on rank 1 only, which every rank must report as an error, not wait forever. Rank 0 writes
 ``OUT_DIR/report.json``.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ RTOL = 1e-4
 def divergent(errors: list[str], report: dict) -> None:
     """Rank 1 alone freezes a layer: every rank must stop with the same error naming the disagreement."""
     from metadist_torch import metadist_compile
+
     model = L.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = metadist_compile(strategy="fsdp")(L.train_step)
@@ -51,9 +53,20 @@ def gpt2_warmup(errors: list[str], report: dict) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from metadist_torch import metadist_compile
+
     torch.manual_seed(0)
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=128, bos_token_id=0,
-                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        n_positions=32,
+        vocab_size=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     model = GPT2LMHeadModel(cfg)
     ref = copy.deepcopy(model)
 
@@ -85,6 +98,7 @@ def gpt2_warmup(errors: list[str], report: dict) -> None:
 def _median_us(fn, n: int = 50) -> float:
     """Median microseconds of ``fn()`` over ``n`` calls, every rank starting each call together."""
     import statistics
+
     ts = []
     for _ in range(n):
         dist.barrier()
@@ -99,6 +113,7 @@ def agree_cost(errors: list[str], report: dict) -> None:
     all_reduce that makes the ranks agree, beside the same decision unsynchronised, a bare all_reduce of as
     many integers, and the step itself (medians of 50 calls)."""
     from metadist_torch import metadist_compile
+
     model = L.build_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = metadist_compile(strategy="fsdp")(L.train_step)
@@ -107,15 +122,19 @@ def agree_cost(errors: list[str], report: dict) -> None:
     synced = _median_us(lambda: step.compile(*args))
     step_us = _median_us(lambda: step(*args))
     step.settings.sync_guards = False
-    report["agree"] = {"decide_us": synced, "decide_unsynced_us": _median_us(lambda: step.compile(*args)),
-                       "bare_all_reduce_us": _median_us(lambda: dist.all_reduce(torch.zeros(3, dtype=torch.int64))),
-                       "step_ms": round(step_us / 1e3, 2)}
+    report["agree"] = {
+        "decide_us": synced,
+        "decide_unsynced_us": _median_us(lambda: step.compile(*args)),
+        "bare_all_reduce_us": _median_us(lambda: dist.all_reduce(torch.zeros(3, dtype=torch.int64))),
+        "step_ms": round(step_us / 1e3, 2),
+    }
 
 
 def main() -> int:
     torch.set_num_threads(1)
     out, names = Path(sys.argv[1]), sys.argv[2:]
     from metadist_torch.engine import ensure_process_group
+
     ensure_process_group()
     errors: list[str] = []
     report: dict = {}
@@ -137,13 +156,14 @@ def main() -> int:
         report.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, errors)
-    stops: list = [None] * dist.get_world_size()   # each rank's seconds to its error, ranks that disagreed
+    stops: list = [None] * dist.get_world_size()  # each rank's seconds to its error, ranks that disagreed
     dist.all_gather_object(stops, report.get("divergent", {}))
     if "divergent" in names:
         report["divergent"] = {r: t for d in stops for r, t in d.items()}
     if dist.get_rank() == 0:
-        (out / "report.json").write_text(json.dumps({"errors": [e for es in gathered for e in es],
-                                                     "report": report}, indent=1, default=str))
+        (out / "report.json").write_text(
+            json.dumps({"errors": [e for es in gathered for e in es], "report": report}, indent=1, default=str)
+        )
     return 0
 
 

@@ -1,5 +1,6 @@
 """Run under torchrun: every rank builds the same TE graphs, parallelize runs them on torch.distributed
 (gloo) with TVM kernels, and each rank checks the whole result against numpy."""
+
 import os
 import sys
 
@@ -73,11 +74,13 @@ def main() -> None:
             err_plain = max(err_plain, float(np.abs(p(*px) - plain_mlp_ref(*px)).max()))
     colls = sorted(kinds | {c.kind for _, c in g.plan.collectives()})
     ok = err_mlp < 1e-5 and err_red < 1e-5 and err_conv < 1e-4 and err_plain < 1e-5
-    line = (f"rank {rank}/{world} {'OK' if ok else 'MISMATCH'} mlp {err_mlp:.2e} plans {err_red:.2e} "
-            f"conv {err_conv:.2e} plain {err_plain:.2e} collectives {','.join(colls)}")
+    line = (
+        f"rank {rank}/{world} {'OK' if ok else 'MISMATCH'} mlp {err_mlp:.2e} plans {err_red:.2e} "
+        f"conv {err_conv:.2e} plain {err_plain:.2e} collectives {','.join(colls)}"
+    )
     print(line, flush=True)
     out_dir = os.environ.get("METADIST_TEST_OUT")
-    if out_dir:   # one file per rank: stdout of the ranks interleaves
+    if out_dir:  # one file per rank: stdout of the ranks interleaves
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
             fh.write(line + "\n")
     from metadist_torch.engine import finish_worker

@@ -1,4 +1,5 @@
 """TE graphs used by the TVM frontend tests, with their numpy references."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,7 +37,7 @@ def conv_ref(x, w):
     out = np.zeros((n, w.shape[0], h, wd), dtype=np.float64)
     for i in range(3):
         for j in range(3):
-            out += np.einsum("nchw,oc->nohw", xp[:, :, i:i + h, j:j + wd], w[:, :, i, j])
+            out += np.einsum("nchw,oc->nohw", xp[:, :, i : i + h, j : j + wd], w[:, :, i, j])
     r = np.maximum(out, 0)
     return r.reshape(n, w.shape[0], h // 2, 2, wd // 2, 2).max(axis=(3, 5))
 
@@ -67,8 +68,7 @@ def plain_convnet(batch: int = 4, c_in: int = 4, c_out: int = 8, size: int = 8):
 
     x = te.placeholder((batch, c_in, size, size), name="x")
     w = te.placeholder((c_out, c_in, 3, 3), name="w")
-    y = plain.nn.pool2d(plain.nn.relu(plain.nn.conv2d_nchw(x, w, 1, 1, 1)), (2, 2), (2, 2), (1, 1), (0, 0, 0, 0),
-                        "max")
+    y = plain.nn.pool2d(plain.nn.relu(plain.nn.conv2d_nchw(x, w, 1, 1, 1)), (2, 2), (2, 2), (1, 1), (0, 0, 0, 0), "max")
     return [x, w], y
 
 

@@ -2,12 +2,13 @@
 DLPack; a dense-relu-dense-softmax graph (forced tensor parallel, a forced all_reduce, and random plans
 exercising every collective kind), a conv-relu-pool graph and a plain tvm.topi / te.compute graph (no wrappers)
 match numpy on both ranks."""
+
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: _torchrun
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 from _torchrun import run_torchrun, torchrun_env  # noqa: E402
 
 WORKER = Path(__file__).with_name("_dist_worker.py")

@@ -1,5 +1,6 @@
 """parallelize runs TE graphs split over simulated meshes and gives the numpy result, whatever plan
 it runs; kernels are compiled once per shape."""
+
 import json
 
 import numpy as np
@@ -78,24 +79,25 @@ def test_kernels_are_compiled_once_per_shape(tmp_path):
     # discovery again (an empty rule cache, so every op is run again) builds nothing new
     again = metadist_tvm.parallelize(inputs, y, mesh, constraints=[pin("x", Shard(0))], cache_dir=str(tmp_path / "b"))
     assert again.result.rulebook.discovered == len(f.graph.ops)
-    assert cache.builds == after_discovery   # (discovery runs at proxy sizes: its kernels are not these shapes')
+    assert cache.builds == after_discovery  # (discovery runs at proxy sizes: its kernels are not these shapes')
     # the first run builds one kernel per distinct (op, local input shapes), in the graph's dtype
     expected = set()
     g = f.graph
     for op in g.ops:
         call = f.traced.calls[op.id]
         for d in devices(mesh):
-            shapes = tuple(shard_shape(g.vars[v].shape, s, mesh, d)
-                           for v, s in zip(op.inputs, f.plan.strategies[op.id].inputs))
+            shapes = tuple(
+                shard_shape(g.vars[v].shape, s, mesh, d) for v, s in zip(op.inputs, f.plan.strategies[op.id].inputs)
+            )
             expected.add((op.key, json.dumps(call.attrs(), sort_keys=True), shapes))
     before = cache.builds
     np.testing.assert_allclose(f(*xs), mlp_ref(*xs), rtol=1e-4, atol=1e-6)
     assert cache.builds - before == len(expected)
-    assert len(expected) < len(g.ops) * mesh.size     # the devices share their kernels
+    assert len(expected) < len(g.ops) * mesh.size  # the devices share their kernels
     before = cache.builds
     for _ in range(3):
         f(*xs)
-    assert cache.builds == before                      # later runs build nothing
+    assert cache.builds == before  # later runs build nothing
 
 
 def test_user_builders_and_unrecorded_computes():
@@ -104,6 +106,7 @@ def test_user_builders_and_unrecorded_computes():
         def f(*i):
             v = x(*i)
             return 0.5 * v * (1.0 + te.tanh(0.7978845608 * (v + 0.044715 * v * v * v)))
+
         return te.compute(x.shape, f, name="gelu")
 
     x = te.placeholder((8, 6), name="x")
@@ -112,7 +115,7 @@ def test_user_builders_and_unrecorded_computes():
     f = metadist_tvm.parallelize([x, w], y, (2,), constraints=[pin("x", Shard(0))])
     assert [op.key for op in f.graph.ops] == ["te.gelu", "te.topi.nn.matmul"]
     a, b = draw([x, w])
-    g = 0.5 * a * (1 + np.tanh(0.7978845608 * (a + 0.044715 * a ** 3)))
+    g = 0.5 * a * (1 + np.tanh(0.7978845608 * (a + 0.044715 * a**3)))
     np.testing.assert_allclose(f(a, b), g @ b, rtol=1e-4, atol=1e-5)
 
     # plain te.computes, on graph inputs or on other ops' outputs, are rebuilt at the shard shapes
@@ -177,10 +180,18 @@ def test_the_driver_traces_plans_and_lowers_through_the_adapter():
     fe = pm.frontend("tvm")
     assert isinstance(fe, TvmFrontend) and fe.traits.op_prefixes == ("te.",)
     assert [op.key for op in fe.trace(None, (inputs, y), {}).graph.ops] == [
-        "te.topi.nn.dense", "te.topi.nn.relu", "te.topi.nn.dense", "te.topi.nn.softmax"]
+        "te.topi.nn.dense",
+        "te.topi.nn.relu",
+        "te.topi.nn.dense",
+        "te.topi.nn.softmax",
+    ]
     result = compile_step(fe, None, (inputs, y), {}, mesh=Mesh((2,)), plugins=pm)
-    assert [op.key for op in result.graph.ops] == ["te.topi.nn.dense", "te.topi.nn.relu", "te.topi.nn.dense",
-                                                  "te.topi.nn.softmax"]
+    assert [op.key for op in result.graph.ops] == [
+        "te.topi.nn.dense",
+        "te.topi.nn.relu",
+        "te.topi.nn.dense",
+        "te.topi.nn.softmax",
+    ]
     np.testing.assert_allclose(result.runnable(*xs), mlp_ref(*xs), rtol=1e-4, atol=1e-6)
     assert {"trace", "discover", "solve", "lower"} <= set(result.timings)
     # parallelize is the same driver: the program carries the plan, the graph and the timings
@@ -195,7 +206,10 @@ def test_the_driver_traces_plans_and_lowers_through_the_adapter():
 def test_importing_the_plugin_imports_no_framework():
     import subprocess
     import sys
-    code = ("import sys, metadist_tvm.plugin as p; p.metadist_frontend(); "
-            "bad = [m for m in ('tvm', 'torch') if m in sys.modules]; assert not bad, bad")
+
+    code = (
+        "import sys, metadist_tvm.plugin as p; p.metadist_frontend(); "
+        "bad = [m for m in ('tvm', 'torch') if m in sys.modules]; assert not bad, bad"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

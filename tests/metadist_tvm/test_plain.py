@@ -1,5 +1,6 @@
 """Users' own tensor expressions: plain ``te.compute`` and plain ``tvm.topi`` graphs are split without
 wrappers (each compute's body is rebuilt at the shard shapes), and what cannot be rebuilt runs replicated."""
+
 import logging
 
 import numpy as np
@@ -49,8 +50,11 @@ def brute_force(tensor, rule, seed=0):
 def test_rules_of_a_plain_te_matmul_hold_by_brute_force():
     a, b, c = plain_matmul()
     rules = set(metadist_tvm.rules_for(c))
-    wanted = [ShardingRule((Shard(0), R), (Shard(0),)), ShardingRule((R, Shard(1)), (Shard(1),)),
-              ShardingRule((Shard(1), Shard(0)), (Partial("sum"),))]
+    wanted = [
+        ShardingRule((Shard(0), R), (Shard(0),)),
+        ShardingRule((R, Shard(1)), (Shard(1),)),
+        ShardingRule((Shard(1), Shard(0)), (Partial("sum"),)),
+    ]
     assert set(wanted) <= rules
     assert ShardingRule((Shard(0), Shard(0)), (Shard(0),)) not in rules
     for k, r in enumerate(wanted):
@@ -75,10 +79,13 @@ def test_the_rebuilder_follows_shapes_and_refuses_what_it_cannot():
 def test_conv2d_and_pooling_from_plain_topi():
     x = te.placeholder((2, 4, 6, 6), name="x")
     w = te.placeholder((6, 4, 3, 3), name="w")
-    conv = topi.nn.conv2d_nchw(x, w, 1, 0, 1)   # no padding: one compute over the placeholders
+    conv = topi.nn.conv2d_nchw(x, w, 1, 0, 1)  # no padding: one compute over the placeholders
     rules = set(metadist_tvm.rules_for(conv))
-    assert {ShardingRule((Shard(0), R), (Shard(0),)), ShardingRule((R, Shard(0)), (Shard(1),)),
-            ShardingRule((Shard(1), Shard(1)), (Partial("sum"),))} <= rules
+    assert {
+        ShardingRule((Shard(0), R), (Shard(0),)),
+        ShardingRule((R, Shard(0)), (Shard(1),)),
+        ShardingRule((Shard(1), Shard(1)), (Partial("sum"),)),
+    } <= rules
     assert ShardingRule((Shard(2), R), (Shard(2),)) not in rules
     for r in [ShardingRule((Shard(0), R), (Shard(0),)), ShardingRule((Shard(1), Shard(1)), (Partial("sum"),))]:
         brute_force(conv, r)
@@ -102,7 +109,7 @@ def test_a_plain_topi_graph_on_four_devices_matches_numpy(pins):
     assert all(op.key.startswith("te.compute.") for op in f.graph.ops)
     for v, p in pins:
         assert f.plan.var_shardings[v] == Sharding([p])
-    for seed in (0, 1):   # two input sets
+    for seed in (0, 1):  # two input sets
         xs = draw(inputs, seed=seed)
         np.testing.assert_allclose(f(*xs), plain_mlp_ref(*[v.astype(np.float64) for v in xs]), rtol=1e-4, atol=1e-6)
 
@@ -110,12 +117,12 @@ def test_a_plain_topi_graph_on_four_devices_matches_numpy(pins):
 def test_an_extern_op_runs_replicated_with_one_warning(caplog):
     x = te.placeholder((4, 6), name="x")
     h = topi.nn.relu(x)
-    y = topi.exp(topi.cumsum(h, 1))   # cumsum is an extern op on llvm
+    y = topi.exp(topi.cumsum(h, 1))  # cumsum is an extern op on llvm
     assert isinstance(topi.cumsum(h, 1).op, te.ExternOp)
     with caplog.at_level(logging.WARNING, logger="metadist"):
         f = metadist_tvm.parallelize([x], y, (2,), constraints=[pin("x", Shard(0))])
     cums = [op for op in f.graph.ops if op.key.startswith("te.extern.")]
-    assert len(cums) == 1 and cums[0].inputs == ["x"]     # it reads the graph input and recomputes the relu
+    assert len(cums) == 1 and cums[0].inputs == ["x"]  # it reads the graph input and recomputes the relu
     warned = [r for r in caplog.records if cums[0].key in r.getMessage() and "replicated" in r.getMessage()]
     assert len(warned) == 1, [r.getMessage() for r in caplog.records]
     a = draw([x], seed=3)[0]

@@ -6,6 +6,7 @@ Every rule found at the proxies is re-checked here against the whole op at its r
 independent checker's own draws (tests/metadist_torch/test_rule_soundness.py), and the rules are the ones
 discovery finds at the real shapes.
 """
+
 from __future__ import annotations
 
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 tvm = pytest.importorskip("tvm")
-pytest.importorskip("torch")   # the independent checker lives with the torch tests
+pytest.importorskip("torch")  # the independent checker lives with the torch tests
 
 from tvm import te  # noqa: E402
 
@@ -26,6 +27,7 @@ from metadist_core.discovery.rules import RuleBook  # noqa: E402
 from metadist_core.discovery.shardcombine import discover_rules  # noqa: E402
 from metadist_tvm import topi  # noqa: E402
 from metadist_tvm.plugin import TvmFrontend  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "metadist_torch"))
 from test_rule_soundness import check_rule  # noqa: E402
 
@@ -33,11 +35,11 @@ from test_rule_soundness import check_rule  # noqa: E402
 def _graph():
     x = te.placeholder((48, 80), name="x")
     w = te.placeholder((96, 80), name="w")
-    h = topi.nn.dense(x, w)                                       # (48, 96)
-    s = topi.nn.softmax(topi.reshape(h, (48, 8, 12)), axis=-1)    # a reshape whose new shape holds sizes
-    t = topi.transpose(s, (1, 0, 2))                              # (8, 48, 12)
+    h = topi.nn.dense(x, w)  # (48, 96)
+    s = topi.nn.softmax(topi.reshape(h, (48, 8, 12)), axis=-1)  # a reshape whose new shape holds sizes
+    t = topi.transpose(s, (1, 0, 2))  # (8, 48, 12)
     k = te.reduce_axis((0, 12), name="k")
-    m = te.compute((8, 48), lambda i, j: te.sum(t[i, j, k] * t[i, j, k], axis=k), name="sq")   # a plain compute
+    m = te.compute((8, 48), lambda i, j: te.sum(t[i, j, k] * t[i, j, k], axis=k), name="sq")  # a plain compute
     return TvmFrontend(engine="simulate").trace(None, ([x, w], m), {}).graph
 
 
@@ -51,9 +53,9 @@ def test_tvm_ops_are_discovered_at_proxy_sizes_and_hold_at_real_sizes():
     for op in graph.ops:
         pattern = op_pattern(op, graph, 2)
         assert pattern.proxied, (op.key, pattern.reason)
-        entry = book.entries.get(pattern.key)   # found under its pattern: discovered at proxy sizes
+        entry = book.entries.get(pattern.key)  # found under its pattern: discovered at proxy sizes
         assert entry is not None and entry.status == "ok", (op.key, sorted(book.entries))
-        spec = pm.op_spec(op, graph)             # the op at its real shapes
+        spec = pm.op_spec(op, graph)  # the op at its real shapes
         out_shapes = [graph.vars[v].shape for v in op.outputs]
         wrong = [f"{r}: {why}" for r in entry.rules if (why := check_rule(spec, r, 2, rng, out_shapes))]
         assert not wrong, (op.key, wrong)

@@ -1,6 +1,7 @@
 """Descent over mesh axes (solvers/_axes.py): slices keep the other axes' placements, the plan is never worse
 than its start, no one-axis slice of the result improves it, and the one ILP stays the reference on small
 problems."""
+
 import itertools
 import sys
 from pathlib import Path
@@ -43,11 +44,13 @@ def test_options_with_one_key_place_everything_alike_on_the_fixed_axes(name, mak
         for fixed in itertools.chain.from_iterable(itertools.combinations(range(3), r) for r in (1, 2)):
             key = _key(g, fixed)
             for a, b in itertools.combinations(range(len(key)), 2):
-                same = all(tuple(s[x] for s in tuple(o.inputs) + tuple(o.outputs)) ==
-                           tuple(s[x] for s in tuple(q.inputs) + tuple(q.outputs))
-                           for i in members[c]
-                           for o, q in [(p.nodes[i].options[co.maps[i][a]], p.nodes[i].options[co.maps[i][b]])]
-                           for x in fixed)
+                same = all(
+                    tuple(s[x] for s in tuple(o.inputs) + tuple(o.outputs))
+                    == tuple(s[x] for s in tuple(q.inputs) + tuple(q.outputs))
+                    for i in members[c]
+                    for o, q in [(p.nodes[i].options[co.maps[i][a]], p.nodes[i].options[co.maps[i][b]])]
+                    for x in fixed
+                )
                 assert (key[a] == key[b]) == same
                 checked += 1
     assert checked > 100
@@ -59,7 +62,7 @@ def test_descent_is_monotone_a_local_optimum_and_never_beats_the_whole_ilp(name,
     co = coarsen(p)
     t = co.terms
     groups = axis_codes(p, co)
-    start = np.array([int(np.flatnonzero(a)[0]) for a in t.allowed])   # the first allowed option: a poor start
+    start = np.array([int(np.flatnonzero(a)[0]) for a in t.allowed])  # the first allowed option: a poor start
 
     def solve(sub, seconds):
         return ilp_terms(sub, {"time_limit": seconds, "method": "whole"})[0]
@@ -68,11 +71,14 @@ def test_descent_is_monotone_a_local_optimum_and_never_beats_the_whole_ilp(name,
     hist = stats["descent_history_ms"]
     assert all(b <= a * (1 + 1e-12) for a, b in zip(hist, hist[1:]))
     assert t.objective(ch) <= t.objective(start)
-    for free in range(3):   # no slice of one free axis around the result does better
+    for free in range(3):  # no slice of one free axis around the result does better
         fixed = tuple(a for a in range(3) if a != free)
-        maps = [np.flatnonzero(t.allowed[i]) if g is None else
-                np.flatnonzero(t.allowed[i] & (_key(g, fixed) == _key(g, fixed)[ch[i]]))
-                for i, g in enumerate(groups)]
+        maps = [
+            np.flatnonzero(t.allowed[i])
+            if g is None
+            else np.flatnonzero(t.allowed[i] & (_key(g, fixed) == _key(g, fixed)[ch[i]]))
+            for i, g in enumerate(groups)
+        ]
         sub = contract(t, list(range(t.n_nodes)), maps, [len(m) for m in maps])
         best = solve(sub, 60.0)
         assert sub.objective(best) >= t.objective(ch) * (1 - 1e-9)
@@ -82,6 +88,7 @@ def test_descent_is_monotone_a_local_optimum_and_never_beats_the_whole_ilp(name,
 
 def test_the_ilp_plugin_takes_the_descent_when_asked_or_when_the_one_ilp_is_too_big(monkeypatch):
     import metadist_solvers.ilp as ilp
+
     pm = PluginManager()
     p = _problem(lambda: linear_step(16, 8, 16))
     exact = pm.solve("ilp", p, {"method": "whole"})
@@ -92,20 +99,21 @@ def test_the_ilp_plugin_takes_the_descent_when_asked_or_when_the_one_ilp_is_too_
     monkeypatch.setattr(ilp, "AXES_ABOVE", 10)
     assert "descent" in pm.solve("ilp", p, {}).stats.status
     one_axis = build_problem(linear_step(16, 8, 16), rulebook(linear_step(16, 8, 16)), Mesh((8,)))
-    assert "descent" not in (pm.solve("ilp", one_axis, {}).stats.status or "")   # nothing to slice
+    assert "descent" not in (pm.solve("ilp", one_axis, {}).stats.status or "")  # nothing to slice
     with pytest.raises(ValueError, match="method='both'"):
         pm.solve("ilp", p, {"method": "both"})
 
 
 def test_the_descent_keeps_a_memory_budget_that_binds():
     from metadist_core.problem.problem import InfeasibleBudgetError
+
     pm = PluginManager()
     p = _problem(lambda: linear_step(16, 8, 16))
     free = pm.solve("ilp", p, {"method": "whole"})
     with pytest.raises(InfeasibleBudgetError) as e:
         pm.solve("ilp", p.with_budget(1), {"method": "whole"})
     least = e.value.needed
-    assert least < free.memory_per_device           # a budget between the two binds
+    assert least < free.memory_per_device  # a budget between the two binds
     budget = (least + free.memory_per_device) // 2
     q = p.with_budget(budget)
     exact = pm.solve("ilp", q, {"method": "whole"})

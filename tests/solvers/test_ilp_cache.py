@@ -1,5 +1,6 @@
 """Proven ILP answers are kept on disk (solvers/_cache.py): the same MILP is answered from the cache with the same
 plan; any change to the problem is a new MILP; unproven answers are not kept; a broken entry is solved again."""
+
 import logging
 import sys
 from pathlib import Path
@@ -36,23 +37,23 @@ def test_the_same_problem_is_answered_from_the_cache(pm, tmp_path):
     opts = {"cache_dir": str(tmp_path), "coarsen": False}
     first = pm.solve("ilp", _problem(), opts)
     assert first.stats.extra.get("cached") == 0 and len(_entries(tmp_path)) == 1
-    again = pm.solve("ilp", _problem(), opts)   # built afresh: equal, not the same object
+    again = pm.solve("ilp", _problem(), opts)  # built afresh: equal, not the same object
     assert again.stats.extra.get("cached") == 1
     assert again.objective == pytest.approx(first.objective, rel=1e-12)
     assert [again.choices[k] for k in sorted(first.choices)] == [first.choices[k] for k in sorted(first.choices)]
     assert again.gap == pytest.approx(first.gap) and len(_entries(tmp_path)) == 1
-    fresh = pm.solve("ilp", _problem(), {"coarsen": False})   # no cache: the solver's own answer is the same
+    fresh = pm.solve("ilp", _problem(), {"coarsen": False})  # no cache: the solver's own answer is the same
     assert fresh.objective == pytest.approx(first.objective, rel=1e-12)
 
 
 def test_a_changed_problem_is_solved_again(pm, tmp_path):
     opts = {"cache_dir": str(tmp_path), "coarsen": False}
     a = pm.solve("ilp", _problem(alpha=1e-7), opts)
-    b = pm.solve("ilp", _problem(alpha=1e-3), opts)   # other link costs: another MILP
+    b = pm.solve("ilp", _problem(alpha=1e-3), opts)  # other link costs: another MILP
     c = pm.solve("ilp", _problem(mesh=(2, 3), make=lambda: mm_only(6, 6, 6)), opts)
     assert [p.stats.extra.get("cached") for p in (a, b, c)] == [0, 0, 0]
     assert len(_entries(tmp_path)) == 3
-    tighter = pm.solve("ilp", _problem(), {**opts, "mip_rel_gap": 1e-9})   # the gap is part of the key
+    tighter = pm.solve("ilp", _problem(), {**opts, "mip_rel_gap": 1e-9})  # the gap is part of the key
     assert tighter.stats.extra.get("cached") == 0
 
 
@@ -73,8 +74,16 @@ def test_only_proofs_are_kept_and_a_broken_entry_is_solved_again(pm, tmp_path, c
     stopped = OptimizeResult(status=1, message="time limit reached", success=False, x=np.ones(3), fun=1.0)
     _cache.store(tmp_path, "k1", stopped)
     assert _cache.load(tmp_path, "k1") is None and not _entries(tmp_path)
-    proof = OptimizeResult(status=0, message="optimal", success=True, x=np.array([0.0, 1.0]), fun=2.5,
-                           mip_dual_bound=2.5, mip_gap=0.0, mip_node_count=3)
+    proof = OptimizeResult(
+        status=0,
+        message="optimal",
+        success=True,
+        x=np.array([0.0, 1.0]),
+        fun=2.5,
+        mip_dual_bound=2.5,
+        mip_gap=0.0,
+        mip_node_count=3,
+    )
     _cache.store(tmp_path, "k2", proof)
     back = _cache.load(tmp_path, "k2")
     assert back.status == 0 and back.fun == 2.5 and list(back.x) == [0.0, 1.0] and back.cached
@@ -93,8 +102,10 @@ def test_a_recompute_proposal_that_ran_out_of_time_is_not_waited_for_again(pm, t
     time leaves a marker: the same problem given no more time fails at once, given more time it is solved
     again (GPT-2, 11 layers, 48 MiB on 4 devices: a recompile's planning 14.9 s -> 4.9 s, the same plan)."""
     import metadist_solvers.ilp as ilp
+
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_toggles import _random_toggles
+
     g = linear_step(8, 4, 8)
     p = build_problem(g, rulebook(g), Mesh((2,), alpha=1e-6, beta=1e-9))
     p.toggles = _random_toggles(p, np.random.default_rng(1))
@@ -105,19 +116,21 @@ def test_a_recompute_proposal_that_ran_out_of_time_is_not_waited_for_again(pm, t
     def lazy(*a, **k):
         lazy_calls.append(1)
         return real_lazy(*a, **k)
+
     monkeypatch.setattr(ilp, "_lazy", lazy)
-    monkeypatch.setattr(ilp, "over_budget", lambda peak, limit: True)   # as if time ran out every time
+    monkeypatch.setattr(ilp, "over_budget", lambda peak, limit: True)  # as if time ran out every time
     opts = {"cache_dir": str(tmp_path), "coarsen": False, "time_limit": 5.0}
     for _attempt, limit in enumerate((5.0, 5.0, 2.0, 20.0)):
         with pytest.raises(RuntimeError, match="ran out of time_limit"):
             pm.solve("ilp", p.with_budget(budget), {**opts, "time_limit": limit})
-    assert len(lazy_calls) == 2   # the first and the one given more time; not the two given no more
+    assert len(lazy_calls) == 2  # the first and the one given more time; not the two given no more
     assert len(list((tmp_path / _cache.SUBDIR).glob("*.timeout"))) == 1
 
 
 def test_the_planner_keeps_answers_beside_its_rules(tmp_path):
     from metadist_core.driver.compile import plan_graph
     from metadist_core.reference.plugin import transformer_block
+
     g = transformer_block()
     one = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)
     two = plan_graph(g, Mesh((2, 2)), cache_dir=str(tmp_path), progress=False)
@@ -128,16 +141,25 @@ def test_the_planner_keeps_answers_beside_its_rules(tmp_path):
 def test_the_least_recently_used_answers_go_past_the_size_limit(tmp_path, monkeypatch):
     import os
     from metadist_core.config import load_settings
-    proof = OptimizeResult(status=0, message="optimal", success=True, x=np.random.default_rng(0).random(4000),
-                           fun=1.0, mip_dual_bound=1.0, mip_gap=0.0, mip_node_count=1)
+
+    proof = OptimizeResult(
+        status=0,
+        message="optimal",
+        success=True,
+        x=np.random.default_rng(0).random(4000),
+        fun=1.0,
+        mip_dual_bound=1.0,
+        mip_gap=0.0,
+        mip_node_count=1,
+    )
     for i, key in enumerate(["a", "b"]):
         _cache.store(tmp_path, key, proof)
-        os.utime(_cache._path(tmp_path, key), (1000 + i, 1000 + i))   # a written first, b after
+        os.utime(_cache._path(tmp_path, key), (1000 + i, 1000 + i))  # a written first, b after
     size = _cache._path(tmp_path, "a").stat().st_size
-    assert _cache.load(tmp_path, "a") is not None   # a read now: b is the least recently used
-    _cache.store(tmp_path, "c", proof, limit_mb=2.5 * size / 2**20)   # room for two answers
+    assert _cache.load(tmp_path, "a") is not None  # a read now: b is the least recently used
+    _cache.store(tmp_path, "c", proof, limit_mb=2.5 * size / 2**20)  # room for two answers
     assert sorted(p.stem for p in _entries(tmp_path)) == ["a", "c"]
-    _cache.store(tmp_path, "d", proof, limit_mb=0)   # nothing but the answer just written
+    _cache.store(tmp_path, "d", proof, limit_mb=0)  # nothing but the answer just written
     assert [p.stem for p in _entries(tmp_path)] == ["d"]
     # the limit is a setting the planner hands the ILP solver
     monkeypatch.setenv("METADIST_ILP_CACHE_MB", "0.5")
@@ -149,8 +171,9 @@ def test_the_least_recently_used_answers_go_past_the_size_limit(tmp_path, monkey
 
 def test_the_ilp_solver_keeps_its_answers_within_cache_mb(pm, tmp_path):
     import os
+
     for k, make in enumerate([mm_only, linear_step, lambda: mm_only(6, 6, 6)]):
         pm.solve("ilp", _problem(make), {"cache_dir": str(tmp_path), "coarsen": False, "cache_mb": 0})
-        for p in _entries(tmp_path):   # distinct times: the one just written is the newest
+        for p in _entries(tmp_path):  # distinct times: the one just written is the newest
             os.utime(p, (1000 + k, 1000 + k))
-        assert len(_entries(tmp_path)) == 1   # the limit of 0 keeps only the newest answer
+        assert len(_entries(tmp_path)) == 1  # the limit of 0 keeps only the newest answer

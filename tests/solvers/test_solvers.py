@@ -1,4 +1,5 @@
 """Solvers: the ILP equals brute force on small problems, greedy and beam never beat it, budgets hold or are refused."""
+
 import itertools
 import sys
 from pathlib import Path
@@ -37,9 +38,13 @@ def brute_force(problem, budget=None):
     return best, least
 
 
-CASES = [("linear", linear_step, (2,)), ("linear-uneven", lambda: linear_step(6, 3, 5), (3,)),
-         ("mm", mm_only, (2, 2)), ("mm-2x3", lambda: mm_only(6, 6, 6), (2, 3)),
-         ("param-first", scaled_by_param, (2,))]
+CASES = [
+    ("linear", linear_step, (2,)),
+    ("linear-uneven", lambda: linear_step(6, 3, 5), (3,)),
+    ("mm", mm_only, (2, 2)),
+    ("mm-2x3", lambda: mm_only(6, 6, 6), (2, 3)),
+    ("param-first", scaled_by_param, (2,)),
+]
 
 
 @pytest.mark.parametrize("name,make,mesh", CASES, ids=[c[0] for c in CASES])
@@ -98,8 +103,11 @@ def test_ilp_out_of_time_with_lazy_memory_rows_still_honours_the_budget(pm, monk
     p, free_plan, _, budget = _binding_budget(pm)
     real = ilp._lazy
     # as if the deadline hit before the first memory row went in: the unbudgeted optimum comes back
-    monkeypatch.setattr(ilp, "_lazy", lambda model, steps, b, deadline, gap, peak_var=False:
-                        real(model, [], float("inf"), deadline, gap, peak_var))
+    monkeypatch.setattr(
+        ilp,
+        "_lazy",
+        lambda model, steps, b, deadline, gap, peak_var=False: real(model, [], float("inf"), deadline, gap, peak_var),
+    )
     plan = pm.solve("ilp", p.with_budget(budget), {})
     assert plan.memory_per_device <= budget < free_plan.memory_per_device
     assert "repaired" in plan.stats.status
@@ -118,17 +126,23 @@ def test_an_ilp_stopped_by_its_time_limit_returns_no_worse_than_a_beam_sweep(pm,
     real = ilp._lazy
     worst: dict = {}
 
-    def stopped(model, steps, b, deadline, gap, peak_var=False):   # the dearest option everywhere
+    def stopped(model, steps, b, deadline, gap, peak_var=False):  # the dearest option everywhere
         res, ch, steps, rounds = real(model, steps, b, deadline, gap, peak_var)
         bad = np.array([int(np.argmax(np.where(a, u, -np.inf))) for a, u in zip(model.t.allowed, model.t.unary)])
         worst["objective"] = model.t.objective(bad)
-        return SimpleNamespace(status=1, message="Time limit reached", x=res.x,
-                               mip_dual_bound=getattr(res, "mip_dual_bound", None)), bad, steps, rounds
+        return (
+            SimpleNamespace(
+                status=1, message="Time limit reached", x=res.x, mip_dual_bound=getattr(res, "mip_dual_bound", None)
+            ),
+            bad,
+            steps,
+            rounds,
+        )
 
     monkeypatch.setattr(ilp, "_lazy", stopped)
     plan = pm.solve("ilp", p, {"coarsen": False})
     beam = pm.solve("beam", p, {"coarsen": False})
-    assert worst["objective"] > beam.objective * 1.01          # the stopped incumbent is really worse
+    assert worst["objective"] > beam.objective * 1.01  # the stopped incumbent is really worse
     assert plan.objective == pytest.approx(min(worst["objective"], beam.objective), rel=1e-9)
     assert plan.objective >= best * (1 - 1e-9) and "beam sweep" in plan.stats.status
 
@@ -156,6 +170,7 @@ def test_unknown_solver_lists_known_ones(pm):
 def test_gpt2_tiny_heuristics_not_better_than_ilp(pm):
     from benchmarks.synthetic_gpt2 import build_gpt2
     from benchmarks.synthetic_rules import synthetic_rulebook
+
     G = build_gpt2("gpt2-tiny-2l")
     p = build_problem(G.graph, synthetic_rulebook(G.graph), Mesh((2, 2)), op_costs=G.op_costs)
     ilp = pm.solve("ilp", p, {"time_limit": 30})
@@ -170,6 +185,7 @@ def test_presolve_on_constrained_problems_keeps_the_brute_force_optimum(pm, make
     optimum there, as it does with presolve off and, unconstrained, with presolve left off."""
     from metadist_core.problem.constraints import Forbid
     from metadist_core.ir.placement import Partial, Replicate
+
     g = make()
     free = build_problem(g, rulebook(g), Mesh(mesh, alpha=1e-7, beta=1e-9))
     plan = pm.solve("ilp", free, {"coarsen": False})

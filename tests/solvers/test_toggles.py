@@ -1,6 +1,7 @@
 """Toggles (yes/no decisions priced beside the shardings, as recomputing a forward segment): the ILP's
 toggles and shardings equal brute force over every combination, coarsened or not; coarsening keeps a
 toggle's cost and memory; solvers that do not price toggles leave them off."""
+
 import itertools
 import sys
 from pathlib import Path
@@ -32,8 +33,11 @@ def _random_toggles(problem, rng, n: int = 3) -> list[Toggle]:
     for j in range(n):
         nodes = [int(i) for i in rng.choice(ops, size=2, replace=False)]
         unary = [(i, problem.compute[i]) for i in nodes]
-        pairs = [EdgeTerm(e.src, e.dst, e.src_map, e.dst_map, e.table) for e in problem.edges
-                 if e.dst in nodes and e.dst_slot >= 0]
+        pairs = [
+            EdgeTerm(e.src, e.dst, e.src_map, e.dst_map, e.table)
+            for e in problem.edges
+            if e.dst in nodes and e.dst_slot >= 0
+        ]
         held = [m for m in t.mem if m.node >= 0 and m.end - m.start >= 2]
         m = held[int(rng.integers(len(held)))]
         drop = [MemTerm(m.node, m.nbytes, m.start + 1, m.end)]
@@ -70,8 +74,9 @@ def test_ilp_toggles_equal_brute_force(pm, seed):
     p = build_problem(g, rulebook(g), Mesh((2,), alpha=1e-6, beta=1e-9))
     p.toggles = _random_toggles(p, rng)
     free, least = _brute_force(p, None)
-    plain_least = min(p.terms().peak_memory(np.array(ch)) for ch in
-                      itertools.product(*[np.flatnonzero(a) for a in p.terms().allowed]))
+    plain_least = min(
+        p.terms().peak_memory(np.array(ch)) for ch in itertools.product(*[np.flatnonzero(a) for a in p.terms().allowed])
+    )
     for budget in (None, int((least + plain_least) / 2), int(least)):
         best, _ = _brute_force(p, budget)
         plan = pm.solve("ilp", p.with_budget(budget), {"coarsen": False})
@@ -83,15 +88,15 @@ def test_ilp_toggles_equal_brute_force(pm, seed):
         on = np.zeros(len(p.toggles), dtype=bool)
         on[st.toggles_on] = True
         assert p.terms().objective(np.asarray(plan.choices), on) == pytest.approx(st.extra["objective_with_toggles"])
-        try:   # coarsened: the followers pass restricts the space, so never better, and equal unbudgeted
+        try:  # coarsened: the followers pass restricts the space, so never better, and equal unbudgeted
             co = pm.solve("ilp", p.with_budget(budget), {}).stats.extra["objective_with_toggles"]
         except InfeasibleBudgetError:
             assert budget is not None
             continue
         assert co >= best * (1 - 1e-6) and (budget is not None or co == pytest.approx(best, rel=1e-6))
-    assert plain_least > least   # the toggles save memory that no sharding does
-    with pytest.raises(InfeasibleBudgetError) as e:   # below what any choice and toggles reach
-        pm.solve("ilp", p.with_budget(int(least) - 8), {"coarsen": False})   # (1 byte is within tolerance)
+    assert plain_least > least  # the toggles save memory that no sharding does
+    with pytest.raises(InfeasibleBudgetError) as e:  # below what any choice and toggles reach
+        pm.solve("ilp", p.with_budget(int(least) - 8), {"coarsen": False})  # (1 byte is within tolerance)
     assert e.value.needed == pytest.approx(least, rel=1e-6)
 
 
