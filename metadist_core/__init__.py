@@ -5,7 +5,8 @@ folders follow the flow trace -> discover -> solve -> share -> lower (see CONTRI
 from metadist_core.config import Settings, load_settings
 from metadist_core.discovery.rules import OpRules, ShardingRule
 from metadist_core.discovery.shardcombine import OpSpec, Unrunnable, discover_rules
-from metadist_core.driver.compile import CompiledStep, compile_step
+from metadist_core.driver.compile import compile_step
+from metadist_core.driver.step import CompiledStep
 from metadist_core.driver.frontend import Frontend, NotSupported, Traced, Watch
 from metadist_core.driver.planner import plan_graph
 from metadist_core.hookspecs import hookimpl

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from metadist_core.driver.compile import CompiledStep
+from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
 from .engine import put
@@ -30,7 +30,7 @@ from .plugin import JaxFrontend
 class JaxStep(CompiledStep):
     """A JAX step compiled by MetaDist. Call it like the step; ``.plan`` is the plan of its last compile.
 
-    Beyond :class:`~metadist_core.driver.compile.CompiledStep` it exports the plan as
+    Beyond :class:`~metadist_core.driver.step.CompiledStep` it exports the plan as
     PartitionSpecs and NamedShardings, and places arguments as the plan stores them.
     """
 

@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from metadist_core.config import check_setting_names
-from metadist_core.driver.compile import CompiledStep
+from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
 from .plugin import TorchFrontend

@@ -9,7 +9,7 @@ Inputs, fed at every call (a change never re-plans):
   buffers, optimizer state, a GradScaler's scale), as always.
 
 Guards, checked at every call by :class:`StepWatch` (a change re-plans, see
-:class:`metadist_core.driver.compile.CompiledStep`):
+:class:`metadist_core.driver.step.CompiledStep`):
 
 - the signature of the call (:func:`metadist_torch.state.signature`): tensor
   shapes, dtypes, devices and requires_grad; other arguments by value (a

@@ -267,6 +267,31 @@ def _figures(
     }
 
 
+def _distinct_presets(
+    auto: Any, solve_preset: Callable[[str], Any], digest: Callable[[Any], str], presets: Sequence[str]
+) -> list[Candidate]:
+    """The presets' results worth timing beside the solver's: each solved, plain (no pipeline, no recompute),
+    and a plan no earlier candidate has."""
+    seen = {digest(auto.plan)}
+    out = []
+    for name in presets:
+        try:
+            res = solve_preset(name)
+        except Exception as e:  # a preset that does not fit the budget, or has no plan on this mesh
+            log.info("autotune: preset %r left out: %s", name, e)
+            continue
+        if res.plan.stages or res.plan.recompute:
+            log.info("autotune: preset %r left out: its plan pipelines or recomputes", name)
+            continue
+        d = digest(res.plan)
+        if d in seen:
+            log.info("autotune: preset %r gives the solver's plan (or an earlier preset's)", name)
+            continue
+        seen.add(d)
+        out.append(Candidate(name, res))
+    return out
+
+
 def tune(
     auto: Any,
     solve_preset: Callable[[str], Any],
@@ -291,23 +316,7 @@ def tune(
         log.info("autotune: the frontend cannot time a plan here; keeping the solver's plan")
         return auto, None
     cands = [Candidate("auto", auto, t) for t in first]
-    seen = {digest(auto.plan)}
-    plans = [Candidate("auto", auto)]
-    for name in presets:
-        try:
-            res = solve_preset(name)
-        except Exception as e:  # a preset that does not fit the budget, or has no plan on this mesh
-            log.info("autotune: preset %r left out: %s", name, e)
-            continue
-        if res.plan.stages or res.plan.recompute:
-            log.info("autotune: preset %r left out: its plan pipelines or recomputes", name)
-            continue
-        d = digest(res.plan)
-        if d in seen:
-            log.info("autotune: preset %r gives the solver's plan (or an earlier preset's)", name)
-            continue
-        seen.add(d)
-        plans.append(Candidate(name, res))
+    plans = [Candidate("auto", auto)] + _distinct_presets(auto, solve_preset, digest, presets)
     for c in plans[1:]:
         made = _trials_of(make_trial, c.result.plan, c.name)
         if not made:

@@ -20,7 +20,8 @@ from metadist_core.driver import planonly
 from metadist_core.driver.planner import plan_graph
 from metadist_core.cost.profile import load_profile
 from metadist_core.config import check_strategy
-from metadist_core.plan.explain import draw_plan, explain_plan, problem_path
+from metadist_core.plan.explain import explain_plan, problem_path
+from metadist_core.plan.picture import draw_plan
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.problem.problem import ShardingProblem
 import runpy

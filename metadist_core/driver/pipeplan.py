@@ -254,33 +254,8 @@ def pipeline_plan(
         if choice is None:
             return None
     else:
-        choice = best_cuts(
-            costs.op_time,
-            costs.cut_cost,
-            n_pieces,
-            m,
-            op_memory=costs.op_memory,
-            act_memory=costs.act_memory,
-            budget=budget,
-            schedule=settings.schedule,
-        ) or best_cuts(
-            costs.op_time,
-            costs.cut_cost,
-            n_pieces,
-            m,
-            op_memory=costs.op_memory,
-            act_memory=costs.act_memory,
-            schedule=settings.schedule,
-        )
-        if choice is None:
-            raise RuntimeError(
-                f"no cut of {len(costs.core)} forward ops into {n_pieces} pipeline pieces, even "
-                "without a memory budget; this is a bug in metadist_core.levers.stages.best_cuts"
-            )
-    stages = build_stages(cut.grad_graph, forward_ops(cut.grad_graph), choice.cuts)
-    for st, t, mem in zip(stages, choice.stage_times, choice.stage_memory):
-        st.devices = stage_devices(mesh.shape, st.index % p)
-        st.cost, st.memory = t, mem
+        choice = _cuts_for(costs, n_pieces, m, budget, settings.schedule)
+    stages = _place_stages(cut.grad_graph, choice, mesh, p)
     plan.stages = stages
     plan.stats.pipeline = {
         "stages": p,
@@ -294,6 +269,29 @@ def pipeline_plan(
     }
     log.info("%s", describe(stages, settings.schedule, m))
     return res
+
+
+def _cuts_for(costs: Any, n_pieces: int, m: int, budget: int | None, schedule: str) -> Any:
+    """The cut into the user's ``n_pieces`` pieces: within the memory budget where one exists, else the fastest."""
+    kw = dict(op_memory=costs.op_memory, act_memory=costs.act_memory, schedule=schedule)
+    choice = best_cuts(costs.op_time, costs.cut_cost, n_pieces, m, budget=budget, **kw) or best_cuts(
+        costs.op_time, costs.cut_cost, n_pieces, m, **kw
+    )
+    if choice is None:
+        raise RuntimeError(
+            f"no cut of {len(costs.core)} forward ops into {n_pieces} pipeline pieces, even "
+            "without a memory budget; this is a bug in metadist_core.levers.stages.best_cuts"
+        )
+    return choice
+
+
+def _place_stages(graph: MetaIR, choice: Any, mesh: Mesh, p: int) -> list:
+    """The stages of ``choice``'s cuts of ``graph``, each on its slice of mesh axis 0 with its priced time and memory."""
+    stages = build_stages(graph, forward_ops(graph), choice.cuts)
+    for st, t, mem in zip(stages, choice.stage_times, choice.stage_memory):
+        st.devices = stage_devices(mesh.shape, st.index % p)
+        st.cost, st.memory = t, mem
+    return stages
 
 
 def plan_only_pipeline(

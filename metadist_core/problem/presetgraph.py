@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 from metadist_core.problem.constraints import Constraint, Pin, var_name
-from metadist_core.ir.ir import walk_upstream
+from metadist_core.ir.walk import walk_upstream
 from metadist_core.ir.placement import Replicate, Shard, Sharding
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -7,7 +7,8 @@ import pytest
 from metadist_core.driver import cli, planonly
 from metadist_core.driver.frontend import Frontend
 from metadist_core.hookspecs import hookimpl
-from metadist_core.driver.compile import CompiledStep, compile_step
+from metadist_core.driver.compile import compile_step
+from metadist_core.driver.step import CompiledStep
 from metadist_core.driver.frontend import FrontendTraits
 from metadist_core.config import load_settings
 from metadist_core.plugins import PluginManager, UnknownSolverError

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from metadist_core.driver import cli
-from metadist_core.plan.explain import compare_presets, draw_plan, layer_of, parameter_reasons, problem_path
+from metadist_core.plan.explain import compare_presets, parameter_reasons, problem_path
+from metadist_core.plan.picture import draw_plan, layer_of
 from metadist_core.driver.compile import plan_graph
 from metadist_core.ir.mesh import Mesh
 from metadist_core.plan.plan import ShardingPlan

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from metadist_core.config import load_settings
-from metadist_core.driver.compile import CompiledStep, plan_graph
+from metadist_core.driver.compile import plan_graph
+from metadist_core.driver.step import CompiledStep
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Partial, Replicate, Shard, Sharding
 from metadist_core.config import STRATEGIES

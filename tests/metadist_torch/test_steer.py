@@ -170,7 +170,7 @@ def worker() -> int:
             if missing or "strategy presets" not in text or "zero3" not in text:
                 errors.append(f"explain misses {missing[:5]} or the presets:\n{text[:2000]}")
             (out.parent / "explain.txt").write_text(text)
-            from metadist_core.plan.explain import draw_plan
+            from metadist_core.plan.picture import draw_plan
 
             draw_plan(plan, str(out.parent / "plan.png"))
     except Exception as e:  # pragma: no cover - reported by the test
