@@ -10,7 +10,7 @@ runs the same code here, for its tests). A machine with one GPU cannot run NCCL 
 - ``eager``: the plain step; ``metadist``: ``metadist_compile()`` of the same step, timed interleaved
   with eager (one step of each per round, the device synchronised around each), medians after warm-up;
 - ``predicted_ms``: ``metadist_core.plan.overlap.predict`` of the plan priced on this device's measured rates
-  (``Frontend.device_spec``: matmul FLOP/s, copy bandwidth, per-op dispatch). At world size 1 a step with
+  (``Frontend.measure_profile``: matmul FLOP/s, copy bandwidth, per-op dispatch). At world size 1 a step with
   nothing to plan is priced on the built-in CPU rates, so the benchmark compiles with a memory budget of
   1 TiB, which no step here comes near: the one device is then planned, on its own measured rates, and
   the plan is the same (every value whole, nothing recomputed);

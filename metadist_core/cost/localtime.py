@@ -5,8 +5,8 @@ it: a matmul split by its rows is priced as the whole one, an eighth of the time
 rate depends on the local shape: with every device computing at once, a matmul of few local rows runs
 further over its roofline than one of many rows (:mod:`metadist_jax.localtime`), so a plan of thin local
 matmuls runs over its price. So where a frontend says it times an op
-(:meth:`~metadist_core.driver.frontend.Frontend.times_local`), :func:`apply` asks it to time the op at the
-local input shapes of every strategy the problem offers (:meth:`~metadist_core.driver.frontend.Frontend.local_op_times`,
+(:attr:`~metadist_core.driver.frontend.FrontendTraits.times_local`), :func:`apply` asks it to time the op at the
+local input shapes of every strategy the problem offers (:meth:`~metadist_core.driver.frontend.Frontend.time_ops`,
 the dearest first, in batches, within :data:`BUDGET_SECONDS` a compile), and multiplies each strategy's
 roofline by the measured time over the roofline at the rates measured in the same run, a ratio that
 carries over to the profile's rates. A strategy left untimed (too small, past the budget, refused) takes

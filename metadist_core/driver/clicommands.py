@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 import dataclasses
 import json
 import logging
@@ -141,7 +143,6 @@ def _infer_out_shape(pm, g, op) -> None:
     if spec is None:
         known = ", ".join(pm.names("frontend"))
         raise CliError(f"no loaded frontend runs op {op.key!r} (frontends: {known})")
-    import numpy as np
 
     try:
         out = spec.fn(*spec.example_inputs)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from metadist_core.ir.ir import MetaIR
 from metadist_core.levers.microbatch import cut_at_gradients
 from metadist_core.ir.mesh import Mesh
+from metadist_core.ir.placement import Sharding, shard_shape
 from metadist_core.ir.ir import DTYPE_BYTES
 from metadist_core.ir.ir import STATE_ROLES, forward_ops
 from metadist_core.plan.stage import StageError, describe
@@ -128,8 +129,6 @@ def _state_bytes(graph: MetaIR, core: list) -> list[float]:
 
 def _activation_bytes(graph: MetaIR, plan: Any, pos: dict[str, int], n: int) -> list[float]:
     """Per forward op, the bytes per device of the values it produces under ``plan``."""
-    from metadist_core.ir.placement import Sharding, shard_shape
-    from metadist_core.ir.mesh import Mesh
 
     mesh_shape = tuple(plan.mesh_shape)
     mesh = Mesh(mesh_shape)

@@ -12,6 +12,8 @@ Uneven splits follow ``torch.chunk``: every device but the last few holds
 
 from __future__ import annotations
 
+import numpy as np
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -267,8 +269,6 @@ def local_piece(
             x = x[(slice(None),) * d + (slice(lo, hi),)]
         elif isinstance(p, Partial) and p.reduce == "sum" and coords[axis] != 0:
             if zeros_like is None:
-                import numpy as np
-
                 zeros_like = np.zeros_like
             x = zeros_like(x)
     return x

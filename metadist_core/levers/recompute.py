@@ -18,6 +18,8 @@ The segments and the rewritten graph are :mod:`metadist_core.levers.recompute_se
 
 from __future__ import annotations
 
+import numpy as np
+
 import logging
 from typing import Any, Callable, Sequence
 
@@ -51,7 +53,6 @@ def toggles(problem: Any, graph: MetaIR, segs: Sequence[Segment]) -> tuple[list[
     problem of ``graph`` itself, not rewritten), and the step map to set as ``problem.step_map``: memory is
     counted at the positions of the graph with every segment rewritten, so a chain of copies frees each
     link as the next one runs, as the lowering does. Set both with :func:`price_segments`."""
-    import numpy as np
 
     if not segs:
         return [], list(range(len(graph.ops) + 1))
