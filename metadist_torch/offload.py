@@ -44,7 +44,7 @@ import torch.fx as fx
 from metadist_core.ir.ir import MetaIR
 from metadist_core.levers.offload import HostRegion, host_region
 
-from .lower import DTYPE_META, VAR_META
+from .coalesce import DTYPE_META, VAR_META
 from .state import ROLE_STATE, StepState
 
 log = logging.getLogger("metadist.torch.offload")

@@ -196,7 +196,7 @@ class TorchFrontend(Frontend):
             if dev is None:
                 return None
             from metadist_core.cost.profile import MeshProfile
-            from .calibrate import measure_device
+            from .devicerates import measure_device
 
             with _same_random_draws(dev):
                 return MeshProfile(nodes=1, devices_per_node=1, device=measure_device(on=dev))

@@ -182,7 +182,7 @@ def is_gather_bucket(node: fx.Node) -> bool:
 
 
 def prefetch_gathers(g: fx.Graph) -> int:
-    """Issue each bucket of parameter all_gathers (:func:`metadist_torch.lower.coalesce_all_gathers`) just
+    """Issue each bucket of parameter all_gathers (:func:`metadist_torch.coalesce.coalesce_all_gathers`) just
     before the program waits for the bucket before it, as FSDP prefetches the next block's parameters: it
     is gathered while the ops reading the one before compute, at the price of one more bucket held.
     Buckets keep their order (the same on every rank). Run after :func:`issue_early`, which puts each

@@ -143,7 +143,7 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
 
 def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> list[tuple[int, int, float]]:
     """All_reduces and reduce_scatters of gradients made in buckets of up to ``caps[kind]`` bytes
-    (:func:`metadist_torch.lower.coalesce_all_reduces`): one flat buffer per bucket whose results are
+    (:func:`metadist_torch.coalesce.coalesce_all_reduces`): one flat buffer per bucket whose results are
     views, so every result lives until the bucket's last reader. A bucket runs once its last member
     exists; until then each member is its own partial sum, held from where it is made. Where the bucket
     runs, the partial sums, their concatenation and the collective's result are all held at once

@@ -326,7 +326,7 @@ def test_the_loss_syncs_once_at_the_end(traced, traced_wide):
     step's inputs alone (the count) is issued before the forward's first matmul; the loss's all_reduce, read
     only by the step's result, is waited for after every collective is issued, not between the forward and
     the backward. Lowered = priced in both."""
-    from metadist_torch.lower import VAR_META
+    from metadist_torch.coalesce import VAR_META
 
     fe, tr = traced_wide
     mesh = Mesh((2,))
