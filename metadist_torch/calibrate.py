@@ -28,21 +28,6 @@ DEFAULT_SIZES = (1 << 10, 1 << 14, 1 << 18, 1 << 21)  # bytes
 KINDS = ("all_reduce", "all_gather")
 
 
-def _time(
-    fn,
-    iters: int,
-    sync,
-    before=None,
-    reps: int = 1,
-    window: float = 0.0,
-    pick: Callable[[list[float]], float] = statistics.median,
-) -> float:
-    """Median (``pick``) seconds of one ``fn()`` over ``iters`` timings of ``reps`` calls each; ``before()``
-    runs untimed ahead of every timing (a barrier: the ranks of one machine then compute at the same time).
-    ``window``: more calls per timing, until one timing lasts about that many seconds."""
-    return time_call(fn, iters, sync=sync, before=before, reps=reps, window=window, pick=pick)
-
-
 def measure(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5) -> list[dict]:
     """Time all_reduce and all_gather per link level in the current process group; same list on every rank."""
     import torch
@@ -76,7 +61,7 @@ def measure(sizes: Sequence[int] = DEFAULT_SIZES, iters: int = 5) -> list[dict]:
                 else:
                     fn = lambda: dist.all_gather(outs, x, group=group)
                     size = numel * 4 * n
-                t = torch.tensor([_time(fn, iters, sync)], device=dev)
+                t = torch.tensor([time_call(fn, iters, sync=sync)], device=dev)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 samples.append({"level": level, "kind": kind, "n": n, "nbytes": size, "seconds": float(t.item())})
     return samples
@@ -209,11 +194,11 @@ def measure_share(dev, iters: int = 5) -> float:
         alone = torch.zeros(1, dtype=torch.float64, device=dev)
         dist.barrier()
         if dist.get_rank() == 0:
-            alone[0] = _time(work, iters, lambda: None, pick=min)
+            alone[0] = time_call(work, iters, sync=lambda: None, pick=min)
         dist.barrier()
         dist.all_reduce(alone)  # rank 0's figure on every rank
         both = torch.tensor(
-            [_time(together, iters, lambda: None, before=dist.barrier)], dtype=torch.float64, device=dev
+            [time_call(together, iters, sync=lambda: None, before=dist.barrier)], dtype=torch.float64, device=dev
         )
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         ratios.append(float(both.item()) / max(float(alone.item()), 1e-9))
@@ -259,11 +244,11 @@ def _measure_kinds(axes: Sequence[tuple], dev, work, base: float, iters: int, sy
                     log.debug("calibrate: %s on this backend: %s", kind, e)
                     rows[ax][kind] = None
                     continue
-                both = _time(lambda: (work(), fn()), iters, sync)
+                both = time_call(lambda: (work(), fn()), iters, sync=sync)
                 rows[ax][kind].append((kind, n, size, max(both - base, 1e-7)))
     one = torch.ones(1, dtype=torch.float32, device=dev)
     tiny = [
-        max(_time(lambda: (work(), dist.all_reduce(one, group=group)), iters, sync) - base, 1e-7)
+        max(time_call(lambda: (work(), dist.all_reduce(one, group=group)), iters, sync=sync) - base, 1e-7)
         for group, _, _ in axes
     ]
     flat = [
@@ -313,7 +298,7 @@ def measure_overlap(group, dev, work, iters: int, sync) -> float:
         dist.barrier(group=group)
 
     def timed(fn) -> float:  # the slowest rank's median
-        t = torch.tensor([_time(fn, iters, sync, before=barrier)], dtype=torch.float64, device=dev)
+        t = torch.tensor([time_call(fn, iters, sync=sync, before=barrier)], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         return float(t.item())
 
@@ -355,7 +340,7 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     for group in groups:
         for _ in range(3):  # the first collectives of a group set its connections up: not timed
             dist.all_reduce(torch.ones(1, device=dev), group=group)
-    base = _time(work, iters, sync)
+    base = time_call(work, iters, sync=sync)
     rows: list[list] = [[] for _ in groups]
     # size by size, every axis in turn: a slow spell of the shared machine falls on all the axes alike (timed
     # axis by axis, it would fall on one axis's figures)
@@ -365,7 +350,7 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
             n = mesh.shape[axis]
             # timed between compute, as in a step: the ranks arrive at the collective as unevenly as they
             # do there (ranks sharing cores are scheduled in turn), which a loop of bare collectives hides
-            both = _time(lambda: (work(), dist.all_reduce(x, group=group)), iters, sync)
+            both = time_call(lambda: (work(), dist.all_reduce(x, group=group)), iters, sync=sync)
             t = torch.tensor([max(both - base, 1e-7)], device=dev)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             rows[axis].append(("all_reduce", n, x.numel() * 4, float(t.item())))
@@ -397,7 +382,7 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     wide = max(range(len(groups)), key=lambda ax: mesh.shape[ax], default=None)
     hidden = 1.0
     if wide is not None and mesh.shape[wide] > 1:
-        hidden = measure_overlap(groups[wide], dev, work, iters, sync)
+        hidden = measure_overlap(groups[wide], dev, work, iters, sync=sync)
     # the rates of one rank alone (the fastest of single calls, as metadist_torch.optime times each op),
     # divided by the share of the device a rank gets while all compute at once
     # (rank 0 alone times them while the others wait: the same device on every rank)

@@ -37,7 +37,6 @@ from metadist_core.driver.planner import replicated_plan
 from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.ir.mesh import Mesh
 
-from .calibrate import _time
 from .devicerates import measure_device_rates
 from .calls import TORCH_DTYPES, rebuild, resolve_overload
 from .engine import device as engine_device
@@ -218,7 +217,7 @@ def program_seconds(step: Any, device: torch.device | None = None, iters: int = 
         )
         args = [vals[v] for v in rg.input_vars]
         with torch.no_grad():
-            return _time(lambda: rg(*args), iters, sync, pick=min)
+            return time_call(lambda: rg(*args), iters, sync=sync, pick=min)
     except Exception as e:  # a program that cannot run alone here: the ops' times stand
         log.info("the step's program could not be timed whole: %s: %s", type(e).__name__, e)
         return None

@@ -11,7 +11,8 @@ torch = pytest.importorskip("torch")
 
 def _worker(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
-    from metadist_torch.calibrate import _measure_kinds, _time
+    from metadist_core.cost.timing import time_call
+    from metadist_torch.calibrate import _measure_kinds
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     try:
@@ -20,7 +21,7 @@ def _worker(rank: int, init: str, out: str) -> None:
         def work():
             return [a @ a for _ in range(2)]
 
-        base = _time(work, 3, lambda: None)
+        base = time_call(work, 3, sync=lambda: None)
         ((kinds, samples),) = _measure_kinds(
             [(dist.group.WORLD, 2, 1e-9)], torch.device("cpu"), work, base, 3, lambda: None
         )
