@@ -10,6 +10,7 @@ docs/configuration.md by ``python scripts/gen_docs.py``; read it there.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -222,6 +223,18 @@ class Settings:
     sync_guards: bool = _setting(
         True, "On many ranks, every rank takes the same guard decision (one small CPU all_reduce per call)."
     )
+    backend: str = _setting(
+        "eager",
+        "How each rank runs its program: `eager` (op by op, as lowered), `inductor` (compiled by "
+        "torch.compile into fused kernels, collectives included), or any other torch.compile backend name. "
+        "Frontends that always compile (JAX) ignore it.",
+    )
+    compile_options: dict | None = _setting(
+        None,
+        "Keyword arguments for torch.compile with a compiled `backend` (`mode`, `options`, `dynamic`...); in "
+        'the environment or pyproject as a JSON object, such as `{"mode": "reduce-overhead"}`.',
+        shown="none",
+    )
 
     @property
     def bucket_bytes(self) -> int:
@@ -332,6 +345,8 @@ def load_settings(**explicit: Any) -> Settings:
                 raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
         elif f.name == "first_bucket_mb" and str(value).strip().lower() == "auto":
             value = None
+        elif f.name == "compile_options":
+            value = _options(value)
         elif f.name in (
             "time_limit",
             "bucket_mb",
@@ -376,6 +391,7 @@ def load_settings(**explicit: Any) -> Settings:
         raise ValueError(f"max_replans must be 0 or more (re-plans before the warning), got {s.max_replans}")
     if s.guard_cache < 1:
         raise ValueError(f"guard_cache must be at least 1 (compiled programs kept per signature), got {s.guard_cache}")
+    s.backend = str(s.backend).strip() or "eager"
     if s.axis_size < 2:
         raise ValueError(f"axis_size (discovery) must be at least 2, got {s.axis_size}")
     if s.grad_compression is not None:
@@ -389,6 +405,18 @@ def load_settings(**explicit: Any) -> Settings:
                 f"pipeline_stages={s.pipeline_stages} yet; use one or the other"
             )
     return s
+
+
+def _options(value: Any) -> dict:
+    """A ``compile_options`` value: a dict, or a JSON object in text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"setting compile_options must be a JSON object, got {value!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"setting compile_options must be a dict of torch.compile keywords, got {value!r}")
+    return dict(value)
 
 
 def _bool(name: str, value: Any) -> bool:

@@ -171,7 +171,10 @@ class PluginManager:
         fe = self.owner(op)
         return None if fe is None else fe.op_cost(op, graph)
 
-    def fuses(self, op: Any) -> bool:
-        """Does the compiler of ``op``'s frontend fuse it with its elementwise neighbours?"""
+    def fuses(self, op: Any, compiled: bool = False) -> bool:
+        """Does the compiler of ``op``'s frontend fuse it with its elementwise neighbours? ``compiled``: the
+        rank program runs through the frontend's optional compiler (``backend``), which fuses more."""
         fe = self.owner(op)
-        return fe is not None and bool(fe.traits.fuses(op))
+        if fe is None:
+            return False
+        return bool(fe.traits.fuses(op)) or (compiled and bool(fe.traits.compiled_fuses(op)))

@@ -10,8 +10,9 @@ rank program it builds.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -19,6 +20,20 @@ from metadist_core.ir.placement import chunk_bounds, chunk_sizes
 
 from .compression import compressed
 from .stats import CommStats
+
+
+_COUNTING: list[CommStats] = []  # while a program is traced for the compiler: where its collectives count
+
+
+@contextlib.contextmanager
+def counting_into(stats: CommStats) -> Iterator[None]:
+    """Count every collective run inside into ``stats`` instead of its program's own, and leave buffers to the
+    compiler (no storage is freed by hand): what tracing a program once for ``torch.compile`` needs."""
+    _COUNTING.append(stats)
+    try:
+        yield
+    finally:
+        _COUNTING.pop()
 
 
 def _ops():
@@ -105,7 +120,11 @@ def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def _flatten(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """The members one after another in one new flat buffer, each copied straight in (``torch.cat`` of their
-    ``reshape(-1)`` would first copy every non-contiguous member, beside the buffer)."""
+    ``reshape(-1)`` would first copy every non-contiguous member, beside the buffer). For the compiler it is
+    that ``torch.cat``: copies into slices of one buffer become a scatter of the whole buffer per member
+    there, and its concatenation writes each member into place once."""
+    if _COUNTING:
+        return torch.cat([x.reshape(-1) for x in xs])
     flat = xs[0].new_empty(sum(x.numel() for x in xs))
     off = 0
     for x in xs:
@@ -120,6 +139,8 @@ def _release(*ts: torch.Tensor) -> None:
     thread holds a collective's tensors until it gets to run again, so a gather's output may live on after
     its last reader in some runs of a plan and not in others, and the step's peak with it. The output itself
     is the program's own value, which this cannot free; the buffers a gather copies out of are freed here."""
+    if _COUNTING:
+        return
     for t in ts:
         t.untyped_storage().resize_(0)
 
@@ -142,8 +163,13 @@ class AxisComm:
     ``start_*`` returns a :class:`Pending`; the plain methods wait at once. The others are synchronous."""
 
     def __init__(self, axis: int, group: Any, n: int, coord: int, stats: CommStats) -> None:
-        self.axis, self.group, self.n, self.coord, self.stats = axis, group, n, coord, stats
+        self.axis, self.group, self.n, self.coord, self._stats = axis, group, n, coord, stats
         self._gname: str | None = None
+
+    @property
+    def stats(self) -> CommStats:
+        """Where this axis's collectives count (:func:`counting_into` redirects it)."""
+        return _COUNTING[-1] if _COUNTING else self._stats
 
     @property
     def gname(self) -> str:
@@ -181,8 +207,10 @@ class AxisComm:
         pre = wire is not None and reduce == "avg"
         t, back = _send(_flatten(xs), wire, self.n if pre else 1)
         self.stats.add("all_reduce", _nbytes(t), calls=len(xs))  # calls count the plan's collectives
-        # the flat buffer is this call's own: reduced in place (the functional all_reduce would copy it first)
-        raw = _ops().all_reduce_(t, "sum" if reduce == "avg" else reduce, self.gname)
+        # the flat buffer is this call's own: reduced in place (the functional all_reduce would copy it first),
+        # but for the compiler, which only takes functional collectives (and reuses buffers itself)
+        run = _ops().all_reduce if _COUNTING else _ops().all_reduce_
+        raw = run(t, "sum" if reduce == "avg" else reduce, self.gname)
         finish = self._finish(back, reduce == "avg" and not pre)
         return Pending(raw, lambda y: tuple(p.view(sh) for p, sh in zip(finish(y).split(numels), shapes)))
 
@@ -280,12 +308,19 @@ class AxisComm:
         # chunk first (reshaping a chunk along a dim other than 0 copies it, and those copies would be alive
         # beside the buffer when it is made, over the predicted peak)
         numels = [math.prod(s) for s in shapes]
-        flat = xs[0].new_empty(n * sum(numels))
-        rows, off = flat.view(n, -1), 0
-        for x, d, shape, k in zip(xs, dims, shapes, numels):
-            chunks = _pad(x, d, shape[d] * n).unflatten(d, (n, shape[d])).movedim(d, 0)  # a view, unless padded
-            rows[:, off : off + k].view(n, *shape).copy_(chunks)
-            off += k
+
+        def chunks(x: torch.Tensor, d: int, shape: torch.Size) -> torch.Tensor:
+            return _pad(x, d, shape[d] * n).unflatten(d, (n, shape[d])).movedim(d, 0)  # a view, unless padded
+
+        if _COUNTING:  # for the compiler: one concatenation (see _flatten)
+            parts = [chunks(x, d, shape).reshape(n, -1) for x, d, shape in zip(xs, dims, shapes)]
+            flat = torch.cat(parts, dim=1).reshape(-1)
+        else:
+            flat = xs[0].new_empty(n * sum(numels))
+            rows, off = flat.view(n, -1), 0
+            for x, d, shape, k in zip(xs, dims, shapes, numels):
+                rows[:, off : off + k].view(n, *shape).copy_(chunks(x, d, shape))
+                off += k
         self.stats.add("reduce_scatter", sum(_nbytes(x) for x in xs), calls=len(xs))
         raw = _ops().reduce_scatter_tensor(flat, "sum" if reduce == "avg" else reduce, n, self.gname)
 

@@ -35,6 +35,7 @@ from metadist_core.config import check_setting_names
 from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
+from .compiled import check_settings
 from .plugin import TorchFrontend
 from .stats import CommStats
 
@@ -54,6 +55,8 @@ class TorchStep(CompiledStep):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         res = self.compile(*args, **kwargs)
+        if "compile" not in res.timings and getattr(res.runnable, "compiled_programs", None):
+            return self._compile_call(res, args, kwargs)
         measured = self.__dict__.setdefault("_memory", {})
         if not self.settings.measure_memory or id(res) in measured:
             return res.runnable(*args, **kwargs)
@@ -62,6 +65,25 @@ class TorchStep(CompiledStep):
         t = time.perf_counter()
         out, measured[id(res)] = measure_compiled(res, args, kwargs)
         res.timings["measure_memory"] = time.perf_counter() - t
+        return out
+
+    def _compile_call(self, res: Any, args: tuple, kwargs: dict) -> Any:
+        """The first call of a program run by a torch.compile backend: it compiles (``timings["compile"]``,
+        ``plan.stats.compile``). Memory is measured at the next call, and only on a GPU (compiled kernels
+        run past the dispatcher that counts tensors on a CPU)."""
+        from .compiled import compile_report
+
+        out = res.runnable(*args, **kwargs)
+        report = compile_report(res.runnable)
+        if report is not None:
+            res.timings["compile"] = report["seconds"]
+            if res.plan is not None and getattr(res.plan, "stats", None) is not None:
+                res.plan.stats.compile = report
+            if not _on_gpu(res):
+                self.__dict__.setdefault("_memory", {})[id(res)] = {
+                    "method": "not measured",
+                    "reason": "a compiled program on a CPU: its kernels run past the dispatcher that counts tensors",
+                }
         return out
 
     @property
@@ -75,6 +97,15 @@ class TorchStep(CompiledStep):
         if self.last is None:
             return {}
         return dict(self.__dict__.get("_memory", {}).get(id(self.last), {}))
+
+
+def _on_gpu(res: Any) -> bool:
+    engine = getattr(res.runnable, "engine", None)
+    device = getattr(engine, "device", None)
+    return getattr(device, "type", "cpu") == "cuda" or any(
+        getattr(getattr(s.get(), "device", None), "type", "") == "cuda"
+        for s in getattr(getattr(res.traced.context, "state", None), "slots", [])[:1]
+    )
 
 
 def metadist_compile(
@@ -92,6 +123,8 @@ def metadist_compile(
     offload: str | None = None,
     recompute: bool | None = None,
     strategy: str | None = None,
+    backend: str | None = None,
+    compile_options: dict[str, Any] | None = None,
     **settings: Any,
 ) -> Callable[[Callable], TorchStep]:
     """Decorate a training step so that it runs split over the devices of ``mesh``.
@@ -120,6 +153,11 @@ def metadist_compile(
     :param offload: None or "optimizer": optimizer state lives in host memory (pinned on CUDA) and the
         optimizer update runs on the host CPU; gradients go to the host and new parameters come back every
         step (:mod:`metadist_torch.offload`, priced by :mod:`metadist_core.levers.offload`).
+    :param backend: "eager" (default): each rank runs its program op by op; "inductor": compiled by
+        torch.compile into fused kernels, its collectives included (:mod:`metadist_torch.compiled`); or any
+        other torch.compile backend name.
+    :param compile_options: keywords for torch.compile with a compiled backend (``{"mode": "reduce-overhead"}``
+        for CUDA graphs, ``{"options": {...}}`` for Inductor's config).
     :param settings: any other setting of :class:`metadist_core.config.Settings` by name (``max_replans``,
         ``guard_cache``, ``sync_guards``, ``time_limit``, ...).
     """
@@ -129,7 +167,7 @@ def metadist_compile(
     check_setting_names(settings)
 
     def wrap(fn: Callable) -> TorchStep:
-        return TorchStep(
+        step = TorchStep(
             TorchFrontend(),
             fn,
             mesh=mesh,
@@ -145,8 +183,12 @@ def metadist_compile(
             strategy=strategy,
             offload=offload,
             recompute=recompute,
+            backend=backend,
+            compile_options=compile_options,
             **settings,
         )
+        check_settings(step.settings)  # an unknown backend, or an option it cannot compile: before any trace
+        return step
 
     return wrap
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import math
 import operator
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -73,15 +72,11 @@ ASYNC_KINDS = frozenset(
 WIRE_KINDS = frozenset({"all_reduce", "all_gather", "reduce_scatter", "all_to_all"})  # take a wire dtype
 
 
-def _named(name: str, fn: Callable, stats: CommStats | None = None, kind: str = "") -> Callable:
-    """A plain function called ``name`` (fx prints call targets by name) around ``fn``, timed into ``stats``."""
+def _named(name: str, fn: Callable) -> Callable:
+    """A plain function called ``name`` (fx prints call targets by name) around ``fn``."""
 
     def f(*a):
-        t0 = time.perf_counter()
-        out = fn(*a)
-        if stats is not None:
-            stats.timed(kind, t0)
-        return out
+        return fn(*a)
 
     f.__name__ = f.__qualname__ = name
     return f
@@ -114,7 +109,7 @@ class TorchCollectives(Collectives):
         k = (axis, kind)
         if k not in self.fns:
             method = getattr(self.comms[axis], f"start_{kind}" if kind in ASYNC_KINDS else kind)
-            self.fns[k] = _named(f"md_{kind}_axis{axis}", method, self.stats, kind.removesuffix("_bucket"))
+            self.fns[k] = _named(f"md_{kind}_axis{axis}", method)
         return self.fns[k]
 
     def _call(self, x: fx.Node, c: Collective, *args: Any) -> fx.Node:
@@ -232,9 +227,10 @@ class RankGraph:
     n_collectives: int = 0
     input_pieces: list[tuple[str, Sharding]] = field(default_factory=list)
     inplace_updates: list[str] = field(default_factory=list)  # states updated in their own storage (reinplace)
+    compiled: Callable | None = None  # gm compiled (metadist_torch.compiled), run in its place
 
     def __call__(self, *local_inputs: torch.Tensor) -> tuple:
-        return self.gm(*local_inputs)
+        return (self.compiled or self.gm)(*local_inputs)
 
 
 def lower_plan(

@@ -70,6 +70,18 @@ def _batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
     return batch_leaves(args, kwargs)
 
 
+def _pointwise(op: Any) -> bool:
+    """Inductor fuses torch's pointwise ops (the ``pointwise`` tag) into one loop with their neighbours."""
+    import torch
+
+    from .calls import resolve_target
+
+    try:
+        return torch.Tag.pointwise in resolve_target(op.key).tags
+    except (ValueError, AttributeError, RuntimeError):
+        return False
+
+
 TRAITS = FrontendTraits(
     op_prefixes=OP_PREFIXES,
     runner_module="metadist_torch.oprunner",
@@ -82,6 +94,7 @@ TRAITS = FrontendTraits(
     discovering=_discovering,
     can_fork_discovery=_can_fork_discovery,
     batch_leaves=_batch_leaves,
+    compiled_fuses=_pointwise,
 )
 
 
@@ -156,6 +169,10 @@ class TorchFrontend(Frontend):
         if isinstance(program, Stages):
             if program.plan is None:
                 return Lowered()
+            if settings.backend != "eager":
+                from .compiled import check_settings
+
+                check_settings(settings, stages=True)
             from metadist_core.levers.microbatch import cut_at_gradients
             from .stages import lower_stages
 
@@ -169,6 +186,10 @@ class TorchFrontend(Frontend):
             run = lower_micro_batches(traced.context, program.cut, program.plans, resolved.mesh, eng, settings)
         else:
             run = _lower_whole(traced, program.plan, resolved, settings)
+        if settings.backend != "eager":
+            from .compiled import compile_programs
+
+            compile_programs(run, settings, random=bool(traced.context.random_ops))
         return Lowered(run, StepWatch(traced.context, eng))
 
     def time_ops(self, requests: Any, resolved: Resolved, traced: Traced | None = None, program: bool = False) -> Any:

@@ -100,12 +100,13 @@ class LocalProgram:
             writes = [(k, o) for k, o in writes if o not in done]
         self.writes = writes
         self.stats = CommStats()  # nothing to count on one device
+        self.compiled: Callable | None = None  # gm compiled (metadist_torch.compiled), run in its place
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.traced.refresh()
         vals = [s.get() for s in self.traced.state.slots]
         with torch.no_grad():
-            outs = self.gm(*vals, *self.traced.inputs(args, kwargs))
+            outs = (self.compiled or self.gm)(*vals, *self.traced.inputs(args, kwargs))
             # one value written to several slots (step counters read as one), or a slot's own tensor: each
             # slot keeps storage of its own, else a later program updating one would update them all
             held = {id(v) for v in vals}

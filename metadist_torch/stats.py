@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 
 @dataclass
 class CommStats:
-    """Bytes, calls and seconds counted at the collectives, by kind."""
+    """Bytes and calls counted at the collectives, by kind."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)
 
     def add(self, kind: str, nbytes: int, calls: int = 1) -> None:
         self.bytes[kind] = self.bytes.get(kind, 0) + int(nbytes)
         self.calls[kind] = self.calls.get(kind, 0) + int(calls)
-
-    def timed(self, kind: str, t0: float) -> None:
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - t0
 
     @property
     def total(self) -> int:
@@ -28,7 +23,6 @@ class CommStats:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
-        self.seconds.clear()
 
 
 __all__ = ["CommStats"]

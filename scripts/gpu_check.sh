@@ -4,6 +4,8 @@
 # (the image has them) and the one-GPU benchmarks run on the current tree:
 #   benchmarks.cuda_memory (4 layers): eager, MetaDist, optimizer offload, a memory budget, on the CUDA allocator
 #   benchmarks.cuda_step: the torch_step models at world size 1, MetaDist against eager and its prediction
+#   benchmarks.compiled_step (world size 1): MetaDist's program compiled by Inductor, with and without CUDA
+#   graphs, against torch.compile of the step (results/compiled_step_cuda.*, copied to $OUT)
 # Results go to $OUT (default /tmp/gpu-out).
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -23,4 +25,7 @@ timeout "${MEM_TIMEOUT:-180}" $PY -m benchmarks.cuda_memory --layers "${LAYERS:-
     2>"$OUT/cuda_memory.err" || { rc=1; tail -30 "$OUT/cuda_memory.err"; }
 timeout "${STEP_TIMEOUT:-200}" $PY -m benchmarks.cuda_step --rounds "${ROUNDS:-40}" --out "$OUT/cuda_step.json" \
     2>"$OUT/cuda_step.err" || { rc=1; tail -30 "$OUT/cuda_step.err"; }
+timeout "${COMPILE_TIMEOUT:-420}" $PY -m benchmarks.compiled_step --part single --device cuda \
+    --name compiled_step_cuda >"$OUT/compiled_step.log" 2>&1 || { rc=1; tail -30 "$OUT/compiled_step.log"; }
+cp benchmarks/results/compiled_step_cuda.* "$OUT/" 2>/dev/null
 exit $rc

@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=GPTConfig.batch)
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--no-reference", action="store_true", help="skip the single-device reference run")
+    ap.add_argument("--backend", default=None, help="eager (default) | inductor | any torch.compile backend")
+    ap.add_argument("--rounds", type=int, default=12, help="interleaved timing rounds against DDP (or eager)")
     a = ap.parse_args(argv)
     c = GPTConfig(vocab=a.vocab, width=a.width, layers=a.layers, seq=a.seq, batch=a.batch, dropout=a.dropout)
     from metadist_torch.harness import run_example
@@ -130,6 +132,8 @@ def main(argv=None) -> int:
         solver=a.solver,
         memory_budget=a.memory_budget,
         reference=not a.no_reference,
+        backend=a.backend,
+        rounds=a.rounds,
     )
 
 

@@ -85,6 +85,9 @@ class FrontendTraits:
     #: does the frontend's compiler fuse ``op`` into the elementwise loop of its neighbours (the optimizer
     #: update is then priced as one loop per parameter, metadist_core.cost.fusion)
     fuses: Callable[[Any], bool] = _never
+    #: what the frontend's optional compiler fuses into elementwise loops, when a ``backend`` other than
+    #: eager runs the rank program (Inductor for torch); priced as ``fuses`` is
+    compiled_fuses: Callable[[Any], bool] = _never
     #: the ops :meth:`Frontend.time_ops` is asked to time at each strategy's local shapes
     #: (metadist_core.cost.localtime); the others, where it times at all, at their whole shapes
     times_local: Callable[[Any], bool] = _never

@@ -55,16 +55,17 @@ class CompileResult:
     watch: Any = None  # the frontend's guards on what the trace read (Frontend.watch); None: the signature only
 
 
-def op_costs(graph: MetaIR, plugins: PluginManager) -> dict[str, tuple[float, float]]:
+def op_costs(graph: MetaIR, plugins: PluginManager, compiled: bool = False) -> dict[str, tuple[float, float]]:
     """``(flops, bytes)`` per op id, from the frontend that owns each op (missing: the core estimates); the
     optimizer update's ops at the bytes of their fused loop where the frontend's compiler fuses them
-    (:mod:`metadist_core.cost.fusion`)."""
+    (:mod:`metadist_core.cost.fusion`); ``compiled``: the rank program runs compiled (a ``backend`` other
+    than eager), so the ops the frontend's compiler fuses then are fused too."""
     out = {}
     for op in graph.ops:
         c = plugins.op_cost(op, graph)
         if c is not None:
             out[op.id] = tuple(c)
-    for i, nbytes in fused_bytes(graph, plugins.fuses).items():
+    for i, nbytes in fused_bytes(graph, lambda op: plugins.fuses(op, compiled)).items():
         flops, _, *rest = out.get(i) or estimate_op_cost(graph.op(i), graph)
         out[i] = (flops, nbytes, *rest)
     return out
@@ -121,7 +122,7 @@ def plan_graph(
     planner = _planner(
         graph, mesh, book, pm, s, constraints, solver_options, device, traits or FrontendTraits(), local_timer, timings
     )
-    planner.costs = _priced_costs(graph, pm, op_slowdowns, timings)
+    planner.costs = _priced_costs(graph, pm, op_slowdowns, timings, compiled=s.backend != "eager")
     try:
         graph, (problem, plan), segs = planner.under_budget()
     except InfeasibleBudgetError as e:
@@ -173,16 +174,19 @@ def _planner(
 
 
 def _priced_costs(
-    graph: MetaIR, pm: PluginManager, op_slowdowns: Callable | None, timings: dict[str, float]
+    graph: MetaIR, pm: PluginManager, op_slowdowns: Callable | None, timings: dict[str, float], compiled: bool = False
 ) -> dict[str, tuple]:
     """``(flops, bytes[, slowdown])`` per op id: the frontend's figures, each op's measured slowdown on
     top where ``op_slowdowns`` is given (timed once: a recomputed copy costs what its original does)."""
     t = time.perf_counter()
-    costs: dict[str, tuple] = dict(op_costs(graph, pm))
+    costs: dict[str, tuple] = dict(op_costs(graph, pm, compiled))
     timings["build_problem"] += time.perf_counter() - t  # the ops' costs are part of the problem
     if op_slowdowns is not None:  # each op timed on this device (cached per machine)
         t = time.perf_counter()
         slow = op_slowdowns(graph, costs)
+        if compiled:  # an op timed alone is the unfused op: the compiled loop it joins is priced by its bytes
+            fused = fused_bytes(graph, lambda op: pm.fuses(op, True)).keys() - fused_bytes(graph, pm.fuses).keys()
+            slow = {k: v for k, v in slow.items() if k not in fused}
         costs = {k: (*c[:2], slow[k]) if k in slow else c for k, c in costs.items()}
         timings["op_times"] = time.perf_counter() - t
     return costs
@@ -356,7 +360,8 @@ class GraphPlanner:
         )
 
 
-def replicated_plan(graph: MetaIR, mesh: Mesh) -> tuple[Any, Any]:
-    """The all-replicated plan and its problem (a mesh of one device: nothing to discover or solve)."""
-    problem = build_problem(graph, RuleBook(), mesh)
+def replicated_plan(graph: MetaIR, mesh: Mesh, costs: Mapping[str, tuple] | None = None) -> tuple[Any, Any]:
+    """The all-replicated plan and its problem (a mesh of one device: nothing to discover or solve), its ops
+    priced by ``costs`` (:func:`op_costs`; None: the core's estimates)."""
+    problem = build_problem(graph, RuleBook(), mesh, op_costs=costs)
     return ShardingPlan.replicated(problem), problem

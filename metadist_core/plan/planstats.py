@@ -27,6 +27,7 @@ class PlanStats:
     offload: dict[str, Any] | None = None  # host-link bytes and seconds (levers/offload.py)
     autotune: dict[str, Any] | None = None  # candidates timed, the one chosen (driver/autotune.py)
     pipeline: dict[str, Any] | None = None  # stages, schedule, micro_batches, bubble (driver/pipeplan.py)
+    compile: dict[str, Any] | None = None  # backend, seconds, graph_breaks, kernels: the rank program compiled
     status: str | None = None  # the solver's word on how the solve ended
     toggles_on: list[int] | None = None  # toggles (recompute segments) the solver turned on
     extra: dict[str, Any] = field(default_factory=dict)  # solver-specific figures (sizes, timings, counters)
