@@ -240,7 +240,9 @@ def offload_traced(step: Any) -> tuple[Any, OffloadInfo]:
     n_pb = len(st.params) + len(st.buffers)
     host_in = set(range(n_pb, len(st.slots)))
     host_out = {o for k, o in enumerate(step.state_out) if o is not None and k >= n_pb}
-    gm = copy.deepcopy(step.gm)
+    # the copy reads the same param-group number tensors the step refills before every call (a learning-rate
+    # schedule): copied, they would keep the first call's numbers
+    gm = copy.deepcopy(step.gm, memo={id(t): t for t in step.hyper.tensors})
     ops = set(region.ops)
     info = offload_graph(gm.graph, lambda n: n.name in ops, host_in, host_out, _param_device(st))
     gm.recompile()

@@ -67,6 +67,27 @@ def test_offloaded_step_gives_the_single_device_numbers_and_keeps_state_on_the_h
     assert all(g.vars[v].role == "gradient" or g.vars[v].role == "parameter" for v in region.to_host)
 
 
+def test_offloaded_step_follows_a_learning_rate_schedule():
+    """The update runs on the host from a copy of the traced graph: it must read the learning rate the
+    schedule sets before each call, not the first call's."""
+    from metadist_torch import metadist_compile
+
+    data = _data()
+    runs = []
+    for compiled in (None, metadist_compile(offload="optimizer")):
+        m, o = _build()
+        sched = torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.3)
+        fn = _step if compiled is None else compiled(_step)
+        losses = []
+        for d in data:
+            losses.append(float(fn(m, o, *d).detach()))
+            sched.step()
+        runs.append((losses, torch.cat([p.detach().flatten() for p in m.parameters()])))
+    (ref, ref_p), (got, got_p) = runs
+    assert got == pytest.approx(ref, rel=1e-5)
+    assert torch.allclose(got_p, ref_p, rtol=1e-5, atol=1e-6)
+
+
 def test_a_step_without_optimizer_state_offloads_nothing():
     from metadist_torch import metadist_compile
 
