@@ -11,6 +11,7 @@ the largest difference of each run from the single-device step and the compile r
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import sys
@@ -70,6 +71,14 @@ def run(m0, batches, step, compiled):
     return losses, params, fn
 
 
+def plan_key(plan) -> str:
+    """What the plan chose (each op's strategy, each input's layout), without its prices: the backend prices
+    the update differently, and may choose differently."""
+    ops = sorted(plan.op_strategies.items())
+    inputs = sorted((k, str(v)) for k, v in plan.input_shardings.items())
+    return hashlib.sha1(repr((ops, inputs)).encode()).hexdigest()
+
+
 def main() -> int:
     from metadist_torch import metadist_compile
     from metadist_torch.engine import ensure_process_group, finish_worker
@@ -94,6 +103,7 @@ def main() -> int:
                 "params": params,
                 "compile": fn.plan.stats.compile if fn.plan is not None else None,
                 "comm": dict(fn.comm_stats.bytes),
+                "plan": plan_key(fn.plan),
             }
         diff = (rec["inductor"]["params"] - rec["eager"]["params"]).abs().max()
         rec["inductor_vs_eager"] = float(diff / ref.abs().max())

@@ -136,6 +136,7 @@ def _ranks(tmp_path, nproc: int, models: str, strategy: str, *opts: str, exact: 
         METADIST_CACHE_DIR=str(tmp_path / "rules"),
         timeout=1800,
     )
+    same_plan = 0
     for name, rec in res.items():
         assert rec["inductor_vs_eager"] < RTOL, (name, rec)
         for backend in ("eager", "inductor") if exact else ():
@@ -143,8 +144,13 @@ def _ranks(tmp_path, nproc: int, models: str, strategy: str, *opts: str, exact: 
             assert rec[backend]["param_diff"] < RTOL, (name, backend, rec[backend])
         assert rec["inductor"]["compile"]["graph_breaks"] == 0, (name, rec["inductor"]["compile"])
         assert rec["inductor"]["compile"]["kernels"] > 0
-        # what the collectives moved is counted from the compiled graph: the eager program's figures
-        assert rec["inductor"]["comm"] == rec["eager"]["comm"] and sum(rec["eager"]["comm"].values()) > 0
+        assert sum(rec["inductor"]["comm"].values()) > 0
+        # what the collectives moved is counted from the compiled graph: the eager program's figures, where both
+        # run the same plan (the planner prices a compiled update as one fused loop, so it may choose another)
+        if rec["inductor"]["plan"] == rec["eager"]["plan"]:
+            assert rec["inductor"]["comm"] == rec["eager"]["comm"], name
+            same_plan += 1
+    assert same_plan, "no model ran the same plan compiled and eager: the counts were not compared"
     return res
 
 
