@@ -234,3 +234,18 @@ def test_inductor_replans_a_frozen_layer_and_compiles_again():
     torch.testing.assert_close(got, ref, rtol=RTOL, atol=RTOL * float(ref.abs().max()))
     assert fn.replans == 1, fn.replan_reasons
     assert fn.plan.stats.compile["graph_breaks"] == 0 and fn.timings["compile"] > 0
+
+
+@pytest.mark.slow
+def test_inductor_draws_the_dropout_masks_of_the_single_device_step():
+    sys.path.insert(0, str(HERE.parents[1] / "examples" / "torch"))
+    import gpt
+
+    c = gpt.GPTConfig(layers=2, width=64, seq=32, vocab=128, batch=8, dropout=0.2)
+    runs = []
+    for compiled in (None, metadist_compile(backend="inductor")):
+        m, opt = gpt.build(c)
+        torch.manual_seed(5)
+        fn = gpt.train_step if compiled is None else compiled(gpt.train_step)
+        runs.append([float(fn(m, opt, *gpt.batch(c, s))) for s in range(3)])
+    assert runs[1] == pytest.approx(runs[0], rel=RTOL)
