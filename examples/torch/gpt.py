@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--no-reference", action="store_true", help="skip the single-device reference run")
     ap.add_argument("--backend", default=None, help="eager (default) | inductor | any torch.compile backend")
-    ap.add_argument("--rounds", type=int, default=12, help="interleaved timing rounds against DDP (or eager)")
+    ap.add_argument("--rounds", type=int, default=20, help="interleaved timing rounds against DDP (or eager)")
     a = ap.parse_args(argv)
     c = GPTConfig(vocab=a.vocab, width=a.width, layers=a.layers, seq=a.seq, batch=a.batch, dropout=a.dropout)
     from metadist_torch.harness import run_example

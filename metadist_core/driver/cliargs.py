@@ -196,6 +196,7 @@ def _add_demo(sub: Any) -> None:
                        examples:
                          metadist demo
                          metadist demo --nproc 4 --mesh 2x2
+                         metadist demo --backend inductor
                          metadist demo --reference --mesh 2x2 --solver greedy
                        """,
     )
@@ -206,6 +207,9 @@ def _add_demo(sub: Any) -> None:
         "--solver", default=None, help="ilp, beam, greedy or a solver plugin (default: the solver setting, ilp)"
     )
     s.add_argument("--cache-dir", default=None, help="the rule cache (default: the cache_dir setting)")
+    s.add_argument(
+        "--backend", default=None, help="how each rank runs its program: eager (default) or inductor (compiled)"
+    )
     s.set_defaults(func=cmd_demo)
 
 

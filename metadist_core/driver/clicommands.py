@@ -276,7 +276,8 @@ def cmd_demo(args) -> int:
     extra = (["--mesh", args.mesh] if args.mesh else []) + (["--solver", args.solver] if args.solver else [])
     if args.reference or "torch" not in pm.frontends():
         return _frontend(pm, "reference", "the reference demo").demo(extra)
-    return _frontend(pm, "torch", "the demo").demo(["--nproc", str(args.nproc), *extra])
+    backend = ["--backend", args.backend] if args.backend else []
+    return _frontend(pm, "torch", "the demo").demo(["--nproc", str(args.nproc), *extra, *backend])
 
 
 def cmd_calibrate(args) -> int:
