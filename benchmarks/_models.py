@@ -64,6 +64,20 @@ def llama(seed: int | None = 0, device: str | None = None, **config) -> "torch.n
     return _build(LlamaForCausalLM, LlamaConfig(**{**LLAMA_DEFAULTS, **config}), device)
 
 
+def llama_of(layers: int, width: int, seq: int, vocab: int, seed: int | None = 0) -> "torch.nn.Module":
+    """The benchmarks' LLaMA-style shape (:func:`llama`): 4 heads of as many keys, an MLP twice the width."""
+    return llama(
+        seed,
+        vocab_size=vocab,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=seq,
+    )
+
+
 def adamw(model: "torch.nn.Module", lr: float) -> "torch.optim.Optimizer":
     """AdamW over all of ``model``'s parameters at learning rate ``lr`` (torch's other defaults)."""
     import torch
@@ -101,4 +115,14 @@ def lm_step_labels(
     return loss
 
 
-__all__ = ["GPT2_DEFAULTS", "LLAMA_DEFAULTS", "gpt2", "llama", "adamw", "tokens", "lm_step", "lm_step_labels"]
+__all__ = [
+    "GPT2_DEFAULTS",
+    "LLAMA_DEFAULTS",
+    "gpt2",
+    "llama",
+    "llama_of",
+    "adamw",
+    "tokens",
+    "lm_step",
+    "lm_step_labels",
+]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks._common import RESULTS, interleaved, plot_predicted, write_results
 from benchmarks._launch import add_worker_args, finish, launch, write_gathered
-from benchmarks._models import adamw, gpt2, llama, lm_step, tokens
+from benchmarks._models import adamw, gpt2, llama_of, lm_step, tokens
 
 NAME = "compiled_step"
 # all of Inductor's passes that move collectives, their waits and computation for overlap
@@ -56,15 +56,7 @@ def model(name: str, quick: bool, steps: int, device: str = "cpu"):
         layers, width, seq, vocab, batch = (1, 64, 32, 256, 4) if quick else (4, 256, 128, 1024, 8)
 
         def build():
-            m = llama(
-                vocab_size=vocab,
-                hidden_size=width,
-                intermediate_size=2 * width,
-                num_hidden_layers=layers,
-                num_attention_heads=4,
-                num_key_value_heads=4,
-                max_position_embeddings=seq,
-            )
+            m = llama_of(layers, width, seq, vocab)
             return m, adamw(m, 1e-4)
 
         blocks, desc = (lambda m: list(m.model.layers)), f"LLaMA-style (LlamaConfig) {layers}x{width}"

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from benchmarks._launch import add_worker_args, finish, launch, write_gathered
-from benchmarks._models import adamw, gpt2, llama, lm_step as _hf_step, tokens
+from benchmarks._models import adamw, gpt2, llama_of, lm_step as _hf_step, tokens
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "torch_step"
@@ -145,15 +145,7 @@ def _llama_model(quick: bool, steps: int) -> Model:
     layers, width, seq, vocab, batch = (1, 64, 32, 256, 8) if quick else (2, 128, 64, 512, 8)
 
     def build():
-        m = llama(
-            vocab_size=vocab,
-            hidden_size=width,
-            intermediate_size=2 * width,
-            num_hidden_layers=layers,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=seq,
-        )
+        m = llama_of(layers, width, seq, vocab)
         return m, adamw(m, 1e-4)
 
     def tp_plan(model):
