@@ -27,7 +27,7 @@ def build(name: str):
     """(model, batches, step) of ``name``, its weights drawn from seed 0."""
     import torch
 
-    from benchmarks._models import gpt2, llama, lm_step, tokens
+    from benchmarks._models import gpt2, llama_of, lm_step, tokens
 
     if name == "gpt":
         import gpt
@@ -38,15 +38,7 @@ def build(name: str):
     if name == "gpt2":
         m = gpt2(n_positions=32, n_layer=2, n_embd=64, n_head=4, vocab_size=128)
     else:
-        m = llama(
-            vocab_size=128,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=32,
-        )
+        m = llama_of(layers=2, width=64, seq=32, vocab=128)
     return m, [(b,) for b in tokens(128, 8, 32, STEPS)], lm_step
 
 
