@@ -237,6 +237,11 @@ class Settings:
     )
 
     @property
+    def compiles(self) -> bool:
+        """Does a compiler run the rank program (a ``backend`` other than eager)?"""
+        return self.backend != "eager"
+
+    @property
     def bucket_bytes(self) -> int:
         return int(self.bucket_mb * 2**20)
 

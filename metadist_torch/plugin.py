@@ -169,7 +169,7 @@ class TorchFrontend(Frontend):
         if isinstance(program, Stages):
             if program.plan is None:
                 return Lowered()
-            if settings.backend != "eager":
+            if settings.compiles:
                 from .compiled import check_settings
 
                 check_settings(settings, stages=True)
@@ -186,7 +186,7 @@ class TorchFrontend(Frontend):
             run = lower_micro_batches(traced.context, program.cut, program.plans, resolved.mesh, eng, settings)
         else:
             run = _lower_whole(traced, program.plan, resolved, settings)
-        if settings.backend != "eager":
+        if settings.compiles:
             from .compiled import compile_programs
 
             compile_programs(run, settings, random=bool(traced.context.random_ops))

@@ -260,7 +260,7 @@ def plan_and_share(
     s = job.settings
     if replicated_only(resolved.mesh, s):
         t = time.perf_counter()
-        costs = op_costs(traced.graph, job.plugins, compiled=s.backend != "eager")
+        costs = op_costs(traced.graph, job.plugins, compiled=s.compiles)
         plan, problem = replicated_plan(traced.graph, resolved.mesh, costs)
         job.timings["solve"] = time.perf_counter() - t
         return Planned(plan, CompileResult(traced.graph, RuleBook(), problem, plan))

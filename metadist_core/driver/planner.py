@@ -122,7 +122,7 @@ def plan_graph(
     planner = _planner(
         graph, mesh, book, pm, s, constraints, solver_options, device, traits or FrontendTraits(), local_timer, timings
     )
-    planner.costs = _priced_costs(graph, pm, op_slowdowns, timings, compiled=s.backend != "eager")
+    planner.costs = _priced_costs(graph, pm, op_slowdowns, timings, compiled=s.compiles)
     try:
         graph, (problem, plan), segs = planner.under_budget()
     except InfeasibleBudgetError as e:
