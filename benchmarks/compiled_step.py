@@ -224,7 +224,13 @@ def _single_process(args, cache: str, label: str) -> dict:
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         print(f"[compiled_step] world size 1, {label} Inductor cache ...", flush=True)
         subprocess.run(cmd, env=env, cwd=REPO, check=True)
-        return json.loads(out.read_text())
+        got = json.loads(out.read_text())
+        for name, systems in got.items():  # printed at once: a later pass that is cut short loses nothing
+            for system, rec in systems.items():
+                if isinstance(rec, dict) and rec.get("times_s"):
+                    ms = statistics.median(rec["times_s"]) * 1e3
+                    print(f"  {name:8s} {system:30s} {ms:9.2f} ms  compile {rec.get('compile_s') or 0:6.1f} s")
+        return got
 
 
 def _rows(part: str, data: dict, warm: dict | None = None) -> list[dict]:
@@ -284,6 +290,9 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--device", default="cpu", help="cpu, or cuda for the world-size-1 part on one GPU")
     p.add_argument("--name", default=NAME, help="results/NAME.{json,md,png}")
+    p.add_argument(
+        "--no-warm", dest="warm", action="store_false", help="skip the second, warm-cache process (compile_warm_s)"
+    )
     p.add_argument("--single-worker", action="store_true", help=argparse.SUPPRESS)
     add_worker_args(p, cache=True)
     args = p.parse_args(argv)
@@ -297,7 +306,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as cache:
         if "single" in parts:
             cold = _single_process(args, cache, "a cold")
-            warm = _single_process(args, cache, "the first run's")
+            warm = _single_process(args, cache, "the first run's") if args.warm else None
             rows += _rows("world size 1", cold, warm)
         if "ranks" in parts:  # an Inductor cache of its own, so that its compile seconds are cold too
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache) / "ranks")
