@@ -114,6 +114,12 @@ class Settings:
         "sizes); at least 2.",
     )
     time_limit: float = _setting(60.0, "Seconds the solver may take.", shown="60 (seconds)")
+    collective_timeout: float = _setting(
+        600.0,
+        "Seconds a collective waits for the other ranks before the job stops with an error that names the "
+        "rank that stopped answering; applies to the process groups MetaDist starts (torchrun's environment).",
+        shown="600 (seconds)",
+    )
     coalesce: bool = _setting(
         True, "Bucket the gradient all-reduces (as DDP does) instead of one collective per gradient."
     )
@@ -354,6 +360,7 @@ def load_settings(**explicit: Any) -> Settings:
             value = _options(value)
         elif f.name in (
             "time_limit",
+            "collective_timeout",
             "bucket_mb",
             "first_bucket_mb",
             "shard_bucket_mb",
@@ -370,6 +377,8 @@ def load_settings(**explicit: Any) -> Settings:
         setattr(s, f.name, value)
     if s.verify_draws < 1:
         raise ValueError(f"verify_draws must be at least 1, got {s.verify_draws}")
+    if not s.collective_timeout > 0:
+        raise ValueError(f"collective_timeout must be a positive number of seconds, got {s.collective_timeout}")
     if s.discovery_workers < 0:
         raise ValueError(f"discovery_workers must be 0 (one per core) or more, got {s.discovery_workers}")
     if s.micro_batches < 1:

@@ -36,6 +36,7 @@ from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
 from .compiled import check_settings
+from .faults import RankFailure, is_collective_failure, rank_failure
 from .plugin import TorchFrontend
 from .stats import CommStats
 
@@ -54,6 +55,18 @@ class TorchStep(CompiledStep):
         return stats if isinstance(stats, CommStats) else CommStats()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .faults import count_step
+
+        count_step()
+        try:
+            return self._call(args, kwargs)
+        except Exception as e:
+            raised = _explained(e, self)
+            if raised is e:
+                raise
+            raise raised from e
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         res = self.compile(*args, **kwargs)
         if "compile" not in res.timings and getattr(res.runnable, "compiled_programs", None):
             return self._compile_call(res, args, kwargs)
@@ -97,6 +110,43 @@ class TorchStep(CompiledStep):
         if self.last is None:
             return {}
         return dict(self.__dict__.get("_memory", {}).get(id(self.last), {}))
+
+
+def _explained(e: BaseException, step: "TorchStep") -> BaseException:
+    """``e`` as the error a user can act on: a failed collective names the rank that stopped
+    (:mod:`metadist_torch.faults`), a device out of memory names the plan's predicted bytes and the
+    budget; any other error as it is."""
+    import torch
+
+    from .engine import collective_timeout, world_info
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return _out_of_memory(e, step)
+    rank, world = world_info()
+    if world > 1 and not isinstance(e, RankFailure) and is_collective_failure(e):
+        return rank_failure(e, rank, world, collective_timeout())
+    return e
+
+
+def _out_of_memory(e: BaseException, step: "TorchStep") -> BaseException:
+    plan = step.plan
+    predicted = getattr(plan, "memory_per_device", None)
+    budget = step.settings.memory_budget
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+    said = f"the plan predicted {predicted / 2**30:.2f} GiB per device" if predicted else "no plan was made yet"
+    limit = (
+        f"memory_budget is {budget / 2**30:.2f} GiB"
+        if budget
+        else "memory_budget is not set, so the planner did not bound the plan's memory"
+    )
+    import torch
+
+    return torch.OutOfMemoryError(
+        f"metadist: the device ran out of memory in step {getattr(step.fn, '__name__', 'step')}: {said}, and "
+        f"{limit}. Set memory_budget (bytes per device; METADIST_MEMORY_BUDGET) below what the device has free "
+        f"so that the planner shards, offloads or recomputes to fit, or use a smaller batch. The device's "
+        f"error: {first}"
+    )
 
 
 def _on_gpu(res: Any) -> bool:

@@ -37,16 +37,53 @@ def default_backend() -> str:
     return "gloo"
 
 
-def ensure_process_group() -> tuple[int, int]:
-    """Start the default process group when launched by torchrun and none is running yet."""
+def restart_attempt() -> str:
+    """Which attempt of the job this is: torchrun's restart count (``"0"`` for the first, or without torchrun)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+def ensure_process_group(timeout: float | None = None) -> tuple[int, int]:
+    """Start the default process group when launched by torchrun and none is running yet; (rank, world size).
+
+    The group is made on the rendezvous store under a prefix of its own per restart attempt (torchrun's agent
+    store keeps the keys of an attempt that failed, and a restarted rank would read its dead peers'
+    addresses), with ``timeout`` seconds for every collective (default: the ``collective_timeout``
+    setting). NCCL gets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless it is set: a collective that times out
+    ends the process instead of hanging it. Each rank then beats into the store
+    (:mod:`metadist_torch.faults`), so that a rank that stops is named by the others.
+    """
     rank, world = world_info()
     if world > 1 and not torch.distributed.is_initialized():
+        from datetime import timedelta
+
+        from metadist_core.config import load_settings
+
+        from .faults import start_heartbeat
+
+        seconds = float(timeout if timeout is not None else load_settings().collective_timeout)
         backend = default_backend()
         if backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(backend)
-        log.info("started process group %s: rank %d of %d", backend, rank, world)
+        attempt = restart_attempt()
+        td = timedelta(seconds=seconds)
+        store, rank, world = next(torch.distributed.rendezvous("env://", rank, world, timeout=td))
+        store = torch.distributed.PrefixStore(f"metadist/attempt/{attempt}/", store)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
+        _TIMEOUT[:] = [seconds]
+        log.info(
+            "started process group %s: rank %d of %d, attempt %s, timeout %g s", backend, rank, world, attempt, seconds
+        )
+        start_heartbeat(rank, world, attempt, seconds)
     return world_info()
+
+
+_TIMEOUT: list[float] = []  # the collective timeout of the process group MetaDist started (empty: none started)
+
+
+def collective_timeout() -> float | None:
+    """Seconds a collective of MetaDist's process group may wait (None: the group is not MetaDist's)."""
+    return _TIMEOUT[0] if _TIMEOUT else None
 
 
 def device() -> torch.device:
@@ -93,8 +130,15 @@ def resolve_mesh(mesh: Any, world_size: int) -> tuple[Mesh, Any]:
         )
     if m.size != world_size:
         shape = "x".join(map(str, m.shape))
+        attempt = restart_attempt()
+        restarted = (
+            f" (this is restart {attempt} of the job: it came back with {world_size} ranks; checkpoints of "
+            f"metadist_torch.save_checkpoint load on any mesh, so resume on one that fits)"
+            if attempt != "0"
+            else ""
+        )
         raise ValueError(
-            f"mesh {shape} has {m.size} devices but the world size is {world_size}; "
+            f"mesh {shape} has {m.size} devices but the world size is {world_size}{restarted}; "
             f"launch with torchrun --nproc_per_node={m.size} or pass a mesh of {world_size} devices "
             f"(the default mesh=None uses the whole world as one axis)"
         )
@@ -160,6 +204,7 @@ def make_engine(mesh: Any = None) -> Engine:
         from torch.distributed.device_mesh import init_device_mesh
 
         dm = init_device_mesh(dev.type, tuple(m.shape), mesh_dim_names=tuple(m.axis_names))
+        _bound_timeouts(dm)
     coords = m.coordinates(rank)
     if dm is not None:
         got = tuple(int(c) for c in dm.get_coordinate())
@@ -173,6 +218,21 @@ def make_engine(mesh: Any = None) -> Engine:
     return Engine(rank, world, m, dm, coords, dev)
 
 
+def _bound_timeouts(dm: Any) -> None:
+    """Give the DeviceMesh's groups the timeout of the process group MetaDist started (torch makes them with
+    its default, 30 minutes on gloo and 10 on NCCL)."""
+    set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+    if not _TIMEOUT or set_timeout is None:
+        return
+    from datetime import timedelta
+
+    for a in range(dm.ndim):
+        try:
+            set_timeout(timedelta(seconds=_TIMEOUT[0]), dm.get_group(a))
+        except Exception as e:  # a torch without it keeps its default: slower to stop, nothing worse
+            log.info("could not set the timeout of mesh axis %d's group: %s", a, e)
+
+
 _CPU_GROUP: list[Any] = []
 
 
@@ -182,7 +242,10 @@ def cpu_group() -> Any:
     if torch.distributed.get_backend() == "gloo":
         return None
     if not _CPU_GROUP:
-        _CPU_GROUP.append(torch.distributed.new_group(backend="gloo"))
+        from datetime import timedelta
+
+        kw = {"timeout": timedelta(seconds=_TIMEOUT[0])} if _TIMEOUT else {}
+        _CPU_GROUP.append(torch.distributed.new_group(backend="gloo", **kw))
     return _CPU_GROUP[0]
 
 
@@ -243,6 +306,8 @@ __all__ = [
     "engine_for",
     "resolve_mesh",
     "ensure_process_group",
+    "restart_attempt",
+    "collective_timeout",
     "world_info",
     "default_backend",
     "finish_worker",

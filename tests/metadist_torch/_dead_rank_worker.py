@@ -1,0 +1,61 @@
+"""Worker of tests/metadist_torch/test_faults.py: one rank of a job stops in the middle of its steps.
+
+Started once per rank with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (no torchrun,
+whose agent would end the other ranks itself, as a multi-node job's remote ranks are not):
+``_dead_rank_worker.py OUT_DIR SIGNAL VICTIM``. Each rank runs a compiled step (``strategy="tp+dp"`` on mesh (2, N/2): collectives on the
+DeviceMesh's groups, not only the default one) in a loop;
+before the 4th step rank ``VICTIM`` sends itself ``SIGNAL`` (KILL: dead; STOP: hung). Every other rank must
+stop with a :class:`~metadist_torch.faults.RankFailure`: it writes ``OUT_DIR/rank-R.json`` with the error,
+the ranks it names and the time, and exits 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    out, sig, victim = Path(sys.argv[1]), getattr(signal, "SIG" + sys.argv[2]), int(sys.argv[3])
+    from metadist_torch import metadist_compile
+    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.faults import RankFailure
+
+    rank, world = ensure_process_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    @metadist_compile(mesh=(2, world // 2), strategy="tp+dp")
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    for i in range(10_000):
+        if i == 3 and rank == victim:
+            (out / "victim.json").write_text(json.dumps({"rank": rank, "at": time.time(), "pid": os.getpid()}))
+            os.kill(os.getpid(), sig)
+        try:
+            step(model, opt, x, y)
+        except RankFailure as e:
+            (out / f"rank-{rank}.json").write_text(
+                json.dumps({"rank": rank, "error": str(e), "stopped": e.stopped, "at": time.time()})
+            )
+            sys.stdout.flush()
+            os._exit(3)
+        time.sleep(0.02)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
