@@ -142,7 +142,7 @@ def unwritable(cache_dir: Path, path: Path, err: OSError, what: str) -> None:
     log.warning(
         "cannot write to the cache directory %s (%s: %s, writing the %s %s); planning goes on without "
         "keeping what it learns there, so later runs learn it again. To keep the caches, %s. "
-        "(Said once per directory; further failures there are not.)",
+        "(Shown once per process and directory.)",
         cache_dir,
         name,
         err.strerror or err,

@@ -9,6 +9,7 @@ whose per-axis alpha/beta come from the level each axis's groups cross.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -270,7 +271,18 @@ def profile_for(frontend, resolved, settings, *, force: bool = False) -> MeshPro
         return MeshProfile()
     if prof is not cached:
         prof.key = key
-        if resolved.lead:  # a cache dir that cannot be written costs the next run a measurement (one warning)
-            where = profile_cache_path(settings.cache_dir, key)
-            cachefiles.write_atomic(where, prof.dumps(), cache_dir=cache_dir_of(where), what="mesh profile")
+        if resolved.lead:
+            keep_profile(prof, settings.cache_dir, key)
     return prof
+
+
+def keep_profile(prof: MeshProfile, cache_dir: str | os.PathLike | None, key: dict) -> bool:
+    """Cache ``prof`` as the profile measured for ``key``, keeping the mesh shapes that another job measured
+    into the file meanwhile (its lock held); False when the cache dir cannot be written (one warning: the
+    next run measures again)."""
+    where = profile_cache_path(cache_dir, key)
+    with cachefiles.exclusive(where):
+        disk = cached_profile(cache_dir, key)
+        if disk is not None:
+            prof = dataclasses.replace(prof, axis_costs={**disk.axis_costs, **prof.axis_costs})
+        return cachefiles.write_atomic(where, prof.dumps(), cache_dir=cache_dir_of(where), what="mesh profile")
