@@ -15,13 +15,15 @@ makes a new key and a new solve. The answers take at most the ``ilp_cache_mb`` s
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from metadist_core import cachefiles
 
 log = logging.getLogger("metadist.solve")
 
@@ -61,29 +63,12 @@ def _path(cache_dir: str | os.PathLike, key: str, suffix: str = ".npz") -> Path:
 
 
 def load(cache_dir: str | os.PathLike | None, key: str) -> Any | None:
-    """The stored result for ``key`` (a scipy OptimizeResult), or None."""
+    """The stored result for ``key`` (a scipy OptimizeResult), or None (none kept, or unreadable: one warning)."""
     if cache_dir is None:
         return None
     path = _path(cache_dir, key)
-    if not path.exists():
-        return None
-    from scipy.optimize import OptimizeResult
-
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            res = OptimizeResult(
-                status=int(z["status"]),
-                message=str(z["message"]),
-                success=bool(z["success"]),
-                x=z["x"] if z["has_x"] else None,
-                fun=float(z["fun"]) if z["has_x"] else None,
-                mip_dual_bound=float(z["mip_dual_bound"]),
-                mip_gap=float(z["mip_gap"]),
-                mip_node_count=int(z["mip_node_count"]),
-                cached=True,
-            )
-    except (OSError, ValueError, KeyError) as e:
-        log.warning("ILP cache entry %s is unreadable (%s); solving again", path, e)
+    res = cachefiles.read(path, _parse, "ILP answer")
+    if res is None:
         return None
     try:
         os.utime(path)  # used now: the last to be evicted
@@ -92,33 +77,47 @@ def load(cache_dir: str | os.PathLike | None, key: str) -> Any | None:
     return res
 
 
+def _parse(raw: bytes) -> Any:
+    """The OptimizeResult kept in an answer file's bytes."""
+    from scipy.optimize import OptimizeResult
+
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
+        return OptimizeResult(
+            status=int(z["status"]),
+            message=str(z["message"]),
+            success=bool(z["success"]),
+            x=z["x"] if z["has_x"] else None,
+            fun=float(z["fun"]) if z["has_x"] else None,
+            mip_dual_bound=float(z["mip_dual_bound"]),
+            mip_gap=float(z["mip_gap"]),
+            mip_node_count=int(z["mip_node_count"]),
+            cached=True,
+        )
+
+
 def store(cache_dir: str | os.PathLike | None, key: str, res: Any, limit_mb: float = DEFAULT_MB) -> None:
     """Keep ``res`` under ``key`` when it is a proof (optimal or infeasible); written atomically. The least
-    recently used answers then go until all take at most ``limit_mb`` MiB."""
+    recently used answers then go until all take at most ``limit_mb`` MiB. A cache dir that cannot be written
+    costs the next run a solve, nothing more (one warning)."""
     if cache_dir is None or res.status not in KEPT:
         return
     path = _path(cache_dir, key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        has_x = res.x is not None
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npz.tmp")
-        with os.fdopen(fd, "wb") as f:
-            np.savez_compressed(
-                f,
-                status=res.status,
-                message=str(res.message),
-                success=bool(res.success),
-                has_x=has_x,
-                x=res.x if has_x else np.zeros(0),
-                fun=float(res.fun) if has_x else 0.0,
-                mip_dual_bound=_num(getattr(res, "mip_dual_bound", None)),
-                mip_gap=_num(getattr(res, "mip_gap", None)),
-                mip_node_count=int(getattr(res, "mip_node_count", 0) or 0),
-            )
-        os.replace(tmp, path)
+    has_x = res.x is not None
+    buf = io.BytesIO()
+    np.savez_compressed(
+        buf,
+        status=res.status,
+        message=str(res.message),
+        success=bool(res.success),
+        has_x=has_x,
+        x=res.x if has_x else np.zeros(0),
+        fun=float(res.fun) if has_x else 0.0,
+        mip_dual_bound=_num(getattr(res, "mip_dual_bound", None)),
+        mip_gap=_num(getattr(res, "mip_gap", None)),
+        mip_node_count=int(getattr(res, "mip_node_count", 0) or 0),
+    )
+    if cachefiles.write_atomic(path, buf.getvalue(), cache_dir=cache_dir, what="ILP answer"):
         evict(path.parent, int(limit_mb * 2**20), keep=path)
-    except OSError as e:  # a read-only or full cache dir costs the next run a solve, nothing more
-        log.warning("could not keep the ILP answer in %s: %s", path.parent, e)
 
 
 def evict(folder: Path, limit: int, keep: Path | None = None) -> list[Path]:
@@ -154,11 +153,8 @@ def ran_out(cache_dir: str | os.PathLike | None, key: str, time_limit: float) ->
     least ``time_limit`` (a run given no more time would too); else None."""
     if cache_dir is None:
         return None
-    try:
-        spent = float(_path(cache_dir, key, ".timeout").read_text())
-    except (OSError, ValueError):
-        return None
-    return spent if spent >= time_limit else None
+    spent = cachefiles.read(_path(cache_dir, key, ".timeout"), lambda raw: float(raw), "ILP timeout note")
+    return spent if spent is not None and spent >= time_limit else None
 
 
 def note_ran_out(cache_dir: str | os.PathLike | None, key: str, time_limit: float) -> None:
@@ -167,11 +163,7 @@ def note_ran_out(cache_dir: str | os.PathLike | None, key: str, time_limit: floa
     if cache_dir is None:
         return
     path = _path(cache_dir, key, ".timeout")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{float(time_limit)!r}")
-    except OSError as e:
-        log.warning("could not note the ILP's timeout in %s: %s", path.parent, e)
+    cachefiles.write_atomic(path, f"{float(time_limit)!r}", cache_dir=cache_dir, what="ILP timeout note")
 
 
 def _num(v: Any) -> float:

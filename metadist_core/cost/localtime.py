@@ -28,7 +28,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from metadist_core import cachefiles
 from metadist_core.cost.model import DeviceSpec, compute_cost, local_shape
+from metadist_core.cost.profile import cache_dir_of
 from metadist_core.ir.ir import op_signature
 
 log = logging.getLogger("metadist.localtime")
@@ -83,35 +85,38 @@ class LocalTimer:
     def _load(self) -> None:
         if self.cache_file is None:
             return
-        try:
-            saved = json.loads(Path(self.cache_file).read_text())
-        except (OSError, ValueError):
-            return
-        if not isinstance(saved, dict) or saved.get("version") != VERSION:
-            return
-        for kernel, (sec, rates) in saved.get("kernels", {}).items():
-            self.times.setdefault(kernel, (float(sec), DeviceSpec.from_json(rates)))
+        for kernel, figure in _read(Path(self.cache_file)).items():
+            self.times.setdefault(kernel, figure)
 
     def save(self) -> None:
-        """Write the figures measured so far beside the mesh profile (atomically)."""
+        """Write the figures measured so far beside the mesh profile (atomically), merged with those other
+        processes kept there meanwhile; a cache dir that cannot be written gives one warning."""
         if self.cache_file is None:
             return
         path = Path(self.cache_file)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(
-                json.dumps(
-                    {
-                        "version": VERSION,
-                        "kernels": {k: [v[0], v[1].to_json()] for k, v in self.times.items() if v is not None},
-                    },
-                    sort_keys=True,
-                )
+        with cachefiles.exclusive(path):
+            kernels = {k: v for k, v in _read(path).items() if self.times.get(k) is None}
+            kernels.update({k: v for k, v in self.times.items() if v is not None})
+            text = json.dumps(
+                {"version": VERSION, "kernels": {k: [v[0], v[1].to_json()] for k, v in kernels.items()}},
+                sort_keys=True,
             )
-            os.replace(tmp, path)
-        except OSError as e:
-            log.warning("could not keep the local op times in %s: %s", path, e)
+            cachefiles.write_atomic(path, text, cache_dir=cache_dir_of(path), what="local op times")
+
+
+def _parse(raw: bytes) -> dict[str, tuple[float, DeviceSpec]]:
+    """The figures in a cache file's bytes; none when it is of another :data:`VERSION`."""
+    saved = json.loads(raw)
+    if not isinstance(saved, dict):
+        raise ValueError(f"a JSON {type(saved).__name__}, not an object of kernel times")
+    if saved.get("version") != VERSION:
+        return {}  # another format: measured again
+    return {str(k): (float(sec), DeviceSpec.from_json(rates)) for k, (sec, rates) in saved.get("kernels", {}).items()}
+
+
+def _read(path: Path) -> dict[str, tuple[float, DeviceSpec]]:
+    """The figures kept in ``path``; none when there is no file or it is corrupt (one warning)."""
+    return cachefiles.read(path, _parse, "local op times") or {}
 
 
 def _measure(timer: LocalTimer, kernels: list[str], ask: dict[str, Request], mesh: Any) -> None:

@@ -25,7 +25,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from metadist_core import cachefiles
 from metadist_core.cost.model import DeviceSpec, compute_cost, compute_dtype
+from metadist_core.cost.profile import cache_dir_of
 from metadist_core.ir.ir import MetaIR, MetaOp
 
 log = logging.getLogger("metadist.optime")
@@ -54,26 +56,29 @@ def _whole_shape(graph: MetaIR, v: str, op: MetaOp) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _parse(raw: bytes) -> dict[str, float]:
+    """The slowdowns in a cache file's bytes; none when it is of another :data:`VERSION`."""
+    saved = json.loads(raw)
+    if not isinstance(saved, dict):
+        raise ValueError(f"a JSON {type(saved).__name__}, not an object of slowdowns")
+    if saved.get(VERSION_KEY) != VERSION:
+        return {}  # another format: measured again
+    return {str(k): float(v) for k, v in saved.items() if k != VERSION_KEY}
+
+
 def _load(path: Path | None) -> dict[str, float]:
-    if path is None or not path.exists():
+    if path is None:
         return {}
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get(VERSION_KEY) == VERSION:
-            return {str(k): float(v) for k, v in saved.items() if k != VERSION_KEY}
-    except (OSError, ValueError, AttributeError):
-        pass
-    return {}
+    return cachefiles.read(path, _parse, "op timings") or {}
 
 
-def _save(path: Path, cache: dict[str, float]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({VERSION_KEY: VERSION, **cache}, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("could not cache op timings in %s: %s", path, e)
+def _save(path: Path, cache: dict[str, float]) -> bool:
+    """Keep ``cache`` in ``path``, merged with what other processes kept there meanwhile (``cache`` wins);
+    False when the cache dir cannot be written (one warning)."""
+    with cachefiles.exclusive(path):
+        merged = {**_load(path), **cache}
+        text = json.dumps({VERSION_KEY: VERSION, **merged}, sort_keys=True)
+        return cachefiles.write_atomic(path, text, cache_dir=cache_dir_of(path), what="op timings")
 
 
 def whole_slowdowns(

@@ -9,6 +9,7 @@ whose per-axis alpha/beta come from the level each axis's groups cross.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from metadist_core import cachefiles
 from metadist_core.cost.model import DeviceSpec, DEVICE_PRESETS
 from metadist_core.ir.mesh import DEFAULT_ALPHA, DEFAULT_BETA, Mesh
 from metadist_core.config import load_settings
@@ -116,13 +118,13 @@ class MeshProfile:
             dict(d.get("key", {})),
         )
 
+    def dumps(self) -> str:
+        """The profile as the JSON text a profile file holds."""
+        return json.dumps(self.to_json(), indent=1)
+
     def save(self, path: str | os.PathLike) -> Path:
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        os.replace(tmp, p)
-        return p
+        """Write the profile to ``path`` atomically (a file the user asked for: errors raise); the path."""
+        return cachefiles.replace_atomic(path, self.dumps())
 
 
 DEFAULT_PROFILE = MeshProfile()
@@ -210,13 +212,24 @@ def profile_key(world_size: int, device_kind: str, host: str | None = None) -> d
     }
 
 
+#: the cache dir's folder of measured profiles and the files kept beside them
+PROFILES = "profiles"
+
+
 def profile_cache_path(cache_dir: str | os.PathLike | None, key: dict) -> Path:
     """``<cache dir>/profiles/<host>-w<world size>-<device kind>.json``."""
     base = Path(cache_dir) if cache_dir else Path(default_cache_dir())
     safe = "".join(
         ch if ch.isalnum() or ch in "-_." else "_" for ch in f"{key['host']}-w{key['world_size']}-{key['device_kind']}"
     )
-    return base / "profiles" / f"{safe}.json"
+    return base / PROFILES / f"{safe}.json"
+
+
+def cache_dir_of(path: str | os.PathLike) -> Path:
+    """The cache dir a file lies in: the parent of its folder when that is the profiles' folder (a profile
+    and the files beside it), else its folder."""
+    folder = Path(path).parent
+    return folder.parent if folder.name == PROFILES else folder
 
 
 def beside_profile(cache_dir: str | os.PathLike | None, key: dict, suffix: str) -> Path:
@@ -229,11 +242,8 @@ def beside_profile(cache_dir: str | os.PathLike | None, key: dict, suffix: str) 
 def cached_profile(cache_dir: str | os.PathLike | None, key: dict) -> MeshProfile | None:
     """The measured profile cached for ``key``, or None (none yet, unreadable, or measured for another key)."""
     p = profile_cache_path(cache_dir, key)
-    try:
-        prof = MeshProfile.from_json(json.loads(p.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return prof if prof.measured and prof.key == key else None
+    prof = cachefiles.read(p, lambda raw: MeshProfile.from_json(json.loads(raw)), "mesh profile")
+    return prof if prof is not None and prof.measured and prof.key == key else None
 
 
 def profile_for(frontend, resolved, settings, *, force: bool = False) -> MeshProfile:
@@ -262,5 +272,17 @@ def profile_for(frontend, resolved, settings, *, force: bool = False) -> MeshPro
     if prof is not cached:
         prof.key = key
         if resolved.lead:
-            prof.save(profile_cache_path(settings.cache_dir, key))
+            keep_profile(prof, settings.cache_dir, key)
     return prof
+
+
+def keep_profile(prof: MeshProfile, cache_dir: str | os.PathLike | None, key: dict) -> bool:
+    """Cache ``prof`` as the profile measured for ``key``, keeping the mesh shapes that another job measured
+    into the file meanwhile (its lock held); False when the cache dir cannot be written (one warning: the
+    next run measures again)."""
+    where = profile_cache_path(cache_dir, key)
+    with cachefiles.exclusive(where):
+        disk = cached_profile(cache_dir, key)
+        if disk is not None:
+            prof = dataclasses.replace(prof, axis_costs={**disk.axis_costs, **prof.axis_costs})
+        return cachefiles.write_atomic(where, prof.dumps(), cache_dir=cache_dir_of(where), what="mesh profile")

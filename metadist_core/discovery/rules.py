@@ -12,11 +12,11 @@ import itertools
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from metadist_core import cachefiles
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Placement, Replicate, Shard, Sharding, parse_placement, splits_nonempty
 from metadist_core.discovery.patterns import pattern_candidates
@@ -274,45 +274,29 @@ class RuleBook:
         d = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         book = cls(cache_dir=d)
         path = book.cache_path
-        if path is None or not path.exists():
-            return book
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-            loaded = cls.from_json(data, d)
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            log.warning("rule cache %s is unreadable (%s); it will be rebuilt", path, e)
-            return book
-        return loaded
+        loaded = None if path is None else _read_book(path, d)
+        return book if loaded is None else loaded
 
     def save(self) -> Path | None:
-        """Merge with what is on disk now and write atomically (temp file + rename)."""
+        """Merge with what is on disk now and write atomically (temp file + rename), holding the file's lock
+        so that concurrent writers keep each other's entries. The path written; None without a cache dir,
+        or when it cannot be written (read-only, full: one warning, and planning goes on without it)."""
         path = self.cache_path
         if path is None:
             return None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        merged = dict(self.entries)
-        if path.exists():
-            try:
-                with open(path, encoding="utf-8") as f:
-                    on_disk = RuleBook.from_json(json.load(f)).entries
-                for k, v in on_disk.items():
-                    merged.setdefault(k, v)
-            except (OSError, ValueError, KeyError, TypeError, IndexError):
-                pass  # corrupt: overwritten below
-        data = {"version": CACHE_VERSION, "entries": {k: v.to_json() for k, v in sorted(merged.items())}}
-        fd, tmp = tempfile.mkstemp(prefix=".rules-", suffix=".json", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-        return path
+        with cachefiles.exclusive(path):
+            merged = dict(self.entries)
+            on_disk = _read_book(path)
+            for k, v in (on_disk.entries if on_disk is not None else {}).items():
+                merged.setdefault(k, v)
+            data = {"version": CACHE_VERSION, "entries": {k: v.to_json() for k, v in sorted(merged.items())}}
+            ok = cachefiles.write_atomic(path, json.dumps(data, indent=1), cache_dir=self.cache_dir, what="rule cache")
+        return path if ok else None
+
+
+def _read_book(path: Path, cache_dir: Path | None = None) -> RuleBook | None:
+    """The rule cache at ``path``; None when there is none, or it is corrupt or of another version (one warning)."""
+    return cachefiles.read(path, lambda raw: RuleBook.from_json(json.loads(raw), cache_dir), "rule cache")
 
 
 _KEYS: dict[tuple, list[str]] = {}  # op content -> its keys: a 12-layer step asks 12 times for each

@@ -19,7 +19,7 @@ PACKAGES = {
 
 #: the core's layers, bottom first: a module may import its own layer and the layers below it
 CORE_LAYERS = (
-    ("config", "hookspecs", "plugins", "progress", "version"),
+    ("cachefiles", "config", "hookspecs", "plugins", "progress", "version"),
     ("ir",),
     ("discovery",),
     ("cost",),
