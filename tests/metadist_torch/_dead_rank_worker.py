@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _resume_worker as W  # noqa: E402  (the same model, batches and step)
 
 
 def main() -> None:
@@ -28,19 +29,9 @@ def main() -> None:
     from metadist_torch.faults import RankFailure
 
     rank, world = ensure_process_group()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    @metadist_compile(mesh=(2, world // 2), strategy="tp+dp")
-    def step(model, opt, x, y):
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    x, y = torch.randn(8, 16), torch.randn(8, 8)
+    model, opt, _ = W.build()
+    step = metadist_compile(mesh=(2, world // 2), strategy="tp+dp")(W.train_step)
+    x, y = W.batch(0)
     for i in range(10_000):
         if i == 3 and rank == victim:
             (out / "victim.json").write_text(json.dumps({"rank": rank, "at": time.time(), "pid": os.getpid()}))
