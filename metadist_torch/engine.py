@@ -215,6 +215,12 @@ def make_engine(mesh: Any = None) -> Engine:
             )
     if world > 1:
         cpu_group()  # made here, where every rank makes its engine: the guards agree on it at every call
+        from .faults import heartbeat, start_heartbeat
+
+        if heartbeat() is None:  # the user started the process group: beat into its store
+            store = getattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: None)()
+            if store is not None:
+                start_heartbeat(rank, world, restart_attempt(), 600.0, store)
     return Engine(rank, world, m, dm, coords, dev)
 
 

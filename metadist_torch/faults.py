@@ -111,24 +111,25 @@ class Heartbeat:
 _HEART: list[Heartbeat] = []
 
 
-def start_heartbeat(rank: int, world: int, attempt: str, timeout: float) -> Heartbeat | None:
-    """Start this process's heartbeat in the rendezvous store at ``MASTER_ADDR:MASTER_PORT`` (None where the
-    job was not started that way, or the store cannot be reached)."""
+def start_heartbeat(rank: int, world: int, attempt: str, timeout: float, store: Any = None) -> Heartbeat | None:
+    """Start this process's heartbeat (once): in ``store`` (the default process group's, where the user made
+    the group), else through a client of its own to the rendezvous store at ``MASTER_ADDR:MASTER_PORT``.
+    None where there is neither."""
     if _HEART:
         return _HEART[0]
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if world < 2 or not host or not port:
+    if world < 2 or (store is None and (not host or not port)):
         return None
     import torch.distributed as dist
 
     try:
-        client = dist.TCPStore(
-            host, int(port), is_master=False, timeout=timedelta(seconds=min(timeout, 30.0)), wait_for_workers=False
-        )
-        store = dist.PrefixStore(f"metadist/heartbeat/{attempt}/", client)
-        beat = Heartbeat(store, rank, world).start()
+        if store is None:
+            store = dist.TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=min(timeout, 30.0)), wait_for_workers=False
+            )
+        beat = Heartbeat(dist.PrefixStore(f"metadist/heartbeat/{attempt}/", store), rank, world).start()
     except Exception as e:
-        log.warning("metadist: no heartbeat (the store at %s:%s: %s); a stopped rank will not be named", host, port, e)
+        log.warning("metadist: no heartbeat (its store: %s); a rank that stops will not be named", e)
         return None
     _HEART.append(beat)
     return beat

@@ -2,7 +2,8 @@
 
 Started once per rank with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set (no torchrun,
 whose agent would end the other ranks itself, as a multi-node job's remote ranks are not):
-``_dead_rank_worker.py OUT_DIR SIGNAL VICTIM``. Each rank runs a compiled step (``strategy="tp+dp"`` on mesh (2, N/2): collectives on the
+``_dead_rank_worker.py OUT_DIR SIGNAL VICTIM [user]`` (``user``: the script starts the process group itself, on a
+file store). Each rank runs a compiled step (``strategy="tp+dp"`` on mesh (2, N/2): collectives on the
 DeviceMesh's groups, not only the default one) in a loop;
 before the 4th step rank ``VICTIM`` sends itself ``SIGNAL`` (KILL: dead; STOP: hung). Every other rank must
 stop with a :class:`~metadist_torch.faults.RankFailure`: it writes ``OUT_DIR/rank-R.json`` with the error,
@@ -28,6 +29,16 @@ def main() -> None:
     from metadist_torch.engine import ensure_process_group
     from metadist_torch.faults import RankFailure
 
+    if len(sys.argv) > 4 and sys.argv[4] == "user":  # the user starts the group (a file store, no MASTER_ADDR)
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=float(os.environ["METADIST_COLLECTIVE_TIMEOUT"]))
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        for k in ("MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k)
+        dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world, timeout=timeout)
     rank, world = ensure_process_group()
     model, opt, _ = W.build()
     step = metadist_compile(mesh=(2, world // 2), strategy="tp+dp")(W.train_step)

@@ -82,7 +82,7 @@ def test_diagnose_without_a_heartbeat_says_it_cannot_tell():
     assert stopped == [] and "cannot tell which rank" in how
 
 
-def _launch_ranks(tmp: Path, world: int, sig: str, victim: int, timeout_s: float) -> dict:
+def _launch_ranks(tmp: Path, world: int, sig: str, victim: int, timeout_s: float, init: str = "metadist") -> dict:
     """``world`` processes of ``_dead_rank_worker.py`` without torchrun; when each survivor exited, after the
     victim's signal."""
     from metadist_torch.demo import free_port
@@ -99,7 +99,7 @@ def _launch_ranks(tmp: Path, world: int, sig: str, victim: int, timeout_s: float
             METADIST_COLLECTIVE_TIMEOUT=str(timeout_s),
             METADIST_CACHE_DIR=str(tmp / "cache"),
         )
-        cmd = [sys.executable, str(HERE / "_dead_rank_worker.py"), str(tmp), sig, str(victim)]
+        cmd = [sys.executable, str(HERE / "_dead_rank_worker.py"), str(tmp), sig, str(victim), init]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     ended: dict[int, float] = {}
     deadline = time.time() + 240
@@ -119,12 +119,13 @@ def _launch_ranks(tmp: Path, world: int, sig: str, victim: int, timeout_s: float
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", ["KILL", "STOP"])
-def test_a_stopped_rank_is_named_and_every_other_rank_exits(tmp_path, sig):
+@pytest.mark.parametrize("sig,init", [("KILL", "metadist"), ("STOP", "metadist"), ("KILL", "user")])
+def test_a_stopped_rank_is_named_and_every_other_rank_exits(tmp_path, sig, init):
     """Rank 2 of 4 is killed (dead) or stopped (hung) mid-loop: ranks 0, 1 and 3 each raise a RankFailure
-    naming rank 2 and exit, within the collective timeout and the diagnosis."""
+    naming rank 2 and exit, within the collective timeout and the diagnosis; also where the script started
+    the process group itself (on a file store)."""
     world, victim, timeout_s = 4, 2, 8.0
-    got = _launch_ranks(tmp_path, world, sig, victim, timeout_s)
+    got = _launch_ranks(tmp_path, world, sig, victim, timeout_s, init)
     logs = "\n".join(f"--- rank {r}\n" + "\n".join(t.splitlines()[-8:]) for r, t in got["logs"].items())
     assert got["victim_at"] is not None, logs
     for r in range(world):
@@ -133,7 +134,7 @@ def test_a_stopped_rank_is_named_and_every_other_rank_exits(tmp_path, sig):
         assert r in got["ended"] and got["codes"][r] == 3, logs
         rep = json.loads((tmp_path / f"rank-{r}.json").read_text())
         assert rep["stopped"] == [victim] and f"rank {victim}" in rep["error"], rep["error"]
-        assert "collective_timeout=8 s" in rep["error"]
+        assert init == "user" or "collective_timeout=8 s" in rep["error"]
         waited = got["ended"][r] - got["victim_at"]
         assert waited < timeout_s + 20, f"rank {r} took {waited:.1f} s to stop"
         print(f"{sig}: rank {r} exited {waited:.1f} s after rank {victim} stopped")
