@@ -373,7 +373,8 @@ def test_nccl_groups_get_the_timeout_and_async_error_handling(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     monkeypatch.setenv("METADIST_COLLECTIVE_TIMEOUT", "42")
-    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "")  # recorded, so the value the code sets is undone
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING")
     monkeypatch.setattr(engine, "default_backend", lambda: "nccl")
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: made.setdefault("device", i))
     monkeypatch.setattr(dist, "is_initialized", lambda: bool(made.get("pg")))
