@@ -82,7 +82,9 @@ def test_diagnose_without_a_heartbeat_says_it_cannot_tell():
     assert stopped == [] and "cannot tell which rank" in how
 
 
-def _launch_ranks(tmp: Path, world: int, sig: str, victim: int, timeout_s: float, init: str = "metadist") -> dict:
+def _launch_ranks(
+    tmp: Path, world: int, sig: str, victim: int, timeout_s: float, init: str = "metadist", **extra: str
+) -> dict:
     """``world`` processes of ``_dead_rank_worker.py`` without torchrun; when each survivor exited, after the
     victim's signal."""
     from metadist_torch.demo import free_port
@@ -98,6 +100,7 @@ def _launch_ranks(tmp: Path, world: int, sig: str, victim: int, timeout_s: float
             MASTER_PORT=port,
             METADIST_COLLECTIVE_TIMEOUT=str(timeout_s),
             METADIST_CACHE_DIR=str(tmp / "cache"),
+            **extra,
         )
         cmd = [sys.executable, str(HERE / "_dead_rank_worker.py"), str(tmp), sig, str(victim), init]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
@@ -119,13 +122,21 @@ def _launch_ranks(tmp: Path, world: int, sig: str, victim: int, timeout_s: float
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,init", [("KILL", "metadist"), ("STOP", "metadist"), ("KILL", "user")])
-def test_a_stopped_rank_is_named_and_every_other_rank_exits(tmp_path, sig, init):
-    """Rank 2 of 4 is killed (dead) or stopped (hung) mid-loop: ranks 0, 1 and 3 each raise a RankFailure
-    naming rank 2 and exit, within the collective timeout and the diagnosis; also where the script started
-    the process group itself (on a file store)."""
-    world, victim, timeout_s = 4, 2, 8.0
-    got = _launch_ranks(tmp_path, world, sig, victim, timeout_s, init)
+@pytest.mark.parametrize(
+    "sig,init,backend,world",
+    [
+        ("KILL", "metadist", "eager", 4),
+        ("STOP", "metadist", "eager", 4),
+        ("KILL", "user", "eager", 4),
+        ("KILL", "metadist", "inductor", 2),
+    ],
+)
+def test_a_stopped_rank_is_named_and_every_other_rank_exits(tmp_path, sig, init, backend, world):
+    """The last rank but one is killed (dead) or stopped (hung) mid-loop: every other rank raises a RankFailure
+    naming it and exits, within the collective timeout and the diagnosis; also where the script started the
+    process group itself (on a file store), and where Inductor compiled the program (its collectives native)."""
+    victim, timeout_s = world - 2 if world > 2 else 1, 8.0
+    got = _launch_ranks(tmp_path, world, sig, victim, timeout_s, init, METADIST_BACKEND=backend)
     logs = "\n".join(f"--- rank {r}\n" + "\n".join(t.splitlines()[-8:]) for r, t in got["logs"].items())
     assert got["victim_at"] is not None, logs
     for r in range(world):
