@@ -10,8 +10,9 @@ in the same run, is its slowdown, clamped to :data:`LIMITS`. Being a ratio it ca
 the live mesh profile. An op the frontend did not time (too large, random, refused) takes the slowdown
 of the largest timed op of the same key and dtypes, and none (1) when there is none. Where the frontend
 also timed the step's whole program (replicated on one device), every op's slowdown is multiplied by how
-much longer the program ran than its ops' times say (:data:`PROGRAM_FACTOR`). Slowdowns are kept per
-machine in a JSON file beside the mesh profile (:data:`VERSION`). Ops a frontend times at each strategy's
+much longer the program ran than its ops' times say (:data:`PROGRAM_FACTOR`). Slowdowns, and each
+program's factor, are kept per machine in a JSON file beside the mesh profile (:data:`VERSION`): a step
+compiled again is priced as before, so its solver sees the same problem. Ops a frontend times at each strategy's
 local shapes are priced by :mod:`metadist_core.cost.localtime` instead.
 """
 
@@ -108,7 +109,10 @@ def whole_slowdowns(
         (op, tuple(_whole_shape(graph, v, op) for v in op.inputs), tuple(graph.vars[v].dtype for v in op.inputs))
         for op in ask.values()
     ]
-    times = time_ops(requests, program) if requests or program else None
+    prog_key = program_key(graph, sig_of) if program else None
+    kept = cache.get(prog_key) if prog_key is not None else None
+    timing_program = program and kept is None
+    times = time_ops(requests, timing_program) if requests or timing_program else None
     new = tried = 0
     if times is not None and requests:
         spec = dataclasses.replace(times.device, op_overhead=times.harness)
@@ -121,16 +125,31 @@ def whole_slowdowns(
             cache[sig] = min(max((t - spec.op_overhead) / max(roof, 1e-9), LIMITS[0]), LIMITS[1])
             new += 1
     out = _by_signature(graph, costs, cache, sig_of)
+    factor = kept if kept is not None else (None if times is None else program_factor(graph, costs, out, times))
     if new or tried:
         log.info(
             "timed %d ops of %s in %.1f s (%d could not run alone)", new, graph.name, time.perf_counter() - t0, tried
         )
-        if path is not None:
-            _save(path, cache)
-    factor = None if times is None else program_factor(graph, costs, out, times)
+    if prog_key is not None and kept is None and factor is not None:
+        cache[prog_key] = factor
+    if path is not None and (new or tried or cache.get(prog_key or "") != kept):
+        _save(path, cache)
     if factor is None:
         return out
     return {i: out.get(i, 1.0) * factor for i in costs}
+
+
+def program_key(graph: MetaIR, sig_of: dict[str, str]) -> str:
+    """The cache key of a program's factor: a digest of its ops' signatures in order. Kept like the ops'
+    slowdowns, so that the next compile of the same step (a restart, another rank count's re-plan) prices it
+    the same and its solver sees the same problem (and finds its answer kept)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for op in graph.ops:
+        h.update(sig_of[op.id].encode())
+        h.update(b"\n")
+    return "program:" + h.hexdigest()
 
 
 def _by_signature(graph: MetaIR, costs: dict, cache: dict[str, float], sig_of: dict[str, str]) -> dict[str, float]:
@@ -176,4 +195,4 @@ def program_factor(graph: MetaIR, costs: dict[str, tuple], slowdowns: dict[str, 
     return min(max(factor, PROGRAM_FACTOR[0]), PROGRAM_FACTOR[1])
 
 
-__all__ = ["LIMITS", "PROGRAM_FACTOR", "VERSION", "program_factor", "roofline", "whole_slowdowns"]
+__all__ = ["LIMITS", "PROGRAM_FACTOR", "VERSION", "program_factor", "program_key", "roofline", "whole_slowdowns"]
