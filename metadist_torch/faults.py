@@ -99,12 +99,8 @@ class Heartbeat:
     def counters(self) -> tuple[list[int], list[int]]:
         """Every rank's beat counter and published step count, read now."""
         beats = [int(self.store.add(f"beat/{r}", 0)) for r in range(self.world)]
-        steps = []
-        for r in range(self.world):
-            try:
-                steps.append(int(self.store.get(f"steps/{r}")))
-            except Exception:
-                steps.append(-1)
+        keys = [f"steps/{r}" for r in range(self.world)]  # checked first: a get of a missing key waits
+        steps = [int(self.store.get(k)) if self.store.check([k]) else -1 for k in keys]
         return beats, steps
 
 
@@ -195,7 +191,10 @@ def diagnose(beat: Heartbeat | None = None) -> tuple[list[int], str]:
 def _judge(beat: Heartbeat, first: list[int], second: list[int], steps: list[int]) -> tuple[list[int], str]:
     stopped = [r for r in range(beat.world) if r != beat.rank and second[r] == first[r]]
     if stopped:
-        names = ", ".join(f"rank {r} (its last beat: {steps[r]} step calls)" for r in stopped)
+        names = ", ".join(
+            f"rank {r} ({f'its last beat: {steps[r]} step calls' if steps[r] >= 0 else 'it never beat'})"
+            for r in stopped
+        )
         return stopped, f"{names} stopped answering: no heartbeat in {STALE * beat.interval:.1f} s"
     live = [s for s in steps if s >= 0]
     ahead = max(live) if live else 0

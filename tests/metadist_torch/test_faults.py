@@ -35,16 +35,19 @@ HERE = Path(__file__).resolve().parent
 # -- naming the rank that stopped -------------------------------------------------------------------------
 
 
-def _beats(world: int, live: list[int], steps: dict[int, int] | None = None) -> list[Heartbeat]:
+def _beats(world: int, live: list[int], steps: dict[int, int] | None = None, never: int = -1) -> list[Heartbeat]:
+    import datetime
+
     import torch.distributed as dist
 
     store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=10))  # what a read of a missing key would wait
     hearts = [Heartbeat(store, r, world, interval=0.05) for r in range(world)]
     for r, h in enumerate(hearts):
         h.steps = (steps or {}).get(r, 5)
         if r in live:
             h.start()
-        else:
+        elif r != never:
             h._beat()  # beat once, then never again
     return hearts
 
@@ -59,6 +62,18 @@ def test_diagnose_names_the_rank_that_stopped_beating():
         hearts[1].stop()
         again, how1 = diagnose(hearts[3])
         assert again == [2] and "found by rank 0" in how1
+    finally:
+        for h in hearts:
+            h.stop()
+
+
+def test_diagnose_names_a_rank_that_never_beat_without_waiting_on_its_keys():
+    hearts = _beats(3, live=[0, 1], never=2)
+    try:
+        t = time.perf_counter()
+        stopped, how = diagnose(hearts[0])
+        assert stopped == [2] and "rank 2 (it never beat)" in how
+        assert time.perf_counter() - t < 3.0
     finally:
         for h in hearts:
             h.stop()
