@@ -106,7 +106,7 @@ def resolve(path: str | os.PathLike) -> Path:
             stacklevel=3,
         )
         return previous
-    there = " (only an unfinished save is there: {}".format(staging(path)) + ")" if staging(path).exists() else ""
+    there = f" (only an unfinished save is there: {staging(path)})" if staging(path).exists() else ""
     raise FileNotFoundError(
         f"no checkpoint folder at {os.fspath(path)!r}{there}; save one with save_checkpoint(path, model, "
         f"optimizer) first"

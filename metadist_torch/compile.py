@@ -36,7 +36,7 @@ from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
 from .compiled import check_settings
-from .faults import RankFailure, is_collective_failure, rank_failure
+from .faults import RankFailure, count_step, is_collective_failure, rank_failure
 from .plugin import TorchFrontend
 from .stats import CommStats
 
@@ -55,8 +55,6 @@ class TorchStep(CompiledStep):
         return stats if isinstance(stats, CommStats) else CommStats()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from .faults import count_step
-
         count_step()
         try:
             return self._call(args, kwargs)
