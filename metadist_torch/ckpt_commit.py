@@ -144,8 +144,8 @@ def problems(folder: Path, m: dict[str, Any], share: int = 0, shares: int = 1) -
         size = f.stat().st_size
         if size != want["bytes"]:
             out.append(f"{name} has {size} bytes, the manifest {want['bytes']}")
-        elif i % shares == share and crc32(f) != want["crc32"]:
-            out.append(f"{name} fails its checksum (CRC-32 {crc32(f):#010x}, the manifest {want['crc32']:#010x})")
+        elif i % shares == share and (got := crc32(f)) != want["crc32"]:
+            out.append(f"{name} fails its checksum (CRC-32 {got:#010x}, the manifest {want['crc32']:#010x})")
     return out
 
 

@@ -220,7 +220,7 @@ def make_engine(mesh: Any = None) -> Engine:
         if heartbeat() is None:  # the user started the process group: beat into its store
             store = getattr(torch.distributed.distributed_c10d, "_get_default_store", lambda: None)()
             if store is not None:
-                start_heartbeat(rank, world, restart_attempt(), 600.0, store)
+                start_heartbeat(rank, world, restart_attempt(), store=store)
     return Engine(rank, world, m, dm, coords, dev)
 
 

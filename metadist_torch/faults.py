@@ -107,10 +107,10 @@ class Heartbeat:
 _HEART: list[Heartbeat] = []
 
 
-def start_heartbeat(rank: int, world: int, attempt: str, timeout: float, store: Any = None) -> Heartbeat | None:
+def start_heartbeat(rank: int, world: int, attempt: str, timeout: float = 30.0, store: Any = None) -> Heartbeat | None:
     """Start this process's heartbeat (once): in ``store`` (the default process group's, where the user made
-    the group), else through a client of its own to the rendezvous store at ``MASTER_ADDR:MASTER_PORT``.
-    None where there is neither."""
+    the group), else through a client of its own to the rendezvous store at ``MASTER_ADDR:MASTER_PORT``,
+    whose operations wait at most ``timeout`` seconds (30 at most). None where there is neither."""
     if _HEART:
         return _HEART[0]
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
