@@ -38,7 +38,7 @@ def _setting(default: Any, help: str, *, shown: str | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
-PRESETS: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "tp+dp")
+PRESETS: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "tp+dp", "ep")
 ALIASES = {"fsdp": "zero3"}
 STRATEGIES: tuple[str, ...] = ("auto",) + PRESETS
 
@@ -164,7 +164,7 @@ class Settings:
     strategy: str = _setting(
         "auto",
         "`auto` (the solver plans freely) or a preset: ddp, zero1, zero2, zero3, fsdp (= zero3), tp, "
-        "tp+dp -- constraints on the same plan search.",
+        "tp+dp, ep (experts split over mesh axis 0) -- constraints on the same plan search.",
     )
     grad_compression: str | None = _setting(
         None, "Send the collectives on gradients compressed: `bf16` or `fp16`.", shown="none (uncompressed)"
@@ -234,6 +234,12 @@ class Settings:
         "How each rank runs its program: `eager` (op by op, as lowered), `inductor` (compiled by "
         "torch.compile into fused kernels, collectives included), or any other torch.compile backend name. "
         "Frontends that always compile (JAX) ignore it.",
+    )
+    moe_capacity_factor: float | None = _setting(
+        None,
+        "Slots per expert in a mixture-of-experts layer, as a multiple of its even share of the routed tokens; "
+        "a token past its expert's slots is dropped. none: every token fits, none is dropped.",
+        shown="none (no token dropped)",
     )
     compile_options: dict | None = _setting(
         None,
@@ -356,6 +362,8 @@ def load_settings(**explicit: Any) -> Settings:
                 raise ValueError(f"setting {f.name} must be an integer, got {value!r}") from None
         elif f.name == "first_bucket_mb" and str(value).strip().lower() == "auto":
             value = None
+        elif f.name == "moe_capacity_factor" and str(value).strip().lower() in ("none", ""):
+            value = None
         elif f.name == "compile_options":
             value = _options(value)
         elif f.name in (
@@ -363,6 +371,7 @@ def load_settings(**explicit: Any) -> Settings:
             "collective_timeout",
             "bucket_mb",
             "first_bucket_mb",
+            "moe_capacity_factor",
             "shard_bucket_mb",
             "ilp_cache_mb",
             "autotune_seconds",
@@ -391,6 +400,10 @@ def load_settings(**explicit: Any) -> Settings:
         s.strategy = check_strategy(s.strategy)  # an unknown name: ValueError listing the presets
     if s.first_bucket_mb is not None and s.first_bucket_mb < 0:
         raise ValueError(f"first_bucket_mb must be 0 (the same as bucket_mb) or more, got {s.first_bucket_mb}")
+    if s.moe_capacity_factor is not None and not s.moe_capacity_factor > 0:
+        raise ValueError(
+            f"moe_capacity_factor must be None (no token dropped) or a positive number, got {s.moe_capacity_factor}"
+        )
     if s.shard_bucket_mb < 0:
         raise ValueError(f"shard_bucket_mb must be 0 (off) or more, got {s.shard_bucket_mb}")
     if s.autotune_seconds <= 0:

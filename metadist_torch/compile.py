@@ -185,7 +185,8 @@ def metadist_compile(
     :param constraints: ``{parameter name or glob: Placement or tuple of Placements, one per axis}``
         (``{"head.weight": Replicate(), "*.fc.weight": Shard(0)}``) and/or ``Pin``/``Forbid`` constraints.
     :param strategy: "auto" (default) or a preset: "ddp", "zero1", "zero2", "zero3" (= "fsdp"), "tp",
-        "tp+dp" -- constraints on the same plan search (:mod:`metadist_core.problem.presets`).
+        "tp+dp", "ep" (mixture-of-experts weights split by expert over mesh axis 0, the rest as ddp) --
+        constraints on the same plan search (:mod:`metadist_core.problem.presets`).
     :param plugins: the PluginManager to find solvers in (default: the installed plugins).
     :param micro_batches: cut the batch (dim 0 of every tensor input) into this many equal parts; gradients
         accumulate over them within one call (a mean-reduced loss gives the whole batch's numbers).
@@ -236,9 +237,22 @@ def metadist_compile(
             **settings,
         )
         check_settings(step.settings)  # an unknown backend, or an option it cannot compile: before any trace
+        step.frontend.moe_capacity_factor = step.settings.moe_capacity_factor
+        step.frontend.mesh_shape = _mesh_shape(mesh)
         return step
 
     return wrap
+
+
+def _mesh_shape(mesh: Any) -> tuple[int, ...] | None:
+    """The shape of the user's ``mesh`` argument (a shape or a DeviceMesh); None for the whole world."""
+    if mesh is None:
+        return None
+    shape = mesh.shape if hasattr(mesh, "shape") else mesh
+    try:
+        return tuple(int(n) for n in shape)
+    except TypeError:
+        return None
 
 
 __all__ = ["metadist_compile", "TorchStep"]

@@ -108,6 +108,8 @@ class TorchFrontend(Frontend):
     name = "torch"
     description = "PyTorch: aten ops run through torch.ops for ShardCombine"
     traits = TRAITS
+    moe_capacity_factor: float | None = None  # the setting's value, for tracing mixture-of-experts layers
+    mesh_shape: tuple[int, ...] | None = None  # the step's mesh, where given: a token group per device
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         from .state import signature
@@ -125,7 +127,9 @@ class TorchFrontend(Frontend):
         from .offload import state_to_device
 
         state_to_device(state)  # offloaded optimizer state back beside the parameters: tracing runs the optimizer
-        step = trace_step(fn, args, kwargs, state=state)
+        step = trace_step(
+            fn, args, kwargs, state=state, moe_capacity_factor=self.moe_capacity_factor, mesh_shape=self.mesh_shape
+        )
         return Traced(step.graph, context=step)
 
     def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> Resolved:

@@ -79,6 +79,16 @@ def state_label(state: StepState, i: int) -> str:
     return name
 
 
+def _experts_of(slot: Any) -> int | None:
+    """The number of experts a parameter's dim 0 indexes, for the weights of a mixture-of-experts layer."""
+    from .moe import is_experts_module
+
+    owner, value = slot.owner, slot.get()
+    if isinstance(owner, torch.nn.Module) and is_experts_module(owner) and value.dim() >= 2:
+        return owner.num_experts if value.shape[0] == owner.num_experts else None
+    return None
+
+
 def is_annotation(target: Any) -> bool:
     """Is this fx call target ``metadist::annotate`` (:func:`metadist_torch.annotate`)?"""
     return (
@@ -116,6 +126,7 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
         role = slots[i].role if i < len(slots) else ROLE_INPUT
         mv = g.add_input(ph.name, meta[0] if meta else None, meta[1] if meta else "float32", role)
         mv.label = state_label(state, i) if i < len(slots) else None
+        mv.experts = _experts_of(slots[i]) if i < len(slots) and slots[i].role == "parameter" else None
         in_names.append(ph.name)
     constants: list[torch.Tensor] = []
     random_ops: list[str] = []

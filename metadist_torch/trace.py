@@ -45,6 +45,7 @@ import torch.utils._pytree as pytree
 from metadist_core.ir.ir import MetaIR
 
 from .amp import amp_decompositions
+from .moe import capacity_dispatch, world_mesh
 from .hyper import Hyperparameters, branch_guards, hyper_slots, lift, swapped_values, symbolic_values
 from .state import (
     OptimizerParamHolder,
@@ -158,11 +159,15 @@ def trace_step(
     name: str | None = None,
     state: StepState | None = None,
     example_state: Sequence[torch.Tensor] | None = None,
+    moe_capacity_factor: float | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> TracedStep:
     """Trace ``fn(*args, **kwargs)`` (forward, backward, optimizer step) into a functional TracedStep.
 
     ``example_state`` (same order as ``state.slots``) gives the full-size
-    values to trace with when the live state is sharded (retracing).
+    values to trace with when the live state is sharded (retracing). Mixture-of-experts layers trace as a
+    capacity-padded dispatch (:mod:`metadist_torch.moe`) with ``moe_capacity_factor``, its tokens in a group per
+    device of ``mesh_shape`` (None: the world as one axis).
     """
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.nn.utils.stateless import _reparametrize_module
@@ -182,6 +187,7 @@ def trace_step(
     n_user = len(user_tensors)
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     out_box: dict[str, Any] = {}
+    owners = [s.owner for s in state.params if isinstance(s.owner, torch.nn.Module)]
 
     def flat(*values: Any):
         pv, bv, sv = values[:n_p], values[n_p : n_p + n_b], values[n_p + n_b : n_p + n_b + n_s]
@@ -218,6 +224,7 @@ def trace_step(
                 for opt in state.optimizers:
                     stack.enter_context(swapped_optimizer(opt, state.param_objs, new_params))
                 stack.enter_context(swapped_values(hyper, state.optimizers, hv))
+                stack.enter_context(capacity_dispatch(owners, mesh_shape or world_mesh(), moe_capacity_factor))
                 grads = stack.enter_context(capture_gradients(state.optimizers, new_params))
                 out = fn(*a, **kw)
                 new_state = [s.owner[s.key] for s in state.opt_states]

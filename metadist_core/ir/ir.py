@@ -89,6 +89,7 @@ class MetaVar:
     producer: str | None = None  # id of the MetaOp that makes it; None for graph inputs
     consumers: list[str] = field(default_factory=list)  # ids of MetaOps that read it
     label: str | None = None  # the user's name for it ("blocks.0.fc.weight"), when the frontend knows one
+    experts: int | None = None  # a mixture-of-experts weight: its dim 0 indexes this many experts
 
     def __post_init__(self) -> None:
         if self.shape is not None:
@@ -113,7 +114,7 @@ class MetaVar:
         return self.numel * DTYPE_BYTES.get(self.dtype, 4)
 
     def to_json(self) -> dict:
-        d = {
+        d: dict[str, Any] = {
             "id": self.id,
             "shape": None if self.shape is None else list(self.shape),
             "dtype": self.dtype,
@@ -121,6 +122,8 @@ class MetaVar:
         }
         if self.label is not None:
             d["label"] = self.label
+        if self.experts is not None:
+            d["experts"] = self.experts
         return d
 
 
@@ -385,7 +388,8 @@ class MetaIR:
         g = cls(data.get("name", "step"))
         produced = {o for op in data["ops"] for o in op["outputs"]}
         for v in data["vars"]:
-            g.add_var(v["id"], v["shape"], v["dtype"], v.get("role", "intermediate")).label = v.get("label")
+            mv = g.add_var(v["id"], v["shape"], v["dtype"], v.get("role", "intermediate"))
+            mv.label, mv.experts = v.get("label"), v.get("experts")
         g.inputs = [v for v in data["inputs"]]
         for op in data["ops"]:
             g.add_op(op["key"], op["inputs"], [g.vars[o] for o in op["outputs"]], op.get("attrs"), id=op["id"])

@@ -19,6 +19,7 @@ import numpy as np
 
 from metadist_core.cost.model import local_bytes
 from metadist_core.config import PRESETS
+from metadist_core.ir.placement import Sharding
 from metadist_core.problem.presets import constrain, preset_constraints
 from metadist_core.plugins import PluginManager
 from pathlib import Path
@@ -152,6 +153,47 @@ def _reason(w: ParamWhy, budget: int | None) -> str:
     )
 
 
+def expert_ranges(sharding: Sharding, experts: int, mesh_shape: Sequence[int]) -> list[tuple[int, int]]:
+    """Per device (ranks in row-major mesh order): the experts ``[first, last]`` it holds of a weight whose dim
+    0 indexes ``experts`` experts and which is stored with ``sharding``."""
+    axes = [a for a, p in enumerate(sharding) if p.is_shard() and p.dim == 0]
+    blocks = math.prod(mesh_shape[a] for a in axes)
+    per = experts // blocks if blocks and experts % blocks == 0 else experts
+    out = []
+    for rank in range(math.prod(mesh_shape)):
+        coord, r = [], rank
+        for n in reversed(mesh_shape):
+            coord.append(r % n)
+            r //= n
+        coord.reverse()
+        b = 0
+        for a in axes:  # dim 0 split over the axes in order, the first the outermost
+            b = b * mesh_shape[a] + coord[a]
+        first = b * per if per < experts else 0
+        out.append((first, first + per - 1))
+    return out
+
+
+def expert_lines(plan: "ShardingPlan", prob: "ShardingProblem") -> list[str]:
+    """Where each expert of each mixture-of-experts weight lives (none: no lines)."""
+    rows = []
+    for v, info in prob.vars.items():
+        n = info.get("experts")
+        if not n or info["role"] != "parameter" or v not in plan.input_shardings:
+            continue
+        ranges = expert_ranges(plan.input_shardings[v], n, plan.mesh_shape)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for rank, rg in enumerate(ranges):
+            groups.setdefault(rg, []).append(rank)
+        where = "; ".join(
+            f"{'expert' if a == b else 'experts'} {a}{'' if a == b else f'-{b}'} on rank{'s' if len(rs) > 1 else ''} "
+            f"{','.join(map(str, rs))}"
+            for (a, b), rs in groups.items()
+        )
+        rows.append(f"  {info.get('label') or v} ({n} experts, {plan.input_shardings[v]}): {where}")
+    return ["", "experts"] + rows if rows else []
+
+
 # -- presets ----------------------------------------------------------------------------------------
 
 
@@ -166,6 +208,8 @@ def compare_presets(
     collectives, and a note (what could not be pinned, or why it has no plan)."""
     pm = plugins or PluginManager()
     base = getattr(prob, "unsteered", prob)
+    if not any(i.get("experts") for i in base.vars.values()):
+        names = [n for n in names if n != "ep"]  # without experts, ep is ddp
     rows = []
     for name in names:
         try:
@@ -246,6 +290,8 @@ def explain_plan(
             "  (reasons need the plan's problem: explain the plan in the process that made it, or pass "
             "its problem JSON)"
         )
+    if prob is not None:
+        lines += expert_lines(plan, prob)
     lines += ["", "collectives"]
     colls = [(e, c) for e, c in plan.collectives() if not c.is_free]
     lines.append(f"  {'value':<32} {'to':<18} {'kind':<15} {'axis':>4} {'bytes':>10} {'time ms':>9}")

@@ -126,6 +126,8 @@ def build_problem(
     for mv in graph.vars.values():
         if mv.label:
             vars_[mv.id]["label"] = mv.label  # the user's name (explain, constraints by name)
+        if mv.experts:
+            vars_[mv.id]["experts"] = mv.experts  # a mixture-of-experts weight (the ep preset, explain)
     for v, wire in wire_dtypes(graph, grad_compression).items():
         vars_[v]["comm_dtype"] = wire
     if shard_bucket_bytes:  # inputs the lowering may gather in buckets (metadist_core.cost.gathers)

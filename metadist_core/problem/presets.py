@@ -25,6 +25,12 @@ a preset's price and its numbers come from the same machinery.
   (sequence-parallel norms where that is cheaper). An attention, or a column/row pair, one of whose weights
   the user pins unsplit (constraints by name) is left to the solver whole: Megatron on the MLPs alone.
 - ``tp+dp``: tp on the last mesh axis, ddp on the others.
+- ``ep``: expert parallelism. Every mixture-of-experts weight (a parameter
+  the frontend marks with its number of experts) is split on its expert dim
+  over mesh axis 0 and replicated on the others; the other parameters are
+  replicated, the batch split on dim 0 over every axis and their gradients
+  all-reduced, as ddp. The solver places the tokens: grouped by expert where
+  the experts live, which the lowering moves by all_to_all.
 
 Optimizer state follows the parameter it belongs to where a preset does not
 say otherwise. A dim that does not divide evenly stays replicated, and a pin
@@ -104,6 +110,17 @@ def _replicated_update(g: GraphView, pins: Pins, grads: Iterable[str]) -> None:
             pins.out.pins.extend(Forbid(Shard(d), var=v) for d in range(len(shape)))
 
 
+def _expert_pins(g: GraphView, pins: Pins) -> None:
+    """The ep preset's experts: each expert weight split on its expert dim (0) over mesh axis 0."""
+    shape = g.prob.mesh.shape
+    experts = [p for p in g.params if g.prob.vars[p].get("experts")]
+    if not experts:
+        pins.out.notes.append("no mixture-of-experts weights in the graph: ep is ddp here")
+    for p in experts:
+        n = g.prob.vars[p]["experts"]
+        pins.pin(p, split_on(g.shape(p), 0, [0], shape), f"its {n} experts do not divide by mesh axis 0 ({shape[0]})")
+
+
 def preset_constraints(
     prob: "ShardingProblem", name: str, user: Mapping[str, Sharding] | None = None
 ) -> PresetConstraints:
@@ -126,17 +143,21 @@ def preset_constraints(
             split_on(g.shape(v), 0, dp_axes, shape) if dp_axes else None,
             f"batch dim 0 does not divide by {math.prod(shape[a] for a in dp_axes)}" if dp_axes else "",
         )
+    if key == "ep":
+        _expert_pins(g, pins)
     shard_state = key in ("zero1", "zero2", "zero3")
     shard_params = key == "zero3"
-    if key in ("ddp", "zero1", "zero2"):  # each device's gradient is a partial sum, reduced for the update
+    if key in ("ddp", "zero1", "zero2", "ep"):  # each device's gradient is a partial sum, reduced for the update
         grads = g.gradients()
+        if key == "ep":  # an expert weight's gradient is made where its experts live
+            grads = {v: p for v, p in grads.items() if not g.prob.vars[p].get("experts")}
         pins.out.gradients = grads
         if not grads:
             pins.out.notes.append("no gradients recognised (no optimizer update reads a batch-dependent value)")
         partial = Sharding(tuple(Partial("sum") for _ in every))
         for v in grads:
             if pins.pin(v, partial, ""):
-                if key == "ddp":  # read whole: all-reduced
+                if key in ("ddp", "ep"):  # read whole: all-reduced
                     _forbid_readers(g, pins, v, [Shard(d) for d in range(len(g.shape(v) or ()))])
                 elif key == "zero2" and split_on(g.shape(v), 0, every, shape) is not None:
                     _forbid_readers(g, pins, v, [Replicate()])  # read split: reduce-scattered
