@@ -93,6 +93,20 @@ def world_mesh() -> tuple[int, ...]:
     return (int(os.environ.get("WORLD_SIZE", "1")),)
 
 
+def dropped_tokens(
+    top_k_index: torch.Tensor, num_experts: int, mesh_shape: tuple[int, ...], capacity_factor: float | None
+) -> int:
+    """How many (token, expert) choices of a layer's routing ``top_k_index [T, k]`` the capacity-padded
+    dispatch drops, with its groups for ``mesh_shape`` and ``capacity_factor`` (0 when the factor is None)."""
+    tokens, k = top_k_index.shape
+    g = token_groups(tokens, mesh_shape)
+    tg = tokens // math.prod(g)
+    c = capacity(tg, k, num_experts, capacity_factor)
+    per_group = top_k_index.reshape(-1, tg * k)
+    counts = torch.stack([torch.bincount(row, minlength=num_experts) for row in per_group])
+    return int((counts - c).clamp(min=0).sum())
+
+
 def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
     """``x [*G, E, C, in]`` through the experts' weights ``w [E, out, in]`` (``[E, in, out]`` if transposed)."""
     y = torch.einsum("...eci,eio->...eco", x, w) if transposed else torch.einsum("...eci,eoi->...eco", x, w)
@@ -186,6 +200,7 @@ __all__ = [
     "capacity",
     "capacity_dispatch",
     "capacity_experts_forward",
+    "dropped_tokens",
     "expert_parameters",
     "experts_modules",
     "is_experts_module",
