@@ -1,0 +1,103 @@
+"""Mixture-of-experts models as a user builds them (transformers' Mixtral and Qwen2-MoE from configs), their
+training steps and batches, for the MoE tests and their multi-rank worker."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 128
+
+
+def mixtral(seed: int = 0, hidden: int = 64, experts: int = 4, top_k: int = 2, layers: int = 2) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3 // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+    )
+    return MixtralForCausalLM(cfg)
+
+
+def qwen_moe(seed: int = 0, hidden: int = 64, experts: int = 4, top_k: int = 2, layers: int = 2) -> torch.nn.Module:
+    """Qwen2-MoE: routed experts beside a gated shared expert in every layer."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3 // 2,
+        moe_intermediate_size=hidden // 2,
+        shared_expert_intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        max_position_embeddings=64,
+    )
+    return Qwen2MoeForCausalLM(cfg)
+
+
+def one_expert(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every router zeroed and frozen: all logits tie, so every token goes to the same expert
+    (the same two with top-2), and the others get no token, at every step."""
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            with torch.no_grad():
+                p.zero_()
+            p.requires_grad_(False)
+    return model
+
+
+def batch(step: int, size: int = 8, seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (size, seq), generator=torch.Generator().manual_seed(100 + step))
+
+
+def lm_step(model, opt, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def autocast_step(model, opt, ids):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def optimizer(model: torch.nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if kind == "sgd":  # bf16 tests: Adam turns a near-zero gradient's rounding into a whole step of lr
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def routes(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's ``top_k_index`` for ``ids``, as its router chose it."""
+    out: list[torch.Tensor] = []
+    hooks = [
+        m.register_forward_hook(lambda _m, _i, o: out.append(o[2].detach()))
+        for n, m in model.named_modules()
+        if n.endswith("mlp.gate") and not isinstance(m, torch.nn.Linear)
+    ]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out

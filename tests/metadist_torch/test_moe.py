@@ -1,0 +1,307 @@
+"""Mixture-of-experts models as transformers writes them: the capacity-padded dispatch against the library's own
+experts, the rules ShardCombine finds for its ops checked on routings discovery never drew, a compiled step
+against the eager one, the ep preset's plan, and (on 4 gloo ranks) expert parallelism against one device."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from _moe_models import autocast_step, batch, lm_step, mixtral, one_expert, optimizer, qwen_moe, routes  # noqa: E402
+from metadist_core.config import load_settings  # noqa: E402
+from metadist_core.driver.compile import plan_graph  # noqa: E402
+from metadist_core.ir.mesh import Mesh  # noqa: E402
+from metadist_core.ir.placement import Partial, Replicate, Shard  # noqa: E402
+from metadist_core.plan.explain import explain_plan  # noqa: E402
+from metadist_torch import metadist_compile, rules_for  # noqa: E402
+from metadist_torch.moe import capacity_dispatch, capacity_experts_forward, dropped_tokens, experts_modules  # noqa: E402
+from metadist_torch.plugin import TorchFrontend  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+BUILDERS = {"mixtral": mixtral, "qwen_moe": qwen_moe}
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager", "batched_mm"])
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+@pytest.mark.parametrize("routing", ["learned", "one_expert"])
+@pytest.mark.parametrize("mesh", [(1,), (2, 2), (3,)])
+def test_capacity_dispatch_is_the_libraries_own_layer(name, routing, mesh, impl):
+    """Forward and every gradient equal those of each of transformers' experts implementations (grouped matmul,
+    the loop over the experts hit, batched matmul), for every grouping of the tokens, also when every token goes
+    to one expert and the others get none; (3,) does not divide 128 tokens into 3 groups, so they fall back to 2."""
+    model = BUILDERS[name](top_k=1 if routing == "one_expert" else 2)
+    model.config._experts_implementation = impl
+    if routing == "one_expert":
+        one_expert(model)
+        assert all(len(r.unique()) == 1 for r in routes(model, batch(0)))
+    ids = batch(0)
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    want = _grads(model)
+    model.zero_grad()
+    with capacity_dispatch([m for _, m in experts_modules([model])], mesh):
+        got = model(input_ids=ids, labels=ids)
+        got.loss.backward()
+    torch.testing.assert_close(got.logits, ref.logits, rtol=1e-5, atol=1e-6)
+    grads = _grads(model)
+    assert grads.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(grads[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert type(experts_modules([model])[0][1]).forward is not None and "forward" not in vars(
+        experts_modules([model])[0][1]
+    ), "the module's own forward is back after the trace"
+
+
+def _dropping_reference(experts, x, idx, w, groups, cap):
+    """GShard's dropping by hand: per group, every token's first choice before any second choice, in token
+    order; a choice past its expert's ``cap`` slots is dropped."""
+    out = torch.zeros_like(x)
+    tg = x.shape[0] // groups
+    for g in range(groups):
+        used = [0] * experts.num_experts
+        for j in range(idx.shape[1]):
+            for t in range(g * tg, (g + 1) * tg):
+                e = int(idx[t, j])
+                if used[e] >= cap:
+                    continue
+                used[e] += 1
+                gate, up = torch.nn.functional.linear(x[t], experts.gate_up_proj[e]).chunk(2, dim=-1)
+                h = torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+                out[t] += w[t, j] * h
+    return out
+
+
+def test_a_capacity_factor_drops_what_gshard_drops():
+    experts = experts_modules([mixtral()])[0][1]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 64, generator=gen)
+    first = torch.zeros(16, dtype=torch.long)
+    first[:5] = 3  # skewed: expert 0 is every later token's first choice, expert 3 the first five tokens'
+    idx = torch.stack([first, (first + torch.randint(1, 4, (16,), generator=gen)) % 4], dim=1)  # two distinct
+    w = torch.rand(16, 2, generator=gen)
+    with torch.no_grad():
+        for factor, mesh in [(1.0, (2,)), (0.5, (1,)), (2.0, (4,))]:
+            tg = 16 // mesh[0]
+            cap = max(1, min(tg, math.ceil(factor * 2 * tg / 4)))
+            got = capacity_experts_forward(experts, x, idx, w, mesh_shape=mesh, capacity_factor=factor)
+            want = _dropping_reference(experts, x, idx, w, mesh[0], cap)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            dropped = dropped_tokens(idx, 4, mesh, factor)
+            assert dropped > 0 if factor <= 1 else dropped == 0, (factor, dropped)  # 2.0: a group's worth of slots
+        none = capacity_experts_forward(experts, x, idx, w, mesh_shape=(4,), capacity_factor=None)
+        torch.testing.assert_close(none, _dropping_reference(experts, x, idx, w, 4, 4), rtol=1e-5, atol=1e-6)
+    assert dropped_tokens(idx, 4, (4,), None) == 0
+
+
+# -- rules ------------------------------------------------------------------------------------------------------
+
+
+def _run_split(fn, rule, inputs, n=2):
+    """``fn`` run on ``n`` pieces of ``inputs`` as ``rule`` cuts them, its output put back together as the rule
+    says (Shard: concatenated, Partial(sum): summed, Replicate: every piece's must agree)."""
+
+    gen = torch.Generator().manual_seed(7)
+    shares = [torch.rand(x.shape, generator=gen, dtype=torch.float64) + 0.1 for x in inputs]
+
+    def piece(k, x, p, i):
+        if p.is_shard():
+            return x.chunk(n, dim=p.dim)[i]
+        if p.is_partial():  # uneven random shares: summing (sum) or averaging (avg) them gives ``x``
+            part = x * (shares[k] * (i + 1) / sum(shares[k] * (j + 1) for j in range(n)))
+            return part * n if p.reduce == "avg" else part
+        return x
+
+    outs = [fn(*[piece(k, x, p, i) for k, (x, p) in enumerate(zip(inputs, rule.inputs))]) for i in range(n)]
+    p = rule.outputs[0]
+    if p.is_shard():
+        return torch.cat(outs, dim=p.dim)
+    if p.is_partial():
+        return sum(outs) if p.reduce == "sum" else sum(outs) / n
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0])
+    return outs[0]
+
+
+def _routings(groups=2, tg=8, e=4, k=2):
+    """Dispatch and combine tensors ``[G, Tg, E, C]`` for routings discovery never draws: every token to expert
+    0 (and 1), experts 2 and 3 with none; and one expert taking every token's first choice."""
+    experts = experts_modules([mixtral(experts=e, top_k=k)])[0][1]
+    out = []
+    for idx in (
+        torch.tensor([[0, 1]] * (groups * tg)),
+        torch.stack([torch.full((groups * tg,), 3), torch.arange(groups * tg) % 3], dim=1),
+    ):
+        x = torch.randn(groups * tg, experts.hidden_dim)
+        w = torch.rand(groups * tg, k)
+        chosen = idx.reshape(groups, tg, k, 1) == torch.arange(e)
+        slot_major = chosen.transpose(1, 2).reshape(groups, k * tg, e).to(torch.int32)
+        pos = torch.cumsum(slot_major, dim=1) - 1
+        placed = ((pos.unsqueeze(-1) == torch.arange(tg)) & slot_major.bool().unsqueeze(-1)).reshape(
+            groups, k, tg, e, tg
+        )
+        dispatch = placed.any(dim=1).double()
+        combine = torch.einsum("gktec,gtk->gtec", placed.double(), w.double().reshape(groups, tg, k))
+        out.append((x.double().reshape(groups, tg, -1), dispatch, combine, experts, slot_major))
+    return out
+
+
+def test_shardcombine_finds_the_expert_rules_and_they_hold_on_skewed_routings():
+    """The dispatch's, the experts' and the combine's rules as discovery finds them (on its own draws), then run
+    split on routings it never drew, against the whole op."""
+    gen = torch.Generator().manual_seed(0)
+    d0 = (torch.rand(2, 8, 4, 8, generator=gen) > 0.7).double()
+    dispatch = lambda d, x: torch.einsum("gtec,gth->gech", d, x)  # noqa: E731
+    experts_mm = lambda x, w: torch.einsum("geci,eoi->geco", x, w)  # noqa: E731
+    combine = lambda c, y: torch.einsum("gtec,gech->gth", c, y)  # noqa: E731
+    cumsum = lambda s: torch.cumsum(s, dim=1)  # noqa: E731
+    found = {
+        "dispatch": rules_for(dispatch, d0, torch.randn(2, 8, 6, generator=gen)),
+        "experts": rules_for(experts_mm, torch.randn(2, 4, 8, 6, generator=gen), torch.randn(4, 10, 6, generator=gen)),
+        "combine": rules_for(combine, d0, torch.randn(2, 4, 8, 6, generator=gen)),
+        "cumsum": rules_for(cumsum, (torch.rand(2, 16, 4, generator=gen) > 0.5).to(torch.int32)),
+    }
+    rules = {k: {(r.inputs, r.outputs) for r in v} for k, v in found.items()}
+    R, S, P = Replicate(), Shard, Partial("sum")
+    # tokens grouped by expert: a dispatch split by expert gives the experts' tokens split by expert
+    assert ((S(2), R), (S(1),)) in rules["dispatch"]
+    assert ((S(0), S(0)), (S(0),)) in rules["dispatch"]  # a group per device: data parallel
+    assert ((S(1), S(0)), (S(1),)) in rules["experts"]  # expert weights split on the expert dim
+    assert ((S(2), S(1)), (P,)) in rules["combine"]  # each device's experts' share of every token
+    assert ((S(0),), (S(0),)) in rules["cumsum"] and ((S(1),), (S(1),)) not in rules["cumsum"]
+    checked = 0
+    for x, d, c, experts, slot_major in _routings():
+        w = experts.gate_up_proj.detach().double()
+        y = experts_mm(dispatch(d, x), w)
+        cases = [(dispatch, found["dispatch"], [d, x]), (experts_mm, found["experts"], [dispatch(d, x), w])]
+        cases += [(combine, found["combine"], [c, y]), (cumsum, found["cumsum"], [slot_major])]
+        for fn, rs, inputs in cases:
+            whole = fn(*inputs)
+            for r in rs:
+                if all(p.is_replicate() for p in r.inputs):
+                    continue
+                torch.testing.assert_close(_run_split(fn, r, inputs).to(whole.dtype), whole, msg=f"{r}")
+                checked += 1
+    assert checked > 20
+
+
+# -- compiled steps --------------------------------------------------------------------------------------------
+
+
+def test_mixtral_step_compiles_at_world_size_1_with_the_eager_numbers(tmp_path):
+    ref, model = mixtral(), mixtral()
+    o_ref, opt = optimizer(ref), optimizer(model)
+    step = metadist_compile(cache_dir=str(tmp_path))(lm_step)
+    for s in range(3):
+        want = lm_step(ref, o_ref, batch(s))
+        got = step(model, opt, batch(s))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=2e-5, msg=n)
+    keys = {op.key for op in step.graph.ops}
+    assert not any("nonzero" in k or "grouped_mm" in k or "index_add" in k for k in keys), sorted(keys)
+    experts = {step.graph.vars[v].label: step.graph.vars[v].experts for v in step.graph.inputs}
+    assert experts["model.layers.0.mlp.experts.gate_up_proj"] == 4
+    assert experts["model.layers.1.mlp.experts.down_proj"] == 4
+    assert experts["model.layers.0.mlp.gate.weight"] is None
+
+
+def test_bf16_weights_take_no_grouped_matmul_path_when_traced(tmp_path):
+    """bf16 weights, where transformers' grouped matmul runs eagerly on the CPU: the trace takes the dispatch."""
+    ref, model = mixtral().to(torch.bfloat16), mixtral().to(torch.bfloat16)
+    assert model.config._experts_implementation == "grouped_mm"
+    o_ref, opt = optimizer(ref, "sgd"), optimizer(model, "sgd")
+    step = metadist_compile(cache_dir=str(tmp_path))(lm_step)
+    for s in range(3):
+        torch.testing.assert_close(step(model, opt, batch(s)), lm_step(ref, o_ref, batch(s)), rtol=2e-2, atol=0)
+    assert not any("grouped_mm" in op.key for op in step.graph.ops)
+
+
+def test_bf16_autocast_moe_step_at_world_size_1(tmp_path):
+    ref, model = qwen_moe(), qwen_moe()
+    o_ref, opt = optimizer(ref, "sgd"), optimizer(model, "sgd")
+    step = metadist_compile(cache_dir=str(tmp_path))(autocast_step)
+    for s in range(3):
+        torch.testing.assert_close(step(model, opt, batch(s)), autocast_step(ref, o_ref, batch(s)), rtol=2e-2, atol=0)
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3, msg=n)
+    assert "bfloat16" in {v.dtype for v in step.graph.vars.values()}
+
+
+def test_ep_preset_splits_experts_over_axis_0_and_moves_tokens_by_all_to_all():
+    model = mixtral(hidden=128, experts=4)
+    fe = TorchFrontend()
+    fe.mesh_shape = (4,)
+    ids = torch.randint(0, 128, (16, 32))
+    tr = fe.trace(lm_step, (model, optimizer(model), ids), {})
+    g = tr.graph
+    mesh = Mesh((4,), alpha=[2e-5], beta=[1e-10])
+    res = plan_graph(g, mesh, settings=load_settings(progress=False, strategy="ep"))
+    by = {g.vars[v].label: res.plan.input_shardings[v] for v in g.inputs if g.vars[v].role == "parameter"}
+    for i in range(2):
+        for w in ("gate_up_proj", "down_proj"):
+            assert tuple(by[f"model.layers.{i}.mlp.experts.{w}"]) == (Shard(0),)
+        assert tuple(by[f"model.layers.{i}.self_attn.q_proj.weight"]) == (Replicate(),)
+    a2a = [c for _, c in res.plan.collectives() if c.kind == "all_to_all"]
+    assert a2a, res.plan.summary()
+    # the dispatch's all_to_all moves one device's tokens grouped by expert: [1 group, 4 experts, 128 slots, 128]
+    assert 1 * 4 * 128 * 128 * 4 in {c.nbytes for c in a2a}, {c.nbytes for c in a2a}
+    text = explain_plan(res.plan, presets=False, problem=res.problem)
+    assert (
+        "model.layers.0.mlp.experts.gate_up_proj (4 experts, [S(0)]): expert 0 on rank 0; expert 1 on rank 1; "
+        "expert 2 on rank 2; expert 3 on rank 3"
+    ) in text, text
+
+
+def test_unknown_capacity_factor_is_refused():
+    with pytest.raises(ValueError, match="moe_capacity_factor must be"):
+        metadist_compile(moe_capacity_factor=0)(lm_step)
+
+
+# -- 4 gloo ranks ------------------------------------------------------------------------------------------
+
+
+def _launch(tmp_path, cases):
+    sys.path.insert(0, str(REPO / "tests"))
+    from _torchrun import launch
+
+    return launch(
+        Path(__file__).with_name("_moe_worker.py"),
+        4,
+        cases,
+        out=tmp_path / "moe.json",
+        METADIST_CACHE_DIR=str(tmp_path / "cache"),
+    )
+
+
+def _check(res):
+    for name, r in res.items():
+        assert not r["errors"], (name, r["errors"])
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+def test_expert_parallel_mixtral_on_4_ranks_has_one_devices_numbers(tmp_path):
+    """ep on (4,): every expert on its own rank, tokens there and back by all_to_all; the counted bytes are
+    the predicted ones."""
+    res = _launch(tmp_path, ["mixtral_ep"])
+    _check(res)
+    r = res["mixtral_ep"]
+    assert r["a2a_counted"] == r["a2a_predicted"] > 0, r
+
+
+@pytest.mark.slow
+def test_moe_models_on_4_ranks_have_one_devices_numbers(tmp_path):
+    """The planner's own choice on (2, 2), Qwen2-MoE under ep on (2, 2), every token to one expert, and bf16
+    autocast, each over 3 steps against the single-device step."""
+    res = _launch(tmp_path, ["mixtral_auto_2x2", "qwen_ep_2x2", "one_expert_ep", "bf16_ep"])
+    _check(res)
