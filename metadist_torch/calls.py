@@ -32,9 +32,18 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 
 
+# MetaDist's own ops that run in isolation for discovery like aten's (metadist_torch.moe_ffn)
+OWN_OPS = frozenset({"experts_ffn", "experts_ffn_backward"})
+
+
 def resolve_overload(key: str) -> torch._ops.OpOverload:
-    """``aten.mm.default`` -> ``torch.ops.aten.mm.default``; Unrunnable for anything not an aten overload."""
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default`` (and MetaDist's :data:`OWN_OPS`); Unrunnable for
+    anything else."""
     parts = key.split(".")
+    if len(parts) == 3 and parts[0] == "metadist" and parts[1] in OWN_OPS:
+        from . import moe_ffn  # noqa: F401  (registers them)
+
+        return getattr(getattr(torch.ops.metadist, parts[1]), parts[2])
     if len(parts) not in (2, 3) or parts[0] != "aten":
         ns = parts[0] if parts else key
         kind = "a profiler op" if ns == "profiler" else "a custom op" if len(parts) == 3 else "not an aten op key"

@@ -38,6 +38,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from .moe_ffn import plain_gated
+
 
 def is_experts_module(m: nn.Module) -> bool:
     """A transformers experts module (made by ``use_experts_implementation``): its experts' weights stacked
@@ -115,6 +117,19 @@ def _linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transpo
     return y
 
 
+def _padded_experts(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every slot of ``x [*G, E, C, H]``, as batched matmuls (any experts module)."""
+    if getattr(self, "has_gate", True):
+        h = _linear(x, self.gate_up_proj, getattr(self, "gate_up_proj_bias", None), self.is_transposed)
+        h = self._apply_gate(h)
+    else:
+        h = self.act_fn(_linear(x, self.up_proj, getattr(self, "up_proj_bias", None), self.is_transposed))
+    y = _linear(h, self.down_proj, getattr(self, "down_proj_bias", None), self.is_transposed)
+    if getattr(self, "has_post_expert_norm", False):
+        y = self.post_expert_norm(y)
+    return y
+
+
 def capacity_experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -148,14 +163,13 @@ def capacity_experts_forward(
     weights = top_k_weights.reshape(*g, tg, k)
     combine = torch.einsum("...ktec,...tk->...tec", placed.to(weights.dtype), weights)
     x = torch.einsum("...tec,...th->...ech", dispatch, hidden_states.reshape(*g, tg, hidden))  # [*G, E, C, H]
-    if getattr(self, "has_gate", True):
-        h = _linear(x, self.gate_up_proj, getattr(self, "gate_up_proj_bias", None), self.is_transposed)
-        h = self._apply_gate(h)
+    act = plain_gated(self)
+    if act is not None:  # the filled slots only (metadist_torch.moe_ffn)
+        counts = placed.any(dim=-4).sum(dim=(-3, -1))  # [*G, E]: slots fill in order, from the first
+        fill = min(1.0, k * tg / (e * c))
+        y = torch.ops.metadist.experts_ffn(x, counts, self.gate_up_proj, self.down_proj, act, fill)
     else:
-        h = self.act_fn(_linear(x, self.up_proj, getattr(self, "up_proj_bias", None), self.is_transposed))
-    y = _linear(h, self.down_proj, getattr(self, "down_proj_bias", None), self.is_transposed)
-    if getattr(self, "has_post_expert_norm", False):
-        y = self.post_expert_norm(y)
+        y = _padded_experts(self, x)
     dt = torch.promote_types(y.dtype, combine.dtype)
     out = torch.einsum("...tec,...ech->...th", combine.to(dt), y.to(dt))
     return out.reshape(tokens, hidden).to(hidden_states.dtype)
