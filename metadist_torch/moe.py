@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers traced as a capacity-padded dispatch: static shapes, plain aten ops.
+"""Mixture-of-experts layers traced as a capacity-padded dispatch: static shapes, ops ShardCombine can run.
 
 transformers (5.x) computes a layer's experts with a data-dependent program: an
 eager loop over the experts hit (``nonzero``, ``torch.where``, ``index_add_``),
@@ -13,7 +13,9 @@ every experts module that transformers' ``use_experts_implementation`` made
   each group;
 - a one-hot dispatch ``[*G, T/G, E, C]`` built from the router's
   ``top_k_index`` (compare, cumsum) moves the tokens into ``[*G, E, C, H]`` by
-  an einsum, the experts run as batched matmuls over ``E``, and a combine
+  an einsum; the experts run on their filled slots (``metadist::experts_ffn``,
+  :mod:`metadist_torch.moe_ffn`, for a gated feed-forward without biases) or
+  as batched matmuls over every slot (any other experts module), and a combine
   tensor carrying the routing weights brings them back to ``[T, H]``.
 
 Every shape is static, so ShardCombine discovers the rules of each op as of any
@@ -25,8 +27,9 @@ split over it) while they stay split on the others. By default
 own layer (summed in another order). ``moe_capacity_factor`` sets
 ``C = ceil(factor * top_k * T/G / E)``: tokens past an expert's capacity in
 their group are dropped, first choices before second choices, as in GShard.
-The cost of no dropping is ``E / top_k`` times the experts' work and a dispatch
-mask of ``top_k * T * E * C`` elements.
+The cost of no dropping: the dispatch, the combine and the all_to_all work on
+``E / top_k`` times the routed tokens, and the dispatch mask holds
+``top_k * T * E * C`` elements.
 """
 
 from __future__ import annotations
@@ -55,13 +58,6 @@ def is_experts_module(m: nn.Module) -> bool:
         and down.dim() == 3
         and up.shape[0] == down.shape[0] == m.num_experts
     )
-
-
-def expert_parameters(m: nn.Module) -> dict[str, int]:
-    """The expert weights of an experts module: parameter name (relative to ``m``) -> number of experts."""
-    return {
-        n: m.num_experts for n, p in m.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == m.num_experts
-    }
 
 
 def capacity(tokens_per_group: int, top_k: int, num_experts: int, factor: float | None) -> int:
@@ -215,7 +211,6 @@ __all__ = [
     "capacity_dispatch",
     "capacity_experts_forward",
     "dropped_tokens",
-    "expert_parameters",
     "experts_modules",
     "is_experts_module",
     "token_groups",

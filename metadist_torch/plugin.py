@@ -117,6 +117,8 @@ class TorchFrontend(Frontend):
         return signature(args, kwargs)
 
     def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
+        from metadist_core.driver.planonly import requested
+
         from .state import collect_state, init_optimizer_state, optimizers_in
         from .trace import trace_step
 
@@ -127,8 +129,10 @@ class TorchFrontend(Frontend):
         from .offload import state_to_device
 
         state_to_device(state)  # offloaded optimizer state back beside the parameters: tracing runs the optimizer
+        plan_only = requested()  # `metadist plan --mesh`: the mesh planned for, not this process's world
+        mesh_shape = tuple(plan_only.mesh) if plan_only is not None else self.mesh_shape
         step = trace_step(
-            fn, args, kwargs, state=state, moe_capacity_factor=self.moe_capacity_factor, mesh_shape=self.mesh_shape
+            fn, args, kwargs, state=state, moe_capacity_factor=self.moe_capacity_factor, mesh_shape=mesh_shape
         )
         return Traced(step.graph, context=step)
 

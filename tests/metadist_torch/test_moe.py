@@ -194,6 +194,39 @@ def test_shardcombine_finds_the_expert_rules_and_they_hold_on_skewed_routings():
     assert checked > 20
 
 
+def test_experts_ffn_rules_hold_with_one_expert_full_and_others_empty():
+    """The experts op's rules as discovery finds them, then run split where one expert's slots are all filled
+    and the others' empty, and against the padded batched matmuls it stands for."""
+    gen = torch.Generator().manual_seed(1)
+    ffn = torch.ops.metadist.experts_ffn.default
+    bwd = torch.ops.metadist.experts_ffn_backward.default
+    x, gu, down = torch.randn(2, 4, 6, 8, generator=gen), torch.randn(4, 10, 8, generator=gen), torch.randn(4, 8, 5)
+    counts = torch.randint(0, 7, (2, 4), generator=gen)
+    fwd_rules = rules_for(ffn, x, counts, gu, down, "silu", 0.5)
+    bwd_rules = rules_for(bwd, torch.randn(2, 4, 6, 8, generator=gen), x, counts, gu, down, "silu", 0.5)
+    R, S = Replicate(), Shard
+    assert any(r.inputs == (S(1), S(1), S(0), S(0)) and r.outputs == (S(1),) for r in fwd_rules)  # by expert
+    assert any(r.inputs == (S(0), S(0), R, R) and r.outputs == (S(0),) for r in fwd_rules)  # by group
+    assert not any(r.inputs[0] == S(2) for r in fwd_rules), "slots must not split: counts say which are filled"
+    P = Partial("sum")
+    assert any(r.inputs[:3] == (S(1),) * 3 and r.outputs == (S(1), S(0), S(0)) for r in bwd_rules)
+    assert any(r.inputs[:3] == (S(0),) * 3 and r.outputs == (S(0), P, P) for r in bwd_rules)
+    full = torch.tensor([[6, 0, 0, 0], [0, 0, 0, 6]])  # every slot of one expert filled, the others empty
+    x = x * (torch.arange(6)[None, None, :, None] < full[..., None, None])  # empty slots hold zeros
+    gu, down = gu.double(), down.double()
+    x = x.double()
+    padded_h = torch.einsum("geci,eoi->geco", x, gu)
+    gate, up = padded_h.chunk(2, dim=-1)
+    padded = torch.einsum("geci,eoi->geco", torch.nn.functional.silu(gate) * up, down)
+    padded = padded * (torch.arange(6)[None, None, :, None] < full[..., None, None])
+    fn = lambda x, c, a, b: ffn(x, c, a, b, "silu", 0.5)  # noqa: E731
+    torch.testing.assert_close(fn(x, full, gu, down), padded)
+    inputs = [x, full, gu, down]
+    for r in fwd_rules:
+        if not all(p.is_replicate() for p in r.inputs):
+            torch.testing.assert_close(_run_split(fn, r, inputs), padded, msg=str(r))
+
+
 # -- compiled steps --------------------------------------------------------------------------------------------
 
 
@@ -213,6 +246,24 @@ def test_mixtral_step_compiles_at_world_size_1_with_the_eager_numbers(tmp_path):
     assert experts["model.layers.0.mlp.experts.gate_up_proj"] == 4
     assert experts["model.layers.1.mlp.experts.down_proj"] == 4
     assert experts["model.layers.0.mlp.gate.weight"] is None
+
+
+def test_router_aux_loss_and_jitter_noise_at_world_size_1(tmp_path):
+    """The load-balancing loss (``output_router_logits``) and the router's jitter noise (random, seeded as the
+    eager step is) trace and give the eager numbers."""
+    ref, model = mixtral(), mixtral()
+    for m in (ref, model):
+        m.config.output_router_logits = True
+        for mod in m.modules():
+            if hasattr(mod, "jitter_noise"):
+                mod.jitter_noise = 0.1
+    o_ref, opt = optimizer(ref), optimizer(model)
+    step = metadist_compile(cache_dir=str(tmp_path))(lm_step)
+    for s in range(2):
+        torch.manual_seed(s)
+        got = step(model, opt, batch(s))
+        torch.manual_seed(s)
+        torch.testing.assert_close(got, lm_step(ref, o_ref, batch(s)), rtol=1e-4, atol=0)
 
 
 def test_bf16_weights_take_no_grouped_matmul_path_when_traced(tmp_path):
@@ -260,6 +311,22 @@ def test_ep_preset_splits_experts_over_axis_0_and_moves_tokens_by_all_to_all():
         "model.layers.0.mlp.experts.gate_up_proj (4 experts, [S(0)]): expert 0 on rank 0; expert 1 on rank 1; "
         "expert 2 on rank 2; expert 3 on rank 3"
     ) in text, text
+
+
+def test_plan_the_mixtral_example_for_a_mesh_this_machine_has_not(tmp_path, capsys):
+    """`metadist plan` traces the tokens in a group per device of the mesh asked, not of this one process."""
+    from metadist_core.driver import cli
+    from metadist_core.plan.plan import ShardingPlan
+
+    out = tmp_path / "mixtral.plan.json"
+    script = str(REPO / "examples/torch/mixtral_hf.py")
+    argv = ["plan", script, "--mesh", "4", "--out", str(out), "--cache-dir", str(tmp_path / "rules")]
+    assert cli.main(argv + ["--", "--strategy", "ep", "--steps", "1"]) == 0
+    plan = ShardingPlan.from_json(__import__("json").loads(out.read_text()))
+    experts = [v for v, name in plan.labels.items() if ".mlp.experts." in name]
+    assert experts and all(tuple(plan.input_shardings[v]) == (Shard(0),) for v in experts)
+    assert any(c.kind == "all_to_all" for _, c in plan.collectives()), "the tokens must reach their experts"
+    assert "planned on mesh 4" in capsys.readouterr().out
 
 
 def test_unknown_capacity_factor_is_refused():
