@@ -8,29 +8,18 @@ import torch
 VOCAB = 128
 
 
-def mixtral(seed: int = 0, hidden: int = 64, experts: int = 4, top_k: int = 2, layers: int = 2) -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
+def mixtral(hidden: int = 64, experts: int = 4, top_k: int = 2, layers: int = 2) -> torch.nn.Module:
+    """The Mixtral of examples/torch/mixtral_hf.py (seeded), at this file's vocabulary."""
+    from _examples import load_example
 
-    torch.manual_seed(seed)
-    cfg = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=hidden * 3 // 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=experts,
-        num_experts_per_tok=top_k,
-        max_position_embeddings=64,
-    )
-    return MixtralForCausalLM(cfg)
+    return load_example("mixtral_hf").build(hidden, experts, top_k, layers, VOCAB)[0]
 
 
-def qwen_moe(seed: int = 0, hidden: int = 64, experts: int = 4, top_k: int = 2, layers: int = 2) -> torch.nn.Module:
+def qwen_moe(hidden: int = 64, experts: int = 4, top_k: int = 2, layers: int = 2) -> torch.nn.Module:
     """Qwen2-MoE: routed experts beside a gated shared expert in every layer."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     cfg = Qwen2MoeConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
