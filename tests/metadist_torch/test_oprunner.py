@@ -141,11 +141,11 @@ def _has(rules, ins, outs):
 
 
 @needs_graphs
-def test_plugin_is_found_and_owns_aten_only(tiny):
+def test_plugin_is_found_and_owns_aten_and_metadists_own_runnable_ops(tiny):
     pm = PluginManager()
     assert "torch" in pm.names("frontend")
     fe = pm.frontend("torch")
-    assert fe.name == "torch" and tuple(fe.traits.op_prefixes) == ("aten.",)
+    assert fe.name == "torch" and tuple(fe.traits.op_prefixes) == ("aten.", "metadist.experts_ffn")
     op = tiny.op("mm")
     assert fe.traits.owns(op) and pm.owner(op) is fe
     spec = pm.op_spec(op, tiny)
@@ -154,6 +154,8 @@ def test_plugin_is_found_and_owns_aten_only(tiny):
     assert all(x.dtype == np.float64 for x in spec.example_inputs)  # float32 runs in float64
     other = type(op)("x", "jax.lax.dot_general", op.inputs, op.outputs, {})
     assert not fe.traits.owns(other)
+    assert not fe.traits.owns(type(op)("y", "mylib.op.default", op.inputs, op.outputs, {}))  # a user's custom op
+    assert fe.traits.owns(type(op)("z", "metadist.experts_ffn_backward.default", op.inputs, op.outputs, {}))
     assert pm.op_cost(op, tiny) == op_cost(op, tiny)
 
 
