@@ -248,6 +248,46 @@ def test_mixtral_step_compiles_at_world_size_1_with_the_eager_numbers(tmp_path):
     assert experts["model.layers.0.mlp.gate.weight"] is None
 
 
+class _HandMoE(torch.nn.Module):
+    """A user's own top-2 layer: every expert on every token, weighted by a sparse routing (topk, scatter,
+    one_hot), no transformers module."""
+
+    def __init__(self, h: int = 32, e: int = 4) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(h, e, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(e, h, 64) * 0.1)
+        self.w2 = torch.nn.Parameter(torch.randn(e, 64, h) * 0.1)
+        self.e = e
+
+    def forward(self, x):
+        p = torch.softmax(self.router(x), -1)
+        v, i = torch.topk(p, 2, -1)
+        gates = torch.zeros_like(p).scatter(-1, i, v) * torch.nn.functional.one_hot(i, self.e).sum(-2)
+        y = torch.einsum("etf,efh->eth", torch.einsum("th,ehf->etf", x, self.w1).relu(), self.w2)
+        return torch.einsum("te,eth->th", gates, y)
+
+
+def test_a_hand_written_static_moe_layer_traces_as_any_model(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), _HandMoE(), torch.nn.Linear(32, 8))
+
+    def step(model, opt, x, y):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    ref, model = build(), build()
+    o_ref, opt = optimizer(ref), optimizer(model)
+    compiled = metadist_compile(cache_dir=str(tmp_path))(step)
+    for s in range(3):
+        gen = torch.Generator().manual_seed(s)
+        x, y = torch.randn(64, 16, generator=gen), torch.randint(0, 8, (64,), generator=gen)
+        torch.testing.assert_close(compiled(model, opt, x, y), step(ref, o_ref, x, y), rtol=1e-4, atol=0)
+
+
 def test_router_aux_loss_and_jitter_noise_at_world_size_1(tmp_path):
     """The load-balancing loss (``output_router_logits``) and the router's jitter noise (random, seeded as the
     eager step is) trace and give the eager numbers."""
