@@ -22,6 +22,7 @@ CASES = {
     "mixtral_ep": (lambda: mixtral(**SIZE), (4,), "ep", lm_step, "adamw", 1e-4),
     "mixtral_auto_2x2": (lambda: mixtral(**SIZE), (2, 2), "auto", lm_step, "adamw", 1e-4),
     "qwen_ep_2x2": (lambda: qwen_moe(**SIZE), (2, 2), "ep", lm_step, "adamw", 1e-4),
+    "qwen_auto": (lambda: qwen_moe(**SIZE), (4,), "auto", lm_step, "adamw", 1e-4),
     "one_expert_ep": (lambda: one_expert(mixtral(top_k=1, **SIZE)), (4,), "ep", lm_step, "adamw", 1e-4),
     # bf16: the experts' sums round in another order than the library's loop (8 bits of mantissa)
     "bf16_ep": (lambda: qwen_moe(**SIZE), (4,), "ep", autocast_step, "sgd", 2e-2),

@@ -408,7 +408,7 @@ def test_expert_parallel_mixtral_on_4_ranks_has_one_devices_numbers(tmp_path):
 
 @pytest.mark.slow
 def test_moe_models_on_4_ranks_have_one_devices_numbers(tmp_path):
-    """The planner's own choice on (2, 2), Qwen2-MoE under ep on (2, 2), every token to one expert, and bf16
-    autocast, each over 3 steps against the single-device step."""
-    res = _launch(tmp_path, ["mixtral_auto_2x2", "qwen_ep_2x2", "one_expert_ep", "bf16_ep"])
+    """The planner's own choice for Mixtral on (2, 2) and Qwen2-MoE on (4,), Qwen2-MoE under ep on (2, 2),
+    every token to one expert, and bf16 autocast, each over 3 steps against the single-device step."""
+    res = _launch(tmp_path, ["mixtral_auto_2x2", "qwen_auto", "qwen_ep_2x2", "one_expert_ep", "bf16_ep"])
     _check(res)
