@@ -161,14 +161,10 @@ def expert_ranges(sharding: Sharding, experts: int, mesh_shape: Sequence[int]) -
     per = experts // blocks if blocks and experts % blocks == 0 else experts
     out = []
     for rank in range(math.prod(mesh_shape)):
-        coord, r = [], rank
-        for n in reversed(mesh_shape):
-            coord.append(r % n)
-            r //= n
-        coord.reverse()
+        coord = np.unravel_index(rank, tuple(mesh_shape))
         b = 0
         for a in axes:  # dim 0 split over the axes in order, the first the outermost
-            b = b * mesh_shape[a] + coord[a]
+            b = b * mesh_shape[a] + int(coord[a])
         first = b * per if per < experts else 0
         out.append((first, first + per - 1))
     return out

@@ -72,3 +72,15 @@ def test_metadist_explain_reads_the_plan_and_its_problem(planned, tmp_path, caps
     out = capsys.readouterr().out
     assert "mlp.fc1.weight" in out and "next best" in out and (tmp_path / "p.png").is_file()
     assert cli.main(["explain", str(tmp_path / "missing.json")]) == 2
+
+
+def test_expert_ranges_follow_the_mesh_axes_outermost_first():
+    from metadist_core.ir.placement import Replicate, Shard, Sharding
+    from metadist_core.plan.explain import expert_ranges
+
+    assert expert_ranges(Sharding((Shard(0),)), 8, (4,)) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    # split over axis 0 of (2, 2): ranks 0 and 1 share a row of the mesh, so they hold the same experts
+    assert expert_ranges(Sharding((Shard(0), Replicate())), 8, (2, 2)) == [(0, 3), (0, 3), (4, 7), (4, 7)]
+    assert expert_ranges(Sharding((Replicate(), Shard(0))), 8, (2, 2)) == [(0, 3), (4, 7), (0, 3), (4, 7)]
+    assert expert_ranges(Sharding((Shard(0), Shard(0))), 8, (2, 2)) == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert expert_ranges(Sharding((Replicate(),)), 8, (4,)) == [(0, 7)] * 4
