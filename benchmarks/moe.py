@@ -118,7 +118,7 @@ def routes(model, ids) -> list:
     hooks = [
         m.register_forward_hook(lambda _m, _i, o: out.append(o[2].detach().clone()))
         for n, m in model.named_modules()
-        if n.endswith("mlp.gate")
+        if n.endswith("mlp.gate") and not isinstance(m, torch.nn.Linear)  # a router, not a dense gate projection
     ]
     try:
         with torch.no_grad():

@@ -73,20 +73,3 @@ def optimizer(model: torch.nn.Module, kind: str = "adamw") -> torch.optim.Optimi
     if kind == "sgd":  # bf16 tests: Adam turns a near-zero gradient's rounding into a whole step of lr
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return torch.optim.AdamW(params, lr=1e-3)
-
-
-def routes(model: torch.nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Each layer's ``top_k_index`` for ``ids``, as its router chose it."""
-    out: list[torch.Tensor] = []
-    hooks = [
-        m.register_forward_hook(lambda _m, _i, o: out.append(o[2].detach()))
-        for n, m in model.named_modules()
-        if n.endswith("mlp.gate") and not isinstance(m, torch.nn.Linear)
-    ]
-    try:
-        with torch.no_grad():
-            model(input_ids=ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out

@@ -13,7 +13,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from _moe_models import autocast_step, batch, lm_step, mixtral, one_expert, optimizer, qwen_moe, routes  # noqa: E402
+from _moe_models import autocast_step, batch, lm_step, mixtral, one_expert, optimizer, qwen_moe  # noqa: E402
+from benchmarks.moe import routes  # noqa: E402
 from metadist_core.config import load_settings  # noqa: E402
 from metadist_core.driver.compile import plan_graph  # noqa: E402
 from metadist_core.ir.mesh import Mesh  # noqa: E402
