@@ -4,18 +4,25 @@ Launched by ``torchrun`` (``WORLD_SIZE``/``RANK`` set), the default process
 group is created on first use: NCCL when CUDA is available and NCCL is
 built, gloo otherwise. A plain process (no torchrun) is world size 1 and needs
 no process group at all.
+
+What MetaDist starts it also ends: at exit (:mod:`metadist_torch.shutdown`) it
+destroys the default group where it made it, else the groups it made on the
+user's (the CPU group, the DeviceMesh's axis groups), after the heartbeat stopped.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import torch
 
 from metadist_core.ir.mesh import Mesh
+
+from .shutdown import on_exit
 
 log = logging.getLogger("metadist.torch.engine")
 
@@ -50,7 +57,8 @@ def ensure_process_group(timeout: float | None = None) -> tuple[int, int]:
     addresses), with ``timeout`` seconds for every collective (default: the ``collective_timeout``
     setting). NCCL gets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless it is set: a collective that times out
     ends the process instead of hanging it. Each rank then beats into the store
-    (:mod:`metadist_torch.faults`), so that a rank that stops is named by the others.
+    (:mod:`metadist_torch.faults`), so that a rank that stops is named by the others. MetaDist destroys the
+    group at exit (unless the user destroyed it first).
     """
     rank, world = world_info()
     if world > 1 and not torch.distributed.is_initialized():
@@ -71,6 +79,7 @@ def ensure_process_group(timeout: float | None = None) -> tuple[int, int]:
         store = torch.distributed.PrefixStore(f"metadist/attempt/{attempt}/", store)
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=td)
         _TIMEOUT[:] = [seconds]
+        _own_world()
         log.info(
             "started process group %s: rank %d of %d, attempt %s, timeout %g s", backend, rank, world, attempt, seconds
         )
@@ -204,6 +213,7 @@ def make_engine(mesh: Any = None) -> Engine:
         from torch.distributed.device_mesh import init_device_mesh
 
         dm = init_device_mesh(dev.type, tuple(m.shape), mesh_dim_names=tuple(m.axis_names))
+        _own_groups(dm.get_group(a) for a in range(dm.ndim))
         _bound_timeouts(dm)
     coords = m.coordinates(rank)
     if dm is not None:
@@ -252,7 +262,59 @@ def cpu_group() -> Any:
 
         kw = {"timeout": timedelta(seconds=_TIMEOUT[0])} if _TIMEOUT else {}
         _CPU_GROUP.append(torch.distributed.new_group(backend="gloo", **kw))
+        _own_groups([_CPU_GROUP[0]])
     return _CPU_GROUP[0]
+
+
+_OWN_WORLD: list[Any] = []  # a weak reference to the default group, where MetaDist made it
+_OWN_GROUPS: list[Any] = []  # the other groups MetaDist made
+
+
+def _default_group() -> Any:
+    try:
+        return torch.distributed.distributed_c10d._get_default_group()
+    except Exception:  # none, or a torch that will not hand it out
+        return None
+
+
+def _own_world() -> None:
+    """Remember that MetaDist made the default group (to destroy it at exit)."""
+    pg = _default_group()
+    if pg is not None:
+        _OWN_WORLD[:] = [weakref.ref(pg)]
+        on_exit("process groups", release_groups)
+
+
+def _own_groups(groups: Any) -> None:
+    """Remember the groups MetaDist made other than the default one (to destroy them at exit)."""
+    world = _default_group()
+    mine = [g for g in groups if g is not None and g is not world]
+    if mine:
+        _OWN_GROUPS.extend(mine)
+        on_exit("process groups", release_groups)
+
+
+def release_groups() -> None:
+    """Destroy the process groups MetaDist made that still run: the default group (and with it every group)
+    where MetaDist made it, else the groups it made on the user's; forget the engines built on them."""
+    made = _OWN_WORLD[0]() if _OWN_WORLD else None
+    world = _default_group()
+    groups = list(_OWN_GROUPS)
+    _OWN_WORLD.clear()
+    _OWN_GROUPS.clear()
+    _CPU_GROUP.clear()
+    _ENGINES.clear()
+    if world is None:  # the user destroyed it, and every group with it
+        return
+    if made is not None and world is made:
+        torch.distributed.destroy_process_group()
+        log.info("destroyed the process group MetaDist started")
+        return
+    for g in groups:
+        try:
+            torch.distributed.destroy_process_group(g)
+        except ValueError:  # destroyed already (the user destroyed it, or the world with it)
+            pass
 
 
 def agree_on(engine: Engine, values: Sequence[int], message: str, names: Sequence[str]) -> None:
@@ -284,26 +346,28 @@ def engine_for(mesh: Any = None) -> Engine:
     return hit[1]
 
 
-def finish_worker(code: int = 0) -> None:
-    """End a torchrun worker: tear the process group down, flush output, and exit without running
-    C++ static destructors.
-
-    On a CPU build of torch a gloo rank can abort at interpreter teardown ("terminate called
-    without an active exception", std::terminate in a torch/gloo thread) after all its work is done
-    and its process group destroyed; torchrun then reports the whole job as failed. ``os._exit``
-    skips that teardown. Call it last, in place of ``sys.exit``.
-    """
+def finish_worker(code: int = 0) -> NoReturn:
+    """End a torchrun worker with exit code ``code``: wait for every rank (a barrier), stop MetaDist's heartbeat
+    and destroy the process group (:func:`metadist_torch.shutdown.shutdown`, and the user's group too), flush
+    output, and exit the ordinary way (``SystemExit``). Call it last, in place of ``sys.exit``."""
     import sys as _sys
+
+    from .shutdown import shutdown
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:
             torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
         except Exception as e:  # a broken group must not hide the exit code
+            log.warning("the barrier before exit failed: %s", e)
+    shutdown()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception as e:
             log.warning("process group teardown failed: %s", e)
     _sys.stdout.flush()
     _sys.stderr.flush()
-    os._exit(int(code))
+    raise SystemExit(int(code))
 
 
 __all__ = [
@@ -317,6 +381,7 @@ __all__ = [
     "world_info",
     "default_backend",
     "finish_worker",
+    "release_groups",
     "cpu_group",
     "agree_on",
 ]

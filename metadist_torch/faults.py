@@ -17,6 +17,14 @@ original error into a :class:`RankFailure` that says so, and what to do.
 Each heartbeat also watches its ring neighbour, so a rank whose peer died
 logs the name as soon as it is seen, even while NCCL's watchdog is about to
 end the process.
+
+The heartbeat ends with the process group it serves (destroyed by the user:
+it stops at its next beat) and with the process: :mod:`metadist_torch.shutdown`
+stops and joins it before the interpreter finalizes, because a daemon thread
+that comes back from a store call while Python finalizes is ended by
+``pthread_exit``, and that aborts the process (see there). Every store
+operation of a heartbeat waits at most ``STORE_TIMEOUT`` seconds, so the join
+at exit is bounded.
 """
 
 from __future__ import annotations
@@ -25,14 +33,18 @@ import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
+
+from .shutdown import on_exit
 
 log = logging.getLogger("metadist.torch.faults")
 
 INTERVAL = 1.0  # seconds between beats
 STALE = 2.5  # intervals without a beat after which a rank is taken for stopped
+STORE_TIMEOUT = 10.0  # seconds a heartbeat's store operation may wait (it bounds the join at exit)
 
 
 class RankFailure(RuntimeError):
@@ -55,6 +67,7 @@ class Heartbeat:
     lost: str | None = None  # why the store stopped answering (None while it answers)
     neighbour_stopped: bool = False
     known: tuple[list[int], str] | None = None  # what the first rank to diagnose a failure found
+    serves: Callable[[], bool] | None = None  # whether the process group it beats for still runs (None: always)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -64,8 +77,13 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, wait: float | None = None) -> bool:
+        """Stop beating; with ``wait``, join the thread for at most that many seconds. Whether it has ended."""
         self._stop.set()
+        t = self._thread
+        if wait is not None and t is not None and t is not threading.current_thread():
+            t.join(wait)
+        return t is None or not t.is_alive()
 
     def _beat(self) -> None:
         self.store.add(f"beat/{self.rank}", 1)
@@ -75,6 +93,10 @@ class Heartbeat:
         peer = (self.rank + 1) % self.world
         seen, since = -1, time.monotonic()
         while not self._stop.wait(self.interval):
+            if self.serves is not None and not self.serves():
+                log.info("metadist: the process group of rank %d's heartbeat was destroyed: it stops", self.rank)
+                _forget(self)
+                return
             try:
                 self._beat()
                 n = int(self.store.add(f"beat/{peer}", 0))
@@ -109,8 +131,10 @@ _HEART: list[Heartbeat] = []
 
 def start_heartbeat(rank: int, world: int, attempt: str, timeout: float = 30.0, store: Any = None) -> Heartbeat | None:
     """Start this process's heartbeat (once): in ``store`` (the default process group's, where the user made
-    the group), else through a client of its own to the rendezvous store at ``MASTER_ADDR:MASTER_PORT``,
-    whose operations wait at most ``timeout`` seconds (30 at most). None where there is neither."""
+    the group: through a clone of it, a connection of its own), else through a client of its own to the
+    rendezvous store at ``MASTER_ADDR:MASTER_PORT``. Its operations wait at most ``timeout`` seconds, and
+    ``STORE_TIMEOUT`` at most. It beats while the default process group of now runs, and is stopped at exit.
+    None where there is no store."""
     if _HEART:
         return _HEART[0]
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -118,21 +142,79 @@ def start_heartbeat(rank: int, world: int, attempt: str, timeout: float = 30.0, 
         return None
     import torch.distributed as dist
 
+    wait = timedelta(seconds=min(timeout, STORE_TIMEOUT))
     try:
         if store is None:
-            store = dist.TCPStore(
-                host, int(port), is_master=False, timeout=timedelta(seconds=min(timeout, 30.0)), wait_for_workers=False
-            )
-        beat = Heartbeat(dist.PrefixStore(f"metadist/heartbeat/{attempt}/", store), rank, world).start()
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=wait, wait_for_workers=False)
+        else:
+            store = _own_client(store, wait)
+        beat = Heartbeat(dist.PrefixStore(f"metadist/heartbeat/{attempt}/", store), rank, world)
+        beat.serves = _serving_group()
+        beat.start()
     except Exception as e:
         log.warning("metadist: no heartbeat (its store: %s); a rank that stops will not be named", e)
         return None
     _HEART.append(beat)
+    on_exit("heartbeat", stop_heartbeat)
     return beat
+
+
+def _own_client(store: Any, wait: timedelta) -> Any:
+    """A connection of the heartbeat's own to ``store``, whose operations wait at most ``wait`` (a store that
+    cannot be cloned is used as it is: its own timeout then bounds the heartbeat's operations)."""
+    try:
+        mine = store.clone()
+        mine.set_timeout(wait)
+        return mine
+    except Exception as e:  # a store kind without clone()
+        log.info("metadist: the heartbeat shares the process group's store (%s cannot be cloned: %s)", store, e)
+        return store
+
+
+def _serving_group() -> Callable[[], bool] | None:
+    """Whether the default process group of now still runs, as a check for the heartbeat (None: there is none)."""
+    import torch.distributed as dist
+
+    try:
+        ref = weakref.ref(dist.distributed_c10d._get_default_group())
+    except Exception:  # no default group (or one torch will not hand out): nothing to watch
+        return None
+
+    def serves() -> bool:
+        try:
+            return dist.is_initialized() and dist.distributed_c10d._get_default_group() is ref()
+        except Exception:  # torch could not say: taken for gone
+            return False
+
+    return serves
 
 
 def heartbeat() -> Heartbeat | None:
     return _HEART[0] if _HEART else None
+
+
+def _forget(beat: Heartbeat) -> None:
+    _HEART[:] = [b for b in _HEART if b is not beat]
+
+
+def stop_heartbeat(wait: float | None = None) -> bool:
+    """Stop this process's heartbeat and join its thread, for at most ``wait`` seconds (by default the
+    longest a store operation may take, and two beats). Whether the thread has ended (True: none ran)."""
+    beat = heartbeat()
+    if beat is None:
+        return True
+    _forget(beat)
+    wait = STORE_TIMEOUT + 2 * beat.interval if wait is None else wait
+    if beat.stop(wait):
+        log.debug("metadist: rank %d's heartbeat stopped", beat.rank)
+        return True
+    log.warning(
+        "metadist: rank %d's heartbeat is still inside a store call after %.1f s; if it returns while the "
+        "interpreter finalizes, the process aborts ('terminate called without an active exception')",
+        beat.rank,
+        wait,
+    )
+    return False
 
 
 def count_step() -> None:
@@ -231,4 +313,13 @@ def rank_failure(e: BaseException, rank: int, world: int, timeout: float | None)
     )
 
 
-__all__ = ["RankFailure", "Heartbeat", "start_heartbeat", "heartbeat", "count_step", "diagnose", "rank_failure"]
+__all__ = [
+    "RankFailure",
+    "Heartbeat",
+    "start_heartbeat",
+    "stop_heartbeat",
+    "heartbeat",
+    "count_step",
+    "diagnose",
+    "rank_failure",
+]

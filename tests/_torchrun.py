@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# what a rank dying in native code prints, which is worth one relaunch
-NATIVE_CRASH = ("terminate called", "SIGABRT", "SIGSEGV", "Segmentation fault")
 
 
 def torchrun_env(**extra: str) -> dict[str, str]:
@@ -46,33 +43,15 @@ def run_torchrun(
     timeout: float = 900,
 ) -> subprocess.CompletedProcess:
     """Run ``worker`` with ``args`` on ``nproc`` local ranks (environment ``env``, by default
-    :func:`torchrun_env`); once, and only once, relaunch it if a rank died by a signal in native code.
-
-    On this 2-core machine under the full suite's load, a gloo rank has now and then aborted with
-    "terminate called without an active exception" (std::terminate in a torch/gloo thread, not in
-    MetaDist's Python); it has never reproduced in isolation. The relaunch is reported as a warning,
-    so it stays visible, and a second crash fails the test. ``out``, when given, is the file the ranks
-    write: removed before each launch, and a launch that leaves none has not succeeded.
-    """
+    :func:`torchrun_env`), once: a rank that crashes, at exit included, fails the launch. ``out``, when given,
+    is the file the ranks write: removed before the launch."""
     from metadist_torch.demo import torchrun_cmd
 
     cmd = torchrun_cmd(worker, nproc, list(args))
     env = dict(env) if env is not None else torchrun_env()
-    for attempt in (1, 2):
-        if out is not None and out.exists():
-            out.unlink()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        text = proc.stdout + proc.stderr
-        native = any(s in text for s in NATIVE_CRASH)
-        ok = proc.returncode == 0 and (out is None or out.exists())
-        if ok or attempt == 2 or not native:
-            return proc
-        warnings.warn(
-            "a torchrun rank died in native code; relaunching once:\n"
-            + "\n".join(line for line in text.splitlines() if "terminate" in line or "Signal" in line),
-            stacklevel=2,
-        )
-    return proc
+    if out is not None and out.exists():
+        out.unlink()
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def tail(proc: subprocess.CompletedProcess, lines: int = 60) -> str:

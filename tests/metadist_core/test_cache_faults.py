@@ -290,7 +290,7 @@ def test_four_torchrun_jobs_of_four_ranks_share_one_fresh_cache_dir(tmp_path):
     import socket
 
     sys.path.insert(0, str(REPO / "tests"))
-    from _torchrun import NATIVE_CRASH, torchrun_env
+    from _torchrun import torchrun_env
 
     def port() -> int:
         with socket.socket() as s:
@@ -312,8 +312,6 @@ def test_four_torchrun_jobs_of_four_ranks_share_one_fresh_cache_dir(tmp_path):
     procs = [start(j, o) for j, o in enumerate(outs)]
     for j, p in enumerate(procs):
         text, _ = p.communicate(timeout=300)
-        if p.returncode and any(s in text for s in NATIVE_CRASH):  # a gloo rank's teardown abort: once more
-            text, _ = (p := start(j, outs[j])).communicate(timeout=300)
         assert p.returncode == 0 and outs[j].exists(), f"job {j} failed:\n" + "\n".join(text.splitlines()[-30:])
     concurrent = time.perf_counter() - t0
     _assert_sound(d)
