@@ -9,6 +9,7 @@ from metadist_core.driver.compile import compile_step
 from metadist_core.driver.step import CompiledStep
 from metadist_core.driver.frontend import Frontend, NotSupported, Traced, Watch
 from metadist_core.driver.planner import plan_graph
+from metadist_core.driver.sideeffects import SideEffectError
 from metadist_core.hookspecs import hookimpl
 from metadist_core.ir.ir import MetaIR, MetaOp, MetaVar
 from metadist_core.ir.mesh import Mesh
@@ -20,6 +21,7 @@ from metadist_core.problem.problem import ShardingProblem
 from metadist_core.version import __version__
 
 __all__ = [
+    "SideEffectError",
     "CompiledStep",
     "Frontend",
     "Mesh",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from metadist_core.driver.sideeffects import SideEffectError
+
 
 def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2):
     """The verified one-axis ``ShardingRule``s of ``op`` (an ``OpOverload`` or a callable).
@@ -96,4 +98,5 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",
+    "SideEffectError",
 ]

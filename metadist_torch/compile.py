@@ -36,6 +36,7 @@ from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
 from .compiled import check_settings
+from .eager import compiled_call
 from .faults import RankFailure, count_step, is_collective_failure, rank_failure
 from .plugin import TorchFrontend
 from .stats import CommStats
@@ -57,7 +58,8 @@ class TorchStep(CompiledStep):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         count_step()
         try:
-            return self._call(args, kwargs)
+            with compiled_call():
+                return self._call(args, kwargs)
         except Exception as e:
             raised = _explained(e, self)
             if raised is e:

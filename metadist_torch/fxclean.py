@@ -109,7 +109,9 @@ def _frozen(v: Any) -> Any:
 
 def _value_numbers(graph: fx.Graph, same: dict[fx.Node, fx.Node]) -> dict[fx.Node, fx.Node]:
     """Common subexpressions: per node, the first node of the graph computing the same value, reading the
-    placeholders ``same`` maps as the ones they map to. Random and impure ops are never merged."""
+    placeholders ``same`` maps as the ones they map to. Random and impure ops are never merged, nor constants
+    made from no value (``scalar_tensor(1.0)``): each is made where it is read, so that one shared by the
+    device's ops and the host's (``offload``) never crosses between them."""
     from torch.fx.passes.dialect.common.cse_pass import get_CSE_banned_ops
 
     banned = set(get_CSE_banned_ops())
@@ -123,6 +125,7 @@ def _value_numbers(graph: fx.Graph, same: dict[fx.Node, fx.Node]) -> dict[fx.Nod
         t = n.target
         if (
             n.op != "call_function"
+            or not n.all_input_nodes
             or getattr(t, "overloadpacket", t) in banned
             or (
                 isinstance(t, torch._ops.OpOverload)

@@ -15,6 +15,11 @@ arithmetic Python does), and each place where an op took the number into
 ``aten._local_scalar_dense`` of its tensor, so that the op receives exactly
 the number eager torch passes it. :class:`Hyperparameters` fills those
 tensors from the param groups before every run and checks the branch guards.
+
+A number the step reads from one of its own tensors (``step_t.item()``: an
+optimizer's step counter on its default path) is lifted the same way: its
+arithmetic becomes the same float64 ops on that 0-d tensor, so a bias
+correction is the double eager torch computes from the counter it holds.
 """
 
 from __future__ import annotations
@@ -160,6 +165,10 @@ def _dtype(val: Any) -> torch.dtype:
     return torch.float64
 
 
+class UnliftableNumber(RuntimeError):
+    """A computation on a number read from a tensor has no aten counterpart (it cannot be folded either)."""
+
+
 @dataclass
 class Lifted:
     """What :func:`lift` made: (slot index, tensor) of each number the graph reads, and the slots whose value
@@ -173,7 +182,8 @@ def lift(gm: fx.GraphModule, placeholders: Sequence[fx.Node], hints: Sequence[An
     """Turn the symbolic-number placeholders of ``gm`` into 0-d tensor constants, as the module docstring says.
 
     The graph is changed in place (not recompiled). A computation on the numbers with no aten counterpart is
-    folded to its traced value, and the slots it reads are returned as ``pinned`` (guards).
+    folded to its traced value, and the slots it reads are returned as ``pinned`` (guards); where it reads a
+    number of a tensor (``.item()``) it cannot be folded, and :class:`UnliftableNumber` says which.
     """
     g = gm.graph
     mode = _fake_mode(gm)
@@ -194,13 +204,17 @@ def lift(gm: fx.GraphModule, placeholders: Sequence[fx.Node], hints: Sequence[An
         source[ph] = {i}
         lifted.feeds.append((i, t))
 
+    cast: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+
     def as_tensor(a: Any, dtype: torch.dtype, before: fx.Node) -> Any:
         if isinstance(a, fx.Node):
             t = tensor_of[a]
             if t.meta["val"].dtype != dtype:
-                with g.inserting_before(before):
-                    t = g.call_function(aten._to_copy.default, (t,), {"dtype": dtype})
-                t.meta["val"] = _fake(mode, torch.zeros((), dtype=dtype))
+                if (t, dtype) not in cast:
+                    with g.inserting_before(before):
+                        cast[t, dtype] = g.call_function(aten._to_copy.default, (t,), {"dtype": dtype})
+                    cast[t, dtype].meta["val"] = _fake(mode, torch.zeros((), dtype=dtype))
+                t = cast[t, dtype]
             return t
         with g.inserting_before(before):
             t = g.call_function(aten.scalar_tensor.default, (a,), {"dtype": dtype, "device": torch.device("cpu")})
@@ -208,16 +222,27 @@ def lift(gm: fx.GraphModule, placeholders: Sequence[fx.Node], hints: Sequence[An
         return t
 
     dead: list[fx.Node] = []
+    from_data: set[fx.Node] = set()  # numbers computed from a number read from a tensor
     for n in list(g.nodes):
         if n.op != "call_function":
+            continue
+        if n.target is ITEM and isinstance(n.meta.get("val"), _SYM) and isinstance(n.args[0], fx.Node):
+            tensor_of[n] = n.args[0]  # a tensor's number (a step counter's .item()): read from that tensor
+            source[n] = set()
+            from_data.add(n)
+            dead.append(n)
             continue
         reads = [a for a in _flat_nodes((n.args, n.kwargs)) if a in tensor_of]
         if not reads:
             continue
         if not isinstance(n.target, torch._ops.OpOverload):  # arithmetic on the numbers themselves
             source[n] = set().union(*(source[a] for a in reads))
+            if any(a in from_data for a in reads):
+                from_data.add(n)
             dtype = _dtype(n.meta.get("val"))
             table = _BINARY if len(n.args) == 2 and not n.kwargs else _UNARY if len(n.args) == 1 else {}
+            if n.target not in table and n in from_data:
+                raise UnliftableNumber(f"{n.name} = {n.target}(...) on a number read from a tensor")
             if n.target not in table:
                 for i in source[n]:  # no aten counterpart: folded to its traced value, a guard
                     lifted.pinned[i] = hints[i]
@@ -260,6 +285,9 @@ def lift(gm: fx.GraphModule, placeholders: Sequence[fx.Node], hints: Sequence[An
     return lifted
 
 
+_SYM = (torch.SymFloat, torch.SymInt, torch.SymBool)
+
+
 def _flat_nodes(x: Any) -> list[fx.Node]:
     out: list[fx.Node] = []
     fx.node.map_arg(x, lambda a: out.append(a) or a)
@@ -267,7 +295,7 @@ def _flat_nodes(x: Any) -> list[fx.Node]:
 
 
 def _hint(v: Any) -> Any:
-    if isinstance(v, (torch.SymFloat, torch.SymInt, torch.SymBool)):
+    if isinstance(v, _SYM):
         return v.node.hint
     return v
 
@@ -366,6 +394,7 @@ def branch_guards(
 __all__ = [
     "HyperSlot",
     "Hyperparameters",
+    "UnliftableNumber",
     "hyper_slots",
     "is_fed",
     "symbolic_values",

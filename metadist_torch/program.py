@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 
 from metadist_core.ir.placement import Sharding, local_piece
 
+from .eager import attach as attach_eager
 from .engine import Engine
 from .lower import RankGraph
 from .reinplace import layout_from_meta, reinplace_updates
@@ -242,6 +243,7 @@ def place_state(traced: TracedStep, plan: Any, engine: Engine) -> None:
             slot.owner._buffers[slot.key] = dt
         else:
             slot.owner[slot.key] = dt
+    attach_eager(st.modules)
     if not new_param:
         return
     for mod, k, _ in st.tied:

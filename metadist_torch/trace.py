@@ -11,10 +11,13 @@ How (torch 2.13):
    (outputs, new params, new buffers, new state)`` under ``make_fx`` with fake
    tensors: the parameters are swapped in with ``_reparametrize_module`` as
    fresh leaves that require grad, the optimizer's ``param_groups`` and
-   ``state`` are pointed at the traced tensors. Optimizers run with
-   ``capturable=True`` (CPU included, by patching
-   ``_get_capturable_supported_devices`` while tracing), so the step counter
-   stays a tensor and no ``.item()`` reaches the graph.
+   ``state`` are pointed at the traced tensors. Optimizers run the path eager
+   torch runs: a step counter's ``.item()`` is a number of the graph, and
+   :func:`metadist_torch.hyper.lift` turns the Python arithmetic on it into the
+   same float64 ops on the counter's 0-d tensor, so the float32 update gets
+   eager's numbers, bit for bit. Where that path branches on a counter's value
+   the step is traced again with ``capturable=True`` (CPU included, by patching
+   ``_get_capturable_supported_devices``): counters stay tensors.
 3. The captured graph (which still holds in-place updates) is functionalized:
    in one pass over its nodes where aliasing allows (:mod:`metadist_torch.functional`), else
    by tracing it again under ``torch.func.functionalize``; profiler nodes and
@@ -44,9 +47,18 @@ import torch.utils._pytree as pytree
 
 from metadist_core.ir.ir import MetaIR
 
+from .sideeffects import SideEffectError, arguments_unchanged
 from .amp import amp_decompositions
 from .moe import capacity_dispatch, world_mesh
-from .hyper import Hyperparameters, branch_guards, hyper_slots, lift, swapped_values, symbolic_values
+from .hyper import (
+    Hyperparameters,
+    UnliftableNumber,
+    branch_guards,
+    hyper_slots,
+    lift,
+    swapped_values,
+    symbolic_values,
+)
 from .state import (
     OptimizerParamHolder,
     StepState,
@@ -169,7 +181,6 @@ def trace_step(
     capacity-padded dispatch (:mod:`metadist_torch.moe`) with ``moe_capacity_factor``, its tokens in a group per
     device of ``mesh_shape`` (None: the world as one axis).
     """
-    from torch.fx.experimental.proxy_tensor import make_fx
     from torch.nn.utils.stateless import _reparametrize_module
 
     kwargs = dict(kwargs or {})
@@ -227,6 +238,7 @@ def trace_step(
                 stack.enter_context(capacity_dispatch(owners, mesh_shape or world_mesh(), moe_capacity_factor))
                 grads = stack.enter_context(capture_gradients(state.optimizers, new_params))
                 out = fn(*a, **kw)
+                arguments_unchanged(fn, a, kw, in_spec, lv)  # a container argument filled in: an error naming it
                 new_state = [s.owner[s.key] for s in state.opt_states]
                 left = [(i, p.grad) for i, p in enumerate(new_params) if isinstance(p.grad, torch.Tensor)]
         finally:
@@ -252,24 +264,15 @@ def trace_step(
     if example_state is None:
         example_state = [s.get() for s in slots]
     example_state = [_plain(t) for t in example_state]
-    mode = _fake_mode()
     user_tensors = [t.detach() for t in user_tensors] + [_plain(state.params[i].get().grad) for i in grad_in]
-    examples = _as_fake(list(example_state) + user_tensors, mode)
     hyper = hyper_slots(state.optimizers)  # the param groups' numbers: symbolic while tracing (metadist_torch.hyper)
-    symbols = symbolic_values(hyper, state.optimizers, mode.shape_env)
-    with capturable_optimizers(state.optimizers), _quiet():
-        try:
-            gm = make_fx(flat, tracing_mode="fake", decomposition_table=_decompositions())(*examples, *symbols)
-        except Exception as e:
-            raise TraceError(
-                f"metadist could not trace the step {getattr(fn, '__name__', fn)!r}: {type(e).__name__}: {e}"
-            ) from e
-    t1 = time.perf_counter()
-    gm = functionalize_graph(gm, examples + symbols, recompile=False)
-    grad_names = set(strip_gradients(gm, out_box["n_grads"], recompile=False))
-    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    lifted = lift(gm, phs[len(phs) - len(hyper) :], [s.node.hint for s in symbols])
-    guards, pinned = branch_guards(mode.shape_env, hyper, symbols)
+    values = list(example_state) + user_tensors
+    try:  # the optimizers' own path: the formula eager torch runs
+        cap = _capture(flat, values, hyper, state, out_box, fn, capturable=False)
+    except _BranchOnTensorNumber as e:  # a branch on a step counter's value: the capturable path has none
+        log.debug("tracing the optimizers' capturable path: %s", e)
+        cap = _capture(flat, values, hyper, state, out_box, fn, capturable=True)
+    gm, lifted, guards, pinned, grad_names, t1 = cap
     merged = merge_step_counters(gm, state)  # in place: names kept, merged duplicates gone
     gm.recompile()  # once: every pass above changed the graph only (a large graph's Python code is slow to make)
     grad_names = [n.name for n in gm.graph.nodes if n.name in grad_names]
@@ -304,6 +307,67 @@ def trace_step(
     )
     traced.refresh()
     return traced
+
+
+class _BranchOnTensorNumber(Exception):
+    """The optimizers' own path branched on, or folded, a number read from a tensor (a step counter)."""
+
+
+def _data_dependent(e: BaseException | None) -> bool:
+    """Did tracing stop at a Python decision on a number read from a tensor?"""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, (GuardOnDataDependentSymNode, DataDependentOutputException, UnliftableNumber)):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False
+
+
+def _capture(
+    flat: Callable, values: list[torch.Tensor], hyper: list, state: StepState, out_box: dict, fn: Any, capturable: bool
+) -> tuple[fx.GraphModule, Any, list, dict, set[str], float]:
+    """``flat`` traced with make_fx on fake ``values`` and the param groups' numbers as symbols, functionalized,
+    its gradient outputs stripped and the numbers lifted (:func:`metadist_torch.hyper.lift`).
+
+    With ``capturable=False`` the optimizers run the path eager torch runs (step counters read with
+    ``.item()``, bias corrections as doubles): the program does eager's float operations with eager's numbers.
+    Where that path decides something on a counter's value it raises :class:`_BranchOnTensorNumber`, and the
+    caller traces again with ``capturable=True`` (counters stay tensors; the same formula in tensor ops, not
+    bit for bit eager's). Returns the graph, the lifted numbers, the branch guards, the pinned numbers, the
+    names of the gradient values and the time make_fx finished.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = _fake_mode()
+    examples = _as_fake(values, mode)
+    symbols = symbolic_values(hyper, state.optimizers, mode.shape_env)
+    patch = capturable_optimizers(state.optimizers) if capturable else contextlib.nullcontext()
+    with patch, _quiet():
+        try:
+            gm = make_fx(flat, tracing_mode="fake", decomposition_table=_decompositions())(*examples, *symbols)
+        except SideEffectError:
+            raise
+        except Exception as e:
+            if not capturable and _data_dependent(e):
+                raise _BranchOnTensorNumber(f"{type(e).__name__}: {e}") from e
+            raise TraceError(
+                f"metadist could not trace the step {getattr(fn, '__name__', fn)!r}: {type(e).__name__}: {e}"
+            ) from e
+    t1 = time.perf_counter()
+    gm = functionalize_graph(gm, examples + symbols, recompile=False)
+    grad_names = set(strip_gradients(gm, out_box["n_grads"], recompile=False))
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        lifted = lift(gm, phs[len(phs) - len(hyper) :], [s.node.hint for s in symbols])
+    except UnliftableNumber as e:
+        if capturable:
+            raise TraceError(f"metadist could not trace the step {getattr(fn, '__name__', fn)!r}: {e}") from e
+        raise _BranchOnTensorNumber(str(e)) from e
+    guards, pinned = branch_guards(mode.shape_env, hyper, symbols)
+    return gm, lifted, guards, pinned, grad_names, t1
 
 
 def _bn_with_stats(input, weight, bias, running_mean, running_var, training, momentum, eps):

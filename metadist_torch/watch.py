@@ -41,6 +41,7 @@ import torch
 
 from metadist_core.driver.frontend import Watch
 
+from .eager import HOOK_IDS as EAGER_HOOKS
 from .engine import agree_on
 from .hyper import is_fed
 from .trace import TracedStep
@@ -145,6 +146,7 @@ class StepWatch(Watch):
             for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
             if d
             for k in d
+            if k not in EAGER_HOOKS  # metadist_torch.eager's own, installed when the state is placed
         ]
         params = [
             k
