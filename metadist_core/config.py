@@ -97,7 +97,19 @@ class Settings:
         "The solver that picks the plan: `ilp` (exact: scipy's MILP, HiGHS), `beam` or "
         "`greedy`, or any solver plugin installed (`metadist plugins` lists them).",
     )
-    memory_budget: int | None = _setting(None, "Bytes per device the plan must fit in.", shown="none (no limit)")
+    memory_budget: int | None = _setting(
+        None,
+        "Bytes per device the plan must fit in. Unset: the device's memory less `device_reserve_mb` (on CUDA "
+        "the device's own, in `metadist plan` the device preset's); no limit on a CPU.",
+        shown="the device's memory (CUDA, device preset); none on a CPU",
+    )
+    device_reserve_mb: float = _setting(
+        2048.0,
+        "MiB of a device's memory that the default `memory_budget` leaves for what a plan does not hold: the "
+        "CUDA context and kernels (~0.5 GiB), cuBLAS workspaces, NCCL's communicator buffers (~0.2-0.5 GiB a "
+        "group) and the caching allocator's slack.",
+        shown="2048 (MiB)",
+    )
     cache_dir: str | None = _setting(
         None,
         "Where the rule cache, measured mesh profiles and the ILP's kept answers live.",
@@ -376,6 +388,7 @@ def load_settings(**explicit: Any) -> Settings:
             "ilp_cache_mb",
             "autotune_seconds",
             "local_time_seconds",
+            "device_reserve_mb",
         ):
             try:
                 value = float(value)
@@ -414,6 +427,8 @@ def load_settings(**explicit: Any) -> Settings:
         raise ValueError(
             f"local_time_seconds must be 0 (time no op at its local shapes) or more, got {s.local_time_seconds}"
         )
+    if not s.device_reserve_mb >= 0:
+        raise ValueError(f"device_reserve_mb must be 0 or more (MiB), got {s.device_reserve_mb}")
     if s.max_replans < 0:
         raise ValueError(f"max_replans must be 0 or more (re-plans before the warning), got {s.max_replans}")
     if s.guard_cache < 1:

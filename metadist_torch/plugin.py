@@ -131,9 +131,13 @@ class TorchFrontend(Frontend):
         state_to_device(state)  # offloaded optimizer state back beside the parameters: tracing runs the optimizer
         plan_only = requested()  # `metadist plan --mesh`: the mesh planned for, not this process's world
         mesh_shape = tuple(plan_only.mesh) if plan_only is not None else self.mesh_shape
+        from .sideeffects import snapshot
+
+        before = snapshot(fn, args, kwargs, state.modules)
         step = trace_step(
             fn, args, kwargs, state=state, moe_capacity_factor=self.moe_capacity_factor, mesh_shape=mesh_shape
         )
+        before.check(getattr(fn, "__qualname__", "step"))  # what the trace cannot carry back: named, undone
         return Traced(step.graph, context=step)
 
     def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> Resolved:
@@ -143,12 +147,18 @@ class TorchFrontend(Frontend):
         from .engine import engine_for
 
         eng = engine_for(mesh)
+        memory = None
         if eng.device.type == "cuda":
             kind = "cuda-" + torch.cuda.get_device_name(eng.device).replace(" ", "_")
+            memory = cuda_memory(eng.device)  # the default memory budget (metadist_core.driver.budget)
         else:
             kind = f"cpu{torch.get_num_threads()}t"
         return Resolved(
-            profile.mesh(eng.mesh.shape, eng.mesh.axis_names), eng, kind, lead=eng.rank == 0 or not eng.distributed
+            profile.mesh(eng.mesh.shape, eng.mesh.axis_names),
+            eng,
+            kind,
+            lead=eng.rank == 0 or not eng.distributed,
+            device_memory=memory,
         )
 
     def share(self, plan_fn: Callable[[], Any], traced: Traced, resolved: Resolved) -> Any:
@@ -258,6 +268,14 @@ class TorchFrontend(Frontend):
         from .calibrate import run_calibrate
 
         return run_calibrate(out, nprocs=nprocs, refresh=refresh_cached_profile)
+
+
+def cuda_memory(device: Any) -> int:
+    """Bytes of memory of the CUDA ``device`` (all of it: what the plan may use is that less
+    ``device_reserve_mb``, whatever this process holds now)."""
+    import torch
+
+    return int(torch.cuda.get_device_properties(device).total_memory)
 
 
 def refresh_cached_profile() -> "MeshProfile":

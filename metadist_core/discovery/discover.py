@@ -7,7 +7,8 @@ more than a narrow one: each pattern runs once, at small proxy sizes, twice
 mesh, the smallest axis first: on a larger axis the first proxy instance tries
 the input placements of the rules the smaller one verified (:func:`seed_combos`).
 An op the frontend cannot run at proxy sizes (or whose pattern a proxy
-cannot keep) is discovered at its real shapes. Patterns already in the RuleBook
+cannot keep) is discovered at its real shapes; a reshape or a copy takes its
+rules from its dim algebra there, without a run (:mod:`metadist_core.discovery.algebra`). Patterns already in the RuleBook
 (the on-disk cache) are not run again. An op whose frontend cannot run it in
 isolation, or for which no rule verifies, is recorded as running replicated,
 with one warning naming the op.
@@ -29,6 +30,7 @@ from metadist_core.discovery.rules import OpRules, RuleBook, ShardingRule
 from metadist_core.discovery.shardcombine import DRAWS, DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
 from metadist_core.discovery.verify import scalars_of
 from metadist_core.discovery.forkpool import discover_forked
+from metadist_core.discovery.algebra import algebra_rules
 import multiprocessing
 import os
 
@@ -243,6 +245,10 @@ def discover_pattern(
                 log.debug("op %s (%s) at proxy sizes (%s): %s: %s", op.key, op.id, pat.key, type(e).__name__, e)
                 why = f"{type(e).__name__}: {e}"
         pattern = op_pattern(op, graph, n, proxies=False)
+    exact = algebra_rules(op, graph, n)  # a reshape or a copy: its rules from its dims, at its own sizes
+    if exact is not None:
+        log.debug("op %s (%s): rules from its dim algebra at its own sizes (%s)", op.key, op.id, why[:200])
+        return OpRules(op.key, exact, n, "ok", "", 0.0), pattern.key
     numel = op_numel(op, graph)
     if why:  # the op, and why no proxy stands for it: a user can tell a size-bearing argument from a kernel
         log.info("op %s (%s) is discovered at its real shapes: %s", op.key, op.id, why[:200])
@@ -268,8 +274,9 @@ def _discover_proxied(
     ``seed``: the first instance tries only these input placements, unless none of them holds."""
     t0 = time.perf_counter()
     found: list[list[ShardingRule]] = []
+    proxies = [proxy_op(op, graph, n, instance, pattern.multiples) for instance in (0, 1)]  # NoProxy before a run
     for instance in (0, 1):
-        p_op, p_graph = proxy_op(op, graph, n, instance, pattern.multiples)
+        p_op, p_graph = proxies[instance]
         spec = ops.op_spec(p_op, p_graph)
         if spec is None:
             raise NoProxy(f"no loaded frontend runs ops with key {op.key!r}")

@@ -249,6 +249,7 @@ class Solver:
             traits=self.job.frontend.traits,
             op_slowdowns=p.op_times,
             local_timer=p.local_timer if m.size > 1 else None,
+            device_memory=p.device_memory,
         )
 
 

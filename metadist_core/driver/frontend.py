@@ -122,10 +122,13 @@ class Resolved:
     engine: Any = None
     device_kind: str | None = None
     lead: bool = True  # this process writes what the job caches (one per job: rank 0)
+    #: bytes of memory of the device each process runs on (CUDA), the default memory budget
+    #: (metadist_core.driver.budget); None: not known or a CPU (no default budget)
+    device_memory: int | None = None
 
     def priced(self, mesh: "Mesh") -> "Resolved":
         """The same engine with the planning mesh repriced (same shape)."""
-        return Resolved(mesh, self.engine, self.device_kind, self.lead)
+        return Resolved(mesh, self.engine, self.device_kind, self.lead, self.device_memory)
 
 
 # -- what to lower ---------------------------------------------------------------------------------------

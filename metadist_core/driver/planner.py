@@ -10,6 +10,7 @@ is what one compile produced.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import time
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 from metadist_core.config import Settings, load_settings, resolve_first_bucket
 from metadist_core.problem.constraints import split_constraints
 from metadist_core.discovery.discover import discover
+from metadist_core.driver.budget import plan_budget, unfit_advice
 from metadist_core.driver.frontend import FrontendTraits, Traced
 from metadist_core.cost.fusion import fused_bytes
 from metadist_core.ir.ir import RECOMPUTED_SUFFIX, MetaIR
@@ -89,6 +91,7 @@ def plan_graph(
     traits: FrontendTraits | None = None,
     op_slowdowns: Callable[[MetaIR, dict], Mapping[str, float]] | None = None,
     local_timer: Any = None,
+    device_memory: int | None = None,
     **setting_values: Any,
 ) -> CompileResult:
     """Discover rules for ``graph``, build the ShardingProblem on ``mesh`` and solve it.
@@ -101,7 +104,10 @@ def plan_graph(
     user's inputs, priced by the memory model and the prediction. ``op_slowdowns(graph, costs)``: each op's
     measured time over its roofline (:mod:`metadist_core.cost.optimes`), priced into its compute.
     ``local_timer`` (:class:`~metadist_core.cost.localtime.LocalTimer`): the ops the frontend times at
-    each strategy's local shapes, priced so.
+    each strategy's local shapes, priced so. ``device_memory``: bytes of the device the plan runs on (CUDA),
+    the default budget where ``memory_budget`` is not set (:mod:`metadist_core.driver.budget`: else the
+    device preset's memory, none on a CPU); a default budget binds only where the plan without it does not
+    fit, and a plan that cannot fit is an error saying where the budget came from and what to change.
     """
     s = settings or load_settings(**setting_values)
     pm = plugins or PluginManager()
@@ -119,10 +125,56 @@ def plan_graph(
         workers=s.discovery_workers,
     )
     timings["discover"] = time.perf_counter() - t
-    planner = _planner(
-        graph, mesh, book, pm, s, constraints, solver_options, device, traits or FrontendTraits(), local_timer, timings
-    )
-    planner.costs = _priced_costs(graph, pm, op_slowdowns, timings, compiled=s.compiles)
+    if device is None and s.mesh_profile:
+        device = load_profile(s.mesh_profile).device
+    budget = plan_budget(s, device, device_memory)
+
+    def plan_under(st: Settings) -> CompileResult:
+        planner = _planner(
+            graph,
+            mesh,
+            book,
+            pm,
+            st,
+            constraints,
+            solver_options,
+            device,
+            traits or FrontendTraits(),
+            local_timer,
+            timings,
+        )
+        planner.costs = costs
+        return _solved(planner, graph, mesh, book, timings, local_timer)
+
+    timings["build_problem"] = timings["solve"] = 0.0  # both plans' (a default budget may need two)
+    costs = _priced_costs(graph, pm, op_slowdowns, timings, compiled=s.compiles)
+    try:
+        if budget.bytes is None or budget.explicit:
+            res = plan_under(dataclasses.replace(s, memory_budget=budget.bytes))
+        else:  # the device's memory: the plan without a budget where it fits, else one solved under it
+            res = plan_under(s)
+            peak = res.plan.stats.peak_with_buffers
+            if peak is not None and peak > budget.bytes * (1.0 - memprofile.HEADROOM):
+                log.info(
+                    "the plan without a budget needs %s bytes per device; planning under %s (%s)",
+                    f"{peak:,}",
+                    f"{budget.bytes:,}",
+                    budget.source,
+                )
+                res = plan_under(dataclasses.replace(s, memory_budget=budget.bytes))
+    except InfeasibleBudgetError as e:
+        e.args = (f"{e.args[0] if e.args else e}{unfit_advice(budget)}", *e.args[1:])
+        raise
+    res.plan.stats.budget = budget.to_json()
+    log.info("planned %s on mesh %s with %s: %s", res.graph.name, mesh, s.solver, res.plan.summary())
+    return res
+
+
+def _solved(
+    planner: "GraphPlanner", graph: MetaIR, mesh: Mesh, book: RuleBook, timings: dict, local_timer: Any
+) -> CompileResult:
+    """The planner's plan under its budget (recomputing where it must), its stats recorded; a budget no plan
+    meets is an InfeasibleBudgetError counting the collectives' buffers where the solve can."""
     try:
         graph, (problem, plan), segs = planner.under_budget()
     except InfeasibleBudgetError as e:
@@ -135,7 +187,6 @@ def plan_graph(
             f"needs, with its collectives' buffers and {memprofile.HEADROOM:.0%} headroom,",
         ) from e
     _record_stats(plan, problem, segs, planner.settings, local_timer)
-    log.info("planned %s on mesh %s with %s: %s", graph.name, mesh, s.solver, plan.summary())
     return CompileResult(graph, book, problem, plan, None, timings)
 
 
@@ -163,7 +214,8 @@ def _planner(
     # proven ILP answers are kept beside the rules (solvers/_cache.py): a re-run of the same problem is not re-solved
     cache = getattr(book, "cache_dir", None)
     options = {"cache_dir": None if cache is None else str(cache), **s.solver_options(), **(solver_options or {})}
-    timings["build_problem"] = timings["solve"] = 0.0
+    timings.setdefault("build_problem", 0.0)
+    timings.setdefault("solve", 0.0)
     # under a budget, and for a preset whose every plan gathers the parameters (presets.gathers_parameters),
     # input gathers priced by their bucket share (FSDP-like plans); else, or once under_budget gives up on
     # those, each gather nearly whole

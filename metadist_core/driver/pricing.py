@@ -33,6 +33,7 @@ class Pricing:
     one_device: Any = None
     op_times: "OpTimer | None" = None
     local_timer: LocalTimer | None = None
+    device_memory: int | None = None  # bytes of the device the step runs on (Resolved.device_memory)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def price(job: "Job", traced: Traced, resolved: Resolved, mesh_arg: Any) -> tupl
     profile's costs, even when the frontend measures none); one with the built-in costs takes the measured
     ones."""
     s, fe = job.settings, job.frontend
-    pricing = Pricing()
+    pricing = Pricing(device_memory=resolved.device_memory)
     if resolved.mesh.size > 1:
         t = time.perf_counter()
         pricing.profile = profile_for(fe, resolved, s)

@@ -49,6 +49,11 @@ RANDOM_MARKERS = (
 )
 
 
+#: a forward value read over more than this share of the forward's ops is not counted where the forward is cut
+#: (it is kept across every cut it spans either way)
+LONG_LIVED = 0.5
+
+
 class RecomputeError(ValueError):
     """Recomputation cannot be applied as asked (names the op, and what to do)."""
 
@@ -95,8 +100,18 @@ def segments(graph: MetaIR, flops: dict[str, float] | None = None) -> list[Segme
             if v in pos:
                 last[v] = k
     diff = [0] * (len(core) + 1)
+    learned = _learned(graph, core)
     for v, p in pos.items():
-        if graph.vars[v].shape is not None and last.get(v, -1) > p:
+        # a side table (rotary cos/sin, masks, position ids: no parameter in it, made once, read by every layer)
+        # or a value alive over most of the forward crosses every cut there alike and tells none apart; counted,
+        # it made the layers' cuts thicker than the few before it was made: all of LLaMA's layers but the last
+        # were one segment
+        if (
+            graph.vars[v].shape is not None
+            and p < last.get(v, -1)
+            and last[v] - p <= LONG_LIVED * len(core)
+            and (learned is None or v in learned)
+        ):
             diff[p + 1] += 1
             diff[last[v] + 1] -= 1
     crossing, run = [0] * len(core), 0
@@ -138,6 +153,19 @@ def segments(graph: MetaIR, flops: dict[str, float] | None = None) -> list[Segme
         fl = sum((flops or {}).get(i, 0.0) for i in rec)
         result.append(Segment(len(result), seg_ops, rec, saved, sum(graph.vars[v].nbytes for v in saved), fl))
     return result
+
+
+def _learned(graph: MetaIR, core: Sequence[str]) -> set[str] | None:
+    """The values of the ``core`` forward ops computed from a parameter (None: the graph has no parameter)."""
+    params = {v for v in graph.inputs if graph.vars[v].role == "parameter"}
+    if not params:
+        return None
+    out = set(params)
+    for i in core:
+        op = graph.op(i)
+        if any(v in out for v in op.inputs):
+            out.update(op.outputs)
+    return out
 
 
 def order(segs: Sequence[Segment]) -> list[Segment]:

@@ -312,12 +312,22 @@ def explain_plan(
         f"  step {_ms(plan.objective)} ms = compute {_ms(plan.compute_seconds)} ms + communication "
         f"{_ms(plan.comm_seconds)} ms; peak memory {_fmt_bytes(plan.memory_per_device)}"
         + (f" (budget {_fmt_bytes(prob.memory_budget)})" if prob is not None and prob.memory_budget else ""),
+        budget_line(plan),
     ]
     if presets and prob is not None and math.prod(plan.mesh_shape) > 1:
         lines += ["", "strategy presets on the same problem"]
         rows = compare_presets(prob, solver or _solver_name(plan))
         lines += ["  " + s for s in preset_table(plan, rows)]
     return "\n".join(lines)
+
+
+def budget_line(plan: "ShardingPlan") -> str:
+    """Which memory budget the plan was made to fit and where it came from (``plan.stats.budget``)."""
+    b = getattr(getattr(plan, "stats", None), "budget", None)
+    if not b:
+        return "  memory budget: not recorded"
+    size = "no limit" if b.get("bytes") is None else _fmt_bytes(b["bytes"])
+    return f"  memory budget: {size}, from {b.get('source', '?')}"
 
 
 def _solver_name(plan: "ShardingPlan") -> str:

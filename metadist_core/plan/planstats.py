@@ -21,6 +21,7 @@ class PlanStats:
     strategy: str | None = None  # preset or "auto" the plan was solved under (driver)
     first_bucket_mb: float | None = None  # first gradient bucket rank 0 priced; every rank lowers it
     peak_with_buffers: int | None = None  # peak bytes per device with the collectives' buffers
+    budget: dict[str, Any] | None = None  # bytes, source, explicit: the budget the plan fits (driver/budget.py)
     recompute: dict[str, Any] | None = None  # segments, ops, chosen_by, saved_bytes
     recompute_chosen_by: str | None = None  # how the recomputation was chosen, until folded into recompute
     local_times: dict[str, Any] | None = None  # the local timer's figures (kernels timed, slowdowns)
