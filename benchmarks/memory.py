@@ -270,7 +270,7 @@ def search(system: str, sh: dict, budget: int, args, rank: int, world: int) -> d
 
 def worker(args) -> int:
     import torch
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     torch.set_num_threads(1)
     rank, world = ensure_process_group()

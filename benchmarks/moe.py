@@ -393,7 +393,7 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
     from benchmarks._common import interleaved
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     torch.set_num_threads(1)
     rank, world = ensure_process_group()

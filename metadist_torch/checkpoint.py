@@ -139,7 +139,7 @@ def _gather(obj: Any) -> list[Any]:
         return [obj]
     import torch.distributed as dist
 
-    from .engine import cpu_group
+    from .runtime.engine import cpu_group
 
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj, group=cpu_group())
@@ -150,7 +150,7 @@ def _barrier() -> None:
     if not _no_dist():
         import torch.distributed as dist
 
-        from .engine import cpu_group
+        from .runtime.engine import cpu_group
 
         dist.barrier(group=cpu_group())
 

@@ -19,7 +19,7 @@ import torch
 from metadist_core.ir.placement import chunk_bounds, chunk_sizes
 
 from .compression import compressed
-from .stats import CommStats
+from .runtime.stats import CommStats
 
 
 _COUNTING: list[CommStats] = []  # while a program is traced for the compiler: where its collectives count

@@ -36,9 +36,9 @@ from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
 from .compiled import check_settings
-from .faults import RankFailure, count_step, is_collective_failure, rank_failure
+from .runtime.faults import RankFailure, count_step, is_collective_failure, rank_failure
 from .plugin import TorchFrontend
-from .stats import CommStats
+from .runtime.stats import CommStats
 
 
 class TorchStep(CompiledStep):
@@ -112,11 +112,11 @@ class TorchStep(CompiledStep):
 
 def _explained(e: BaseException, step: "TorchStep") -> BaseException:
     """``e`` as the error a user can act on: a failed collective names the rank that stopped
-    (:mod:`metadist_torch.faults`), a device out of memory names the plan's predicted bytes and the
+    (:mod:`metadist_torch.runtime.faults`), a device out of memory names the plan's predicted bytes and the
     budget; any other error as it is."""
     import torch
 
-    from .engine import collective_timeout, world_info
+    from .runtime.engine import collective_timeout, world_info
 
     if isinstance(e, torch.OutOfMemoryError):
         return _out_of_memory(e, step)

@@ -14,7 +14,7 @@ the param groups' numbers as ``aten._local_scalar_dense`` of 0-d tensors, and ru
 - traces the program once on fake tensors (``make_fx``), so that every collective's padding, bucket
   flattening and splitting is the aten ops it runs, and each collective the ``_c10d_functional`` op and
   its ``wait_tensor`` where the lowering waits for it. What each collective moves is counted by that
-  trace, once (:class:`CompiledProgram` adds it to the program's :class:`~metadist_torch.stats.CommStats`
+  trace, once (:class:`CompiledProgram` adds it to the program's :class:`~metadist_torch.runtime.stats.CommStats`
   at every call).
 
 :class:`CompiledProgram` compiles at its first call with the backend and options of the settings
@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from metadist_core.progress import Ticker
 
-from .stats import CommStats
+from .runtime.stats import CommStats
 
 aten = torch.ops.aten
 ITEM = aten._local_scalar_dense.default

@@ -10,7 +10,7 @@ collectives at the compressed itemsize and the lowering
 cast to the wire dtype, run the collective, cast back to the value's own
 dtype. An ``avg`` reduction divides before the cast (as DDP's fp16 hook does),
 so that fp16 sums overflow no sooner than the mean would. The counted bytes
-(:class:`~metadist_torch.stats.CommStats`) are those of the wire tensors.
+(:class:`~metadist_torch.runtime.stats.CommStats`) are those of the wire tensors.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from metadist_core.cost.timing import time_call
 
-from .engine import device
+from .runtime.engine import device
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import torch
@@ -56,7 +56,7 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
     ``alone``: the rates of
     this process while it has the device to itself: the fastest of ``iters`` single calls (what
     :mod:`metadist_torch.optime` divides an op's own fastest time by). ``dev``: the device (default: the
-    rank's, :func:`metadist_torch.engine.device`)."""
+    rank's, :func:`metadist_torch.runtime.engine.device`)."""
     import torch
 
     dev = dev if dev is not None else device()
@@ -91,7 +91,7 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
 
 
 def measure_device(seconds: float = 0.5, on: "torch.device | None" = None) -> "DeviceSpec":
-    """This process's rates on device ``on`` (default: the rank's, :func:`metadist_torch.engine.device`) as
+    """This process's rates on device ``on`` (default: the rank's, :func:`metadist_torch.runtime.engine.device`) as
     the cost model's DeviceSpec: matmul FLOP/s, memory rate by bytes moved, per-op dispatch
     (:func:`measure_device_rates`, alone: the rates :mod:`metadist_torch.optime` divides each op's time
     by) and, on a GPU, the host link (pinned host to device copies of 64 MiB, the fastest over about

@@ -19,7 +19,7 @@ Uneven splits follow ``torch.chunk``: gathers and reduce-scatters pad to the
 chunk size and cut the padding off again (each member's extent from
 :func:`metadist_core.ir.placement.group_extents`). gloo has no AVG reduction:
 ``avg`` is the sum divided by the axis size, as in every engine. Every
-collective adds its bytes to a :class:`~metadist_torch.stats.CommStats`.
+collective adds its bytes to a :class:`~metadist_torch.runtime.stats.CommStats`.
 Independent all_reduces of one axis are then merged into buckets
 (``settings.coalesce``, up to ``settings.bucket_bytes`` each), and so are the
 all_gathers of graph inputs (parameters), up to ``settings.shard_bucket_bytes``
@@ -48,7 +48,7 @@ from .calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
 from .reinplace import reinplace_updates
 from .schedule import issue_early, md_wait, prefetch_gathers
-from .stats import CommStats
+from .runtime.stats import CommStats
 from .coalesce import coalesce_all_reduces, coalesce_all_gathers, DTYPE_META, VAR_META
 
 # ops whose second argument is the full output shape: lowered with the local output shape

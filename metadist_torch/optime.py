@@ -39,7 +39,7 @@ from metadist_core.ir.mesh import Mesh
 
 from .devicerates import measure_device_rates
 from .calls import TORCH_DTYPES, rebuild, resolve_overload
-from .engine import device as engine_device
+from .runtime.engine import device as engine_device
 from .lower import lower_plan
 from .oprunner import op_spec
 

@@ -23,10 +23,10 @@ from metadist_core.levers.microbatch import split_batch as core_split_batch
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Sharding, local_piece
 
-from .engine import Engine
+from .runtime.engine import Engine
 from .lower import lower_plan
 from .program import _TOKENS, claim_layout, input_pieces, local_of, moved_once, place_state, user_tensors
-from .stats import CommStats
+from .runtime.stats import CommStats
 from .trace import TracedStep
 
 

@@ -140,7 +140,7 @@ class TorchFrontend(Frontend):
         """The process group's mesh and this rank's Engine (a mesh whose size is not the world size:
         ValueError quoting both)."""
         import torch
-        from .engine import engine_for
+        from .runtime.engine import engine_for
 
         eng = engine_for(mesh)
         if eng.device.type == "cuda":
@@ -154,7 +154,7 @@ class TorchFrontend(Frontend):
     def share(self, plan_fn: Callable[[], Any], traced: Traced, resolved: Resolved) -> Any:
         """Rank 0 plans; its plan is broadcast and checked against each rank's own graph; where it fails,
         every rank raises its error."""
-        from .share import share_error, share_plan
+        from .runtime.share import share_error, share_plan
 
         eng = resolved.engine
         if not eng.distributed:

@@ -21,11 +21,11 @@ import torch.utils._pytree as pytree
 
 from metadist_core.ir.placement import Sharding, local_piece
 
-from .engine import Engine
+from .runtime.engine import Engine
 from .lower import RankGraph
 from .reinplace import layout_from_meta, reinplace_updates
 from .state import ROLE_BUFFER, ROLE_PARAM
-from .stats import CommStats
+from .runtime.stats import CommStats
 from .trace import TracedStep
 
 

@@ -33,7 +33,7 @@ from metadist_core.plan.stage import Stage
 from metadist_core.levers.stages import stage_devices
 
 from .calls import STRIDE_FREE, TORCH_DTYPES, rebuild, resolve_target
-from .engine import Engine
+from .runtime.engine import Engine
 from .pipeline import _no_lasting_grads, split_batch
 from .program import user_tensors
 from .trace import TracedStep

@@ -41,7 +41,7 @@ import torch
 
 from metadist_core.driver.frontend import Watch
 
-from .engine import agree_on
+from .runtime.engine import agree_on
 from .hyper import is_fed
 from .trace import TracedStep
 

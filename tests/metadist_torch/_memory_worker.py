@@ -75,7 +75,7 @@ def eager_baselines(out: dict, rank: int, world: int) -> None:
 def main() -> int:
     import torch
     import torch.distributed as dist
-    from metadist_torch.engine import ensure_process_group, finish_worker
+    from metadist_torch.runtime.engine import ensure_process_group, finish_worker
 
     torch.set_num_threads(1)
     rank, world = ensure_process_group()

@@ -91,7 +91,7 @@ def check(name, strategy, errors, report):
 
 
 def main() -> int:
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     ensure_process_group()
     errors: list[str] = []
@@ -107,7 +107,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     code = 1
     try:

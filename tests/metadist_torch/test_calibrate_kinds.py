@@ -88,7 +88,7 @@ def _live_worker(rank: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     from metadist_torch.calibrate import measure_live
-    from metadist_torch.engine import engine_for
+    from metadist_torch.runtime.engine import engine_for
 
     eng = engine_for((2,))
     prof = measure_live(eng, eng.mesh, None, iters=2)

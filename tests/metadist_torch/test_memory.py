@@ -109,7 +109,7 @@ dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, wor
 from metadist_torch.collectives import AxisComm
 from metadist_torch.memory import measure_peak
 from metadist_torch.schedule import md_wait
-from metadist_torch.stats import CommStats
+from metadist_torch.runtime.stats import CommStats
 comm = AxisComm(0, dist.group.WORLD, 1, 0, CommStats())
 for reduce in ("sum", "avg"):
     xs = [torch.ones(n) for n in (1000, 3000, 500, 2500)]

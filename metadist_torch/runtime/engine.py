@@ -50,7 +50,7 @@ def ensure_process_group(timeout: float | None = None) -> tuple[int, int]:
     addresses), with ``timeout`` seconds for every collective (default: the ``collective_timeout``
     setting). NCCL gets ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` unless it is set: a collective that times out
     ends the process instead of hanging it. Each rank then beats into the store
-    (:mod:`metadist_torch.faults`), so that a rank that stops is named by the others.
+    (:mod:`metadist_torch.runtime.faults`), so that a rank that stops is named by the others.
     """
     rank, world = world_info()
     if world > 1 and not torch.distributed.is_initialized():
