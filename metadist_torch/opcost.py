@@ -12,7 +12,7 @@ from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.discovery.shardcombine import Unrunnable
 
 from .calls import TORCH_DTYPES, rebuild, resolve_overload
-from .moe_ffn import ffn_flops
+from .moe.experts_ffn import ffn_flops
 
 
 def _sdpa_cpu_flops(shapes: Sequence[tuple[int, ...]], backward: bool) -> int:
@@ -51,7 +51,7 @@ def _counted_flops(
     name = overload._schema.name.split("::")[-1]
     if name in _CUSTOM_FLOPS:
         return _CUSTOM_FLOPS[name](shapes)
-    if name in ("experts_ffn", "experts_ffn_backward"):  # the filled share of the slots (metadist_torch.moe_ffn)
+    if name in ("experts_ffn", "experts_ffn_backward"):  # the filled share of the slots (moe/experts_ffn.py)
         args = json.loads(attrs_json).get("args", [])
         backward = name == "experts_ffn_backward"
         fill = args[-1] if args and isinstance(args[-1], (int, float)) else 1.0

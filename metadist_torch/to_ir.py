@@ -81,7 +81,7 @@ def state_label(state: StepState, i: int) -> str:
 
 def _experts_of(slot: Any) -> int | None:
     """The number of experts a parameter's dim 0 indexes, for the weights of a mixture-of-experts layer."""
-    from .moe import is_experts_module
+    from .moe.moe import is_experts_module
 
     owner, value = slot.owner, slot.get()
     if isinstance(owner, torch.nn.Module) and is_experts_module(owner) and value.dim() >= 2:

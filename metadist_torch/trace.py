@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 from metadist_core.ir.ir import MetaIR
 
 from .amp import amp_decompositions
-from .moe import capacity_dispatch, world_mesh
+from .moe.moe import capacity_dispatch, world_mesh
 from .hyper import Hyperparameters, branch_guards, hyper_slots, lift, swapped_values, symbolic_values
 from .state import (
     OptimizerParamHolder,
@@ -166,7 +166,7 @@ def trace_step(
 
     ``example_state`` (same order as ``state.slots``) gives the full-size
     values to trace with when the live state is sharded (retracing). Mixture-of-experts layers trace as a
-    capacity-padded dispatch (:mod:`metadist_torch.moe`) with ``moe_capacity_factor``, its tokens in a group per
+    capacity-padded dispatch (:mod:`metadist_torch.moe.moe`) with ``moe_capacity_factor``, its tokens in a group per
     device of ``mesh_shape`` (None: the world as one axis).
     """
     from torch.fx.experimental.proxy_tensor import make_fx

@@ -1,6 +1,6 @@
 """The experts' feed-forward over the filled slots only: ``metadist::experts_ffn`` and its backward.
 
-The capacity-padded dispatch (:mod:`metadist_torch.moe`) hands the experts
+The capacity-padded dispatch (:mod:`metadist_torch.moe.moe`) hands the experts
 ``x [*G, E, C, H]``: per group and expert ``C`` slots, of which the first
 ``counts[g, e]`` hold tokens (slots fill in order) and the rest are zero. Run as
 batched matmuls, the experts would work on every slot, ``E / top_k`` times the

@@ -14,7 +14,7 @@ every experts module that transformers' ``use_experts_implementation`` made
 - a one-hot dispatch ``[*G, T/G, E, C]`` built from the router's
   ``top_k_index`` (compare, cumsum) moves the tokens into ``[*G, E, C, H]`` by
   an einsum; the experts run on their filled slots (``metadist::experts_ffn``,
-  :mod:`metadist_torch.moe_ffn`, for a gated feed-forward without biases) or
+  :mod:`metadist_torch.moe.experts_ffn`, for a gated feed-forward without biases) or
   as batched matmuls over every slot (any other experts module), and a combine
   tensor carrying the routing weights brings them back to ``[T, H]``.
 
@@ -41,7 +41,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from .moe_ffn import plain_gated
+from .experts_ffn import plain_gated
 
 
 def is_experts_module(m: nn.Module) -> bool:
@@ -160,7 +160,7 @@ def capacity_experts_forward(
     combine = torch.einsum("...ktec,...tk->...tec", placed.to(weights.dtype), weights)
     x = torch.einsum("...tec,...th->...ech", dispatch, hidden_states.reshape(*g, tg, hidden))  # [*G, E, C, H]
     act = plain_gated(self)
-    if act is not None:  # the filled slots only (metadist_torch.moe_ffn)
+    if act is not None:  # the filled slots only (metadist_torch.moe.experts_ffn)
         counts = placed.any(dim=-4).sum(dim=(-3, -1))  # [*G, E]: slots fill in order, from the first
         fill = min(1.0, k * tg / (e * c))
         y = torch.ops.metadist.experts_ffn(x, counts, self.gate_up_proj, self.down_proj, act, fill)
