@@ -50,15 +50,15 @@ def metadist_compile(
 
 def annotate(tensor: Any, *placements: Any) -> Any:
     """Pin how ``tensor`` is split inside a compiled step (one Placement for every mesh axis, or one per
-    axis); the identity on the numbers. See :mod:`metadist_torch.annotate`."""
-    from .annotate import annotate as _annotate
+    axis); the identity on the numbers. See :mod:`metadist_torch.trace.annotate`."""
+    from .trace.annotate import annotate as _annotate
 
     return _annotate(tensor, *placements)
 
 
 def to_dtensor_placements(plan: Any) -> dict:
     """``{parameter name: torch.distributed.tensor placements}`` of a ShardingPlan."""
-    from .annotate import to_dtensor_placements as _to
+    from .trace.annotate import to_dtensor_placements as _to
 
     return _to(plan)
 

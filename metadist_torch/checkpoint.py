@@ -34,7 +34,7 @@ checksum; a load checks them first, so a crash mid-save leaves the previous
 checkpoint loadable, and a partial or corrupt one is named, never loaded.
 
 An optimizer whose lazy state does not exist yet (a fresh one) gets it made
-first (:func:`metadist_torch.state.init_optimizer_state`), so that there is
+first (:func:`metadist_torch.trace.state.init_optimizer_state`), so that there is
 something to load into. Every rank of the job must call these functions.
 """
 
@@ -50,7 +50,7 @@ import torch
 
 from . import ckpt_commit as files
 from .ckpt_commit import CheckpointError
-from .state import init_optimizer_state
+from .trace.state import init_optimizer_state
 
 FORMAT = "metadist.torch_checkpoint/1"
 

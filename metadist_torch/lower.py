@@ -44,7 +44,7 @@ from metadist_core.ir.ir import DTYPE_BYTES, MetaIR, MetaOp
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Sharding, group_extents, shard_shape
 
-from .calls import STRIDE_FREE, rebuild, resolve_target
+from .trace.calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
 from .reinplace import reinplace_updates
 from .schedule import issue_early, md_wait, prefetch_gathers

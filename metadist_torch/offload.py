@@ -45,7 +45,7 @@ from metadist_core.ir.ir import MetaIR
 from metadist_core.levers.offload import HostRegion, host_region
 
 from .coalesce import DTYPE_META, VAR_META
-from .state import ROLE_STATE, StepState
+from .trace.state import ROLE_STATE, StepState
 
 log = logging.getLogger("metadist.torch.offload")
 

@@ -11,7 +11,7 @@ import torch
 from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.discovery.shardcombine import Unrunnable
 
-from .calls import TORCH_DTYPES, rebuild, resolve_overload
+from .trace.calls import TORCH_DTYPES, rebuild, resolve_overload
 from .moe.experts_ffn import ffn_flops
 
 

@@ -1,7 +1,7 @@
 """Run one aten op on numpy arrays for ShardCombine, and count its cost (the frontend's ``runner_module``).
 
 An aten MetaOp carries its call in ``attrs`` (the encoding of
-:mod:`metadist_torch.calls`) and, for ops returning a tuple or list,
+:mod:`metadist_torch.trace.calls`) and, for ops returning a tuple or list,
 ``"select"`` naming which positions are the op's outputs. :func:`op_spec`
 rebuilds that call around ``torch.ops.aten.<name>.<overload>`` as a
 numpy -> numpy function (inputs drawn by :mod:`metadist_torch.sampling`,
@@ -26,7 +26,7 @@ from metadist_core.discovery.rules import ShardingRule
 from metadist_core.discovery.verify import scalars_of
 from metadist_core.discovery.shardcombine import OpSpec, Unrunnable, discover_rules
 
-from .calls import FLOATS, LOW_FLOATS, find_inputs, in_index, rebuild, resolve_overload, schema_arg
+from .trace.calls import FLOATS, LOW_FLOATS, find_inputs, in_index, rebuild, resolve_overload, schema_arg
 from .guards import checked_call, shape_guard
 from .opcost import op_cost
 from .sampling import InputMeta, int_ranges, make_sampler, positive_inputs

@@ -38,7 +38,7 @@ from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.ir.mesh import Mesh
 
 from .devicerates import measure_device_rates
-from .calls import TORCH_DTYPES, rebuild, resolve_overload
+from .trace.calls import TORCH_DTYPES, rebuild, resolve_overload
 from .runtime.engine import device as engine_device
 from .lower import lower_plan
 from .oprunner import op_spec
@@ -108,7 +108,7 @@ def time_ops(requests: list, dev: torch.device, step: Any = None, program: bool 
     several; None for an op that cannot run alone, draws random numbers, or whose inputs and outputs hold
     more than :data:`MAX_ELEMENTS` elements), the alone rates of ``dev`` and the harness (a tiny op timed
     the same way); with ``program``, also the whole program of ``step`` (a
-    :class:`~metadist_torch.trace.TracedStep`), replicated on ``dev`` (:func:`program_seconds`). None where
+    :class:`~metadist_torch.trace.trace.TracedStep`), replicated on ``dev`` (:func:`program_seconds`). None where
     nothing is to be timed. ``step`` gives the graph the ops come from (integer inputs are drawn in their
     valid ranges from it)."""
     graph = getattr(step, "graph", None)
@@ -189,7 +189,7 @@ PROGRAM_BYTES = 1 << 30
 def program_seconds(step: Any, device: torch.device | None = None, iters: int = 3) -> float | None:
     """Seconds of the fastest of ``iters`` runs of the whole step's program, alone on this device at its
     traced shapes, replicated and lowered as every plan is, on copies of the state (``step``: a
-    :class:`~metadist_torch.trace.TracedStep`); None where its one-device peak is over
+    :class:`~metadist_torch.trace.trace.TracedStep`); None where its one-device peak is over
     :data:`PROGRAM_BYTES` (a model that needs the mesh to fit) or it cannot run. A step with dropout draws
     from the random generators here: the caller keeps them (:meth:`metadist_torch.plugin.TorchFrontend.time_ops`)."""
     dev = device or engine_device()

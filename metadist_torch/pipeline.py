@@ -27,7 +27,7 @@ from .runtime.engine import Engine
 from .lower import lower_plan
 from .program import _TOKENS, claim_layout, input_pieces, local_of, moved_once, place_state, user_tensors
 from .runtime.stats import CommStats
-from .trace import TracedStep
+from .trace.trace import TracedStep
 
 
 def batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:

@@ -74,7 +74,7 @@ def _pointwise(op: Any) -> bool:
     """Inductor fuses torch's pointwise ops (the ``pointwise`` tag) into one loop with their neighbours."""
     import torch
 
-    from .calls import resolve_target
+    from .trace.calls import resolve_target
 
     try:
         return torch.Tag.pointwise in resolve_target(op.key).tags
@@ -112,15 +112,15 @@ class TorchFrontend(Frontend):
     mesh_shape: tuple[int, ...] | None = None  # the step's mesh, where given: a token group per device
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
-        from .state import signature
+        from .trace.state import signature
 
         return signature(args, kwargs)
 
     def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
         from metadist_core.driver.planonly import requested
 
-        from .state import collect_state, init_optimizer_state, optimizers_in
-        from .trace import trace_step
+        from .trace.state import collect_state, init_optimizer_state, optimizers_in
+        from .trace.trace import trace_step
 
         if fn is None:
             raise TypeError("the torch frontend traces a step function; got None")
@@ -169,7 +169,7 @@ class TorchFrontend(Frontend):
         return share_plan(eng, plan, traced.graph)
 
     def lower(self, traced: Traced, program: Program, resolved: Resolved, settings: "Settings") -> Lowered:
-        from .watch import StepWatch
+        from .trace.watch import StepWatch
 
         eng = resolved.engine
         if isinstance(program, Trials):

@@ -24,9 +24,9 @@ from metadist_core.ir.placement import Sharding, local_piece
 from .runtime.engine import Engine
 from .lower import RankGraph
 from .reinplace import layout_from_meta, reinplace_updates
-from .state import ROLE_BUFFER, ROLE_PARAM
+from .trace.state import ROLE_BUFFER, ROLE_PARAM
 from .runtime.stats import CommStats
-from .trace import TracedStep
+from .trace.trace import TracedStep
 
 
 def user_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

@@ -127,7 +127,7 @@ def autocast_step(model, opt, x, y):
 
 def graph_of(fn, *objects_and_batch):
     """The traced graph of ``fn(*objects, *batch)`` (model, optimizer, maybe a scaler, then the batch)."""
-    from metadist_torch.trace import trace_step
+    from metadist_torch.trace.trace import trace_step
 
     return trace_step(fn, (*objects_and_batch[:-1], *objects_and_batch[-1])).graph
 

@@ -132,7 +132,7 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
     from metadist_core.cost.model import DEVICE_PRESETS
     from metadist_core.driver.compile import plan_graph
     from metadist_core.ir.mesh import Mesh
-    from metadist_torch.trace import trace_step
+    from metadist_torch.trace.trace import trace_step
 
     m, o = _build()
     x, y = _data()[0]

@@ -431,8 +431,8 @@ def test_op_cost_matches_flop_counter_on_a_traced_step():
     step with convolutions (forward and both backward weights), linears, bmm and a batch norm."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from metadist_torch.calls import TORCH_DTYPES, rebuild, resolve_overload
-    from metadist_torch.trace import trace_step
+    from metadist_torch.trace.calls import TORCH_DTYPES, rebuild, resolve_overload
+    from metadist_torch.trace.trace import trace_step
 
     net = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1),

@@ -27,7 +27,7 @@ while tracing they are replaced by the same arithmetic per tensor
   ``growth_interval`` clean steps, as the CPU and CUDA kernels do.
 
 The scaler's ``_scale`` and ``_growth_tracker`` are state of the step (as an
-optimizer's state is): :mod:`metadist_torch.state` lists them and makes them
+optimizer's state is): :mod:`metadist_torch.trace.state` lists them and makes them
 eagerly (:func:`init_scalers`).
 """
 

@@ -22,7 +22,7 @@ from metadist_core.ir.ir import MetaIR, canonical_dtype
 from .hyper import ATTR_PREFIX
 from .state import ROLE_BUFFER, ROLE_INPUT, StepState
 
-ROLE_HYPER = "hyperparameter"  # a param group's number, fed at every call (metadist_torch.hyper)
+ROLE_HYPER = "hyperparameter"  # a param group's number, fed at every call (metadist_torch.trace.hyper)
 
 
 class TraceError(RuntimeError):
@@ -81,7 +81,7 @@ def state_label(state: StepState, i: int) -> str:
 
 def _experts_of(slot: Any) -> int | None:
     """The number of experts a parameter's dim 0 indexes, for the weights of a mixture-of-experts layer."""
-    from .moe.moe import is_experts_module
+    from ..moe.moe import is_experts_module
 
     owner, value = slot.owner, slot.get()
     if isinstance(owner, torch.nn.Module) and is_experts_module(owner) and value.dim() >= 2:
@@ -152,7 +152,7 @@ def to_meta_ir(gm: fx.GraphModule, state: StepState, n_inputs: int, n_user_out: 
             first = picks[n.args[0]][n.args[1]]
             if first is not n:
                 alias_getitem[n] = first
-    item_of: dict[fx.Node, fx.Node] = {}  # a 0-d tensor's number passed to an op (metadist_torch.hyper)
+    item_of: dict[fx.Node, fx.Node] = {}  # a 0-d tensor's number passed to an op (metadist_torch.trace.hyper)
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue

@@ -47,7 +47,7 @@ def strip_gradients(gm: fx.GraphModule, n_grads: int, recompile: bool = True) ->
     """Drop the last ``n_grads`` graph outputs (gradient clones); the names of the values they copied.
 
     A duplicate ``getitem`` is named by the first ``getitem`` of the same
-    output, as :func:`metadist_torch.to_ir.to_meta_ir` folds them.
+    output, as :func:`metadist_torch.trace.to_ir.to_meta_ir` folds them.
     """
     if n_grads == 0:
         return []

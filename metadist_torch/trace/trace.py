@@ -5,7 +5,7 @@ How (torch 2.13):
 1. The step's state is collected from its arguments: every ``nn.Module``
    (parameters, buffers) and every ``torch.optim.Optimizer`` (its per-parameter
    state). Optimizer state is created lazily on the first ``step()``, so it is
-   made eagerly first (:func:`metadist_torch.state.init_optimizer_state`): zero grads, ``lr=0`` and
+   made eagerly first (:func:`metadist_torch.trace.state.init_optimizer_state`): zero grads, ``lr=0`` and
    ``weight_decay=0``, one ``step()``, every ``step`` counter back to 0.
 2. The step runs as a flat function ``(params, buffers, state, *inputs) ->
    (outputs, new params, new buffers, new state)`` under ``make_fx`` with fake
@@ -16,11 +16,11 @@ How (torch 2.13):
    ``_get_capturable_supported_devices`` while tracing), so the step counter
    stays a tensor and no ``.item()`` reaches the graph.
 3. The captured graph (which still holds in-place updates) is functionalized:
-   in one pass over its nodes where aliasing allows (:mod:`metadist_torch.functional`), else
+   in one pass over its nodes where aliasing allows (:mod:`metadist_torch.trace.functional`), else
    by tracing it again under ``torch.func.functionalize``; profiler nodes and
    the trailing ``copy_`` into placeholders are dropped (the updated values are
    returned anyway).
-4. The fx graph becomes MetaIR (:mod:`metadist_torch.to_ir`) with the attrs encoding of
+4. The fx graph becomes MetaIR (:mod:`metadist_torch.trace.to_ir`) with the attrs encoding of
    :mod:`metadist_core.ir.recorded`, roles parameter / buffer / optimizer_state /
    input, and aliases from each state input to its updated value.
 
@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 from metadist_core.ir.ir import MetaIR
 
 from .amp import amp_decompositions
-from .moe.moe import capacity_dispatch, world_mesh
+from ..moe.moe import capacity_dispatch, world_mesh
 from .hyper import Hyperparameters, branch_guards, hyper_slots, lift, swapped_values, symbolic_values
 from .state import (
     OptimizerParamHolder,
@@ -255,7 +255,9 @@ def trace_step(
     mode = _fake_mode()
     user_tensors = [t.detach() for t in user_tensors] + [_plain(state.params[i].get().grad) for i in grad_in]
     examples = _as_fake(list(example_state) + user_tensors, mode)
-    hyper = hyper_slots(state.optimizers)  # the param groups' numbers: symbolic while tracing (metadist_torch.hyper)
+    hyper = hyper_slots(
+        state.optimizers
+    )  # the param groups' numbers: symbolic while tracing (metadist_torch.trace.hyper)
     symbols = symbolic_values(hyper, state.optimizers, mode.shape_env)
     with capturable_optimizers(state.optimizers), _quiet():
         try:
@@ -336,7 +338,7 @@ def _nll_loss_mean(self, target, weight, reduction, ignore_index):
 
 
 def _decompositions() -> dict:
-    # amp: the fused optimizers and GradScaler kernels take lists of tensors; traced per tensor (metadist_torch.amp)
+    # amp: the fused optimizers and GradScaler kernels take lists of tensors; traced per tensor (metadist_torch.trace.amp)
     return {
         **amp_decompositions(),
         torch.ops.aten.native_batch_norm.default: _bn_with_stats,
@@ -391,7 +393,7 @@ def functionalize_graph(gm: fx.GraphModule, examples: Sequence[torch.Tensor], re
     from torch.fx.experimental.proxy_tensor import make_fx
 
     _drop_profiler_nodes(gm)
-    if functionalize_in_place(gm):  # the common case: one pass over the nodes (metadist_torch/functional.py)
+    if functionalize_in_place(gm):  # the common case: one pass over the nodes (metadist_torch/trace/functional.py)
         fgm = gm
     else:  # aliasing the pass does not follow: trace it again, functionalized
         gm.recompile()

@@ -7,7 +7,7 @@ is split (EPL's ``replicate``/``split`` in MetaDist's words)::
     h = annotate(h, Shard(0), Replicate())              # or one per mesh axis
 
 It is the identity on the numbers: traced, it becomes a pin on that value
-(``metadist::annotate``, read by :mod:`metadist_torch.to_ir`); run eagerly, it
+(``metadist::annotate``, read by :mod:`metadist_torch.trace.to_ir`); run eagerly, it
 returns its input. ``to_dtensor_placements(plan)`` gives each parameter's
 ``torch.distributed.tensor`` placements under a plan.
 """

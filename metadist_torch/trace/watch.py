@@ -3,7 +3,7 @@
 Inputs, fed at every call (a change never re-plans):
 
 - every number of every optimizer param group the step reads: lr, weight_decay,
-  betas, eps, momentum, dampening, ... (:mod:`metadist_torch.hyper`), so LR
+  betas, eps, momentum, dampening, ... (:mod:`metadist_torch.trace.hyper`), so LR
   schedulers, OneCycle's momentum cycle and hand-set values take effect;
 - the step's tensor arguments and the state tensors' values (parameters,
   buffers, optimizer state, a GradScaler's scale), as always.
@@ -11,7 +11,7 @@ Inputs, fed at every call (a change never re-plans):
 Guards, checked at every call by :class:`StepWatch` (a change re-plans, see
 :class:`metadist_core.driver.step.CompiledStep`):
 
-- the signature of the call (:func:`metadist_torch.state.signature`): tensor
+- the signature of the call (:func:`metadist_torch.trace.state.signature`): tensor
   shapes, dtypes, devices and requires_grad; other arguments by value (a
   Python flag the step branches on); modules and optimizers by identity;
 - each parameter's ``requires_grad``, whether it holds a ``.grad`` (read and
@@ -41,7 +41,7 @@ import torch
 
 from metadist_core.driver.frontend import Watch
 
-from .runtime.engine import agree_on
+from ..runtime.engine import agree_on
 from .hyper import is_fed
 from .trace import TracedStep
 
@@ -111,7 +111,7 @@ class StepWatch(Watch):
             for g in opt.param_groups:
                 for k in sorted(g):
                     v = g[k]
-                    if k == "params" or is_fed(v):  # the numbers are inputs (metadist_torch.hyper)
+                    if k == "params" or is_fed(v):  # the numbers are inputs (metadist_torch.trace.hyper)
                         continue
                     out.append((k, id(v) if isinstance(v, torch.Tensor) else v))
         return tuple(out)

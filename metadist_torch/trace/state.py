@@ -59,7 +59,7 @@ class StepState:
     opt_states: list[StateSlot]
     param_objs: list[torch.nn.Parameter]  # the Parameter objects, in the order of ``params``
     tied: list = field(default_factory=list)  # (module, attribute, index into params) of tied weights
-    scalers: list = field(default_factory=list)  # torch.amp.GradScaler arguments (state: metadist_torch.amp)
+    scalers: list = field(default_factory=list)  # torch.amp.GradScaler arguments (state: metadist_torch.trace.amp)
 
     @property
     def slots(self) -> list[StateSlot]:

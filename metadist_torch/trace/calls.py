@@ -2,7 +2,7 @@
 
 An aten MetaOp carries its call in ``attrs``: ``{"args": [...], "kwargs": {...}}``
 with ``{"$in": i}`` where tensor input ``i`` goes, ``{"$item": i}`` where it goes as its number
-(a 0-d tensor of the param groups' numbers, :mod:`metadist_torch.hyper`), ``{"$dtype": ...}``,
+(a 0-d tensor of the param groups' numbers, :mod:`metadist_torch.trace.hyper`), ``{"$dtype": ...}``,
 ``{"$device": ...}`` and ``{"$torch": ...}`` for torch constants.
 """
 
@@ -41,7 +41,7 @@ def resolve_overload(key: str) -> torch._ops.OpOverload:
     anything else."""
     parts = key.split(".")
     if len(parts) == 3 and parts[0] == "metadist" and parts[1] in OWN_OPS:
-        from .moe import experts_ffn  # noqa: F401  (registers them)
+        from ..moe import experts_ffn  # noqa: F401  (registers them)
 
         return getattr(getattr(torch.ops.metadist, parts[1]), parts[2])
     if len(parts) not in (2, 3) or parts[0] != "aten":

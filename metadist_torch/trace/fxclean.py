@@ -58,7 +58,7 @@ def merge_step_counters(gm: fx.GraphModule, state: StepState) -> dict[int, int]:
     stay equal after every step); otherwise the graph is left as it was. The
     graph is changed in place and not recompiled (the caller does that once).
     Returns ``{state slot: the slot it is read as}`` of the counters merged: the program is right only while
-    they stay equal (a guard, :mod:`metadist_torch.watch`).
+    they stay equal (a guard, :mod:`metadist_torch.trace.watch`).
     """
     n_p, n_b = len(state.params), len(state.buffers)
     first: dict[tuple, int] = {}
