@@ -16,7 +16,7 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2):
 
     >>> rules_for(torch.ops.aten.mm.default, torch.randn(8, 4), torch.randn(4, 6))  # doctest: +SKIP
     """
-    from .oprunner import rules_for as _rules_for
+    from .ops.oprunner import rules_for as _rules_for
 
     return _rules_for(op, *example_inputs, axis_size=axis_size)
 

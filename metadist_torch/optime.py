@@ -41,7 +41,7 @@ from .devicerates import measure_device_rates
 from .trace.calls import TORCH_DTYPES, rebuild, resolve_overload
 from .runtime.engine import device as engine_device
 from .lower import lower_plan
-from .oprunner import op_spec
+from .ops.oprunner import op_spec
 
 log = logging.getLogger("metadist.optime")
 

@@ -84,7 +84,7 @@ def _pointwise(op: Any) -> bool:
 
 TRAITS = FrontendTraits(
     op_prefixes=OP_PREFIXES,
-    runner_module="metadist_torch.oprunner",
+    runner_module="metadist_torch.ops.oprunner",
     proxy_shapes=True,  # op specs come from the graph's shapes and op.attrs alone
     bucket_copies=1,  # collectives.AxisComm.all_reduce_bucket: the concatenation (reduced in place)
     shard_buckets=True,  # lower.coalesce_all_gathers and coalesce_reduces

@@ -21,7 +21,7 @@ from metadist_core.plugins import PluginManager  # noqa: E402
 from metadist_core.ir.recorded import load_recorded_graph  # noqa: E402
 from metadist_core.discovery.shardcombine import Unrunnable, discover_rules  # noqa: E402
 from metadist_torch import rules_for  # noqa: E402
-from metadist_torch.oprunner import op_cost, op_spec  # noqa: E402
+from metadist_torch.ops.oprunner import op_cost, op_spec  # noqa: E402
 
 GRAPHS = Path(os.environ.get("METADIST_GRAPHS_DIR", Path(__file__).resolve().parents[1] / "data" / "graphs"))
 TINY = GRAPHS / "gpt2-tiny-2l-adamw.json"

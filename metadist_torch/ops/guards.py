@@ -12,7 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .trace.calls import in_index, schema_arg
+from ..trace.calls import in_index, schema_arg
 
 
 def attention_guard(overload, args_t: Sequence[Any], kwargs_t: Mapping[str, Any]):

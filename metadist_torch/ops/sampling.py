@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from .trace.calls import FLOATS, in_index, schema_arg
+from ..trace.calls import FLOATS, in_index, schema_arg
 
 # numpy dtype used during discovery, per canonical dtype
 DISCOVERY_NP: dict[str, Any] = {

@@ -11,8 +11,8 @@ import torch
 from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.discovery.shardcombine import Unrunnable
 
-from .trace.calls import TORCH_DTYPES, rebuild, resolve_overload
-from .moe.experts_ffn import ffn_flops
+from ..trace.calls import TORCH_DTYPES, rebuild, resolve_overload
+from ..moe.experts_ffn import ffn_flops
 
 
 def _sdpa_cpu_flops(shapes: Sequence[tuple[int, ...]], backward: bool) -> int:

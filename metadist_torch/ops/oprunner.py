@@ -4,9 +4,9 @@ An aten MetaOp carries its call in ``attrs`` (the encoding of
 :mod:`metadist_torch.trace.calls`) and, for ops returning a tuple or list,
 ``"select"`` naming which positions are the op's outputs. :func:`op_spec`
 rebuilds that call around ``torch.ops.aten.<name>.<overload>`` as a
-numpy -> numpy function (inputs drawn by :mod:`metadist_torch.sampling`,
-fragile kernels checked by :mod:`metadist_torch.guards`); :func:`op_cost`
-(:mod:`metadist_torch.opcost`) counts its FLOPs and bytes.
+numpy -> numpy function (inputs drawn by :mod:`metadist_torch.ops.sampling`,
+fragile kernels checked by :mod:`metadist_torch.ops.guards`); :func:`op_cost`
+(:mod:`metadist_torch.ops.opcost`) counts its FLOPs and bytes.
 
 Discovery runs every float op in float64 (inputs upcast, float dtype
 arguments too), so that ShardCombine's tolerance stays tight; integer and bool
@@ -26,7 +26,7 @@ from metadist_core.discovery.rules import ShardingRule
 from metadist_core.discovery.verify import scalars_of
 from metadist_core.discovery.shardcombine import OpSpec, Unrunnable, discover_rules
 
-from .trace.calls import FLOATS, LOW_FLOATS, find_inputs, in_index, rebuild, resolve_overload, schema_arg
+from ..trace.calls import FLOATS, LOW_FLOATS, find_inputs, in_index, rebuild, resolve_overload, schema_arg
 from .guards import checked_call, shape_guard
 from .opcost import op_cost
 from .sampling import InputMeta, int_ranges, make_sampler, positive_inputs
