@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from metadist_core.cost.profile import MeshProfile, profile_from_samples
 from metadist_core.cost.timing import time_call
 
-from .collectives import _group_name, _ops
+from .lower.collectives import _group_name, _ops
 from .devicerates import LOW_DTYPES, curve_elements, dispatch_program, measure_device_rates
 
 log = logging.getLogger("metadist.calibrate")

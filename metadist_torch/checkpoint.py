@@ -5,7 +5,7 @@
     load_checkpoint("ckpt/step-1000", model, optimizer)    # any mesh, any world size, even 1
 
 After the first compiled call a step's state lives as DTensors with the
-plan's placements (:func:`metadist_torch.program.place_state`), before it as
+plan's placements (:func:`metadist_torch.lower.program.place_state`), before it as
 plain tensors; both are saved as what they are: DCP writes each DTensor's
 shards with their global offsets, and a plain tensor once. Loading fills the
 tensors the model and optimizer hold *now*, in place, whatever their layout:

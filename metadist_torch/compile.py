@@ -35,7 +35,7 @@ from metadist_core.config import check_setting_names
 from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
-from .compiled import check_settings
+from .lower.compiled import check_settings
 from .runtime.faults import RankFailure, count_step, is_collective_failure, rank_failure
 from .plugin import TorchFrontend
 from .runtime.stats import CommStats
@@ -82,7 +82,7 @@ class TorchStep(CompiledStep):
         """The first call of a program run by a torch.compile backend: it compiles (``timings["compile"]``,
         ``plan.stats.compile``). Memory is measured at the next call, and only on a GPU (compiled kernels
         run past the dispatcher that counts tensors on a CPU)."""
-        from .compiled import compile_report
+        from .lower.compiled import compile_report
 
         out = res.runnable(*args, **kwargs)
         report = compile_report(res.runnable)
@@ -198,12 +198,12 @@ def metadist_compile(
         (a transformer block's halves) are recomputed for the backward, the fewest that make a plan fit
         (``plan.recompute`` lists the ops; :mod:`metadist_core.levers.recompute`); False: never.
     :param grad_compression: None, "bf16" or "fp16": gradient collectives travel in that dtype and are
-        decompressed before the optimizer (approximate; see :mod:`metadist_torch.compression`).
+        decompressed before the optimizer (approximate; see :mod:`metadist_torch.lower.compression`).
     :param offload: None or "optimizer": optimizer state lives in host memory (pinned on CUDA) and the
         optimizer update runs on the host CPU; gradients go to the host and new parameters come back every
-        step (:mod:`metadist_torch.offload`, priced by :mod:`metadist_core.levers.offload`).
+        step (:mod:`metadist_torch.lower.offload`, priced by :mod:`metadist_core.levers.offload`).
     :param backend: "eager" (default): each rank runs its program op by op; "inductor": compiled by
-        torch.compile into fused kernels, its collectives included (:mod:`metadist_torch.compiled`); or any
+        torch.compile into fused kernels, its collectives included (:mod:`metadist_torch.lower.compiled`); or any
         other torch.compile backend name.
     :param compile_options: keywords for torch.compile with a compiled backend (``{"mode": "reduce-overhead"}``
         for CUDA graphs, ``{"options": {...}}`` for Inductor's config).

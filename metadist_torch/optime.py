@@ -40,7 +40,7 @@ from metadist_core.ir.mesh import Mesh
 from .devicerates import measure_device_rates
 from .trace.calls import TORCH_DTYPES, rebuild, resolve_overload
 from .runtime.engine import device as engine_device
-from .lower import lower_plan
+from .lower.lower import lower_plan
 from .ops.oprunner import op_spec
 
 log = logging.getLogger("metadist.optime")

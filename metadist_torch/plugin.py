@@ -65,7 +65,7 @@ def _can_fork_discovery() -> bool:
 
 def _batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
     """Every tensor of the call is a batch leaf (the model and optimizer hold the state)."""
-    from .pipeline import batch_leaves
+    from .lower.pipeline import batch_leaves
 
     return batch_leaves(args, kwargs)
 
@@ -102,7 +102,7 @@ class TorchFrontend(Frontend):
     """PyTorch: a whole training step (forward, backward, optimizer) traced to aten ops; runs on torch.distributed.
 
     ``lower`` gives a callable taking the step's own ``(*args, **kwargs)`` and
-    returning what the step returns (see :mod:`metadist_torch.program`).
+    returning what the step returns (see :mod:`metadist_torch.lower.program`).
     """
 
     name = "torch"
@@ -126,7 +126,7 @@ class TorchFrontend(Frontend):
             raise TypeError("the torch frontend traces a step function; got None")
         init_optimizer_state(optimizers_in(args, kwargs))
         state = collect_state(args, kwargs)
-        from .offload import state_to_device
+        from .lower.offload import state_to_device
 
         state_to_device(state)  # offloaded optimizer state back beside the parameters: tracing runs the optimizer
         plan_only = requested()  # `metadist plan --mesh`: the mesh planned for, not this process's world
@@ -178,24 +178,24 @@ class TorchFrontend(Frontend):
             if program.plan is None:
                 return Lowered()
             if settings.compiles:
-                from .compiled import check_settings
+                from .lower.compiled import check_settings
 
                 check_settings(settings, stages=True)
             from metadist_core.levers.microbatch import cut_at_gradients
-            from .stages import lower_stages
+            from .lower.stages import lower_stages
 
             g = traced.graph
             batch_in = [v for v in g.inputs if g.vars[v].role == "input" and g.vars[v].shape]
             cut = cut_at_gradients(g, g.vars[batch_in[0]].shape[0] if batch_in else None)
             run = lower_stages(traced.context, cut, list(program.plan.stages), program.plan, eng, settings)
         elif isinstance(program, MicroBatches):
-            from .pipeline import lower_micro_batches
+            from .lower.pipeline import lower_micro_batches
 
             run = lower_micro_batches(traced.context, program.cut, program.plans, resolved.mesh, eng, settings)
         else:
             run = _lower_whole(traced, program.plan, resolved, settings)
         if settings.compiles:
-            from .compiled import compile_programs
+            from .lower.compiled import compile_programs
 
             compile_programs(run, settings, random=bool(traced.context.random_ops))
         return Lowered(run, StepWatch(traced.context, eng))
@@ -274,13 +274,13 @@ def refresh_cached_profile() -> "MeshProfile":
 def _lower_whole(traced: Traced, plan: "ShardingPlan", resolved: Resolved, settings: "Settings") -> Callable:
     """This rank's program of the whole step under ``plan`` (one device without recomputation: the traced
     step itself)."""
-    from .lower import lower_plan
-    from .program import LocalProgram, RankProgram, place_state
+    from .lower.lower import lower_plan
+    from .lower.program import LocalProgram, RankProgram, place_state
 
     step, eng, mesh = traced.context, resolved.engine, resolved.mesh
     if not eng.distributed and not getattr(plan, "recompute", None):
-        if settings.offload:  # the optimizer update on the host (metadist_torch.offload)
-            from .offload import offload_traced, state_to_host
+        if settings.offload:  # the optimizer update on the host (metadist_torch.lower.offload)
+            from .lower.offload import offload_traced, state_to_host
 
             off_step, info = offload_traced(step)
             state_to_host(step.state)
@@ -293,7 +293,7 @@ def _lower_whole(traced: Traced, plan: "ShardingPlan", resolved: Resolved, setti
     else:  # one device recomputing: the rewritten graph, lowered as the only rank of a one-device mesh,
         #     on the device the state lives on (the engine's is the CPU at world size 1)
         eng = dataclasses.replace(eng, device=_state_device(step) or eng.device)
-    from .compression import wire_map
+    from .lower.compression import wire_map
 
     graph = lower_plan(
         traced.graph,
@@ -309,8 +309,8 @@ def _lower_whole(traced: Traced, plan: "ShardingPlan", resolved: Resolved, setti
         inplace_state=not settings.offload,
     )  # offload moves the update to the host
     info = None
-    if settings.offload:  # the optimizer update on the host, its state stored there (metadist_torch.offload)
-        from .offload import offload_rank_graph, state_to_host
+    if settings.offload:  # the optimizer update on the host, its state stored there (metadist_torch.lower.offload)
+        from .lower.offload import offload_rank_graph, state_to_host
 
         info = offload_rank_graph(graph, traced.graph, eng.device)
         state_to_host(step.state, eng)

@@ -73,7 +73,7 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
     op_memory = _state_bytes(graph, core)
     act = _activation_bytes(graph, plan, pos, n)
     cross = crossing_bytes(graph, ops)
-    # crossing values travel whole (metadist_torch.stages), forward and their gradients back
+    # crossing values travel whole (metadist_torch.lower.stages), forward and their gradients back
     cut_cost = [send_recv_cost(b, alpha, beta) * 2 if 0 < c < n else 0.0 for c, b in enumerate(cross)]
     return StageCosts(core, op_time, cut_cost, op_memory, act)
 

@@ -39,7 +39,7 @@ def full(t):
 
 def check(name, strategy, errors, report):
     from metadist_torch import metadist_compile
-    from metadist_torch.offload import count_transfers, host_tensors
+    from metadist_torch.lower.offload import count_transfers, host_tensors
 
     g = torch.Generator().manual_seed(7)
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(STEPS)]

@@ -335,7 +335,7 @@ def test_rng_and_extra_round_trip(tmp_path):
 
 
 def test_out_of_memory_names_the_prediction_and_the_budget(monkeypatch):
-    from metadist_torch.program import LocalProgram
+    from metadist_torch.lower.program import LocalProgram
 
     def oom(self, *a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -83,7 +83,7 @@ def _worker(rank: int, store: str, rules: str, q) -> None:
         from metadist_core.driver.compile import plan_graph
         from metadist_core.ir.mesh import Mesh
         from metadist_core.ir.placement import Partial, Sharding, Shard
-        from metadist_torch.lower import lower_plan
+        from metadist_torch.lower.lower import lower_plan
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

@@ -106,9 +106,9 @@ RATIO_BOUNDS = {"ddp": (0.8, 1.15), "fsdp": (0.85, 1.15), "tp": (0.85, 1.15)}
 BUCKET_SCRIPT = """
 import sys, torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-from metadist_torch.collectives import AxisComm
+from metadist_torch.lower.collectives import AxisComm
 from metadist_torch.memory import measure_peak
-from metadist_torch.schedule import md_wait
+from metadist_torch.lower.schedule import md_wait
 from metadist_torch.runtime.stats import CommStats
 comm = AxisComm(0, dist.group.WORLD, 1, 0, CommStats())
 for reduce in ("sum", "avg"):

@@ -1,6 +1,6 @@
 """offload="optimizer": the optimizer state and its update on the host; priced by the host link.
 
-One process here (world size 1: the traced graph rewritten by metadist_torch.offload); the torchrun run
+One process here (world size 1: the traced graph rewritten by metadist_torch.lower.offload); the torchrun run
 on 2 gloo ranks is test_offload_distributed.py. On this CPU machine the host is the device, so the
 transfers are identities, but the program holds them and the update runs as the host region says.
 """
@@ -36,7 +36,7 @@ def _data():
 def test_offloaded_step_gives_the_single_device_numbers_and_keeps_state_on_the_host():
     from metadist_core.levers.offload import host_region
     from metadist_torch import metadist_compile
-    from metadist_torch.offload import count_transfers, host_tensors
+    from metadist_torch.lower.offload import count_transfers, host_tensors
 
     data = _data()
     m_ref, o_ref = _build()

@@ -2,9 +2,9 @@
 
 All_reduces and reduce_scatters (and their buckets) start asynchronously through the raw
 ``torch.ops._c10d_functional`` ops and return a :class:`Pending`; :func:`md_done` waits for one where
-the rank program first reads it (:mod:`metadist_torch.schedule`); so do buckets of parameter
+the rank program first reads it (:mod:`metadist_torch.lower.schedule`); so do buckets of parameter
 all_gathers, which the program issues one bucket ahead. Other all_gathers and all_to_alls wait at once. Uneven splits pad to ``torch.chunk``'s chunk size and cut the padding off again; gloo has no AVG,
-so ``avg`` is the sum divided by the axis size. :mod:`metadist_torch.lower` calls these from the
+so ``avg`` is the sum divided by the axis size. :mod:`metadist_torch.lower.lower` calls these from the
 rank program it builds.
 """
 
@@ -19,7 +19,7 @@ import torch
 from metadist_core.ir.placement import chunk_bounds, chunk_sizes
 
 from .compression import compressed
-from .runtime.stats import CommStats
+from ..runtime.stats import CommStats
 
 
 _COUNTING: list[CommStats] = []  # while a program is traced for the compiler: where its collectives count
@@ -57,7 +57,7 @@ class Pending:
     :meth:`wait` waits once (``_c10d_functional.wait_tensor``) and applies ``post`` (cut padding, divide an
     ``avg``, cast back from the wire dtype, split a bucket). ``pending[i]`` is member ``i`` of a bucket's
     tuple, waited for with the whole bucket. The rank program calls :func:`md_done` on it just before the
-    first op that reads the value (:mod:`metadist_torch.schedule`)."""
+    first op that reads the value (:mod:`metadist_torch.lower.schedule`)."""
 
     __slots__ = ("raw", "post", "_out")
 
@@ -146,7 +146,7 @@ def _release(*ts: torch.Tensor) -> None:
 
 
 def _send(x: torch.Tensor, wire: torch.dtype | None, divide: int = 1) -> tuple[torch.Tensor, torch.dtype | None]:
-    """What travels for ``x`` (:func:`~metadist_torch.compression.compressed`'s rule, split so the cast back can
+    """What travels for ``x`` (:func:`~metadist_torch.lower.compression.compressed`'s rule, split so the cast back can
     wait for the collective): ``x / divide`` when ``divide`` > 1, in ``wire`` when it is a float of another
     dtype; and the dtype to cast the result back to (None: none)."""
     if divide > 1:
@@ -247,7 +247,7 @@ class AxisComm:
         concatenated; the gathered buffer is cut back into each member's pieces, concatenated along its
         ``dims[i]`` (member ``i``'s ranks hold ``sizes[i]`` of it). Same values as one all_gather each.
         Started here, cut when waited for: the rank program issues the next bucket while the ops reading
-        this one run (:func:`metadist_torch.schedule.prefetch_gathers`, FSDP's prefetch)."""
+        this one run (:func:`metadist_torch.lower.schedule.prefetch_gathers`, FSDP's prefetch)."""
         padded = [_pad(x, d, max(s)) for x, d, s in zip(xs, dims, sizes)]
         shapes = [p.shape for p in padded]
         flat = _flatten(padded)

@@ -37,7 +37,7 @@ def coalesce_all_reduces(
     ``first_cap``, :func:`metadist_core.cost.gathers.bucket_cap`) and no member's input is computed after
     another member's place in the program; else it opens the next bucket. A kind without a cap, and a
     collective ``only`` rejects, is not bucketed. A bucket runs at its earliest member's place, as one
-    collective of the concatenated inputs (:func:`metadist_torch.schedule.issue_early` then moves it to
+    collective of the concatenated inputs (:func:`metadist_torch.lower.schedule.issue_early` then moves it to
     right after its last input): the buckets :func:`metadist_core.plan.overlap.predict` and
     :mod:`metadist_core.plan.memprofile` price. A collective whose input is an earlier collective of the same
     reshard never meets that condition with another gradient's, so only the first of a reshard joins a
@@ -93,7 +93,7 @@ def coalesce_all_gathers(
     A gather counts when its input is a placeholder and only ops read its result (an edge of exactly one
     all_gather, what :func:`metadist_core.cost.gathers.gathers` finds in the plan). Each bucket of two or more
     runs as one :meth:`AxisComm.start_all_gather_bucket` where its first member was, each member's value an
-    ``md_done`` of it (:func:`metadist_torch.schedule.prefetch_gathers` then issues each bucket while the one
+    ``md_done`` of it (:func:`metadist_torch.lower.schedule.prefetch_gathers` then issues each bucket while the one
     before it is read). Returns the buckets made (the members' values).
     """
 

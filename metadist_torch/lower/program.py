@@ -3,7 +3,7 @@
 Both take the user's ``(*args, **kwargs)`` and return what the step returns.
 :class:`LocalProgram` (world size 1) runs the traced functional graph on
 plain tensors. :class:`RankProgram` feeds this rank's local pieces to the
-rank's fx program (:class:`~metadist_torch.lower.RankGraph`), returns whole
+rank's fx program (:class:`~metadist_torch.lower.lower.RankGraph`), returns whole
 outputs and writes the new state shards back in place. :func:`place_state`
 stores parameters, buffers and optimizer state as DTensors with the plan's
 placements, so that ``torch.distributed.checkpoint`` can save them.
@@ -21,12 +21,12 @@ import torch.utils._pytree as pytree
 
 from metadist_core.ir.placement import Sharding, local_piece
 
-from .runtime.engine import Engine
+from ..runtime.engine import Engine
 from .lower import RankGraph
 from .reinplace import layout_from_meta, reinplace_updates
-from .trace.state import ROLE_BUFFER, ROLE_PARAM
-from .runtime.stats import CommStats
-from .trace.trace import TracedStep
+from ..trace.state import ROLE_BUFFER, ROLE_PARAM
+from ..runtime.stats import CommStats
+from ..trace.trace import TracedStep
 
 
 def user_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -79,7 +79,7 @@ def claim_layout(traced: TracedStep, plan: Any, engine: Engine, token: int) -> N
 
 class LocalProgram:
     """World size 1: the traced functional graph on plain tensors. State updates run in the state's storage
-    where they can (:func:`metadist_torch.reinplace.reinplace_updates`, ``reinplace``); any other new state
+    where they can (:func:`metadist_torch.lower.reinplace.reinplace_updates`, ``reinplace``); any other new state
     is swapped in with ``.data``."""
 
     def __init__(self, traced: TracedStep, reinplace: bool = True) -> None:
@@ -100,7 +100,7 @@ class LocalProgram:
             writes = [(k, o) for k, o in writes if o not in done]
         self.writes = writes
         self.stats = CommStats()  # nothing to count on one device
-        self.compiled: Callable | None = None  # gm compiled (metadist_torch.compiled), run in its place
+        self.compiled: Callable | None = None  # gm compiled (metadist_torch.lower.compiled), run in its place
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.traced.refresh()

@@ -2,7 +2,7 @@
 
 :func:`split_batch` cuts a call's tensors along dim 0; :class:`MicroBatchProgram`
 runs the two parts of :func:`metadist_core.levers.microbatch.cut_at_gradients`, each
-lowered to this rank's fx program by :func:`metadist_torch.lower.lower_plan`
+lowered to this rank's fx program by :func:`metadist_torch.lower.lower.lower_plan`
 under the one plan of the whole step (so a micro-batch runs exactly the
 collectives the plan priced, and gradients stay in the plan's layout, Partial
 included, until the update reads them). Buffers are written back after every
@@ -23,11 +23,11 @@ from metadist_core.levers.microbatch import split_batch as core_split_batch
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Sharding, local_piece
 
-from .runtime.engine import Engine
+from ..runtime.engine import Engine
 from .lower import lower_plan
 from .program import _TOKENS, claim_layout, input_pieces, local_of, moved_once, place_state, user_tensors
-from .runtime.stats import CommStats
-from .trace.trace import TracedStep
+from ..runtime.stats import CommStats
+from ..trace.trace import TracedStep
 
 
 def batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:

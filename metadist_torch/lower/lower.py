@@ -9,7 +9,7 @@ plan means here exactly what it means in :mod:`metadist_core.plan.simulate`:
 - each op becomes a call of its aten overload on local tensors (:func:`op_node`);
   ops whose attrs carry the full output shape (view, reshape, expand...) get
   the local shape ``shard_shape(full, output sharding, mesh, coords)``;
-- each edge's collectives become calls of :class:`~metadist_torch.collectives.AxisComm` over the process
+- each edge's collectives become calls of :class:`~metadist_torch.lower.collectives.AxisComm` over the process
   group of their mesh axis (:class:`TorchCollectives`): ``all_reduce``,
   ``all_gather`` (``all_gather_single``), ``reduce_scatter``
   (``reduce_scatter_single``), ``all_to_all`` (``all_to_all_single``), each
@@ -44,11 +44,11 @@ from metadist_core.ir.ir import DTYPE_BYTES, MetaIR, MetaOp
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Sharding, group_extents, shard_shape
 
-from .trace.calls import STRIDE_FREE, rebuild, resolve_target
+from ..trace.calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
 from .reinplace import reinplace_updates
 from .schedule import issue_early, md_wait, prefetch_gathers
-from .runtime.stats import CommStats
+from ..runtime.stats import CommStats
 from .coalesce import coalesce_all_reduces, coalesce_all_gathers, DTYPE_META, VAR_META
 
 # ops whose second argument is the full output shape: lowered with the local output shape
@@ -121,7 +121,7 @@ class TorchCollectives(Collectives):
 
     def _done(self, node: fx.Node) -> fx.Node:
         """The value of an async collective: an :func:`md_done` node right after it (before its first reader);
-        :func:`metadist_torch.schedule.issue_early` then moves the collective itself up."""
+        :func:`metadist_torch.lower.schedule.issue_early` then moves the collective itself up."""
         done = self.g.call_function(md_done, (node,))
         done.meta.update(node.meta)
         return done
@@ -217,7 +217,7 @@ class RankGraph:
     """This rank's program: ``gm(*local inputs in graph.inputs order, *input_pieces' slices)`` returns the whole
     graph outputs (``output_vars``), then the new local pieces of the updated state (``state_inputs``).
     ``input_pieces``: (user input, layout) of each user input the plan also reads in a layout other than the
-    one it is stored in: this rank's slice of the whole input (``metadist_torch.program.input_pieces``)."""
+    one it is stored in: this rank's slice of the whole input (``metadist_torch.lower.program.input_pieces``)."""
 
     gm: fx.GraphModule
     input_vars: list[str]
@@ -227,7 +227,7 @@ class RankGraph:
     n_collectives: int = 0
     input_pieces: list[tuple[str, Sharding]] = field(default_factory=list)
     inplace_updates: list[str] = field(default_factory=list)  # states updated in their own storage (reinplace)
-    compiled: Callable | None = None  # gm compiled (metadist_torch.compiled), run in its place
+    compiled: Callable | None = None  # gm compiled (metadist_torch.lower.compiled), run in its place
 
     def __call__(self, *local_inputs: torch.Tensor) -> tuple:
         return (self.compiled or self.gm)(*local_inputs)
@@ -256,9 +256,9 @@ def lower_plan(
     on its own). Only gradients and what they are views, casts or copies of
     (:func:`metadist_core.cost.compression.gradient_chain`, the values ``build_problem`` marks ``bucketed``) are
     bucketed, so the program runs the buckets the prediction prices.
-    ``wire`` (value id -> torch dtype, :func:`metadist_torch.compression.wire_map`): the values whose
+    ``wire`` (value id -> torch dtype, :func:`metadist_torch.lower.compression.wire_map`): the values whose
     collectives travel compressed. ``inplace_state``: each state update runs in its input's storage where
-    it can (:func:`metadist_torch.reinplace.reinplace_updates`), and each other new state value is copied into
+    it can (:func:`metadist_torch.lower.reinplace.reinplace_updates`), and each other new state value is copied into
     its input's storage as soon as the old value's last reader has run, so the new one dies there (what the memory
     model prices, :func:`metadist_core.ir.aliasing.inplace_state_liveness`); the program then returns the
     updated inputs themselves.
@@ -319,7 +319,7 @@ def lower_plan(
             v, dt = n.meta.get(VAR_META), n.meta.get(DTYPE_META)
             return (tuple(graph.vars[v].shape), dt) if v in graph.vars and dt is not None else None
 
-        # updates that can run in the state's own storage do (metadist_torch.reinplace); the rest are copied
+        # updates that can run in the state's own storage do (metadist_torch.lower.reinplace); the rest are copied
         # into it as soon as the old value's last reader has run
         inplace = reinplace_updates(
             g, [(inputs[v], n_out + i) for i, v in enumerate(state_inputs)], range(n_out), layout

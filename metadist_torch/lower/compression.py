@@ -6,7 +6,7 @@ Which values are gradients is decided once, in the core
 (:func:`metadist_core.cost.compression.wire_dtypes`, from the MetaIR role
 ``"gradient"`` the tracer sets); the cost model prices those values'
 collectives at the compressed itemsize and the lowering
-(:class:`metadist_torch.collectives.AxisComm`) runs them through :func:`compressed`:
+(:class:`metadist_torch.lower.collectives.AxisComm`) runs them through :func:`compressed`:
 cast to the wire dtype, run the collective, cast back to the value's own
 dtype. An ``avg`` reduction divides before the cast (as DDP's fp16 hook does),
 so that fp16 sums overflow no sooner than the mean would. The counted bytes

@@ -1,9 +1,9 @@
 """The rank program handed to ``torch.compile``: one flat graph of aten ops and torch's native functional
 collectives, no Python in between.
 
-A lowered program (:func:`metadist_torch.lower.lower_plan`, or the traced step itself at world size 1) reads
+A lowered program (:func:`metadist_torch.lower.lower.lower_plan`, or the traced step itself at world size 1) reads
 the param groups' numbers as ``aten._local_scalar_dense`` of 0-d tensors, and runs its collectives through
-:class:`~metadist_torch.collectives.AxisComm`'s methods. Before compiling, :func:`compilable`
+:class:`~metadist_torch.lower.collectives.AxisComm`'s methods. Before compiling, :func:`compilable`
 
 - turns every tensor the graph reads as a module attribute into an input of its own (the param groups'
   numbers change between calls: a compiled graph must read them, never fold them in);
@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from metadist_core.progress import Ticker
 
-from .runtime.stats import CommStats
+from ..runtime.stats import CommStats
 
 aten = torch.ops.aten
 ITEM = aten._local_scalar_dense.default
@@ -311,7 +311,7 @@ def compile_report(run: Any) -> dict[str, Any] | None:
 
 
 #: Inductor's pass that moves each collective's wait down to the first op reading its result: the place the
-#: lowering waits (metadist_torch.schedule). Left alone, Inductor waits right after each collective starts.
+#: lowering waits (metadist_torch.lower.schedule). Left alone, Inductor waits right after each collective starts.
 SINK_WAITS = {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": ["sink_waits"]}
 
 

@@ -3,7 +3,7 @@ waited for as late.
 
 The all_reduce and reduce_scatter calls of a lowered program (``md_all_reduce_axis*``,
 ``md_reduce_scatter_axis*`` and their buckets ``md_*_bucket_axis*``) start torch's functional collective
-op and return a :class:`~metadist_torch.collectives.Pending` (plain tensors: no ``AsyncCollectiveTensor``,
+op and return a :class:`~metadist_torch.lower.collectives.Pending` (plain tensors: no ``AsyncCollectiveTensor``,
 whose Python dispatch on every later op cost more than the overlap gained); an ``md_done`` node
 waits for it and gives the value. :func:`issue_early` moves each collective to right after the last
 node it reads and each ``md_done`` to right before the first node that reads the value, so the
@@ -182,7 +182,7 @@ def is_gather_bucket(node: fx.Node) -> bool:
 
 
 def prefetch_gathers(g: fx.Graph) -> int:
-    """Issue each bucket of parameter all_gathers (:func:`metadist_torch.coalesce.coalesce_all_gathers`) just
+    """Issue each bucket of parameter all_gathers (:func:`metadist_torch.lower.coalesce.coalesce_all_gathers`) just
     before the program waits for the bucket before it, as FSDP prefetches the next block's parameters: it
     is gathered while the ops reading the one before compute, at the price of one more bucket held.
     Buckets keep their order (the same on every rank). Run after :func:`issue_early`, which puts each

@@ -32,11 +32,11 @@ from metadist_core.levers.microbatch import GradientCut, combine
 from metadist_core.plan.stage import Stage
 from metadist_core.levers.stages import stage_devices
 
-from .trace.calls import STRIDE_FREE, TORCH_DTYPES, rebuild, resolve_target
-from .runtime.engine import Engine
+from ..trace.calls import STRIDE_FREE, TORCH_DTYPES, rebuild, resolve_target
+from ..runtime.engine import Engine
 from .pipeline import _no_lasting_grads, split_batch
 from .program import user_tensors
-from .trace.trace import TracedStep
+from ..trace.trace import TracedStep
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
 

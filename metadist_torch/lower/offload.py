@@ -45,7 +45,7 @@ from metadist_core.ir.ir import MetaIR
 from metadist_core.levers.offload import HostRegion, host_region
 
 from .coalesce import DTYPE_META, VAR_META
-from .trace.state import ROLE_STATE, StepState
+from ..trace.state import ROLE_STATE, StepState
 
 log = logging.getLogger("metadist.torch.offload")
 
@@ -215,7 +215,7 @@ def _op_of(n: fx.Node, graph: MetaIR) -> str | None:
 
 
 def offload_rank_graph(lowered: Any, graph: MetaIR, device: torch.device) -> OffloadInfo:
-    """Offload the optimizer update of a rank program (:class:`metadist_torch.lower.RankGraph`) in place."""
+    """Offload the optimizer update of a rank program (:class:`metadist_torch.lower.lower.RankGraph`) in place."""
     region = host_region(graph)
     if region.empty:
         log.warning("offload='optimizer': the step has no optimizer state; nothing moves to the host")
