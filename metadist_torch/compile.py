@@ -71,7 +71,7 @@ class TorchStep(CompiledStep):
         measured = self.__dict__.setdefault("_memory", {})
         if not self.settings.measure_memory or id(res) in measured:
             return res.runnable(*args, **kwargs)
-        from .memory import measure_compiled  # the first call after a compile: peak memory measured
+        from .measure.memory import measure_compiled  # the first call after a compile: peak memory measured
 
         t = time.perf_counter()
         out, measured[id(res)] = measure_compiled(res, args, kwargs)
@@ -104,7 +104,7 @@ class TorchStep(CompiledStep):
         (``plan.memory_per_device``, what the budget bounds), ``measured_peak_bytes``,
         ``method`` ("cuda_allocator" | "live_storages"), ``baseline_bytes`` (held before the call),
         ``end_bytes`` and ``ratio`` (measured / predicted); {} before it (or with ``measure_memory`` off).
-        See :mod:`metadist_torch.memory`."""
+        See :mod:`metadist_torch.measure.memory`."""
         if self.last is None:
             return {}
         return dict(self.__dict__.get("_memory", {}).get(id(self.last), {}))

@@ -202,8 +202,8 @@ class TorchFrontend(Frontend):
 
     def time_ops(self, requests: Any, resolved: Resolved, traced: Traced | None = None, program: bool = False) -> Any:
         """Each op run alone at the requested shapes on this rank's device (the GPU a one-device step's
-        state lives on), and the step's program whole (:mod:`metadist_torch.optime`)."""
-        from .optime import time_ops
+        state lives on), and the step's program whole (:mod:`metadist_torch.measure.optime`)."""
+        from .measure.optime import time_ops
 
         step = traced.context if traced is not None else None
         dev = (_state_device(step, "cuda") if resolved.mesh.size == 1 else None) or resolved.engine.device
@@ -225,7 +225,7 @@ class TorchFrontend(Frontend):
             if dev is None:
                 return None
             from metadist_core.cost.profile import MeshProfile
-            from .devicerates import measure_device
+            from .measure.devicerates import measure_device
 
             with _same_random_draws(dev):
                 return MeshProfile(nodes=1, devices_per_node=1, device=measure_device(on=dev))
@@ -236,7 +236,7 @@ class TorchFrontend(Frontend):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag.item()) == 1:
             return cached
-        from .calibrate import measure_live
+        from .measure.calibrate import measure_live
 
         with _same_random_draws(eng.device):
             return measure_live(eng, resolved.mesh, cached)
@@ -255,7 +255,7 @@ class TorchFrontend(Frontend):
         return run(nproc=nproc, args=rest)
 
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
-        from .calibrate import run_calibrate
+        from .measure.calibrate import run_calibrate
 
         return run_calibrate(out, nprocs=nprocs, refresh=refresh_cached_profile)
 

@@ -52,7 +52,7 @@ def eager_baselines(out: dict, rank: int, world: int) -> None:
     import gpt
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from metadist_torch.memory import measure_peak, state_tensors
+    from metadist_torch.measure.memory import measure_peak, state_tensors
 
     c = _config()
     per = c.batch // world

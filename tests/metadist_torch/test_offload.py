@@ -169,7 +169,7 @@ def test_a_frontend_that_cannot_offload_says_so():
 def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_ops_timed(monkeypatch):
     """A one-device step whose frontend measures its device (a GPU in use; here the CPU, standing in) is
     planned on that device's rates, per-op dispatch included, its ops timed on it and its program timed
-    whole (metadist_torch.optime.program_factor). The numbers stay the single-device ones. How close the
+    whole (metadist_torch.measure.optime.program_factor). The numbers stay the single-device ones. How close the
     price comes to the step is a timing, not asserted here (the project measures speed in benchmarks/):
     priced / measured read 0.87-0.96 in three runs on an idle machine, 0.75-0.80 with the ops' alone times
     only, and 11.6 when two test suites shared the 2 cores; the built-in CPU rates and no dispatch cost had

@@ -30,7 +30,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .lower.program import user_tensors
+from ..lower.program import user_tensors
 
 LIVE_STORAGES = "live_storages"
 CUDA_ALLOCATOR = "cuda_allocator"

@@ -1,7 +1,7 @@
 """How much slower than the roofline each op of a step runs on this device, measured (the ops' slowdowns).
 
 The cost model prices an op as ``max(flops / FLOP rate, bytes / memory rate)`` with the rates of a
-matmul and of an ``add`` (:func:`metadist_torch.devicerates.measure_device_rates`). Most other ops run
+matmul and of an ``add`` (:func:`metadist_torch.measure.devicerates.measure_device_rates`). Most other ops run
 far slower than that on a CPU (``tanh``, ``_log_softmax``, ``native_layer_norm`` run many times their
 roofline, where ``mm`` runs close to it), so the roofline prices a step under what it takes. Here each
 distinct op of the step (its key, input
@@ -38,10 +38,10 @@ from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.ir.mesh import Mesh
 
 from .devicerates import measure_device_rates
-from .trace.calls import TORCH_DTYPES, rebuild, resolve_overload
-from .runtime.engine import device as engine_device
-from .lower.lower import lower_plan
-from .ops.oprunner import op_spec
+from ..trace.calls import TORCH_DTYPES, rebuild, resolve_overload
+from ..runtime.engine import device as engine_device
+from ..lower.lower import lower_plan
+from ..ops.oprunner import op_spec
 
 log = logging.getLogger("metadist.optime")
 
@@ -98,7 +98,7 @@ def _elements(op: MetaOp, graph: MetaIR) -> int:
 
 def alone_rates(dev: torch.device) -> Callable[[], dict]:
     """This process's rates on ``dev`` while it has the device to itself
-    (:func:`metadist_torch.devicerates.measure_device_rates`, ``alone``), measured at the first call and
+    (:func:`metadist_torch.measure.devicerates.measure_device_rates`, ``alone``), measured at the first call and
     kept: what :func:`measure_slowdowns` and :func:`program_factor` of one compile divide by."""
     return functools.cache(lambda: measure_device_rates(iters=7, alone=True, dev=dev))
 

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 from metadist_core.cost.profile import MeshProfile, profile_from_samples
 from metadist_core.cost.timing import time_call
 
-from .lower.collectives import _group_name, _ops
+from ..lower.collectives import _group_name, _ops
 from .devicerates import LOW_DTYPES, curve_elements, dispatch_program, measure_device_rates
 
 log = logging.getLogger("metadist.calibrate")
@@ -383,7 +383,7 @@ def measure_live(engine, mesh, cached: MeshProfile | None = None, iters: int = 7
     hidden = 1.0
     if wide is not None and mesh.shape[wide] > 1:
         hidden = measure_overlap(groups[wide], dev, work, iters, sync=sync)
-    # the rates of one rank alone (the fastest of single calls, as metadist_torch.optime times each op),
+    # the rates of one rank alone (the fastest of single calls, as metadist_torch.measure.optime times each op),
     # divided by the share of the device a rank gets while all compute at once
     # (rank 0 alone times them while the others wait: the same device on every rank)
     share = measure_share(dev)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from metadist_core.cost.timing import time_call
 
-from .runtime.engine import device
+from ..runtime.engine import device
 
 if TYPE_CHECKING:  # pragma: no cover - types only
     import torch
@@ -55,7 +55,7 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
     one far longer than a time slice, or the figures depend on which ranks the scheduler ran in it.
     ``alone``: the rates of
     this process while it has the device to itself: the fastest of ``iters`` single calls (what
-    :mod:`metadist_torch.optime` divides an op's own fastest time by). ``dev``: the device (default: the
+    :mod:`metadist_torch.measure.optime` divides an op's own fastest time by). ``dev``: the device (default: the
     rank's, :func:`metadist_torch.runtime.engine.device`)."""
     import torch
 
@@ -93,7 +93,7 @@ def measure_device_rates(iters: int = 7, before=None, window: float = 0.0, alone
 def measure_device(seconds: float = 0.5, on: "torch.device | None" = None) -> "DeviceSpec":
     """This process's rates on device ``on`` (default: the rank's, :func:`metadist_torch.runtime.engine.device`) as
     the cost model's DeviceSpec: matmul FLOP/s, memory rate by bytes moved, per-op dispatch
-    (:func:`measure_device_rates`, alone: the rates :mod:`metadist_torch.optime` divides each op's time
+    (:func:`measure_device_rates`, alone: the rates :mod:`metadist_torch.measure.optime` divides each op's time
     by) and, on a GPU, the host link (pinned host to device copies of 64 MiB, the fastest over about
     ``seconds / 2``)."""
     import torch
