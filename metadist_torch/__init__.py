@@ -66,8 +66,8 @@ def to_dtensor_placements(plan: Any) -> dict:
 def save_checkpoint(path: Any, model: Any, optimizer: Any = None, **kwargs: Any) -> float:
     """Save ``model`` (and ``optimizer``; ``scheduler=``, ``extra=``, ``rng=``, ``step=``) to the folder
     ``path`` through torch.distributed.checkpoint, atomically. Layout-independent: see
-    :func:`metadist_torch.checkpoint.save_checkpoint`."""
-    from .checkpoint import save_checkpoint as _save
+    :func:`metadist_torch.checkpoint.checkpoint.save_checkpoint`."""
+    from .checkpoint.checkpoint import save_checkpoint as _save
 
     return _save(path, model, optimizer, **kwargs)  # seconds taken
 
@@ -75,15 +75,15 @@ def save_checkpoint(path: Any, model: Any, optimizer: Any = None, **kwargs: Any)
 def load_checkpoint(path: Any, model: Any, optimizer: Any = None, **kwargs: Any) -> float:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and ``optimizer``; ``scheduler=``,
     ``extra=``, ``rng=``), in place, on any mesh or at world size 1; a partial or corrupt one is refused.
-    See :func:`metadist_torch.checkpoint.load_checkpoint`."""
-    from .checkpoint import load_checkpoint as _load
+    See :func:`metadist_torch.checkpoint.checkpoint.load_checkpoint`."""
+    from .checkpoint.checkpoint import load_checkpoint as _load
 
     return _load(path, model, optimizer, **kwargs)  # seconds taken
 
 
 def latest_checkpoint(root: Any) -> str | None:
     """The newest complete checkpoint folder under ``root`` (None: there is none): where a restart resumes."""
-    from .checkpoint import latest_checkpoint as _latest
+    from .checkpoint.checkpoint import latest_checkpoint as _latest
 
     return _latest(root)
 

@@ -26,7 +26,7 @@ from _torchrun import REPO, torchrun_env  # noqa: E402
 
 import _resume_worker as W  # noqa: E402
 from metadist_torch import latest_checkpoint, load_checkpoint, metadist_compile, save_checkpoint  # noqa: E402
-from metadist_torch.ckpt_commit import CheckpointError  # noqa: E402
+from metadist_torch.checkpoint.commit import CheckpointError  # noqa: E402
 from metadist_torch.runtime.faults import Heartbeat, diagnose  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -230,7 +230,7 @@ _CRASH = textwrap.dedent(
     import torch
     import _resume_worker as W
     from metadist_torch import save_checkpoint
-    from metadist_torch import ckpt_commit
+    from metadist_torch.checkpoint import commit as ckpt_commit
     model, opt, sched = W.build()
     W.train_step(model, opt, *W.batch(0))
     save_checkpoint({path!r}, model, opt, scheduler=sched, step=1)

@@ -28,7 +28,7 @@ What is saved:
 - ``rng``: the random state (the CPU generator, and the current CUDA
   device's), so that dropout after a resume draws what it would have.
 
-A save is atomic (:mod:`metadist_torch.ckpt_commit`): it is staged beside
+A save is atomic (:mod:`metadist_torch.checkpoint.commit`): it is staged beside
 ``path`` and swapped in whole, with a manifest of every file's size and
 checksum; a load checks them first, so a crash mid-save leaves the previous
 checkpoint loadable, and a partial or corrupt one is named, never loaded.
@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from . import ckpt_commit as files
-from .ckpt_commit import CheckpointError
-from .trace.state import init_optimizer_state
+from . import commit as files
+from .commit import CheckpointError
+from ..trace.state import init_optimizer_state
 
 FORMAT = "metadist.torch_checkpoint/1"
 
@@ -139,7 +139,7 @@ def _gather(obj: Any) -> list[Any]:
         return [obj]
     import torch.distributed as dist
 
-    from .runtime.engine import cpu_group
+    from ..runtime.engine import cpu_group
 
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj, group=cpu_group())
@@ -150,7 +150,7 @@ def _barrier() -> None:
     if not _no_dist():
         import torch.distributed as dist
 
-        from .runtime.engine import cpu_group
+        from ..runtime.engine import cpu_group
 
         dist.barrier(group=cpu_group())
 
