@@ -1,1 +1,1 @@
-"""A plan lowered to per-rank torch.fx programs: collectives, buckets, async schedule, in-place updates, offload, compression, and the runnable whole, micro-batched and pipelined steps."""
+"""A plan lowered to per-rank fx programs, and the whole, micro-batched and pipelined steps that run them."""

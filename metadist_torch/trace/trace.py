@@ -338,7 +338,7 @@ def _nll_loss_mean(self, target, weight, reduction, ignore_index):
 
 
 def _decompositions() -> dict:
-    # amp: the fused optimizers and GradScaler kernels take lists of tensors; traced per tensor (metadist_torch.trace.amp)
+    # amp: the fused optimizers and GradScaler kernels take lists of tensors; traced per tensor (trace/amp.py)
     return {
         **amp_decompositions(),
         torch.ops.aten.native_batch_norm.default: _bn_with_stats,
