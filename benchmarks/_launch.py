@@ -127,8 +127,8 @@ def add_worker_args(ap: argparse.ArgumentParser, cache: bool = False) -> None:
 
 def finish(code: int) -> NoReturn:
     """End a rank with ``code``: the process group torn down and the interpreter left without its teardown,
-    where gloo ranks have aborted after their work was done (``metadist_torch.engine.finish_worker``)."""
-    from metadist_torch.engine import finish_worker
+    where gloo ranks have aborted after their work was done (``metadist_torch.runtime.engine.finish_worker``)."""
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(code)
     raise SystemExit(code)  # not reached: finish_worker exits the process

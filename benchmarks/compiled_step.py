@@ -10,7 +10,7 @@ other, sharing one fresh Inductor cache directory: the first compiles cold, the 
 left (the warm compile seconds). ``ranks`` (4 gloo ranks, one thread each): MetaDist (eager and inductor,
 the planner's own plan), DDP over ``model.compile()``, and FSDP2 (``fully_shard`` per block) over
 ``model.compile()``, interleaved the same way. MetaDist(inductor) runs by default with Inductor's
-``sink_waits`` pass (each wait where the lowering put it, :data:`metadist_torch.compiled.SINK_WAITS`); it
+``sink_waits`` pass (each wait where the lowering put it, :data:`metadist_torch.lower.compiled.SINK_WAITS`); it
 is also timed without it (``waits_early``: Inductor waits right after each collective) and with all three of
 Inductor's overlap passes (``OVERLAP``). Every MetaDist row carries the cost model's prediction for its
 plan (``predicted_ms``, priced for the backend it runs), its compile seconds, dynamo's graph breaks and the
@@ -156,7 +156,7 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     torch.set_num_threads(1)
     rank, world = ensure_process_group()

@@ -15,7 +15,7 @@ model's device). For each system, the same initial weights and batches:
   ``metadist_budget_offload`` a budget of 0.9x with the optimizer state offloaded (met without recomputing).
 
 Each record: the losses' largest relative difference from eager over the steps, the median step time,
-and the CUDA allocator's peak over the second step (:func:`metadist_torch.memory.measure_peak`: the
+and the CUDA allocator's peak over the second step (:func:`metadist_torch.measure.memory.measure_peak`: the
 allocator's peak less what it held besides the state and the batch, ``outside_mb``), and MetaDist's own
 ``step.memory`` (its first call) beside its prediction. Results go to ``--out`` (JSON) and stdout.
 """
@@ -53,7 +53,7 @@ def _run(name: str, layers: int, batches: list, ref: list | None, **kw) -> dict:
     losses = [float(fn(model, opt, batches[0]))]
     torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
-    from metadist_torch.memory import measure_peak, state_tensors
+    from metadist_torch.measure.memory import measure_peak, state_tensors
 
     # the second call, for every system alike: the allocator's peak less what it held besides the state and
     # the batch (the cuBLAS workspace; offloaded state lives on the host and is not the GPU's)

@@ -18,7 +18,7 @@ depth (when it fits MetaDist's budget), both built first and timed interleaved, 
 (``--rounds``), so the step times compare at one depth under the same machine load (``equal_depth`` in
 the metadist record: each median and the median of the per-round ratio).
 
-Memory is measured the same way for all (:func:`metadist_torch.memory.measure_peak`: live tensor
+Memory is measured the same way for all (:func:`metadist_torch.measure.memory.measure_peak`: live tensor
 storages on CPU, the CUDA allocator's peak on a GPU); MetaDist's prediction (``step.memory``'s
 ``predicted_peak_bytes``: the plan's peak with its collectives' buffers; ``predicted_solver_mb``: the
 solver's own figure, ``plan.memory_per_device``) is printed beside its measurement. Records: results/memory.json (``system``, ``budget_mb``,
@@ -123,7 +123,7 @@ def _fsdp2_model(layers: int, sh: dict, ckpt: bool):
 
 
 def _run_fsdp2(layers: int, sh: dict, ckpt: bool, rank: int, world: int) -> dict:
-    from metadist_torch.memory import measure_peak, state_tensors
+    from metadist_torch.measure.memory import measure_peak, state_tensors
 
     model, opt = _fsdp2_model(layers, sh, ckpt)
     ids = _local(_batches(sh), rank, world)
@@ -270,7 +270,7 @@ def search(system: str, sh: dict, budget: int, args, rank: int, world: int) -> d
 
 def worker(args) -> int:
     import torch
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     torch.set_num_threads(1)
     rank, world = ensure_process_group()

@@ -23,7 +23,7 @@ Measured, per system:
   relative difference, held to 1e-4 (reported, never raised); DDP's is the mean of its ranks' losses. The
   capacity-factor system drops tokens, so it differs from that reference by design: it is also compared with
   a single-device eager forward that runs MetaDist's own capacity-padded dispatch with the same groups and
-  factor (:func:`metadist_torch.moe.capacity_dispatch`), which it should match;
+  factor (:func:`metadist_torch.moe.moe.capacity_dispatch`), which it should match;
 - the step time: every system built and warmed up, then timed in interleaved rounds, one step of each per
   round in a Williams order (:func:`benchmarks._common.interleaved`), so that the shared machine's slow spells
   fall on all of them alike; the median over ranks of each rank's median step, and the median over ranks of
@@ -37,7 +37,7 @@ Measured, per system:
   after the first, to tell a first call's extras apart); DDP's all_reduce bytes counted in a comm hook;
 - for the ep systems, ``plan.explain()``'s "experts" lines (which ranks hold which experts);
 - the tokens dropped: each layer's routing of the first batch (``top_k_index``, taken by a forward hook on
-  every layer's ``mlp.gate``) counted by :func:`metadist_torch.moe.dropped_tokens` with no capacity factor
+  every layer's ``mlp.gate``) counted by :func:`metadist_torch.moe.moe.dropped_tokens` with no capacity factor
   (MetaDist's default: none dropped) and with 1.0, for the groups of each mesh.
 
 Results: results/moe.json (one record per system, rank medians) and results/moe.md.
@@ -358,7 +358,7 @@ def reference(args, batch) -> dict:
     dispatch on a mesh of 4, with no factor (it should give the eager loss) and at factor 1.0 (what
     metadist_ep_cf1 computes); the (token, expert) choices each mesh and factor drop from the batch's routing."""
     import torch
-    from metadist_torch.moe import capacity_dispatch, dropped_tokens, experts_modules
+    from metadist_torch.moe.moe import capacity_dispatch, dropped_tokens, experts_modules
 
     c = _config(args.quick)
     model, opt = build(c, batch.shape[1])
@@ -393,7 +393,7 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
     from benchmarks._common import interleaved
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     torch.set_num_threads(1)
     rank, world = ensure_process_group()

@@ -416,7 +416,7 @@ def run_model(m: Model, args, rank: int, world: int) -> dict:
 
 def worker(args) -> int:
     import torch
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     torch.set_num_threads(1)
     rank, world = ensure_process_group()

@@ -18,7 +18,7 @@ def rules_for(op: Any, *example_inputs: Any, axis_size: int = 2):
 
     >>> rules_for(torch.ops.aten.mm.default, torch.randn(8, 4), torch.randn(4, 6))  # doctest: +SKIP
     """
-    from .oprunner import rules_for as _rules_for
+    from .ops.oprunner import rules_for as _rules_for
 
     return _rules_for(op, *example_inputs, axis_size=axis_size)
 
@@ -52,15 +52,15 @@ def metadist_compile(
 
 def annotate(tensor: Any, *placements: Any) -> Any:
     """Pin how ``tensor`` is split inside a compiled step (one Placement for every mesh axis, or one per
-    axis); the identity on the numbers. See :mod:`metadist_torch.annotate`."""
-    from .annotate import annotate as _annotate
+    axis); the identity on the numbers. See :mod:`metadist_torch.trace.annotate`."""
+    from .trace.annotate import annotate as _annotate
 
     return _annotate(tensor, *placements)
 
 
 def to_dtensor_placements(plan: Any) -> dict:
     """``{parameter name: torch.distributed.tensor placements}`` of a ShardingPlan."""
-    from .annotate import to_dtensor_placements as _to
+    from .trace.annotate import to_dtensor_placements as _to
 
     return _to(plan)
 
@@ -68,8 +68,8 @@ def to_dtensor_placements(plan: Any) -> dict:
 def save_checkpoint(path: Any, model: Any, optimizer: Any = None, **kwargs: Any) -> float:
     """Save ``model`` (and ``optimizer``; ``scheduler=``, ``extra=``, ``rng=``, ``step=``) to the folder
     ``path`` through torch.distributed.checkpoint, atomically. Layout-independent: see
-    :func:`metadist_torch.checkpoint.save_checkpoint`."""
-    from .checkpoint import save_checkpoint as _save
+    :func:`metadist_torch.checkpoint.checkpoint.save_checkpoint`."""
+    from .checkpoint.checkpoint import save_checkpoint as _save
 
     return _save(path, model, optimizer, **kwargs)  # seconds taken
 
@@ -77,15 +77,15 @@ def save_checkpoint(path: Any, model: Any, optimizer: Any = None, **kwargs: Any)
 def load_checkpoint(path: Any, model: Any, optimizer: Any = None, **kwargs: Any) -> float:
     """Load a checkpoint saved by :func:`save_checkpoint` into ``model`` (and ``optimizer``; ``scheduler=``,
     ``extra=``, ``rng=``), in place, on any mesh or at world size 1; a partial or corrupt one is refused.
-    See :func:`metadist_torch.checkpoint.load_checkpoint`."""
-    from .checkpoint import load_checkpoint as _load
+    See :func:`metadist_torch.checkpoint.checkpoint.load_checkpoint`."""
+    from .checkpoint.checkpoint import load_checkpoint as _load
 
     return _load(path, model, optimizer, **kwargs)  # seconds taken
 
 
 def latest_checkpoint(root: Any) -> str | None:
     """The newest complete checkpoint folder under ``root`` (None: there is none): where a restart resumes."""
-    from .checkpoint import latest_checkpoint as _latest
+    from .checkpoint.checkpoint import latest_checkpoint as _latest
 
     return _latest(root)
 

@@ -35,11 +35,11 @@ from metadist_core.config import check_setting_names
 from metadist_core.driver.step import CompiledStep
 from metadist_core.plugins import PluginManager
 
-from .compiled import check_settings
-from .eager import compiled_call
-from .faults import RankFailure, count_step, is_collective_failure, rank_failure
+from .lower.compiled import check_settings
+from .runtime.eager import compiled_call
+from .runtime.faults import RankFailure, count_step, is_collective_failure, rank_failure
 from .plugin import TorchFrontend
-from .stats import CommStats
+from .runtime.stats import CommStats
 
 
 class TorchStep(CompiledStep):
@@ -73,7 +73,7 @@ class TorchStep(CompiledStep):
         measured = self.__dict__.setdefault("_memory", {})
         if not self.settings.measure_memory or id(res) in measured:
             return res.runnable(*args, **kwargs)
-        from .memory import measure_compiled  # the first call after a compile: peak memory measured
+        from .measure.memory import measure_compiled  # the first call after a compile: peak memory measured
 
         t = time.perf_counter()
         out, measured[id(res)] = measure_compiled(res, args, kwargs)
@@ -84,7 +84,7 @@ class TorchStep(CompiledStep):
         """The first call of a program run by a torch.compile backend: it compiles (``timings["compile"]``,
         ``plan.stats.compile``). Memory is measured at the next call, and only on a GPU (compiled kernels
         run past the dispatcher that counts tensors on a CPU)."""
-        from .compiled import compile_report
+        from .lower.compiled import compile_report
 
         out = res.runnable(*args, **kwargs)
         report = compile_report(res.runnable)
@@ -106,7 +106,7 @@ class TorchStep(CompiledStep):
         (``plan.memory_per_device``, what the budget bounds), ``measured_peak_bytes``,
         ``method`` ("cuda_allocator" | "live_storages"), ``baseline_bytes`` (held before the call),
         ``end_bytes`` and ``ratio`` (measured / predicted); {} before it (or with ``measure_memory`` off).
-        See :mod:`metadist_torch.memory`."""
+        See :mod:`metadist_torch.measure.memory`."""
         if self.last is None:
             return {}
         return dict(self.__dict__.get("_memory", {}).get(id(self.last), {}))
@@ -114,11 +114,11 @@ class TorchStep(CompiledStep):
 
 def _explained(e: BaseException, step: "TorchStep") -> BaseException:
     """``e`` as the error a user can act on: a failed collective names the rank that stopped
-    (:mod:`metadist_torch.faults`), a device out of memory names the plan's predicted bytes and the
+    (:mod:`metadist_torch.runtime.faults`), a device out of memory names the plan's predicted bytes and the
     budget; any other error as it is."""
     import torch
 
-    from .engine import collective_timeout, world_info
+    from .runtime.engine import collective_timeout, world_info
 
     if isinstance(e, torch.OutOfMemoryError):
         return _out_of_memory(e, step)
@@ -200,12 +200,12 @@ def metadist_compile(
         (a transformer block's halves) are recomputed for the backward, the fewest that make a plan fit
         (``plan.recompute`` lists the ops; :mod:`metadist_core.levers.recompute`); False: never.
     :param grad_compression: None, "bf16" or "fp16": gradient collectives travel in that dtype and are
-        decompressed before the optimizer (approximate; see :mod:`metadist_torch.compression`).
+        decompressed before the optimizer (approximate; see :mod:`metadist_torch.lower.compression`).
     :param offload: None or "optimizer": optimizer state lives in host memory (pinned on CUDA) and the
         optimizer update runs on the host CPU; gradients go to the host and new parameters come back every
-        step (:mod:`metadist_torch.offload`, priced by :mod:`metadist_core.levers.offload`).
+        step (:mod:`metadist_torch.lower.offload`, priced by :mod:`metadist_core.levers.offload`).
     :param backend: "eager" (default): each rank runs its program op by op; "inductor": compiled by
-        torch.compile into fused kernels, its collectives included (:mod:`metadist_torch.compiled`); or any
+        torch.compile into fused kernels, its collectives included (:mod:`metadist_torch.lower.compiled`); or any
         other torch.compile backend name.
     :param compile_options: keywords for torch.compile with a compiled backend (``{"mode": "reduce-overhead"}``
         for CUDA graphs, ``{"options": {...}}`` for Inductor's config).

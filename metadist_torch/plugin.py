@@ -65,7 +65,7 @@ def _can_fork_discovery() -> bool:
 
 def _batch_leaves(args: tuple, kwargs: dict) -> BatchLeaves:
     """Every tensor of the call is a batch leaf (the model and optimizer hold the state)."""
-    from .pipeline import batch_leaves
+    from .lower.pipeline import batch_leaves
 
     return batch_leaves(args, kwargs)
 
@@ -74,7 +74,7 @@ def _pointwise(op: Any) -> bool:
     """Inductor fuses torch's pointwise ops (the ``pointwise`` tag) into one loop with their neighbours."""
     import torch
 
-    from .calls import resolve_target
+    from .trace.calls import resolve_target
 
     try:
         return torch.Tag.pointwise in resolve_target(op.key).tags
@@ -84,7 +84,7 @@ def _pointwise(op: Any) -> bool:
 
 TRAITS = FrontendTraits(
     op_prefixes=OP_PREFIXES,
-    runner_module="metadist_torch.oprunner",
+    runner_module="metadist_torch.ops.oprunner",
     proxy_shapes=True,  # op specs come from the graph's shapes and op.attrs alone
     bucket_copies=1,  # collectives.AxisComm.all_reduce_bucket: the concatenation (reduced in place)
     shard_buckets=True,  # lower.coalesce_all_gathers and coalesce_reduces
@@ -102,7 +102,7 @@ class TorchFrontend(Frontend):
     """PyTorch: a whole training step (forward, backward, optimizer) traced to aten ops; runs on torch.distributed.
 
     ``lower`` gives a callable taking the step's own ``(*args, **kwargs)`` and
-    returning what the step returns (see :mod:`metadist_torch.program`).
+    returning what the step returns (see :mod:`metadist_torch.lower.program`).
     """
 
     name = "torch"
@@ -112,26 +112,26 @@ class TorchFrontend(Frontend):
     mesh_shape: tuple[int, ...] | None = None  # the step's mesh, where given: a token group per device
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
-        from .state import signature
+        from .trace.state import signature
 
         return signature(args, kwargs)
 
     def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
         from metadist_core.driver.planonly import requested
 
-        from .state import collect_state, init_optimizer_state, optimizers_in
-        from .trace import trace_step
+        from .trace.state import collect_state, init_optimizer_state, optimizers_in
+        from .trace.trace import trace_step
 
         if fn is None:
             raise TypeError("the torch frontend traces a step function; got None")
         init_optimizer_state(optimizers_in(args, kwargs))
         state = collect_state(args, kwargs)
-        from .offload import state_to_device
+        from .lower.offload import state_to_device
 
         state_to_device(state)  # offloaded optimizer state back beside the parameters: tracing runs the optimizer
         plan_only = requested()  # `metadist plan --mesh`: the mesh planned for, not this process's world
         mesh_shape = tuple(plan_only.mesh) if plan_only is not None else self.mesh_shape
-        from .sideeffects import snapshot
+        from .trace.sideeffects import snapshot
 
         before = snapshot(fn, args, kwargs, state.modules)
         step = trace_step(
@@ -144,7 +144,7 @@ class TorchFrontend(Frontend):
         """The process group's mesh and this rank's Engine (a mesh whose size is not the world size:
         ValueError quoting both)."""
         import torch
-        from .engine import engine_for
+        from .runtime.engine import engine_for
 
         eng = engine_for(mesh)
         memory = None
@@ -164,7 +164,7 @@ class TorchFrontend(Frontend):
     def share(self, plan_fn: Callable[[], Any], traced: Traced, resolved: Resolved) -> Any:
         """Rank 0 plans; its plan is broadcast and checked against each rank's own graph; where it fails,
         every rank raises its error."""
-        from .share import share_error, share_plan
+        from .runtime.share import share_error, share_plan
 
         eng = resolved.engine
         if not eng.distributed:
@@ -179,7 +179,7 @@ class TorchFrontend(Frontend):
         return share_plan(eng, plan, traced.graph)
 
     def lower(self, traced: Traced, program: Program, resolved: Resolved, settings: "Settings") -> Lowered:
-        from .watch import StepWatch
+        from .trace.watch import StepWatch
 
         eng = resolved.engine
         if isinstance(program, Trials):
@@ -188,32 +188,32 @@ class TorchFrontend(Frontend):
             if program.plan is None:
                 return Lowered()
             if settings.compiles:
-                from .compiled import check_settings
+                from .lower.compiled import check_settings
 
                 check_settings(settings, stages=True)
             from metadist_core.levers.microbatch import cut_at_gradients
-            from .stages import lower_stages
+            from .lower.stages import lower_stages
 
             g = traced.graph
             batch_in = [v for v in g.inputs if g.vars[v].role == "input" and g.vars[v].shape]
             cut = cut_at_gradients(g, g.vars[batch_in[0]].shape[0] if batch_in else None)
             run = lower_stages(traced.context, cut, list(program.plan.stages), program.plan, eng, settings)
         elif isinstance(program, MicroBatches):
-            from .pipeline import lower_micro_batches
+            from .lower.pipeline import lower_micro_batches
 
             run = lower_micro_batches(traced.context, program.cut, program.plans, resolved.mesh, eng, settings)
         else:
             run = _lower_whole(traced, program.plan, resolved, settings)
         if settings.compiles:
-            from .compiled import compile_programs
+            from .lower.compiled import compile_programs
 
             compile_programs(run, settings, random=bool(traced.context.random_ops))
         return Lowered(run, StepWatch(traced.context, eng))
 
     def time_ops(self, requests: Any, resolved: Resolved, traced: Traced | None = None, program: bool = False) -> Any:
         """Each op run alone at the requested shapes on this rank's device (the GPU a one-device step's
-        state lives on), and the step's program whole (:mod:`metadist_torch.optime`)."""
-        from .optime import time_ops
+        state lives on), and the step's program whole (:mod:`metadist_torch.measure.optime`)."""
+        from .measure.optime import time_ops
 
         step = traced.context if traced is not None else None
         dev = (_state_device(step, "cuda") if resolved.mesh.size == 1 else None) or resolved.engine.device
@@ -235,7 +235,7 @@ class TorchFrontend(Frontend):
             if dev is None:
                 return None
             from metadist_core.cost.profile import MeshProfile
-            from .devicerates import measure_device
+            from .measure.devicerates import measure_device
 
             with _same_random_draws(dev):
                 return MeshProfile(nodes=1, devices_per_node=1, device=measure_device(on=dev))
@@ -246,7 +246,7 @@ class TorchFrontend(Frontend):
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag.item()) == 1:
             return cached
-        from .calibrate import measure_live
+        from .measure.calibrate import measure_live
 
         with _same_random_draws(eng.device):
             return measure_live(eng, resolved.mesh, cached)
@@ -265,7 +265,7 @@ class TorchFrontend(Frontend):
         return run(nproc=nproc, args=rest)
 
     def calibrate(self, out: str, nprocs: int | None = None) -> Any:
-        from .calibrate import run_calibrate
+        from .measure.calibrate import run_calibrate
 
         return run_calibrate(out, nprocs=nprocs, refresh=refresh_cached_profile)
 
@@ -292,13 +292,13 @@ def refresh_cached_profile() -> "MeshProfile":
 def _lower_whole(traced: Traced, plan: "ShardingPlan", resolved: Resolved, settings: "Settings") -> Callable:
     """This rank's program of the whole step under ``plan`` (one device without recomputation: the traced
     step itself)."""
-    from .lower import lower_plan
-    from .program import LocalProgram, RankProgram, place_state
+    from .lower.lower import lower_plan
+    from .lower.program import LocalProgram, RankProgram, place_state
 
     step, eng, mesh = traced.context, resolved.engine, resolved.mesh
     if not eng.distributed and not getattr(plan, "recompute", None):
-        if settings.offload:  # the optimizer update on the host (metadist_torch.offload)
-            from .offload import offload_traced, state_to_host
+        if settings.offload:  # the optimizer update on the host (metadist_torch.lower.offload)
+            from .lower.offload import offload_traced, state_to_host
 
             off_step, info = offload_traced(step)
             state_to_host(step.state)
@@ -311,7 +311,7 @@ def _lower_whole(traced: Traced, plan: "ShardingPlan", resolved: Resolved, setti
     else:  # one device recomputing: the rewritten graph, lowered as the only rank of a one-device mesh,
         #     on the device the state lives on (the engine's is the CPU at world size 1)
         eng = dataclasses.replace(eng, device=_state_device(step) or eng.device)
-    from .compression import wire_map
+    from .lower.compression import wire_map
 
     graph = lower_plan(
         traced.graph,
@@ -327,8 +327,8 @@ def _lower_whole(traced: Traced, plan: "ShardingPlan", resolved: Resolved, setti
         inplace_state=not settings.offload,
     )  # offload moves the update to the host
     info = None
-    if settings.offload:  # the optimizer update on the host, its state stored there (metadist_torch.offload)
-        from .offload import offload_rank_graph, state_to_host
+    if settings.offload:  # the optimizer update on the host, its state stored there (metadist_torch.lower.offload)
+        from .lower.offload import offload_rank_graph, state_to_host
 
         info = offload_rank_graph(graph, traced.graph, eng.device)
         state_to_host(step.state, eng)

@@ -4,11 +4,11 @@ One process per device (``torchrun --nproc_per_node=N``); rank ``r`` plays
 mesh device ``mesh.coordinates(r)``. The process group, the rank's Engine
 (rank, world size, row-major coordinates, one process group per mesh axis)
 and the collectives are metadist_torch's
-(:func:`metadist_torch.engine.engine_for`,
-:class:`metadist_torch.collectives.AxisComm`); what is TVM's own is here:
+(:func:`metadist_torch.runtime.engine.engine_for`,
+:class:`metadist_torch.lower.collectives.AxisComm`); what is TVM's own is here:
 
 - the default process group is gloo, started before metadist_torch's
-  :func:`~metadist_torch.engine.ensure_process_group` would pick NCCL on a
+  :func:`~metadist_torch.runtime.engine.ensure_process_group` would pick NCCL on a
   CUDA machine, because TVM's llvm kernels leave their results on the CPU;
 - a kernel reads torch tensors as TVM tensors with ``tvm.runtime.from_dlpack``
   (compact, on a 64-byte boundary: :func:`aligned`) and its outputs come back
@@ -38,9 +38,9 @@ from metadist_core.plan.interpret import Collectives, interpret
 from metadist_core.ir.ir import MetaOp
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Sharding, group_extents, local_piece, shard_shape
-from metadist_torch.collectives import AxisComm
-from metadist_torch.engine import Engine, engine_for, ensure_process_group, world_info
-from metadist_torch.stats import CommStats
+from metadist_torch.lower.collectives import AxisComm
+from metadist_torch.runtime.engine import Engine, engine_for, ensure_process_group, world_info
+from metadist_torch.runtime.stats import CommStats
 
 log = logging.getLogger("metadist.tvm")
 

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         print(step.plan.summary())
         print("timings: " + ", ".join(f"{k} {v:.2f}s" for k, v in step.timings.items()))
     if int(__import__("os").environ.get("WORLD_SIZE", "1")) > 1:
-        from metadist_torch.engine import finish_worker
+        from metadist_torch.runtime.engine import finish_worker
 
         finish_worker(0)
     return 0

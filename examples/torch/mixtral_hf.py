@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         if "\nexperts\n" in text:
             print("experts" + text.split("\nexperts\n", 1)[1].split("\n\n", 1)[0])
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from metadist_torch.engine import finish_worker
+        from metadist_torch.runtime.engine import finish_worker
 
         finish_worker(0)
     return 0

@@ -1,6 +1,6 @@
 """Which collective of a gradient's reshard runs in a bucket: the one rule every pricer follows.
 
-The lowering (:func:`metadist_torch.coalesce.coalesce_all_reduces`) merges the
+The lowering (:func:`metadist_torch.lower.coalesce.coalesce_all_reduces`) merges the
 all_reduces, and the reduce_scatters, of gradient values (``vars[v]["bucketed"]``,
 :func:`metadist_core.cost.compression.gradient_chain`) into buckets, as DDP and FSDP
 do. A collective can join a bucket only when its input is the gradient itself:

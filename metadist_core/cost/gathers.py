@@ -12,7 +12,7 @@ at most a bucket's bytes more live memory, which :mod:`metadist_core.plan.mempro
 counts.
 
 :func:`bucket_in_order` is the rule; the torch lowering applies it to its fx
-program (:func:`metadist_torch.coalesce.coalesce_all_gathers`), and
+program (:func:`metadist_torch.lower.coalesce.coalesce_all_gathers`), and
 :func:`gather_buckets` applies it to a plan for :func:`metadist_core.plan.overlap.predict`
 and the memory model. A test checks that both give the same buckets.
 """

@@ -219,7 +219,7 @@ class DeviceSpec:
     # () : ``mem_bandwidth`` alone
     mem_curve: tuple[tuple[float, float], ...] = ()
     # the fraction of an asynchronous collective's time that compute running beside it hides, measured on the
-    # live ranks (metadist_torch.calibrate.measure_overlap): 1 where the link has its own engine (NCCL on a
+    # live ranks (metadist_torch.measure.calibrate.measure_overlap): 1 where the link has its own engine (NCCL on a
     # GPU), about 0 where the collective needs the cores the compute runs on (4 gloo ranks on 2 cores); the
     # rest of the collective's time the compute beside it is slowed by (metadist_core.plan.overlap.predict)
     overlap: float = 1.0
@@ -313,7 +313,7 @@ def compute_cost(
 ) -> float:
     """Seconds of an op that does ``flops`` in ``dtype`` and moves ``nbytes``, split ``split`` ways: its
     roofline times ``slowdown`` (how much slower than its roofline the op was measured to run on this
-    device, :mod:`metadist_torch.optime`; 1 where unmeasured), plus the per-op overhead.
+    device, :mod:`metadist_torch.measure.optime`; 1 where unmeasured), plus the per-op overhead.
 
     The FLOP rate is ``device.flops_for(dtype)`` (tensor-core rates for bf16/fp16 where the device has them),
     the memory rate ``device.bandwidth_for`` the local bytes; bytes are counted at each tensor's own dtype."""

@@ -1,7 +1,7 @@
 """Mesh profiles: nodes, devices per node and link cost (alpha, beta) per link level.
 
 A profile is the measured successor of a resource spec: ``metadist calibrate``
-times real collectives and writes one (see ``metadist_torch.calibrate``), and
+times real collectives and writes one (see ``metadist_torch.measure.calibrate``), and
 :func:`load_profile` reads it from a path or ``$METADIST_MESH_PROFILE``, or
 falls back to :data:`DEFAULT_PROFILE`. :meth:`MeshProfile.mesh` gives a Mesh
 whose per-axis alpha/beta come from the level each axis's groups cross.
@@ -72,7 +72,7 @@ class MeshProfile:
         if measured and len(measured) == len(shape):  # measured on this very mesh, axis by axis
             links = [
                 {k: (float(v["alpha"]), float(v["beta"])) for k, v in a.get("kinds", {}).items()} for a in measured
-            ]  # collective kinds timed apart (metadist_torch.calibrate)
+            ]  # collective kinds timed apart (metadist_torch.measure.calibrate)
             return Mesh(
                 shape,
                 axis_names,

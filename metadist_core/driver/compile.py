@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from metadist_core.config import Settings, load_settings
@@ -38,9 +38,8 @@ from metadist_core.driver.frontend import (
 # planning a traced graph (re-exported: tools, benchmarks and tests import these from here)
 from metadist_core.driver.planner import CompileResult, op_costs, plan_graph, replicated_plan
 from metadist_core.driver.pipeplan import plan_with_pipeline
-from metadist_core.driver.pricing import Pricing, price, replicated_only
-from metadist_core.ir.ir import MetaIR
-from metadist_core.ir.mesh import Mesh
+from metadist_core.driver.job import Job
+from metadist_core.driver.pricing import Pricing, Solver, price, replicated_only
 from metadist_core.plugins import PluginManager
 from metadist_core.problem.constraints import as_constraint_list
 from metadist_core.levers.microbatch import split_batch
@@ -52,23 +51,6 @@ from metadist_core.levers.recompute_segments import rewrite
 from metadist_core.levers.microbatch import micro_batch_program
 
 log = logging.getLogger("metadist.pipeline")
-
-
-@dataclass
-class Job:
-    """One compile's fixed inputs: the frontend, the settings, the plugins, the user's constraints and
-    solver options, and the seconds each step took so far."""
-
-    frontend: Frontend
-    settings: Settings
-    plugins: PluginManager
-    constraints: list
-    solver_options: dict | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-
-    def constraints_on(self, graph: MetaIR, mesh: Mesh) -> list:
-        """The user's constraints and the frontend's engine constraints on ``mesh``."""
-        return self.constraints + self.frontend.constraints(graph, mesh)
 
 
 @dataclass
@@ -221,36 +203,6 @@ def check_pipeline(job: Job, traced: Traced, resolved: Resolved) -> None:
     if not job.frontend.traits.pipelines:  # `metadist plan` prices it, running it cannot
         raise not_supported(job.frontend.name, Stages(None))
     check_stages(k, resolved.mesh, s.schedule, s.micro_batches)
-
-
-@dataclass
-class Solver:
-    """Solves the compile's graph on a mesh (another preset's settings where given): what the pipeline
-    search and autotune call for every mesh and preset they try."""
-
-    job: Job
-    graph: MetaIR
-    pricing: Pricing
-
-    def __call__(self, m: Mesh, settings: Settings | None = None) -> CompileResult:
-        st, p = settings or self.job.settings, self.pricing
-        if replicated_only(m, st):
-            p1, pr1 = replicated_plan(self.graph, m)
-            return CompileResult(self.graph, RuleBook(), pr1, p1)
-        own = p.one_device if p.profile is None and m.size == 1 else None
-        return plan_graph(
-            self.graph,
-            m,
-            plugins=self.job.plugins,
-            settings=st,
-            solver_options=self.job.solver_options,
-            constraints=self.job.constraints_on(self.graph, m),
-            device=p.profile.device if p.profile is not None else own,
-            traits=self.job.frontend.traits,
-            op_slowdowns=p.op_times,
-            local_timer=p.local_timer if m.size > 1 else None,
-            device_memory=p.device_memory,
-        )
 
 
 def plan_and_share(

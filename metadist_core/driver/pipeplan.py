@@ -37,10 +37,10 @@ from metadist_core.levers.stages import (
 from metadist_core.cost.model import send_recv_cost
 from metadist_core.driver.planner import CompileResult, plan_graph, replicated_plan
 from metadist_core.discovery.rules import RuleBook
+from metadist_core.driver.pricing import Solver
 
 if TYPE_CHECKING:
     from metadist_core.config import Settings
-    from metadist_core.driver.compile import Solver
     from metadist_core.driver.frontend import Frontend
     from metadist_core.driver.planner import CompileResult
 
@@ -73,7 +73,7 @@ def stage_costs(graph: MetaIR, problem: Any, plan: Any, alpha: float, beta: floa
     op_memory = _state_bytes(graph, core)
     act = _activation_bytes(graph, plan, pos, n)
     cross = crossing_bytes(graph, ops)
-    # crossing values travel whole (metadist_torch.stages), forward and their gradients back
+    # crossing values travel whole (metadist_torch.lower.stages), forward and their gradients back
     cut_cost = [send_recv_cost(b, alpha, beta) * 2 if 0 < c < n else 0.0 for c, b in enumerate(cross)]
     return StageCosts(core, op_time, cut_cost, op_memory, act)
 
@@ -311,7 +311,7 @@ def plan_only_pipeline(
 
 
 def plan_with_pipeline(
-    graph: MetaIR, mesh: Mesh, s: Settings, solve_on: "Solver", frontend: Frontend
+    graph: MetaIR, mesh: Mesh, s: Settings, solve_on: Solver, frontend: Frontend
 ) -> CompileResult | None:
     """The result whose plan is pipelined (``plan.stages`` set) when ``pipeline_stages=k`` asks for one
     or, with ``None``, when no unpipelined plan meets the memory budget and a pipeline does (training

@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from metadist_core.config import Settings
 from metadist_core.cost.localtime import LocalTimer
@@ -19,9 +19,9 @@ from metadist_core.cost.profile import profile_for
 from metadist_core.cost.profile import beside_profile
 from metadist_core.cost.model import DEVICE_PRESETS
 from metadist_core.cost.optimes import whole_slowdowns
-
-if TYPE_CHECKING:
-    from metadist_core.driver.compile import Job
+from metadist_core.discovery.rules import RuleBook
+from metadist_core.driver.job import Job
+from metadist_core.driver.planner import CompileResult, plan_graph, replicated_plan
 
 
 @dataclass
@@ -75,7 +75,7 @@ def _own_link_costs(mesh: Any) -> bool:
     )
 
 
-def price(job: "Job", traced: Traced, resolved: Resolved, mesh_arg: Any) -> tuple[Pricing, Resolved]:
+def price(job: Job, traced: Traced, resolved: Resolved, mesh_arg: Any) -> tuple[Pricing, Resolved]:
     """How this compile prices plans (:class:`Pricing`) and the mesh priced so: costs measured by default
     on several devices, cached per host, world size and device kind. A metadist Mesh given as ``mesh_arg``
     with link costs of its own keeps them (a mesh built from a calibrated profile is priced with that
@@ -127,4 +127,34 @@ def replicated_only(m: Mesh, s: Settings) -> bool:
     return m.size == 1 and s.memory_budget is None and not s.offload
 
 
-__all__ = ["Pricing", "OpTimer", "price", "replicated_only"]
+@dataclass
+class Solver:
+    """Solves the compile's graph on a mesh (another preset's settings where given): what the pipeline
+    search and autotune call for every mesh and preset they try."""
+
+    job: Job
+    graph: MetaIR
+    pricing: Pricing
+
+    def __call__(self, m: Mesh, settings: Settings | None = None) -> CompileResult:
+        st, p = settings or self.job.settings, self.pricing
+        if replicated_only(m, st):
+            p1, pr1 = replicated_plan(self.graph, m)
+            return CompileResult(self.graph, RuleBook(), pr1, p1)
+        own = p.one_device if p.profile is None and m.size == 1 else None
+        return plan_graph(
+            self.graph,
+            m,
+            plugins=self.job.plugins,
+            settings=st,
+            solver_options=self.job.solver_options,
+            constraints=self.job.constraints_on(self.graph, m),
+            device=p.profile.device if p.profile is not None else own,
+            traits=self.job.frontend.traits,
+            op_slowdowns=p.op_times,
+            local_timer=p.local_timer if m.size > 1 else None,
+            device_memory=p.device_memory,
+        )
+
+
+__all__ = ["Pricing", "OpTimer", "Solver", "price", "replicated_only"]

@@ -94,7 +94,7 @@ def inplace_state_liveness(
     """``live`` with each new state value dying where it is written into its state's storage.
 
     The lowering copies a new parameter / optimizer state value into the old one's storage as soon as the
-    old value's last reader has run (``metadist_torch.lower.write_state_in_place``), so the new value
+    old value's last reader has run (``metadist_torch.lower.lower.write_state_in_place``), so the new value
     lives from its producer to ``max(producer, last reader of the old or new value)``, not to the end of the
     step. A new state value the step also returns, or one that is a view, keeps its liveness."""
     readers: dict[str, int] = {}

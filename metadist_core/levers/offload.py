@@ -5,7 +5,7 @@ optimizer update runs on the host CPU (ZeRO-Offload style). This module
 decides, on the MetaIR alone, the **host region** of a training step
 (:func:`host_region`), and prices it in a ShardingProblem
 (:func:`apply_offload`); a frontend's lowering runs exactly that region on
-the host (``metadist_torch.offload``), so what was priced is what runs.
+the host (``metadist_torch.lower.offload``), so what was priced is what runs.
 
 The host region:
 

@@ -3,7 +3,7 @@
 A pipelined step runs its forward as ``k`` **stages** along mesh axis 0; the
 backward follows the forward through autograd and the optimizer update runs,
 per stage, on that stage's parameters after the last micro-batch
-(:mod:`metadist_torch.stages`). This module is the framework-free half:
+(:mod:`metadist_torch.lower.stages`). This module is the framework-free half:
 
 - :func:`forward_ops` -- the ops of the per-micro-batch part that compute the
   step's returned values (the loss) and new buffers: what the stages run;

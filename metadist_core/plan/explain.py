@@ -13,24 +13,53 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from metadist_core.cost.model import local_bytes
+from metadist_core.cost.model import Collective, local_bytes
 from metadist_core.config import PRESETS
 from metadist_core.ir.placement import Sharding
+from metadist_core.plan.planstats import PlanStats
 from metadist_core.problem.presets import constrain, preset_constraints
 from metadist_core.plugins import PluginManager
 from pathlib import Path
 
 if TYPE_CHECKING:  # pragma: no cover
-    from metadist_core.plan.plan import ShardingPlan
     from metadist_core.plugins import PluginManager
     from metadist_core.problem.problem import ShardingProblem
 
 log = logging.getLogger("metadist.explain")
 COMPARED = tuple(p for p in PRESETS if p != "fsdp")  # fsdp is zero3
+
+
+class PlanView(Protocol):
+    """What explaining reads of a plan: a :class:`~metadist_core.plan.plan.ShardingPlan` is one (its module
+    imports this one for ``ShardingPlan.explain``, so this one names the type it reads, not the class)."""
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]: ...
+    @property
+    def choices(self) -> Sequence[int]: ...
+    @property
+    def input_shardings(self) -> Mapping[str, Sharding]: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+    @property
+    def objective(self) -> float: ...
+    @property
+    def compute_seconds(self) -> float: ...
+    @property
+    def comm_seconds(self) -> float: ...
+    @property
+    def memory_per_device(self) -> int: ...
+    @property
+    def solver(self) -> str: ...
+    @property
+    def stats(self) -> PlanStats: ...
+    @property
+    def problem(self) -> "ShardingProblem | None": ...
+    def collectives(self) -> Sequence[tuple[Any, Collective]]: ...
 
 
 @dataclass
@@ -103,7 +132,7 @@ class _Local:
         return self.cost(region, ch) - self.cost(region, self.ch)
 
 
-def parameter_reasons(plan: "ShardingPlan", prob: "ShardingProblem") -> list[ParamWhy]:
+def parameter_reasons(plan: PlanView, prob: "ShardingProblem") -> list[ParamWhy]:
     """Every parameter of ``prob`` with its placement in ``plan`` and its best alternative."""
     local = _Local(prob, plan.choices) if len(plan.choices) == len(prob.nodes) else None
     out = []
@@ -170,7 +199,7 @@ def expert_ranges(sharding: Sharding, experts: int, mesh_shape: Sequence[int]) -
     return out
 
 
-def expert_lines(plan: "ShardingPlan", prob: "ShardingProblem") -> list[str]:
+def expert_lines(plan: PlanView, prob: "ShardingProblem") -> list[str]:
     """Where each expert of each mixture-of-experts weight lives (none: no lines)."""
     rows = []
     for v, info in prob.vars.items():
@@ -227,7 +256,7 @@ def compare_presets(
     return rows
 
 
-def preset_table(plan: "ShardingPlan", rows: Sequence[dict]) -> list[str]:
+def preset_table(plan: PlanView, rows: Sequence[dict]) -> list[str]:
     """The comparison as text lines, the plan's own row first."""
     own = plan.stats.strategy or "auto"
     head = f"{'strategy':<10} {'ms/step':>9} {'compute':>9} {'comm':>9} {'MiB/device':>11} {'collectives':>11}  vs plan"
@@ -254,7 +283,7 @@ def preset_table(plan: "ShardingPlan", rows: Sequence[dict]) -> list[str]:
 
 
 def explain_plan(
-    plan: "ShardingPlan",
+    plan: PlanView,
     *,
     presets: bool = True,
     solver: str | None = None,
@@ -321,7 +350,7 @@ def explain_plan(
     return "\n".join(lines)
 
 
-def budget_line(plan: "ShardingPlan") -> str:
+def budget_line(plan: PlanView) -> str:
     """Which memory budget the plan was made to fit and where it came from (``plan.stats.budget``)."""
     b = getattr(getattr(plan, "stats", None), "budget", None)
     if not b:
@@ -330,7 +359,7 @@ def budget_line(plan: "ShardingPlan") -> str:
     return f"  memory budget: {size}, from {b.get('source', '?')}"
 
 
-def _solver_name(plan: "ShardingPlan") -> str:
+def _solver_name(plan: PlanView) -> str:
     name = plan.solver or "ilp"
     return name if name in PluginManager().names("solver") else "ilp"
 

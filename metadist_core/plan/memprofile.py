@@ -16,7 +16,7 @@ report beside the measurement (``predicted_with_buffers_bytes``).
 Positions are op positions as in the memory terms (-1: before the first op,
 ``n_steps``: the end of the step). A reshard from a ``Partial`` sharding
 (all_reduce, reduce_scatter) is issued as soon as its input exists (the torch
-lowering issues all_reduces early, :mod:`metadist_torch.schedule`); others are
+lowering issues all_reduces early, :mod:`metadist_torch.lower.schedule`); others are
 made at their first reader; a view of a moved value (a reshape of a gathered
 activation) keeps the moved copy alive as long as the view lives. Bucketed
 all_reduces of gradients share one flat buffer per bucket: each gradient lives
@@ -143,7 +143,7 @@ def _intervals(problem: Any, choice: np.ndarray) -> list[tuple[int, int, float]]
 
 def _buckets(reduced: list[tuple], caps: dict, first_cap: int | None = None) -> list[tuple[int, int, float]]:
     """All_reduces and reduce_scatters of gradients made in buckets of up to ``caps[kind]`` bytes
-    (:func:`metadist_torch.coalesce.coalesce_all_reduces`): one flat buffer per bucket whose results are
+    (:func:`metadist_torch.lower.coalesce.coalesce_all_reduces`): one flat buffer per bucket whose results are
     views, so every result lives until the bucket's last reader. A bucket runs once its last member
     exists; until then each member is its own partial sum, held from where it is made. Where the bucket
     runs, the partial sums, their concatenation and the collective's result are all held at once

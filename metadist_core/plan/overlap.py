@@ -223,7 +223,7 @@ def predict(plan: Any, problem: Any = None) -> Prediction:
     def run_gathers(i: int) -> None:
         """Bucket ``i`` of input gathers where its first member's reader is (unless issued already), and
         bucket ``i + 1`` with it: the lowering issues the next bucket as this one is waited for
-        (metadist_torch.schedule.prefetch_gathers, FSDP's prefetch), so it runs while these ops compute."""
+        (metadist_torch.lower.schedule.prefetch_gathers, FSDP's prefetch), so it runs while these ops compute."""
         for j in (i, i + 1):
             if j < len(gather_seq) and j not in gathered:
                 gathered.add(j)

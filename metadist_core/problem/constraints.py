@@ -4,68 +4,16 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
 from metadist_core.ir.placement import Placement, Sharding, parse_placement
-
-if TYPE_CHECKING:  # pragma: no cover
-    from metadist_core.problem.problem import ShardingProblem
-
-
-@dataclass(frozen=True)
-class Pin:
-    """Value ``var`` must have exactly ``sharding`` where it is made (or stored, for a graph input)."""
-
-    var: str
-    sharding: Sharding
-
-    def to_json(self) -> dict:
-        return {"pin": self.var, "sharding": self.sharding.to_json()}
+from metadist_core.problem.elements import Constraint, Forbid, Pin, parse_constraints
+from metadist_core.problem.problem import ShardingProblem
 
 
-@dataclass(frozen=True)
-class Forbid:
-    """No value (or only ``var``) may take ``placement`` (on mesh axis ``axis``, or on any axis)."""
-
-    placement: Placement
-    var: str | None = None
-    axis: int | None = None
-
-    def to_json(self) -> dict:
-        return {"forbid": str(self.placement), "var": self.var, "axis": self.axis}
-
-    def hits(self, sharding: Sharding) -> bool:
-        axes = range(len(sharding)) if self.axis is None else [self.axis]
-        return any(sharding[a] == self.placement for a in axes)
-
-
-Constraint = Union[Pin, Forbid]
-
-
-def parse_constraints(items: Iterable[Constraint | Mapping]) -> list[Constraint]:
-    """Constraints from objects or their JSON form (``{"pin": var, "sharding": [...]}``, ``{"forbid": "P(sum)"}``)."""
-    out: list[Constraint] = []
-    for c in items:
-        if isinstance(c, (Pin, Forbid)):
-            out.append(c)
-        elif isinstance(c, Mapping) and "pin" in c:
-            sh = c["sharding"]
-            out.append(Pin(c["pin"], sh if isinstance(sh, Sharding) else Sharding.from_json(sh)))
-        elif isinstance(c, Mapping) and "forbid" in c:
-            p = c["forbid"]
-            out.append(Forbid(p if isinstance(p, Placement) else parse_placement(p), c.get("var"), c.get("axis")))
-        else:
-            raise ValueError(
-                f"not a constraint: {c!r}; write Pin(var, sharding), Forbid(placement, var=None, "
-                f"axis=None) or their JSON dicts {{'pin': ..., 'sharding': [...]}} / {{'forbid': 'P(sum)'}}"
-            )
-    return out
-
-
-def apply_constraints(prob: "ShardingProblem") -> None:
+def apply_constraints(prob: ShardingProblem) -> None:
     """Narrow ``prob.allowed`` by ``prob.constraints``; raise when a node is left without any option."""
     users: dict[str, list[int]] | None = None
     for c in prob.constraints:
@@ -96,7 +44,7 @@ def apply_constraints(prob: "ShardingProblem") -> None:
                 _narrow(prob, i, mask, c)
 
 
-def _users(prob: "ShardingProblem") -> dict[str, list[int]]:
+def _users(prob: ShardingProblem) -> dict[str, list[int]]:
     """Each value's nodes (that define or read it), in node order."""
     out: dict[str, list[int]] = {}
     for i, n in enumerate(prob.nodes):
@@ -105,7 +53,7 @@ def _users(prob: "ShardingProblem") -> dict[str, list[int]]:
     return out
 
 
-def _narrow(prob: "ShardingProblem", i: int, mask: np.ndarray, c: Constraint) -> None:
+def _narrow(prob: ShardingProblem, i: int, mask: np.ndarray, c: Constraint) -> None:
     new = prob.allowed[i] & mask
     if not new.any():
         n = prob.nodes[i]
@@ -175,12 +123,12 @@ def sharding_of(spec: Any, ndim: int, what: str) -> Sharding:
     return Sharding(out)
 
 
-def var_name(prob: "ShardingProblem", var: str) -> str:
+def var_name(prob: ShardingProblem, var: str) -> str:
     """The user's name of a value (its label), else its id."""
     return prob.vars.get(var, {}).get("label") or var
 
 
-def check_pin(prob: "ShardingProblem", var: str, sharding: Sharding, what: str) -> None:
+def check_pin(prob: ShardingProblem, var: str, sharding: Sharding, what: str) -> None:
     """Raise a ValueError naming ``what`` when no option of the node defining ``var`` gives ``sharding``."""
     i, s = prob.definer(var)
     options = sorted({str(o.outputs[s]) for o in prob.nodes[i].options})
@@ -193,7 +141,7 @@ def check_pin(prob: "ShardingProblem", var: str, sharding: Sharding, what: str) 
         )
 
 
-def pins_by_name(prob: "ShardingProblem", named: Mapping[str, Any]) -> list[Pin]:
+def pins_by_name(prob: ShardingProblem, named: Mapping[str, Any]) -> list[Pin]:
     """Pins from ``{name or glob: placements}``: names are the values' labels (``blocks.0.fc.weight``,
     ``blocks.0.fc.weight.exp_avg``) or ids; a glob (``*.fc.weight``) pins every value it matches.
     A name that matches nothing, or a placement no rule allows, is a ValueError naming it."""
@@ -226,7 +174,7 @@ def pins_by_name(prob: "ShardingProblem", named: Mapping[str, Any]) -> list[Pin]
     return pins
 
 
-def annotation_pins(prob: "ShardingProblem", annotations: Mapping[str, Any]) -> list[Pin]:
+def annotation_pins(prob: ShardingProblem, annotations: Mapping[str, Any]) -> list[Pin]:
     """Pins from the values a user annotated inside the step (``metadist_torch.annotate``)."""
     pins = []
     for var, spec in annotations.items():

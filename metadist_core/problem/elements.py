@@ -1,13 +1,16 @@
 """The sharding problem's graph: a node per decision (an op or a graph input) with its candidate
-strategies, an edge per value with its reshard table."""
+strategies, an edge per value with its reshard table; and the user's constraints on it, pins and forbids
+(applied by :mod:`metadist_core.problem.constraints`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Mapping, Union
 
 import numpy as np
 
 from metadist_core.discovery.rules import Strategy
+from metadist_core.ir.placement import Placement, Sharding, parse_placement
 
 
 @dataclass
@@ -87,4 +90,54 @@ class Edge:
         )
 
 
-__all__ = ["Edge", "Node"]
+@dataclass(frozen=True)
+class Pin:
+    """Value ``var`` must have exactly ``sharding`` where it is made (or stored, for a graph input)."""
+
+    var: str
+    sharding: Sharding
+
+    def to_json(self) -> dict:
+        return {"pin": self.var, "sharding": self.sharding.to_json()}
+
+
+@dataclass(frozen=True)
+class Forbid:
+    """No value (or only ``var``) may take ``placement`` (on mesh axis ``axis``, or on any axis)."""
+
+    placement: Placement
+    var: str | None = None
+    axis: int | None = None
+
+    def to_json(self) -> dict:
+        return {"forbid": str(self.placement), "var": self.var, "axis": self.axis}
+
+    def hits(self, sharding: Sharding) -> bool:
+        axes = range(len(sharding)) if self.axis is None else [self.axis]
+        return any(sharding[a] == self.placement for a in axes)
+
+
+Constraint = Union[Pin, Forbid]
+
+
+def parse_constraints(items: Iterable[Constraint | Mapping]) -> list[Constraint]:
+    """Constraints from objects or their JSON form (``{"pin": var, "sharding": [...]}``, ``{"forbid": "P(sum)"}``)."""
+    out: list[Constraint] = []
+    for c in items:
+        if isinstance(c, (Pin, Forbid)):
+            out.append(c)
+        elif isinstance(c, Mapping) and "pin" in c:
+            sh = c["sharding"]
+            out.append(Pin(c["pin"], sh if isinstance(sh, Sharding) else Sharding.from_json(sh)))
+        elif isinstance(c, Mapping) and "forbid" in c:
+            p = c["forbid"]
+            out.append(Forbid(p if isinstance(p, Placement) else parse_placement(p), c.get("var"), c.get("axis")))
+        else:
+            raise ValueError(
+                f"not a constraint: {c!r}; write Pin(var, sharding), Forbid(placement, var=None, "
+                f"axis=None) or their JSON dicts {{'pin': ..., 'sharding': [...]}} / {{'forbid': 'P(sum)'}}"
+            )
+    return out
+
+
+__all__ = ["Edge", "Node", "Pin", "Forbid", "Constraint", "parse_constraints"]

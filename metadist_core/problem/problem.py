@@ -24,12 +24,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from metadist_core.cost.buckets import bucketed_step
-from metadist_core.problem.constraints import Constraint, parse_constraints
 from metadist_core.cost.model import DeviceSpec, local_bytes
 from metadist_core.cost.phases import FORWARD, phase_of, share_phase
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Sharding
-from metadist_core.problem.elements import Edge, Node
+from metadist_core.problem.elements import Constraint, Edge, Node, parse_constraints
 from metadist_core.problem.terms import EdgeTerm, MemTerm, SharedTerm, Terms
 import copy
 

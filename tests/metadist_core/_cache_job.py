@@ -204,7 +204,7 @@ def _torch_main(job: str, out: str) -> None:
     import torch
 
     from metadist_torch import metadist_compile
-    from metadist_torch.engine import ensure_process_group, finish_worker
+    from metadist_torch.runtime.engine import ensure_process_group, finish_worker
 
     rank, _ = ensure_process_group()
     mesh, act = TORCH_JOBS[int(job)]

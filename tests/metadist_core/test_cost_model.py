@@ -327,7 +327,7 @@ def test_memory_rate_follows_the_measured_curve():
     assert flat.overlap == 1.0 and DeviceSpec.from_json(shared.to_json()).overlap == 0.0
 
 
-# -- collective kinds priced apart (Mesh.links, measured by metadist_torch.calibrate) ------------------
+# -- collective kinds priced apart (Mesh.links, measured by metadist_torch.measure.calibrate) ------------------
 
 
 def test_links_price_each_kind_and_tiny_all_reduces_apart():

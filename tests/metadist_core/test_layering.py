@@ -1,6 +1,6 @@
-"""The packages' import graph: no loop anywhere, and in the core no arrow from an earlier stage of the flow to a
-later one. Every import statement counts, at module level and inside functions; only imports under
-``if TYPE_CHECKING:`` (never run) are left out."""
+"""The packages' import graph: no loop anywhere, and in the core and in the torch frontend no arrow from a lower
+folder to a higher one. Every import statement counts, at module level and inside functions; imports under
+``if TYPE_CHECKING:`` (never run) count for loops too, and only they may point up a list of layers."""
 
 from __future__ import annotations
 
@@ -30,6 +30,21 @@ CORE_LAYERS = (
     ("reference",),
 )
 
+#: the torch frontend's layers, bottom first; its top-level modules sit above its folders, the package above all
+TORCH_LAYERS = (
+    ("runtime",),
+    ("moe",),
+    ("trace",),
+    ("ops",),
+    ("lower",),
+    ("measure",),
+    ("checkpoint",),
+    ("compile", "demo", "harness", "plugin"),
+)
+
+#: ``{package: its layers}``: the packages whose imports must run down their list
+LAYERED = {"metadist_core": CORE_LAYERS, "metadist_torch": TORCH_LAYERS}
+
 
 def modules() -> dict[str, tuple[Path, bool]]:
     """``{dotted name: (file, is a package __init__)}`` for every module of the project's packages."""
@@ -50,13 +65,13 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skip
 
 
-def imports() -> dict[str, set[str]]:
-    """``{module: the project modules it imports}``."""
+def imports(type_checking: bool = False) -> dict[str, set[str]]:
+    """``{module: the project modules it imports}`` (with ``type_checking``, also those under ``if TYPE_CHECKING:``)."""
     mods = modules()
     edges: dict[str, set[str]] = defaultdict(set)
     for name, (path, init) in mods.items():
         tree = ast.parse(path.read_text(), str(path))
-        skip = _type_checking_only(tree)
+        skip = set() if type_checking else _type_checking_only(tree)
         here = name.split(".") if init else name.split(".")[:-1]
         for node in ast.walk(tree):
             if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -113,41 +128,64 @@ def loops(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def core_layer(name: str) -> int | None:
-    """The layer of a core module (``metadist_core`` itself, the public names, sits above them all)."""
+def layer(name: str, layers: tuple = CORE_LAYERS) -> int | None:
+    """The layer of a module of the package ``layers`` belong to (None: another package's); the package
+    itself, its public names, sits above them all."""
+    package = next(p for p, ls in LAYERED.items() if ls is layers)
     parts = name.split(".")
-    if parts[0] != "metadist_core":
+    if parts[0] != package:
         return None
     if len(parts) == 1:
-        return len(CORE_LAYERS)
-    for i, layer in enumerate(CORE_LAYERS):
-        if parts[1] in layer:
+        return len(layers)
+    for i, names in enumerate(layers):
+        if parts[1] in names:
             return i
-    raise AssertionError(f"{name} is in no layer of CORE_LAYERS: put it in a folder of the flow")
+    where = "CORE_LAYERS" if layers is CORE_LAYERS else "TORCH_LAYERS"
+    raise AssertionError(f"{name} is in no layer of {where}: put it in a folder of the flow, or name it there")
+
+
+def core_layer(name: str) -> int | None:
+    """The layer of a core module (``metadist_core`` itself, the public names, sits above them all)."""
+    return layer(name, CORE_LAYERS)
+
+
+def back_arrows(edges: dict[str, set[str]], layers: tuple, paths: dict | None = None) -> list[str]:
+    """Every import in ``edges`` from a module of ``layers``' package into a higher layer of it."""
+    back = []
+    for src, targets in edges.items():
+        a = layer(src, layers)
+        for dst in targets:
+            b = layer(dst, layers)
+            if a is not None and b is not None and b > a:
+                where = "the package" if b == len(layers) else "/".join(layers[b])
+                s, d = (str(paths[m][0].relative_to(ROOT)) for m in (src, dst)) if paths else (src, dst)
+                back.append(f"{s} ({'/'.join(layers[a])}) imports {d} ({where})")
+    return sorted(back)
 
 
 def test_no_import_loop_anywhere():
-    found = loops(imports())
+    found = loops(imports(type_checking=True))
     mods = modules()
     assert not found, (
-        "import loops (each line: modules that import each other, directly or around a loop):\n"
+        "import loops, counting imports under TYPE_CHECKING (each line: modules that import each other, directly "
+        "or around a loop; move the types both need where both may import them):\n"
         + "\n".join(", ".join(str(mods[m][0].relative_to(ROOT)) for m in comp) for comp in found)
     )
 
 
 def test_core_imports_run_down_the_flow():
-    mods = modules()
-    back = []
-    for src, targets in imports().items():
-        a = core_layer(src)
-        for dst in targets:
-            b = core_layer(dst)
-            if a is not None and b is not None and b > a:
-                back.append(
-                    f"{mods[src][0].relative_to(ROOT)} ({'/'.join(CORE_LAYERS[a])}) imports "
-                    f"{mods[dst][0].relative_to(ROOT)} ({'/'.join(CORE_LAYERS[b]) if b < len(CORE_LAYERS) else 'the package'})"
-                )
-    assert not back, "imports from an earlier stage of the flow into a later one:\n" + "\n".join(sorted(back))
+    back = back_arrows(imports(), CORE_LAYERS, modules())
+    assert not back, "imports from an earlier stage of the flow into a later one:\n" + "\n".join(back)
+
+
+def test_torch_imports_run_down_its_folders():
+    back = back_arrows(imports(), TORCH_LAYERS, modules())
+    assert not back, "metadist_torch imports from a lower folder into a higher one:\n" + "\n".join(back)
+
+
+def test_every_torch_module_is_in_a_layer():
+    for name in modules():
+        layer(name, TORCH_LAYERS)  # raises, naming the module, for a folder or top-level module not listed
 
 
 def test_the_core_imports_no_frontend():
@@ -179,3 +217,32 @@ def test_the_checker_sees_a_loop_and_a_back_arrow():
     assert loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert core_layer("metadist_core.ir.ir") < core_layer("metadist_core.driver.compile")
     assert core_layer("metadist_core.config") == 0
+
+
+def test_the_checker_sees_a_back_arrow_in_the_torch_frontend():
+    """A made-up import of trace/ from runtime/ (and of the plugin from lower/) is reported; the real
+    arrows (trace imports runtime, the plugin imports lower) are not."""
+    edges = {
+        "metadist_torch.runtime.engine": {"metadist_torch.trace.trace", "metadist_torch.runtime.faults"},
+        "metadist_torch.lower.lower": {"metadist_torch.plugin", "metadist_torch.trace.calls"},
+        "metadist_torch.trace.watch": {"metadist_torch.runtime.engine", "metadist_core.ir.ir"},
+        "metadist_torch.plugin": {"metadist_torch.lower.lower"},
+    }
+    assert back_arrows(edges, TORCH_LAYERS) == [
+        "metadist_torch.lower.lower (lower) imports metadist_torch.plugin (compile/demo/harness/plugin)",
+        "metadist_torch.runtime.engine (runtime) imports metadist_torch.trace.trace (trace)",
+    ]
+    assert layer("metadist_core.ir.ir", TORCH_LAYERS) is None
+
+
+def test_the_checker_counts_type_checking_imports_for_loops(tmp_path, monkeypatch):
+    """Two modules that import each other, one only under TYPE_CHECKING, are a loop; without them, not."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.b import B\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import A\n")
+    monkeypatch.setitem(globals(), "ROOT", tmp_path)
+    monkeypatch.setitem(globals(), "PACKAGES", {"pkg": "pkg"})
+    assert loops(imports()) == []
+    assert loops(imports(type_checking=True)) == [["pkg.a", "pkg.b"]]

@@ -73,7 +73,7 @@ def plan_key(plan) -> str:
 
 def main() -> int:
     from metadist_torch import metadist_compile
-    from metadist_torch.engine import ensure_process_group, finish_worker
+    from metadist_torch.runtime.engine import ensure_process_group, finish_worker
 
     rank, _ = ensure_process_group()
     models, strategy, *opts = sys.argv[1:]

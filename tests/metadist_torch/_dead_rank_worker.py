@@ -6,7 +6,7 @@ whose agent would end the other ranks itself, as a multi-node job's remote ranks
 file store). Each rank runs a compiled step (``strategy="tp+dp"`` on mesh (2, N/2): collectives on the
 DeviceMesh's groups, not only the default one) in a loop;
 before the 4th step rank ``VICTIM`` sends itself ``SIGNAL`` (KILL: dead; STOP: hung). Every other rank must
-stop with a :class:`~metadist_torch.faults.RankFailure`: it writes ``OUT_DIR/rank-R.json`` with the error,
+stop with a :class:`~metadist_torch.runtime.faults.RankFailure`: it writes ``OUT_DIR/rank-R.json`` with the error,
 the ranks it names and the time, and exits 3.
 """
 
@@ -26,8 +26,8 @@ import _resume_worker as W  # noqa: E402  (the same model, batches and step)
 def main() -> None:
     out, sig, victim = Path(sys.argv[1]), getattr(signal, "SIG" + sys.argv[2]), int(sys.argv[3])
     from metadist_torch import metadist_compile
-    from metadist_torch.engine import ensure_process_group
-    from metadist_torch.faults import RankFailure
+    from metadist_torch.runtime.engine import ensure_process_group
+    from metadist_torch.runtime.faults import RankFailure
 
     if len(sys.argv) > 4 and sys.argv[4] == "user":  # the user starts the group (a file store, no MASTER_ADDR)
         import datetime

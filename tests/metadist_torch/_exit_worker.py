@@ -63,7 +63,7 @@ class HoldFinalization:
 def rank(port: int, folder: Path) -> None:
     import torch.distributed as dist
 
-    from metadist_torch import faults
+    from metadist_torch.runtime import faults
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30), wait_for_workers=False)
     beat = faults.start_heartbeat(0, 2, "0", store=store)
@@ -82,7 +82,7 @@ def rank(port: int, folder: Path) -> None:
 def destroy() -> None:
     import torch.distributed as dist
 
-    from metadist_torch import faults
+    from metadist_torch.runtime import faults
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=20))
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

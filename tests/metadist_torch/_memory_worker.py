@@ -52,7 +52,7 @@ def eager_baselines(out: dict, rank: int, world: int) -> None:
     import gpt
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from metadist_torch.memory import measure_peak, state_tensors
+    from metadist_torch.measure.memory import measure_peak, state_tensors
 
     c = _config()
     per = c.batch // world
@@ -75,7 +75,7 @@ def eager_baselines(out: dict, rank: int, world: int) -> None:
 def main() -> int:
     import torch
     import torch.distributed as dist
-    from metadist_torch.engine import ensure_process_group, finish_worker
+    from metadist_torch.runtime.engine import ensure_process_group, finish_worker
 
     torch.set_num_threads(1)
     rank, world = ensure_process_group()

@@ -79,6 +79,6 @@ if __name__ == "__main__":
     out = {name: run(name) for name in sys.argv[1:]}
     if int(os.environ.get("RANK", "0")) == 0:
         Path(os.environ["MD_TEST_OUT"]).write_text(json.dumps(out, indent=1))
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(0)

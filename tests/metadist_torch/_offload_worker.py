@@ -39,7 +39,7 @@ def full(t):
 
 def check(name, strategy, errors, report):
     from metadist_torch import metadist_compile
-    from metadist_torch.offload import count_transfers, host_tensors
+    from metadist_torch.lower.offload import count_transfers, host_tensors
 
     g = torch.Generator().manual_seed(7)
     data = [(torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)) for _ in range(STEPS)]
@@ -91,7 +91,7 @@ def check(name, strategy, errors, report):
 
 
 def main() -> int:
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     ensure_process_group()
     errors: list[str] = []
@@ -107,7 +107,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     code = 1
     try:

@@ -147,6 +147,6 @@ def worker() -> int:
 
 
 if __name__ == "__main__":
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(worker())

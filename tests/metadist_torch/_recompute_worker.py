@@ -68,7 +68,7 @@ def _full(t):
 def main() -> int:
     import torch.distributed as dist
     from metadist_torch import metadist_compile
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     case = sys.argv[1]
     torch.set_num_threads(1)
@@ -119,6 +119,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(main())

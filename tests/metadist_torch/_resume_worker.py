@@ -46,7 +46,7 @@ def train_step(model, opt, x, y):
 def main() -> None:
     out, steps, every, kill_at, victim = Path(sys.argv[1]), *map(int, sys.argv[2:6])
     from metadist_torch import latest_checkpoint, load_checkpoint, metadist_compile, save_checkpoint
-    from metadist_torch.engine import ensure_process_group, finish_worker
+    from metadist_torch.runtime.engine import ensure_process_group, finish_worker
 
     rank, world = ensure_process_group()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -197,7 +197,7 @@ def _eager_cost(step, model, opt, ref, ids) -> dict:
     for _ in range(5):
         # a compiled call drops the kept tensors: a forward-only step would do, but the eager path alone is
         # what is measured, so the cache is dropped the way a compiled call drops it
-        from metadist_torch.eager import compiled_call
+        from metadist_torch.runtime.eager import compiled_call
 
         with compiled_call():
             pass

@@ -127,7 +127,7 @@ def autocast_step(model, opt, x, y):
 
 def graph_of(fn, *objects_and_batch):
     """The traced graph of ``fn(*objects, *batch)`` (model, optimizer, maybe a scaler, then the batch)."""
-    from metadist_torch.trace import trace_step
+    from metadist_torch.trace.trace import trace_step
 
     return trace_step(fn, (*objects_and_batch[:-1], *objects_and_batch[-1])).graph
 
@@ -352,7 +352,7 @@ def check_resume(name, out_dir: Path, mesh, errors, report, *, after_compile: bo
 def main() -> int:
     torch.set_num_threads(1)
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     ensure_process_group()
     errors: list[str] = []
@@ -395,6 +395,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(main())

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 def _worker(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
     from metadist_core.cost.timing import time_call
-    from metadist_torch.calibrate import _measure_kinds
+    from metadist_torch.measure.calibrate import _measure_kinds
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
     try:
@@ -52,7 +52,7 @@ def test_kinds_are_timed_apart_and_alike_on_every_rank(tmp_path):
 
 def _share_worker(rank: int, init: str, out: str, world: int) -> None:
     import torch.distributed as dist
-    from metadist_torch.calibrate import measure_share
+    from metadist_torch.measure.calibrate import measure_share
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
@@ -87,8 +87,8 @@ def _live_worker(rank: int, init: str, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    from metadist_torch.calibrate import measure_live
-    from metadist_torch.engine import engine_for
+    from metadist_torch.measure.calibrate import measure_live
+    from metadist_torch.runtime.engine import engine_for
 
     eng = engine_for((2,))
     prof = measure_live(eng, eng.mesh, None, iters=2)

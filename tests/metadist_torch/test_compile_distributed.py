@@ -494,6 +494,6 @@ def test_compiled_steps_match_single_device_on_2_and_4_gloo_ranks(tmp_path):
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(worker())

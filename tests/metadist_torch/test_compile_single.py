@@ -187,7 +187,7 @@ def test_torch_adapter_traces_and_lowers():
     from metadist_core.cost.profile import load_profile
 
     fe = PluginManager().frontend("torch")
-    assert fe.traits.runner_module == "metadist_torch.oprunner"
+    assert fe.traits.runner_module == "metadist_torch.ops.oprunner"
     c = mlp.MLPConfig(hidden=8, batch=4, layers=1)
     model, opt = mlp.build(c)
     model_ref, opt_ref = mlp.build(c)

@@ -16,7 +16,7 @@ import torch.fx as fx
 from metadist_core.config import load_settings
 from metadist_core.driver.frontend import NotSupported
 from metadist_torch import metadist_compile
-from metadist_torch.compiled import check_backend, compilable, scalars_as_tensors
+from metadist_torch.lower.compiled import check_backend, compilable, scalars_as_tensors
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # tests/: _torchrun; this folder: the worker

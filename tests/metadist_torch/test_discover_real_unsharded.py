@@ -12,7 +12,7 @@ from metadist_core.plugins import PluginManager  # noqa: E402
 
 
 def test_real_shape_discovery_takes_the_small_proxies_for_unsharded_combinations(monkeypatch):
-    from metadist_torch.trace import trace_step
+    from metadist_torch.trace.trace import trace_step
 
     def step(x):  # attention scores' view: batch x heads becomes one dim of the sequence's size
         return (x.view(128, 32, 32) * 2.0).sum()

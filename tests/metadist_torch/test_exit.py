@@ -84,7 +84,7 @@ def test_destroying_the_users_group_stops_the_heartbeat():
 
 
 def test_exit_steps_run_in_order_once_and_past_a_failure(monkeypatch):
-    from metadist_torch import shutdown
+    from metadist_torch.runtime import shutdown
 
     monkeypatch.setattr(shutdown, "_STEPS", {})
     monkeypatch.setattr(shutdown, "_HOOKED", [True])  # no atexit hook in the test's process

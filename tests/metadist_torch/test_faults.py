@@ -26,8 +26,8 @@ from _torchrun import REPO, torchrun_env  # noqa: E402
 
 import _resume_worker as W  # noqa: E402
 from metadist_torch import latest_checkpoint, load_checkpoint, metadist_compile, save_checkpoint  # noqa: E402
-from metadist_torch.ckpt_commit import CheckpointError  # noqa: E402
-from metadist_torch.faults import Heartbeat, diagnose  # noqa: E402
+from metadist_torch.checkpoint.commit import CheckpointError  # noqa: E402
+from metadist_torch.runtime.faults import Heartbeat, diagnose  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -90,7 +90,7 @@ def test_diagnose_names_a_rank_that_beats_but_fell_behind():
 
 
 def test_diagnose_without_a_heartbeat_says_it_cannot_tell():
-    from metadist_torch import faults
+    from metadist_torch.runtime import faults
 
     assert faults.heartbeat() is None  # no process group started in this process
     stopped, how = faults.diagnose()
@@ -230,7 +230,7 @@ _CRASH = textwrap.dedent(
     import torch
     import _resume_worker as W
     from metadist_torch import save_checkpoint
-    from metadist_torch import ckpt_commit
+    from metadist_torch.checkpoint import commit as ckpt_commit
     model, opt, sched = W.build()
     W.train_step(model, opt, *W.batch(0))
     save_checkpoint({path!r}, model, opt, scheduler=sched, step=1)
@@ -335,7 +335,7 @@ def test_rng_and_extra_round_trip(tmp_path):
 
 
 def test_out_of_memory_names_the_prediction_and_the_budget(monkeypatch):
-    from metadist_torch.program import LocalProgram
+    from metadist_torch.lower.program import LocalProgram
 
     def oom(self, *a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -351,7 +351,7 @@ def test_out_of_memory_names_the_prediction_and_the_budget(monkeypatch):
 
 
 def test_a_restart_with_fewer_ranks_says_so(monkeypatch):
-    from metadist_torch.engine import resolve_mesh
+    from metadist_torch.runtime.engine import resolve_mesh
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     with pytest.raises(ValueError, match=r"mesh 2x2 has 4 devices but the world size is 2 \(this is restart 1"):
@@ -392,7 +392,8 @@ def test_nccl_groups_get_the_timeout_and_async_error_handling(monkeypatch):
 
     import torch.distributed as dist
 
-    from metadist_torch import engine, faults
+    from metadist_torch.runtime import engine
+    from metadist_torch.runtime import faults
 
     made: dict = {}
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -1,4 +1,4 @@
-"""One-pass functionalization (metadist_torch/functional.py) against re-tracing under torch.func.functionalize.
+"""One-pass functionalization (metadist_torch/trace/functional.py) against re-tracing under torch.func.functionalize.
 
 For whole training steps (AdamW with weight decay, SGD with momentum, BatchNorm's running statistics,
 transformers' GPT-2) the one-pass graph has no in-place op left and gives bit for bit the outputs of the
@@ -12,9 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import metadist_torch.trace as trace_mod  # noqa: E402
-from metadist_torch.functional import functionalize_in_place  # noqa: E402
-from metadist_torch.trace import trace_step  # noqa: E402
+import metadist_torch.trace.trace as trace_mod  # noqa: E402
+from metadist_torch.trace.functional import functionalize_in_place  # noqa: E402
+from metadist_torch.trace.trace import trace_step  # noqa: E402
 from _examples import load_example  # noqa: E402
 
 

@@ -20,8 +20,8 @@ FULL = [((5, 4), 0, torch.float32), ((3, 7), 1, torch.float32), ((2,), 0, torch.
 def _worker(rank: int, store: str, q) -> None:
     try:
         from metadist_core.ir.placement import chunk_sizes
-        from metadist_torch.collectives import AxisComm
-        from metadist_torch.stats import CommStats
+        from metadist_torch.lower.collectives import AxisComm
+        from metadist_torch.runtime.stats import CommStats
 
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=N)
         g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""A mean cross-entropy is traced as a sum over the count of kept targets (metadist_torch.trace._nll_loss_mean).
+"""A mean cross-entropy is traced as a sum over the count of kept targets (metadist_torch.trace.trace._nll_loss_mean).
 
 As one op the mean is not a partial anything when ignored targets fall unevenly on the batch pieces,
 so a batch-split plan had to gather the logits; as a sum (a partial sum) over a count taken from the
@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from metadist_torch.trace import trace_step  # noqa: E402
+from metadist_torch.trace.trace import trace_step  # noqa: E402
 
 
 def _nll_ops(graph):
@@ -83,7 +83,7 @@ def _worker(rank: int, store: str, rules: str, q) -> None:
         from metadist_core.driver.compile import plan_graph
         from metadist_core.ir.mesh import Mesh
         from metadist_core.ir.placement import Partial, Sharding, Shard
-        from metadist_torch.lower import lower_plan
+        from metadist_torch.lower.lower import lower_plan
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)

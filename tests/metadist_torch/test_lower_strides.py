@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 
 from metadist_core.driver.compile import replicated_plan  # noqa: E402
 from metadist_core.ir.mesh import Mesh  # noqa: E402
-from metadist_torch.lower import lower_plan  # noqa: E402
+from metadist_torch.lower.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
 

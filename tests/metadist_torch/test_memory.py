@@ -1,4 +1,4 @@
-"""Peak memory measured (metadist_torch.memory) against the cost model's prediction (plan.memory_per_device)."""
+"""Peak memory measured (metadist_torch.measure.memory) against the cost model's prediction (plan.memory_per_device)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from metadist_torch.memory import LIVE_STORAGES, LiveTensorTracker, measure_peak, state_tensors  # noqa: E402
+from metadist_torch.measure.memory import LIVE_STORAGES, LiveTensorTracker, measure_peak, state_tensors  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("_memory_worker.py")
@@ -106,10 +106,10 @@ RATIO_BOUNDS = {"ddp": (0.8, 1.15), "fsdp": (0.85, 1.15), "tp": (0.85, 1.15)}
 BUCKET_SCRIPT = """
 import sys, torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
-from metadist_torch.collectives import AxisComm
-from metadist_torch.memory import measure_peak
-from metadist_torch.schedule import md_wait
-from metadist_torch.stats import CommStats
+from metadist_torch.lower.collectives import AxisComm
+from metadist_torch.measure.memory import measure_peak
+from metadist_torch.lower.schedule import md_wait
+from metadist_torch.runtime.stats import CommStats
 comm = AxisComm(0, dist.group.WORLD, 1, 0, CommStats())
 for reduce in ("sum", "avg"):
     xs = [torch.ones(n) for n in (1000, 3000, 500, 2500)]

@@ -21,7 +21,12 @@ from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_core.ir.placement import Partial, Replicate, Shard  # noqa: E402
 from metadist_core.plan.explain import explain_plan  # noqa: E402
 from metadist_torch import metadist_compile, rules_for  # noqa: E402
-from metadist_torch.moe import capacity_dispatch, capacity_experts_forward, dropped_tokens, experts_modules  # noqa: E402
+from metadist_torch.moe.moe import (  # noqa: E402
+    capacity_dispatch,
+    capacity_experts_forward,
+    dropped_tokens,
+    experts_modules,
+)
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

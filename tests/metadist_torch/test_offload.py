@@ -1,6 +1,6 @@
 """offload="optimizer": the optimizer state and its update on the host; priced by the host link.
 
-One process here (world size 1: the traced graph rewritten by metadist_torch.offload); the torchrun run
+One process here (world size 1: the traced graph rewritten by metadist_torch.lower.offload); the torchrun run
 on 2 gloo ranks is test_offload_distributed.py. On this CPU machine the host is the device, so the
 transfers are identities, but the program holds them and the update runs as the host region says.
 """
@@ -36,7 +36,7 @@ def _data():
 def test_offloaded_step_gives_the_single_device_numbers_and_keeps_state_on_the_host():
     from metadist_core.levers.offload import host_region
     from metadist_torch import metadist_compile
-    from metadist_torch.offload import count_transfers, host_tensors
+    from metadist_torch.lower.offload import count_transfers, host_tensors
 
     data = _data()
     m_ref, o_ref = _build()
@@ -132,7 +132,7 @@ def test_pricing_moves_state_off_the_device_and_charges_the_transfers(tmp_path):
     from metadist_core.cost.model import DEVICE_PRESETS
     from metadist_core.driver.compile import plan_graph
     from metadist_core.ir.mesh import Mesh
-    from metadist_torch.trace import trace_step
+    from metadist_torch.trace.trace import trace_step
 
     m, o = _build()
     x, y = _data()[0]
@@ -169,7 +169,7 @@ def test_a_frontend_that_cannot_offload_says_so():
 def test_a_one_device_step_on_a_measured_device_is_priced_on_its_rates_and_its_ops_timed(monkeypatch):
     """A one-device step whose frontend measures its device (a GPU in use; here the CPU, standing in) is
     planned on that device's rates, per-op dispatch included, its ops timed on it and its program timed
-    whole (metadist_torch.optime.program_factor). The numbers stay the single-device ones. How close the
+    whole (metadist_torch.measure.optime.program_factor). The numbers stay the single-device ones. How close the
     price comes to the step is a timing, not asserted here (the project measures speed in benchmarks/):
     priced / measured read 0.87-0.96 in three runs on an idle machine, 0.75-0.80 with the ops' alone times
     only, and 11.6 when two test suites shared the 2 cores; the built-in CPU rates and no dispatch cost had

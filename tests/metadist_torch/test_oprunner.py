@@ -21,7 +21,7 @@ from metadist_core.plugins import PluginManager  # noqa: E402
 from metadist_core.ir.recorded import load_recorded_graph  # noqa: E402
 from metadist_core.discovery.shardcombine import Unrunnable, discover_rules  # noqa: E402
 from metadist_torch import rules_for  # noqa: E402
-from metadist_torch.oprunner import op_cost, op_spec  # noqa: E402
+from metadist_torch.ops.oprunner import op_cost, op_spec  # noqa: E402
 
 GRAPHS = Path(os.environ.get("METADIST_GRAPHS_DIR", Path(__file__).resolve().parents[1] / "data" / "graphs"))
 TINY = GRAPHS / "gpt2-tiny-2l-adamw.json"
@@ -431,8 +431,8 @@ def test_op_cost_matches_flop_counter_on_a_traced_step():
     step with convolutions (forward and both backward weights), linears, bmm and a batch norm."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from metadist_torch.calls import TORCH_DTYPES, rebuild, resolve_overload
-    from metadist_torch.trace import trace_step
+    from metadist_torch.trace.calls import TORCH_DTYPES, rebuild, resolve_overload
+    from metadist_torch.trace.trace import trace_step
 
     net = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1),

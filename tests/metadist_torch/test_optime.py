@@ -11,8 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from metadist_torch import optime  # noqa: E402
-from metadist_torch.opcost import op_cost  # noqa: E402
+from metadist_torch.measure import optime  # noqa: E402
+from metadist_torch.ops.opcost import op_cost  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
 

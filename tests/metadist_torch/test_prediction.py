@@ -23,9 +23,9 @@ from metadist_core.plan.overlap import predict, priced_collectives  # noqa: E402
 from metadist_core.driver.compile import plan_graph  # noqa: E402
 from metadist_core.driver.frontend import FrontendTraits  # noqa: E402
 from metadist_core.ir.mesh import Mesh  # noqa: E402
-from metadist_torch.lower import lower_plan  # noqa: E402
+from metadist_torch.lower.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
-from metadist_torch.schedule import is_async, is_done, is_gather_bucket  # noqa: E402
+from metadist_torch.lower.schedule import is_async, is_done, is_gather_bucket  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -326,7 +326,7 @@ def test_the_loss_syncs_once_at_the_end(traced, traced_wide):
     step's inputs alone (the count) is issued before the forward's first matmul; the loss's all_reduce, read
     only by the step's result, is waited for after every collective is issued, not between the forward and
     the backward. Lowered = priced in both."""
-    from metadist_torch.coalesce import VAR_META
+    from metadist_torch.lower.coalesce import VAR_META
 
     fe, tr = traced_wide
     mesh = Mesh((2,))

@@ -114,7 +114,7 @@ def test_fp16_grad_scaler_step_matches_eager_on_one_device():
 
 
 def test_grad_scaler_with_a_plain_optimizer_names_the_fix():
-    from metadist_torch.amp import ScalerError
+    from metadist_torch.trace.amp import ScalerError
 
     m, _ = mlp.build(W.FP16_CFG)
     opt = torch.optim.AdamW(m.parameters())

@@ -116,7 +116,7 @@ def test_every_layer_is_cut_in_two_and_recomputing_never_costs_memory(layers):
 
 def test_the_cuda_memory_query_reaches_the_plan_as_its_budget(monkeypatch):
     import torch.cuda
-    import metadist_torch.engine as engine_mod
+    import metadist_torch.runtime.engine as engine_mod
     import metadist_torch.plugin as plugin
     from metadist_core.cost.profile import MeshProfile
 

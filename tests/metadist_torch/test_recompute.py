@@ -27,7 +27,7 @@ from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_core.levers.recompute_segments import SUFFIX, is_random, order, rewrite, segments  # noqa: E402
 from metadist_core.levers.recompute import RecomputeBudgetError  # noqa: E402
 from metadist_core.plan.planstats import PlanStats  # noqa: E402
-from metadist_torch.lower import lower_plan  # noqa: E402
+from metadist_torch.lower.lower import lower_plan  # noqa: E402
 from metadist_torch.plugin import TorchFrontend  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""State updates run in the state's own storage (metadist_torch.reinplace): the same numbers as the functional
+"""State updates run in the state's own storage (metadist_torch.lower.reinplace): the same numbers as the functional
 program, the storage kept, and every case where writing in place would change a value left functional."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 import torch.fx as fx  # noqa: E402
 from torch.fx.passes.shape_prop import ShapeProp  # noqa: E402
 
-from metadist_torch.reinplace import inplace_overload, reinplace_updates  # noqa: E402
+from metadist_torch.lower.reinplace import inplace_overload, reinplace_updates  # noqa: E402
 
 aten = torch.ops.aten
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +129,7 @@ def _mlp(optimizer):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_compiled_step_updates_state_in_place_with_the_functional_numbers(optimizer, monkeypatch):
-    import metadist_torch.program as program
+    import metadist_torch.lower.program as program
     from metadist_torch import metadist_compile
 
     mlp, cfg = _mlp(optimizer)

@@ -179,7 +179,7 @@ def check_book(graph, book: RuleBook, pm: PluginManager, n: int, seed: int = 7) 
 
 def test_the_checker_catches_a_wrong_rule():
     """A checker that cannot fail proves nothing: softmax split along the dim it normalises is wrong."""
-    from metadist_torch.oprunner import build_spec  # noqa: F401 - the frontend is loaded
+    from metadist_torch.ops.oprunner import build_spec  # noqa: F401 - the frontend is loaded
 
     pm = PluginManager()
     graph = load_recorded_graph(GRAPHS / "gpt2-tiny-2l-adamw.json")
@@ -272,7 +272,7 @@ FOOLED_BEFORE = [  # op, example arguments, a rule that convenient data let thro
 @pytest.mark.parametrize("name,make,wrong_rule", FOOLED_BEFORE, ids=[c[0] for c in FOOLED_BEFORE])
 def test_ops_that_convenient_data_fooled(name, make, wrong_rule):
     from metadist_torch import rules_for
-    from metadist_torch.oprunner import rules_for_spec
+    from metadist_torch.ops.oprunner import rules_for_spec
 
     op, *args = make()
     rules = rules_for(op, *args)

@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 from metadist_core.driver.compile import replicated_plan  # noqa: E402
 from metadist_core.ir.mesh import Mesh  # noqa: E402
 from metadist_core.reference.plugin import transformer_block  # noqa: E402
-from metadist_torch.share import PlanShareError, graph_digest, share_error, share_plan  # noqa: E402
+from metadist_torch.runtime.share import PlanShareError, graph_digest, share_error, share_plan  # noqa: E402
 
 
 @dataclass

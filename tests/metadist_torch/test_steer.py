@@ -256,6 +256,6 @@ def test_presets_constraints_annotate_and_explain_on_4_gloo_ranks(tmp_path, caps
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(worker())

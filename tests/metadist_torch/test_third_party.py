@@ -150,6 +150,6 @@ if __name__ == "__main__" and "--worker" in sys.argv:
     }
     if int(os.environ.get("RANK", "0")) == 0:
         Path(os.environ["MD_TEST_OUT"]).write_text(json.dumps(result))
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(0)

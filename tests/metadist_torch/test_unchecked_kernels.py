@@ -7,7 +7,7 @@ torch = pytest.importorskip("torch")
 
 from metadist_core.ir.ir import MetaIR  # noqa: E402
 from metadist_core.ir.placement import Replicate, Shard  # noqa: E402
-from metadist_torch.oprunner import op_spec  # noqa: E402
+from metadist_torch.ops.oprunner import op_spec  # noqa: E402
 from metadist_core.discovery.shardcombine import discover_rules  # noqa: E402
 
 

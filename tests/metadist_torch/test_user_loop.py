@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _user_loops as L  # noqa: E402
 
 from metadist_torch import metadist_compile  # noqa: E402
-from metadist_torch.trace import trace_step  # noqa: E402
+from metadist_torch.trace.trace import trace_step  # noqa: E402
 
 
 @pytest.mark.parametrize("name", list(L.LOOPS))

@@ -16,7 +16,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 from _torchrun import launch  # noqa: E402
 
-from metadist_torch import eager  # noqa: E402
+from metadist_torch.runtime import eager  # noqa: E402
 
 
 @pytest.mark.slow

@@ -133,7 +133,7 @@ def agree_cost(errors: list[str], report: dict) -> None:
 def main() -> int:
     torch.set_num_threads(1)
     out, names = Path(sys.argv[1]), sys.argv[2:]
-    from metadist_torch.engine import ensure_process_group
+    from metadist_torch.runtime.engine import ensure_process_group
 
     ensure_process_group()
     errors: list[str] = []
@@ -168,6 +168,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(main())

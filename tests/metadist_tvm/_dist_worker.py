@@ -83,7 +83,7 @@ def main() -> None:
     if out_dir:  # one file per rank: stdout of the ranks interleaves
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as fh:
             fh.write(line + "\n")
-    from metadist_torch.engine import finish_worker
+    from metadist_torch.runtime.engine import finish_worker
 
     finish_worker(0 if ok else 1)
 

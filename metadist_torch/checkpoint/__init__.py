@@ -1,0 +1,1 @@
+"""Layout-independent checkpoints through torch.distributed.checkpoint, committed whole or not at all."""

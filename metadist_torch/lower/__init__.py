@@ -1,0 +1,1 @@
+"""A plan lowered to per-rank fx programs, and the whole, micro-batched and pipelined steps that run them."""

@@ -1,0 +1,1 @@
+"""Mixture-of-experts layers traced as a capacity-padded dispatch, and the experts' feed-forward op."""
