@@ -265,7 +265,7 @@ def trace_step(
         example_state = [s.get() for s in slots]
     example_state = [_plain(t) for t in example_state]
     user_tensors = [t.detach() for t in user_tensors] + [_plain(state.params[i].get().grad) for i in grad_in]
-    hyper = hyper_slots(state.optimizers)  # the param groups' numbers: symbolic while tracing (metadist_torch.trace.hyper)
+    hyper = hyper_slots(state.optimizers)  # the param groups' numbers: symbolic while tracing (trace/hyper.py)
     values = list(example_state) + user_tensors
     try:  # the optimizers' own path: the formula eager torch runs
         cap = _capture(flat, values, hyper, state, out_box, fn, capturable=False)
