@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import metadist_torch.trace.trace as trace_mod  # noqa: E402
+import metadist_torch.trace.capture as trace_mod  # noqa: E402
 from metadist_torch.trace.functional import functionalize_in_place  # noqa: E402
 from metadist_torch.trace.trace import trace_step  # noqa: E402
 from _examples import load_example  # noqa: E402
