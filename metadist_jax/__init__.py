@@ -1,4 +1,4 @@
-"""MetaDist's JAX frontend: ``metadist_compile`` for pure steps, ``rules_for`` for one primitive.
+"""MetaDist's JAX frontend: ``metadist_compile`` for pure and flax.nnx steps, ``rules_for`` for one primitive.
 
 >>> from metadist_jax import metadist_compile
 >>> @metadist_compile(mesh=(2, 4))                       # doctest: +SKIP
@@ -11,7 +11,8 @@ from typing import Any
 
 
 def metadist_compile(fn: Any = None, **kwargs: Any) -> Any:
-    """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``.
+    """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``, or a flax.nnx
+    step over nnx objects whose Variables are written back after each call (as ``nnx.jit`` does).
 
     ``metadist_compile(mesh=None, solver=None, memory_budget=None, cache_dir=None, constraints=None,
     solver_options=None, progress=None, plugins=None)`` returns a :class:`metadist_jax.compile.JaxStep`;

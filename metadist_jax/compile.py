@@ -7,6 +7,9 @@
 ...     return loss, optax.apply_updates(params, updates), opt_state
 >>> loss, params, opt_state = train_step(params, opt_state, batch)   # doctest: +SKIP
 
+A flax.nnx step (``train_step(model, optimizer, batch)`` updating its objects in place) is decorated the
+same way, where it had ``@nnx.jit`` (:mod:`metadist_jax.nnx`).
+
 The step is compiled (by the one driver, :mod:`metadist_core.driver.compile`) on its
 first call and again whenever the structure, shapes or dtypes of its arguments
 change. Parameters and optimizer state come back as jax.Arrays with the plan's
@@ -19,11 +22,12 @@ from typing import Any, Callable, Iterable
 
 import jax
 
-from metadist_core.driver.step import CompiledStep
+from metadist_core.driver.step import CompiledStep, CompileResult
 from metadist_core.plugins import PluginManager
 
 from .engine import put
 from .lower import LoweredStep
+from .nnx import split_call
 from .plugin import JaxFrontend
 
 
@@ -73,6 +77,24 @@ class JaxStep(CompiledStep):
             autotune=autotune,
         )
 
+    def compile(self, *args: Any, **kwargs: Any) -> CompileResult:
+        """The compiled program for these arguments, without running it (a step over nnx objects compiles
+        in its pure form, :mod:`metadist_jax.nnx`)."""
+        call = split_call(self.fn, args, kwargs)
+        if call is not None:
+            args, kwargs = call.args, {}
+        return super().compile(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the step. Over nnx objects, every Variable of the objects passed in takes its new value (as
+        ``nnx.jit`` does) and the call returns what the step returned."""
+        call = split_call(self.fn, args, kwargs)
+        if call is None:
+            return super().__call__(*args, **kwargs)
+        out, params, state = super().__call__(*call.args)
+        call.write_back(params, state)
+        return out
+
     def lowered(self) -> LoweredStep:
         """The lowered step of the last compile (an error before the first call)."""
         if self.last is None or self.last.runnable is None:
@@ -90,7 +112,8 @@ class JaxStep(CompiledStep):
         """``(in_specs, out_specs)``: PartitionSpec pytrees shaped like the step's arguments and results.
 
         ``in_specs`` is ``(args, kwargs)``-shaped as the step was called (None at a static leaf, a Python
-        bool or str); use ``in_specs[0]`` for positional arguments. With ``jax.jit(step,
+        bool or str); use ``in_specs[0]`` for positional arguments. A step over nnx objects is shaped as its
+        pure form: ``((params, state, inputs), {})`` with ``params`` and ``state`` lists in nnx flatten order. With ``jax.jit(step,
         in_shardings=..., out_shardings=...)`` this is the plan's layout left
         to GSPMD for everything in between.
         """
@@ -111,6 +134,9 @@ class JaxStep(CompiledStep):
     def place(self, *args: Any, **kwargs: Any) -> tuple:
         """The arguments as jax.Arrays laid out as the plan stores them, static ones as given (compiles if
         needed)."""
+        call = split_call(self.fn, args, kwargs)
+        if call is not None:
+            args, kwargs = call.args, {}
         run = self.compile(*args, **kwargs).runnable
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         it = iter([put(x, s) for x, s in zip(run.context.dynamic(leaves), run.program.in_shardings)])
@@ -140,7 +166,9 @@ def metadist_compile(
     recompute: bool | None = None,
     autotune: bool | None = None,
 ) -> Any:
-    """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``.
+    """Parallelize a pure JAX step ``(params, opt_state, batch) -> (loss, params, opt_state)``, or a flax.nnx
+    step over nnx objects (``train_step(model, optimizer, batch)``, as ``nnx.jit`` takes it): every Variable
+    of the objects passed in is written back after each call, and the call returns what the step returns.
 
     :param mesh: None (every device of every process as one axis), a shape
         such as ``(2, 4)`` whose sizes multiply to the device count, a metadist
@@ -150,7 +178,8 @@ def metadist_compile(
     :param memory_budget: bytes per device.
     :param cache_dir: where discovered rules are cached.
     :param constraints: ``Pin``/``Forbid`` constraints on the plan (values are named by their
-        path: ``params/layer/w``, ``opt_state/0/mu/layer/w``, ``batch/0``).
+        path: ``params/layer/w``, ``opt_state/0/mu/layer/w``, ``batch/0``; in an nnx step by argument and
+        attribute: ``model/linear/kernel``, ``optimizer/opt_state/0/mu/linear/kernel``, ``batch/0``).
     :param solver_options: extra options for the solver.
     :param progress: show progress of discovery and solving (default: on a terminal).
     :param plugins: the PluginManager to use (default: the installed plugins).

@@ -111,7 +111,8 @@ TRAITS = FrontendTraits(
 
 
 class JaxFrontend(Frontend):
-    """JAX: pure steps ``(params, opt_state, batch) -> (loss, params, opt_state)`` on every JAX device."""
+    """JAX: pure steps ``(params, opt_state, batch) -> (loss, params, opt_state)`` on every JAX device, and
+    flax.nnx steps in their pure form (:mod:`metadist_jax.nnx`)."""
 
     name = "jax"
     description = "JAX: jaxpr primitives bound on CPU arrays for ShardCombine, lowered to shard_map"
@@ -123,9 +124,11 @@ class JaxFrontend(Frontend):
         return call_signature(args, kwargs)
 
     def trace(self, fn: Callable | None, args: tuple, kwargs: dict) -> Traced:
-        from .trace import trace_step
+        from .nnx import is_pure_call, namer, purified
+        from .trace import input_name, trace_step
 
-        graph, context = trace_step(fn, tuple(args), dict(kwargs or {}))
+        names = namer(args[2].layout) if is_pure_call(args) else input_name
+        graph, context = trace_step(purified(fn, args), tuple(args), dict(kwargs or {}), names=names)
         return Traced(graph, context)
 
     def resolve_mesh(self, mesh: Any, profile: "MeshProfile") -> Resolved:

@@ -18,7 +18,7 @@ import hashlib
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from jax.extend import core as jcore
 
 from metadist_core.ir.ir import MetaIR, canonical_dtype
 
+from .effects import GlobalsWatch, UncarriedChangeError, check_leaves, check_unchanged
 from .payload import COPY_KEY, KEY_PREFIX, OpPayload, bind_payload
 
 log = logging.getLogger("metadist.jax.trace")
@@ -283,49 +284,70 @@ def _leaf_name(prefix: str, path: Any) -> str:
     return "/".join([prefix, *parts]) if parts else prefix
 
 
+def input_name(path: Any) -> tuple[str, str]:
+    """The role and name of the argument leaf at ``path`` (in the ``(args, kwargs)`` pytree) of a pure step:
+    ``params/...`` (parameters), ``opt_state/...`` (optimizer state), ``batch/...``, ``argN/...``, ``kw/...``."""
+    if path[0].idx == 0 and len(path) > 1 and hasattr(path[1], "idx"):
+        pos = path[1].idx
+        role = "parameter" if pos == 0 else "optimizer_state" if pos == 1 else "input"
+        prefix = {0: "params", 1: "opt_state"}.get(pos, "batch" if pos == 2 else f"arg{pos}")
+        return role, _leaf_name(prefix, path[2:])
+    return "input", _leaf_name("kw", path[1:])
+
+
 def trace_step(
-    fn: Any, args: tuple, kwargs: dict | None = None, *, name: str | None = None
+    fn: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    name: str | None = None,
+    names: Callable[[Any], tuple[str, str]] = input_name,
 ) -> tuple[MetaIR, TraceContext]:
     """Trace ``fn(*args, **kwargs)`` into a MetaIR and the context lowering needs.
 
-    ``args[0]`` are the parameters and ``args[1]`` the optimizer state; the
-    step must return ``(loss, new_params, new_opt_state, ...)`` with the new
-    values shaped like the old ones: they become the state aliases. Steps
-    with fewer than two arguments are traced without state. Static leaves
-    (:func:`static_leaves`) are fixed in the trace and are no graph inputs.
+    ``args[0]`` and ``args[1]`` are the state (by default the parameters and the optimizer state); the
+    step must return ``(loss, new_args0, new_args1, ...)`` with the new values shaped like the old ones:
+    they become the state aliases. Steps with fewer than two arguments are traced without state. Static
+    leaves (:func:`static_leaves`) are fixed in the trace and are no graph inputs. ``names`` gives each
+    argument leaf's role and name from its path (:func:`input_name`). A step that changes what its program
+    cannot carry back (:mod:`metadist_jax.effects`) is an error naming it.
     """
     kwargs = dict(kwargs or {})
     flat_with_path, in_tree = jax.tree_util.tree_flatten_with_path((tuple(args), kwargs))
     static = static_leaves(flat_with_path)
     leaves = [x for i, (_, x) in enumerate(flat_with_path) if i not in static]
-    roles, ids = [], []
+    roles, ids, every_name = [], [], []
     seen: set[str] = set()
-    for path, _ in (pl for i, pl in enumerate(flat_with_path) if i not in static):
-        if path[0].idx == 0 and len(path) > 1 and hasattr(path[1], "idx"):
-            pos = path[1].idx
-            role = "parameter" if pos == 0 else "optimizer_state" if pos == 1 else "input"
-            prefix = {0: "params", 1: "opt_state"}.get(pos, "batch" if pos == 2 else f"arg{pos}")
-            vid = _leaf_name(prefix, path[2:])
-        else:
-            role, vid = "input", _leaf_name("kw", path[1:])
+    for i, (path, _) in enumerate(flat_with_path):
+        role, vid = names(path)
+        every_name.append(vid)
+        if i in static:
+            continue
         while vid in seen:
             vid += "_"
         seen.add(vid)
         roles.append(role)
         ids.append(vid)
+    check_leaves(list(zip(ids, leaves)))
 
     def flat_fn(*xs):
         it = iter(xs)
         every = [static[i] if i in static else next(it) for i in range(len(flat_with_path))]
         a, k = jax.tree_util.tree_unflatten(in_tree, every)
-        return fn(*a, **k)
+        out = fn(*a, **k)
+        check_unchanged(every, in_tree, (a, k), every_name)
+        return out
 
+    watch = GlobalsWatch(fn)
     try:
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*map(unplaced, leaves))
+    except UncarriedChangeError:
+        raise
     except Exception as e:
         raise TraceError(
             f"jax.make_jaxpr could not trace {getattr(fn, '__name__', fn)!r}: {type(e).__name__}: {e}"
         ) from e
+    watch.check()
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
     b = GraphBuilder(name or getattr(fn, "__name__", "step"))
     in_vals = []
@@ -356,13 +378,14 @@ def trace_step(
                     f"the step returns a new {'params' if pos == 0 else 'opt_state'} shaped {out_t}, but takes "
                     f"{in_t}; a step must return (loss, params, opt_state) with the same structure it takes"
                 )
-        i_leaf = [i for i, r in enumerate(roles) if r in ("parameter", "optimizer_state")]
+        dynamic_paths = [path for i, (path, _) in enumerate(flat_with_path) if i not in static]
+        i_leaf = [i for i, path in enumerate(dynamic_paths) if is_state_path(path)]
         first = len(jax.tree_util.tree_leaves(out_shape[0]))
         o_leaf = list(range(first, first + len(i_leaf)))
         for i, o in zip(i_leaf, o_leaf):
             b.ir.alias(ids[i], out_ids[o])
-        n_params = sum(1 for r in roles if r == "parameter")
-        n_state = sum(1 for r in roles if r == "optimizer_state")
+        n_params = sum(1 for path in dynamic_paths if is_state_path(path) and path[1].idx == 0)
+        n_state = len(i_leaf) - n_params
     b.ir.validate()
     ctx = TraceContext(
         in_tree,
