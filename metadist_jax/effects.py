@@ -18,6 +18,8 @@ import numpy as np
 
 import jax
 
+from metadist_core.driver.sideeffects import SideEffectError
+
 _ADVICE = (
     "a compiled step runs the traced program, so this change happened once, while the step was traced, and "
     "never again on later calls"
@@ -27,8 +29,9 @@ _ADVICE = (
 _OPAQUE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
 
 
-class UncarriedChangeError(ValueError):
-    """The step changes something its compiled program cannot carry back (named in the message)."""
+class UncarriedChangeError(SideEffectError, ValueError):
+    """The step changes something its compiled program cannot carry back (named in the message); the core's
+    :class:`~metadist_core.driver.sideeffects.SideEffectError`, as the torch frontend raises it."""
 
 
 def is_array_leaf(x: Any) -> bool:
