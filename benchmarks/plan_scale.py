@@ -1,6 +1,14 @@
 """Planning at real model sizes: trace (load) / discover / build / solve seconds, cold and warm, peak RSS.
 
     python -m benchmarks.plan_scale [--quick]
+    python -m benchmarks.plan_scale --real [--real-cases 8b 8b-80g 70b]
+
+``--real``: LLaMA at the shapes people train (transformers' LlamaConfig on the meta device, AdamW, batch
+64 x 4,096), the whole step traced and planned by ``plan_graph`` on the A100 preset, cold (a fresh rule
+cache) then warm (the same cache), each case in a fresh process. Yardstick, timed in that process right
+before: torch's own ``make_fx`` of the model's forward and backward on fake tensors; the record's ratio is
+(trace + plan) / yardstick. Written to results/plan_scale_real.{json,md} (``--quick`` and the default
+cases write plan_scale.{json,md}).
 
 Models are whole training steps (forward, backward, AdamW) of transformers'
 GPT-2 recorded in tests/data/graphs (small: 12 layers, width 768, vocabulary
@@ -92,6 +100,346 @@ AUTOPARALLEL = [
         "note": "measured on this machine",
     },
 ]
+
+
+# --real: LLaMA at the shapes people train; (name, model, mesh, batch, seq, memory_budget bytes or None)
+GiB = 2**30
+LLAMA_SIZES = {
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    "llama-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+}
+REAL = {
+    "8b": ("llama-8b", (8, 8), 64, 4096, None),
+    "8b-80g": ("llama-8b", (8, 8), 64, 4096, 80 * GiB),
+    "70b": ("llama-70b", (8, 8, 8), 64, 4096, None),
+}
+# 70B is planned only where the 8B cases stayed under this (MB; the 70B under an 80 GiB budget once passed 24 GB)
+REAL_GATE_MB = 10_000
+# the hand plans priced beside each real plan: MetaDist's strategy presets on the same problem and cost model
+REAL_HAND = ("fsdp", "tp+dp")
+
+
+def build_llama(model: str, batch: int, seq: int):
+    """LLaMA-3-like ``model`` (vocabulary 128,256, 8 key-value heads, head 128) on the meta device and a
+    batch of ``batch`` x ``seq`` token ids."""
+    return llama_on_meta(
+        batch,
+        seq,
+        vocab_size=128256,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=max(seq, 2048),
+        **LLAMA_SIZES[model],
+    )
+
+
+def yardstick(model, ids) -> tuple[float, int]:
+    """Seconds and nodes of torch's own ``make_fx`` of ``model``'s forward and backward on fake tensors
+    (``functional_call`` + ``torch.autograd.grad``; ``_allow_non_fake_inputs`` for the meta buffers): what
+    tracing the same step costs torch alone, without the optimizer."""
+    import torch
+    from torch.func import functional_call
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+
+    def fwd_bwd(params, buffers, ids):
+        loss = functional_call(model, {**params, **buffers}, (), {"input_ids": ids, "labels": ids}).loss
+        return loss, torch.autograd.grad(loss, list(params.values()))
+
+    t = time.perf_counter()
+    gm = make_fx(fwd_bwd, tracing_mode="fake", _allow_non_fake_inputs=True)(params, buffers, ids)
+    return time.perf_counter() - t, len(gm.graph.nodes)
+
+
+class _Replicated:
+    """Counts discovery's "op ... runs replicated" warnings (and the op keys they name)."""
+
+    def __init__(self):
+        import logging
+
+        self.keys: dict[str, int] = {}
+        outer = self
+
+        class H(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                if "runs replicated" in msg:
+                    key = msg.split()[1] if msg.startswith("op ") else msg[:60]
+                    outer.keys[key] = outer.keys.get(key, 0) + 1
+
+        self.handler = H(level=logging.WARNING)
+        logging.getLogger("metadist.discover").addHandler(self.handler)
+
+
+def replicated_ops(graph, book, mesh_shape) -> tuple[int, list[str]]:
+    """Ops of ``graph`` whose rules (on any of the mesh's axis sizes) say they run replicated, and their keys."""
+    n, keys = 0, {}
+    for op in graph.ops:
+        for size in sorted(set(mesh_shape)):
+            e = book.lookup(op, graph, size)
+            if e is not None and e.status != "ok":
+                n += 1
+                keys[op.key] = keys.get(op.key, 0) + 1
+                break
+    return n, [f"{k} x{c}" for k, c in sorted(keys.items(), key=lambda kv: -kv[1])]
+
+
+def _plan_figures(res, prefix: str = "") -> dict:
+    """A plan's memory, predicted step, budget and recomputation as flat record fields."""
+    from metadist_core.plan import memprofile
+
+    plan = res.plan
+    peak = plan.stats.peak_with_buffers or memprofile.peak_with_buffers(res.problem, plan)
+    budget = plan.stats.budget or {}
+    rc = plan.stats.recompute or {}
+    out = {
+        "plan_gib": peak / GiB,
+        "step_s": plan.objective,
+        "gap": plan.gap,
+        "recompute_segments": rc.get("segments", 0),
+        "fits_budget": None if not budget.get("bytes") else peak <= budget["bytes"],
+    }
+    return {prefix + k: v for k, v in out.items()}
+
+
+def run_real(case: str, cache: str, warm: bool, hand: bool, time_limit: float) -> dict:
+    """One --real case in this process: yardstick, trace, cold plan_graph (a fresh cache), then a warm one."""
+    import gc
+
+    import torch
+
+    torch.set_num_threads(1)
+    from metadist_core.config import load_settings
+    from metadist_core.cost.model import DEVICE_PRESETS
+    from metadist_core.driver.compile import plan_graph
+    from metadist_core.plugins import PluginManager
+    from metadist_core.cost.profile import load_profile
+
+    model, mesh_shape, batch, seq, budget = REAL[case]
+    rec = {
+        "case": case,
+        "model": model,
+        "tokens": f"{batch}x{seq}",
+        "mesh": "x".join(map(str, mesh_shape)),
+        "system": "MetaDist (ilp)",
+    }
+    t0 = time.perf_counter()
+    built = build_llama(model, batch, seq)
+    rec["build_model_s"] = time.perf_counter() - t0
+    rec["params_b"] = sum(p.numel() for p in built[0].parameters()) / 1e9
+    rec["yardstick_s"], rec["yardstick_nodes"] = yardstick(*built)
+    gc.collect()
+    rec["rss_after_yardstick_mb"] = _peak_rss_mb()
+    rep = _Replicated()
+    t0 = time.perf_counter()
+    graph = trace_lm(*built)
+    rec["trace_s"] = time.perf_counter() - t0
+    rec["graph_ops"] = len(graph.ops)
+    pm = PluginManager()
+    mesh = load_profile().mesh(mesh_shape)
+    settings = load_settings(cache_dir=cache, progress=False, time_limit=time_limit, memory_budget=budget)
+    res = plan_graph(graph, mesh, plugins=pm, settings=settings, device=DEVICE_PRESETS["a100"])
+    t = res.timings
+    b = res.plan.stats.budget or {}
+    rec.update(
+        {
+            "budget_gib": None if b.get("bytes") is None else b["bytes"] / GiB,
+            "budget_from": "memory_budget" if b.get("explicit") else "default (preset less reserve)",
+            "budget_source": b.get("source"),
+            "discover_s": t.get("discover", 0.0),
+            "build_problem_s": t.get("build_problem", 0.0),
+            "solve_s": t.get("solve", 0.0),
+        }
+    )
+    rec["plan_s"] = sum(t.values())
+    rec["total_s"] = rec["trace_s"] + rec["plan_s"]
+    rec["ratio"] = rec["total_s"] / rec["yardstick_s"]
+    rec.update(_plan_figures(res))
+    rec["replicated_ops"], rec["replicated_keys"] = replicated_ops(res.graph, res.rulebook, mesh_shape)
+    rec["replicated_warnings"] = sum(rep.keys.values())
+    rec["patterns"] = len(res.rulebook.entries)
+    rec["peak_rss_mb"] = _peak_rss_mb()
+    rec["children_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024.0
+    print(json.dumps({"partial": rec}, default=float), flush=True)  # what the parent keeps if the rest is stopped
+    if warm:  # the same graph and cache: the rules and the kept ILP answer are read back
+        w = plan_graph(graph, mesh, plugins=pm, settings=settings, device=DEVICE_PRESETS["a100"])
+        rec["warm_plan_s"] = sum(w.timings.values())
+        rec["warm_solve_s"] = w.timings.get("solve", 0.0)
+        rec["warm_ratio"] = (rec["trace_s"] + rec["warm_plan_s"]) / rec["yardstick_s"]
+        rec["warm_same_plan"] = abs(w.plan.objective - res.plan.objective) <= 1e-9 * max(1.0, res.plan.objective)
+        rec["peak_rss_mb"] = _peak_rss_mb()
+        del w
+    if hand:  # the FSDP x TP family's hand plans: the presets' pins on the same problem, priced and solved alike
+        from metadist_core.plan import memprofile
+        from metadist_core.problem.presets import steer
+
+        for name in REAL_HAND:
+            t0 = time.perf_counter()
+            pinned = steer(res.problem, name)
+            try:
+                hp = pm.solve("ilp", pinned, {"time_limit": time_limit})
+                rec[f"hand_{name}_fits"] = True
+            except ValueError as e:  # no plan of the family fits the budget: priced without it, its memory said
+                rec[f"hand_{name}_note"] = str(e)[:160]
+                rec[f"hand_{name}_fits"] = False
+                try:
+                    hp = pm.solve("ilp", pinned.with_budget(None), {"time_limit": time_limit})
+                except ValueError as e2:
+                    rec[f"hand_{name}_note"] += f"; without the budget: {str(e2)[:100]}"
+                    continue
+            rec[f"hand_{name}_step_s"] = hp.objective
+            rec[f"hand_{name}_gib"] = memprofile.peak_with_buffers(res.problem, hp) / GiB
+            if rec[f"hand_{name}_fits"] and rec.get("budget_gib"):  # the solver's memory rows leave out the buffers
+                rec[f"hand_{name}_fits"] = rec[f"hand_{name}_gib"] <= rec["budget_gib"]
+            rec[f"hand_{name}_gap"] = hp.gap
+            rec[f"hand_{name}_solve_s"] = time.perf_counter() - t0
+            rec[f"vs_{name}"] = res.plan.objective / hp.objective
+        rec["peak_rss_mb"] = _peak_rss_mb()
+    return rec
+
+
+def _tree_rss_mb(pid: int) -> float:
+    """Resident MB of process ``pid`` and its descendants (discovery forks children), from /proc."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) / 1024.0
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def _real_child(case: str, args) -> dict:
+    """Run one --real case in a fresh process, watching its resident memory (stopped past ``--rss-limit-gb``
+    or ``--case-timeout``): its record, or the partial record it printed and why it was stopped."""
+    with tempfile.TemporaryDirectory(prefix="metadist-plan-real-") as cache:
+        cmd = [sys.executable, "-m", "benchmarks.plan_scale", "--real-one", case, "--cache", cache]
+        cmd += ["--time-limit", str(args.time_limit)] + (["--no-warm"] if args.no_warm else [])
+        cmd += [] if args.no_hand else ["--hand"]
+        env = dict(os.environ, METADIST_PROGRESS="0")
+        with tempfile.TemporaryFile("w+") as out:
+            proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, text=True, env=env, cwd=Path(__file__).resolve().parents[1]
+            )
+            t0, watched, why = time.perf_counter(), 0.0, None
+            while proc.poll() is None:
+                time.sleep(1.0)
+                watched = max(watched, _tree_rss_mb(proc.pid))
+                if watched > args.rss_limit_gb * 1024:
+                    why = f"stopped: resident memory passed {args.rss_limit_gb:g} GB"
+                elif args.case_timeout and time.perf_counter() - t0 > args.case_timeout:
+                    why = f"stopped: still running after {args.case_timeout:g} s"
+                if why:
+                    proc.kill()
+                    proc.wait()
+            out.seek(0)
+            text = out.read()
+    rec, partial = None, None
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            partial, rec = d.get("partial", partial), (None if "partial" in d else d)
+    if rec is None:
+        rec = dict(partial or {"case": case, "model": REAL[case][0], "mesh": "x".join(map(str, REAL[case][1]))})
+        rec["note"] = why or f"failed (exit {proc.returncode}): {text.strip()[-400:]}"
+        rec.setdefault("system", "MetaDist (ilp)")
+    rec["watched_rss_mb"] = watched
+    rec["wall_s"] = time.perf_counter() - t0
+    return rec
+
+
+REAL_COLS = [
+    "case",
+    "model",
+    "tokens",
+    "mesh",
+    "budget_gib",
+    "budget_from",
+    "trace_s",
+    "discover_s",
+    "build_problem_s",
+    "solve_s",
+    "total_s",
+    "yardstick_s",
+    "ratio",
+    "warm_plan_s",
+    "warm_ratio",
+    "peak_rss_mb",
+    "watched_rss_mb",
+    "plan_gib",
+    "fits_budget",
+    "recompute_segments",
+    "step_s",
+    "gap",
+    "replicated_ops",
+    "graph_ops",
+    "yardstick_nodes",
+    "hand_fsdp_step_s",
+    "hand_fsdp_gib",
+    "hand_fsdp_fits",
+    "vs_fsdp",
+    "hand_tp+dp_step_s",
+    "hand_tp+dp_gib",
+    "hand_tp+dp_fits",
+    "note",
+]
+
+
+def main_real(args) -> None:
+    """The --real cases, each in a fresh process; 70B only where the 8B cases stayed under REAL_GATE_MB."""
+    records = []
+    for case in args.real_cases:
+        if REAL[case][0] == "llama-70b" and not args.force:
+            path = RESULTS / f"{NAME}_real.json"
+            kept = json.loads(path.read_text()) if path.exists() else []
+            eights = {r["case"]: r for r in kept + records if r.get("model") == "llama-8b"}.values()  # newest wins
+            worst = max((max(r.get("peak_rss_mb") or 0, r.get("watched_rss_mb") or 0) for r in eights), default=None)
+            if (
+                len(eights) < 2
+                or any(r.get("total_s") is None or r.get("note") for r in eights)
+                or worst > REAL_GATE_MB
+            ):
+                print(f"{case}: not run (the 8B cases did not both finish under {REAL_GATE_MB} MB; --force runs it)")
+                continue
+        rec = _real_child(case, args)
+        records.append(rec)
+        print(
+            json.dumps({k: rec.get(k) for k in REAL_COLS if k in rec}, default=float),
+            flush=True,
+        )
+    path = RESULTS / f"{NAME}_real.json"
+    if path.exists():  # keep the other cases' rows
+        new = {r["case"] for r in records}
+        records = [r for r in json.loads(path.read_text()) if r.get("case") not in new] + records
+        records.sort(key=lambda r: list(REAL).index(r["case"]) if r.get("case") in REAL else len(REAL))
+    notes = (
+        "LLaMA-3-like models from transformers' LlamaConfig (vocabulary 128,256, 8 key-value heads, head 128) "
+        "on the meta device, AdamW, whole step traced by the torch frontend and planned by plan_graph on the "
+        "A100 preset (80 GiB), cold rule cache, each case a fresh process. `yardstick_s`: torch's make_fx of "
+        "the same model's forward and backward on fake tensors, timed in the same process right before; "
+        "`ratio` = (trace + discover + build + solve) / yardstick; `warm_ratio` uses the same trace time and "
+        "a second plan_graph on the same cache (rules and kept ILP answer read back). `budget_from`: the "
+        "user's memory_budget, or the default (device preset's memory less device_reserve_mb), which binds "
+        "only where the plan without a budget does not fit. `plan_gib`: the plan's peak per device with the "
+        "collectives' buffers. `step_s`: the cost model's predicted step. `replicated_ops`: ops whose rules say "
+        "they run replicated. `peak_rss_mb`: the planning process's own peak; `watched_rss_mb`: the peak of "
+        "it and its children sampled each second. hand_*: MetaDist's fsdp and tp+dp presets pinned on the "
+        "same (final) problem and solved by the ILP; `hand_*_gib` with the collectives' buffers, `hand_*_fits` "
+        "against the same budget (a family no plan of which fits is priced without the budget where that "
+        "is solved); `vs_fsdp`: the plan's step over the fsdp hand plan's."
+    )
+    write_results(f"{NAME}_real", records, REAL_COLS, "Planning LLaMA at real shapes, against torch's trace", notes)
+    print(f"wrote {RESULTS / (NAME + '_real.md')}")
 
 
 def _peak_rss_mb() -> float:
@@ -349,7 +697,21 @@ def main(argv=None) -> None:
         default=None,
         help="seconds a case (cold or warm) may take before it is stopped and reported as such",
     )
+    ap.add_argument("--real", action="store_true", help="LLaMA 8B / 70B at 64 x 4,096 against torch's make_fx")
+    ap.add_argument("--real-cases", nargs="+", choices=list(REAL), default=list(REAL), help="which --real cases")
+    ap.add_argument("--real-one", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--no-warm", action="store_true", help="--real: no second (warm) plan_graph")
+    ap.add_argument("--no-hand", action="store_true", help="--real: no hand plans (fsdp, tp+dp presets)")
+    ap.add_argument("--rss-limit-gb", type=float, default=12.0, help="--real: stop a case past this resident GB")
+    ap.add_argument("--force", action="store_true", help="--real: plan 70B even where the 8B cases did not pass")
     args = ap.parse_args(argv)
+    if args.real_one:
+        rec = run_real(args.real_one, args.cache, not args.no_warm, args.hand, args.time_limit)
+        print(json.dumps(rec, default=float))
+        return
+    if args.real:
+        main_real(args)
+        return
     if args.one:
         model, mesh = args.one
         rec = run_one(
