@@ -53,7 +53,7 @@ checks() {   # configured in pyproject.toml: [tool.ruff] and [tool.mypy]
 case "$cmd" in
     demo) exec metadist demo "$@" ;;
     check) checks ;;
-    test) checks; exec python -m pytest -q -m "not slow or ci" "$@" ;;
+    test) checks; exec python -m pytest -q -m "not slow or ci" --durations=15 "$@" ;;
     test-all) exec python -m pytest -q "$@" ;;
     typecheck) exec mypy "$@" ;;
     *) echo "usage: bash scripts/run.sh demo|check|test|test-all|typecheck [ARGS...]" >&2; exit 2 ;;

@@ -75,6 +75,7 @@ def test_mlp_matches_nnx_jit(devices8, rule_cache):
     np.testing.assert_allclose(md_objs[0](x), ref_objs[0](x), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.slow  # a cold discovery of its attention (about 150 s of CPU); CI runs the MLP, BatchNorm and metrics
 def test_transformer_matches_nnx_jit(devices8, rule_cache):
     batches = [models.token_batch(i) for i in range(STEPS)]
     md, (ref_objs, ref_l), (md_objs, md_l) = _side_by_side(

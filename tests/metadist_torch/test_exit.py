@@ -116,14 +116,14 @@ def readme_example(folder: Path) -> Path:
 @pytest.mark.slow
 @pytest.mark.ci
 def test_readme_example_exits_0_on_four_ranks_again_and_again(tmp_path):
-    """README's first example under torchrun on 4 gloo ranks, three times in a row: every launch exits 0 and
-    no rank aborts at exit (scripts/exit_check.py runs it 20 times and more)."""
+    """README's first example under torchrun on 4 gloo ranks, twice in a row: every launch exits 0 and no rank
+    aborts at exit (scripts/exit_check.py runs it 20 times and more)."""
     script = readme_example(tmp_path)
     env = torchrun_env(METADIST_CACHE_DIR=str(tmp_path / "rules"))
-    for run in range(3):
+    for run in range(2):
         proc = run_torchrun(script, 4, env=env, timeout=600)
         text = proc.stdout + proc.stderr
         assert proc.returncode == 0 and ABORT not in text, (
-            f"launch {run + 1} of 3: exit {proc.returncode}\n{tail(proc)}"
+            f"launch {run + 1} of 2: exit {proc.returncode}\n{tail(proc)}"
         )
-        assert len(re.findall(r"^step 2: loss", proc.stdout, re.M)) == 4, tail(proc)
+        assert len(re.findall(r"step 2: loss", proc.stdout)) == 4, tail(proc)  # ranks' lines may interleave
