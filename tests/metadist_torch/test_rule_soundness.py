@@ -205,7 +205,7 @@ def test_every_rule_of_the_recorded_gpt2_step_is_right():
     assert not wrong, f"{len(wrong)} wrong rules:\n" + "\n".join(wrong[:20])
 
 
-@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("n", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_every_rule_of_the_recorded_gpt2_step_on_larger_axes_is_right(n):
     """On axes of 4 and more the unsharded combinations are verified on the proxies of an axis of 2 and,
     above 2, the Partial pieces come from windows of one pool (metadist_core.discovery.discover,

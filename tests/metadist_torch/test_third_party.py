@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))  # benchmarks._models, also in torchrun's ranks
@@ -120,6 +121,7 @@ def test_transformers_gpt2_world_size_1():
     _check(run())
 
 
+@pytest.mark.slow  # GPT-2 on 4 ranks stays in CI through test_whole_program.py
 def test_transformers_gpt2_and_llama_on_2_gloo_ranks(tmp_path):
     import pytest
 
