@@ -35,11 +35,12 @@ def _library_flag(key: str, value: Any) -> bool:
 def snapshot(fn: Callable, args: tuple, kwargs: dict, modules: list[torch.nn.Module]) -> Snapshot:
     """What the trace of ``fn(*args, **kwargs)`` must leave as it found (``modules``: the step's models)."""
     snap = Snapshot()
+    named = list(bound_arguments(fn, args, kwargs))
     for top in modules:
-        top_name = next((n for n, v in bound_arguments(fn, args, kwargs) if v is top), type(top).__name__)
+        top_name = next((n for n, v in named if v is top), type(top).__name__)
         for name, m in top.named_modules(remove_duplicate=True):
             snap.attrs(f"{top_name}.{name}" if name else top_name, m, _not_users, _library_flag)
-    for name, v in bound_arguments(fn, args, kwargs):
+    for name, v in named:
         if isinstance(v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)) or _framework_object(v):
             continue
         if isinstance(v, (list, dict, set)):
