@@ -82,13 +82,13 @@ def forward_price(shapes: Sequence[Sequence[int]], itemsize: int, n: int, layout
     kv = b * k[1] * seq * (k[3] + v[3]) * itemsize
     c = seq / (n * layout.chunks_per_rank())
     flops = busiest_blocks(n, layout) * 2.0 * b * h * c * c * (d + v[3])
-    return ImplPrice(kv * (n - 1) / n, flops)
+    return ImplPrice(kv * (n - 1) / n, flops, calls=2)
 
 
 def backward_price(shapes: Sequence[Sequence[int]], itemsize: int, n: int, layout: SeqLayout) -> ImplPrice:
     """K/V all-gathered again and their gradients reduce-scattered; :data:`BACKWARD_FLOPS_RATIO` x the forward."""
     fwd = forward_price(shapes[1:4], itemsize, n, layout)
-    return ImplPrice(2 * fwd.comm_bytes, BACKWARD_FLOPS_RATIO * fwd.flops)
+    return ImplPrice(2 * fwd.comm_bytes, BACKWARD_FLOPS_RATIO * fwd.flops, calls=4)
 
 
 def impl_name(layout: SeqLayout, backward: bool = False) -> str:

@@ -82,10 +82,12 @@ def inverse_permutation(perm: Sequence[int]) -> list[int]:
 
 @dataclass(frozen=True)
 class ImplPrice:
-    """Per device: bytes its collectives move (received), and floating-point operations (the busiest rank's)."""
+    """Per device: bytes its collectives move (received), floating-point operations (the busiest rank's), and
+    how many collectives it issues (each pays the axis's latency per step)."""
 
     comm_bytes: float
     flops: float
+    calls: int = 1
 
 
 #: shapes of the op's tensor inputs (global), the element size in bytes, the axis size -> the price

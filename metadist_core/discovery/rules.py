@@ -47,6 +47,9 @@ class ShardingRule:
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
+    #: the distributed implementation that runs the op so (:mod:`metadist_core.discovery.distimpl`): its
+    #: collectives are inside the op; "" for a rule the op meets run as it is on each device's pieces
+    impl: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -56,7 +59,8 @@ class ShardingRule:
         return all(p.is_replicate() for p in self.inputs + self.outputs)
 
     def __str__(self) -> str:
-        return f"({', '.join(map(str, self.inputs))}) -> ({', '.join(map(str, self.outputs))})"
+        head = f"({', '.join(map(str, self.inputs))}) -> ({', '.join(map(str, self.outputs))})"
+        return head + (f" via {self.impl}" if self.impl else "")
 
     def to_json(self) -> list[list[str]]:
         return [[str(p) for p in self.inputs], [str(p) for p in self.outputs]]
@@ -77,16 +81,27 @@ class Strategy:
     inputs: tuple[Sharding, ...]
     outputs: tuple[Sharding, ...]
     rules: tuple[ShardingRule, ...] = field(default=(), compare=False)  # the rule used on each mesh axis
+    #: per mesh axis, the distributed implementation the op runs on it ("" : none); empty when it uses none
+    impls: tuple[str, ...] = ()
+
+    def impl_axis(self) -> tuple[int, str] | None:
+        """(mesh axis, name) of the distributed implementation this strategy runs, or None."""
+        for a, name in enumerate(self.impls):
+            if name:
+                return a, name
+        return None
 
     def __str__(self) -> str:
         return f"({', '.join(map(str, self.inputs))}) -> ({', '.join(map(str, self.outputs))})"
 
     def to_json(self) -> list:
-        return [[s.to_json() for s in self.inputs], [s.to_json() for s in self.outputs]]
+        out: list = [[s.to_json() for s in self.inputs], [s.to_json() for s in self.outputs]]
+        return out + [list(self.impls)] if self.impls else out
 
     @classmethod
     def from_json(cls, d) -> "Strategy":
-        return cls(tuple(Sharding.from_json(s) for s in d[0]), tuple(Sharding.from_json(s) for s in d[1]))
+        ins, outs = tuple(Sharding.from_json(s) for s in d[0]), tuple(Sharding.from_json(s) for s in d[1])
+        return cls(ins, outs, impls=tuple(d[2]) if len(d) > 2 else ())
 
 
 @dataclass
@@ -155,6 +170,23 @@ def _tensor_ok(
     return True
 
 
+def _impl_alone(combo: Sequence[ShardingRule]) -> bool:
+    """May these per-axis rules combine, one of them a distributed implementation? Only one axis may run an
+    implementation (its collectives span that axis alone), and no other axis may split a dim it splits: the
+    implementation's pieces are then whole on its own axis, in the order it lays them out."""
+    with_impl = [r for r in combo if r.impl]
+    if len(with_impl) != 1:
+        return False
+    mine = with_impl[0]
+    for r in combo:
+        if r is mine:
+            continue
+        for p, q in zip(r.inputs + r.outputs, mine.inputs + mine.outputs):
+            if isinstance(p, Shard) and p == q:
+                return False
+    return True
+
+
 def expand_rules(
     rules: Sequence[ShardingRule] | Mapping[int, Sequence[ShardingRule]],
     mesh: Mesh,
@@ -190,14 +222,15 @@ def expand_rules(
     for combo in itertools.product(*per_axis):
         ins = tuple(Sharding(r.inputs[i] for r in combo) for i in range(n_in))
         outs = tuple(Sharding(r.outputs[i] for r in combo) for i in range(n_out))
-        if (ins, outs) in seen:
+        impls = tuple(r.impl for r in combo) if any(r.impl for r in combo) else ()
+        if (ins, outs, impls) in seen or (impls and not _impl_alone(combo)):
             continue
         if not all(_tensor_ok(s, sh.placements, mesh, discovered_axis_size) for s, sh in zip(input_shapes, ins)):
             continue
         if not all(_tensor_ok(s, sh.placements, mesh, discovered_axis_size) for s, sh in zip(output_shapes, outs)):
             continue
-        seen.add((ins, outs))
-        out.append(Strategy(ins, outs, tuple(combo)))
+        seen.add((ins, outs, impls))
+        out.append(Strategy(ins, outs, tuple(combo), impls))
         if max_strategies is not None and len(out) >= max_strategies:
             break
     return out

@@ -98,6 +98,10 @@ class FrontendTraits:
     #: a call's arguments as leaves and which are batch tensors (metadist_core.levers.microbatch.split_batch);
     #: None: this frontend cannot cut a batch into micro-batches
     batch_leaves: Callable[[tuple, dict], BatchLeaves] | None = None
+    #: the distributed implementations this frontend lowers: (a registry with the frontend's ``lower`` hooks
+    #: attached, the frontend's name there), made when first planned; None: the planner offers none
+    #: (:mod:`metadist_core.problem.distimpls`)
+    dist_impls: Callable[[], tuple[Any, str]] | None = None
 
     def owns(self, op: Any) -> bool:
         """Is ``op``'s key one of this frontend's (by prefix)?"""

@@ -304,6 +304,7 @@ class GraphPlanner:
             return copy.copy(problem), region, g_costs
         s, t = self.settings, self.traits
         g_costs = self.costs_of(g)
+        impls, frontend = t.dist_impls() if t.dist_impls is not None else (None, "")
         problem = build_problem(
             g,
             self.book,
@@ -321,6 +322,8 @@ class GraphPlanner:
             whole_inputs=t.whole_inputs,
             gather_share=self.gather_share,
             local_timer=self.local_timer,
+            dist_impls=impls,
+            frontend=frontend,
         )
         region = None
         if s.offload:  # optimizer state and update on the host, priced (metadist_core.levers.offload)

@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from metadist_core.problem.problem import ShardingProblem
 
 log = logging.getLogger("metadist.explain")
-COMPARED = tuple(p for p in PRESETS if p != "fsdp")  # fsdp is zero3
+# fsdp is zero3; the cp presets pin the sequence split, which only a model with causal attention can take
+COMPARED = tuple(p for p in PRESETS if p != "fsdp" and not p.endswith("cp"))
 
 
 class PlanView(Protocol):
@@ -59,6 +60,8 @@ class PlanView(Protocol):
     def stats(self) -> PlanStats: ...
     @property
     def problem(self) -> "ShardingProblem | None": ...
+    @property
+    def strategies(self) -> Mapping[str, Any]: ...
     def collectives(self) -> Sequence[tuple[Any, Collective]]: ...
 
 
@@ -219,6 +222,22 @@ def expert_lines(plan: PlanView, prob: "ShardingProblem") -> list[str]:
     return ["", "experts"] + rows if rows else []
 
 
+def impl_lines(plan: PlanView) -> list[str]:
+    """The ops a distributed implementation runs, grouped by implementation and mesh axis (none: no lines):
+    for context parallelism, where the sequence is split."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for op_id, st in plan.strategies.items():
+        placed = st.impl_axis()
+        if placed is not None:
+            groups.setdefault((placed[1], placed[0]), []).append(op_id)
+    rows = [
+        f"  {name} on mesh axis {axis} ({plan.mesh_shape[axis]} ways): {len(ops)} op(s): "
+        f"{', '.join(ops[:4])}{' ...' if len(ops) > 4 else ''}"
+        for (name, axis), ops in sorted(groups.items())
+    ]
+    return ["", "distributed implementations (collectives inside the op)"] + rows if rows else []
+
+
 # -- presets ----------------------------------------------------------------------------------------
 
 
@@ -317,6 +336,7 @@ def explain_plan(
         )
     if prob is not None:
         lines += expert_lines(plan, prob)
+    lines += impl_lines(plan)
     lines += ["", "collectives"]
     colls = [(e, c) for e, c in plan.collectives() if not c.is_free]
     lines.append(f"  {'value':<32} {'to':<18} {'kind':<15} {'axis':>4} {'bytes':>10} {'time ms':>9}")

@@ -18,7 +18,8 @@ import numpy as np
 
 from metadist_core.ir.aliasing import alias_liveness, inplace_state_liveness
 from metadist_core.problem.constraints import Constraint, apply_constraints, parse_constraints
-from metadist_core.cost.model import DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, strategy_split
+from metadist_core.cost.model import DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, itemsize, strategy_split
+from metadist_core.problem.distimpls import impl_rules, impl_seconds
 from metadist_core.ir.ir import MetaIR
 from metadist_core.cost.phases import reader_phases
 from metadist_core.ir.mesh import Mesh
@@ -41,6 +42,7 @@ from metadist_core.cost.localtime import apply
 
 if TYPE_CHECKING:
     from metadist_core.cost.localtime import LocalTimer
+    from metadist_core.discovery.distimpl import DistImplRegistry
 
 log = logging.getLogger("metadist.problem")
 
@@ -92,6 +94,8 @@ def build_problem(
     whole_inputs: bool = False,
     gather_share: float | None = None,
     local_timer: "LocalTimer | None" = None,
+    dist_impls: "DistImplRegistry | None" = None,
+    frontend: str = "",
 ) -> ShardingProblem:
     """Build the ShardingProblem of ``graph`` on ``mesh`` from the rules in ``rulebook``.
 
@@ -112,6 +116,8 @@ def build_problem(
     layout other than the one it is stored in is a local slice: priced at nothing, run without a collective.
     ``local_timer``: the ops the frontend times at each strategy's local shapes are priced so
     (:mod:`metadist_core.cost.localtime`).
+    ``dist_impls``: distributed implementations (ops split with collectives inside them) offered as more rules
+    of the ops they serve, where ``frontend`` can lower them (:mod:`metadist_core.problem.distimpls`).
     """
     device = device or DEVICE_PRESETS["cpu"]
     live, views = alias_liveness(graph, graph.liveness())  # a view takes no bytes and holds its base alive
@@ -150,6 +156,8 @@ def build_problem(
     strat_cache: dict[tuple, tuple[list[Strategy], list[int]]] = {}
     warned: set[str] = set()
     timed: list = []  # the ops local_timer may price at their local shapes
+    by_impl: list = []  # the ops with strategies a distributed implementation runs, priced by its price
+    refusals: dict[str, str] = {}  # op id -> why no implementation of its key serves it
     sizes = sorted({n for n in mesh.shape if n > 1})
     useful = (
         useful_rules(graph, rulebook, sizes)
@@ -169,13 +177,21 @@ def build_problem(
             n: tuple(r for r in rs if len(r.inputs) == len(t_in) and len(r.outputs) == len(op.outputs))
             for n, rs in useful[op.id].items()
         }
+        if dist_impls is not None and dist_impls.impls:
+            why: dict[str, str] = {}
+            for n in sizes:
+                extra = impl_rules(dist_impls, frontend, op.key, op.attrs, in_shapes, len(op.outputs), n, why)
+                if extra:
+                    rules[n] = tuple(rules.get(n, ())) + tuple(extra)
+            if why and not any(r.impl for rs in rules.values() for r in rs):
+                refusals[op.id] = "; ".join(sorted(set(why.values())))
         sig = (op.signature(graph), tuple(sorted(rules.items())))
         if sig not in strat_cache:
             if not any(rules.values()) and op.key not in warned:
                 warned.add(op.key)
                 log.debug("op %s (%s) has no sharding rules here; it runs replicated", op.id, op.key)
             strats = expand_rules(rules, mesh, in_shapes, out_shapes)
-            opts = [Strategy(s.inputs, s.outputs) for s in strats] or [
+            opts = [Strategy(s.inputs, s.outputs, impls=s.impls) for s in strats] or [
                 Strategy(
                     tuple(Sharding.replicated(mesh.ndim) for _ in t_in),
                     tuple(Sharding.replicated(mesh.ndim) for _ in op.outputs),
@@ -189,9 +205,20 @@ def build_problem(
         compute.append(np.array([compute_cost(flops, nbytes, s, device, dt, *slow) for s in splits]))
         if local_timer is not None:
             timed.append((len(compute) - 1, op, opts, splits, flops, nbytes, dt))
+        if dist_impls is not None and any(o.impls for o in opts):
+            by_impl.append((len(compute) - 1, opts, splits, in_shapes, nbytes, dt, slow))
         nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
     if timed and local_timer is not None:  # timed holds ops only where there is a local_timer
         apply(local_timer, graph, mesh, device, timed, compute)
+    for i, opts, splits, shapes, nbytes, dt, slow in by_impl:  # after the timer: it times the op, not its collectives
+        for j, o in enumerate(opts):
+            placed = o.impl_axis()
+            if placed is not None and dist_impls is not None:
+                size = itemsize(dt or "float32")
+                impl = dist_impls.get(placed[1])
+                compute[i][j] = impl_seconds(
+                    impl, o, placed[0], shapes, size, nbytes, splits[j], mesh, device, dt, *slow
+                )
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
     cons = parse_constraints(constraints or [])
     prob = ShardingProblem(
@@ -214,6 +241,7 @@ def build_problem(
         int(shard_bucket_bytes) if shard_bucket_bytes else None,
         first_bucket_bytes=int(first_bucket_bytes) if bucket_bytes and first_bucket_bytes else None,
         whole_inputs=whole_inputs,
+        impl_refusals=refusals,
     )
     apply_constraints(prob)
     prob.edges = _build_edges(prob)

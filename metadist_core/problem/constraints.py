@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from metadist_core.ir.placement import Placement, Sharding, parse_placement
-from metadist_core.problem.elements import Constraint, Forbid, Pin, parse_constraints
+from metadist_core.problem.elements import Constraint, Forbid, Pin, UseImpl, parse_constraints
 from metadist_core.problem.problem import ShardingProblem
 
 
@@ -28,6 +28,12 @@ def apply_constraints(prob: ShardingProblem) -> None:
             i, s = prob.definer(c.var)
             mask = np.array([o.outputs[s] == c.sharding for o in prob.nodes[i].options])
             _narrow(prob, i, mask, c)
+        elif isinstance(c, UseImpl):
+            if not 0 <= c.axis < prob.mesh.ndim:
+                raise ValueError(f"{c}: mesh {prob.mesh} has axes 0 to {prob.mesh.ndim - 1}")
+            for i, n in enumerate(prob.nodes):
+                if n.kind == "op" and any(c.hits(o.impls) for o in n.options):
+                    _narrow(prob, i, np.array([c.hits(o.impls) for o in n.options], dtype=bool), c)
         else:
             if c.var is None:
                 where: Iterable[int] = range(len(prob.nodes))

@@ -117,27 +117,46 @@ class Forbid:
         return any(sharding[a] == self.placement for a in axes)
 
 
-Constraint = Union[Pin, Forbid]
+@dataclass(frozen=True)
+class UseImpl:
+    """Every op that a distributed implementation whose name starts with ``prefix`` can run on mesh axis
+    ``axis`` runs one there (say ``"cp_attention"``: causal attention split on the sequence over that axis)."""
+
+    prefix: str
+    axis: int
+
+    def to_json(self) -> dict:
+        return {"impl": self.prefix, "axis": self.axis}
+
+    def hits(self, impls: tuple[str, ...]) -> bool:
+        """Does a strategy running ``impls`` (one name per mesh axis) run such an implementation on the axis?"""
+        return self.axis < len(impls) and impls[self.axis].startswith(self.prefix)
+
+
+Constraint = Union[Pin, Forbid, UseImpl]
 
 
 def parse_constraints(items: Iterable[Constraint | Mapping]) -> list[Constraint]:
     """Constraints from objects or their JSON form (``{"pin": var, "sharding": [...]}``, ``{"forbid": "P(sum)"}``)."""
     out: list[Constraint] = []
     for c in items:
-        if isinstance(c, (Pin, Forbid)):
+        if isinstance(c, (Pin, Forbid, UseImpl)):
             out.append(c)
         elif isinstance(c, Mapping) and "pin" in c:
             sh = c["sharding"]
             out.append(Pin(c["pin"], sh if isinstance(sh, Sharding) else Sharding.from_json(sh)))
+        elif isinstance(c, Mapping) and "impl" in c:
+            out.append(UseImpl(str(c["impl"]), int(c["axis"])))
         elif isinstance(c, Mapping) and "forbid" in c:
             p = c["forbid"]
             out.append(Forbid(p if isinstance(p, Placement) else parse_placement(p), c.get("var"), c.get("axis")))
         else:
             raise ValueError(
-                f"not a constraint: {c!r}; write Pin(var, sharding), Forbid(placement, var=None, "
-                f"axis=None) or their JSON dicts {{'pin': ..., 'sharding': [...]}} / {{'forbid': 'P(sum)'}}"
+                f"not a constraint: {c!r}; write Pin(var, sharding), Forbid(placement, var=None, axis=None), "
+                f"UseImpl(prefix, axis) or their JSON dicts {{'pin': ..., 'sharding': [...]}} / "
+                f"{{'forbid': 'P(sum)'}} / {{'impl': 'cp_attention', 'axis': 1}}"
             )
     return out
 
 
-__all__ = ["Edge", "Node", "Pin", "Forbid", "Constraint", "parse_constraints"]
+__all__ = ["Edge", "Node", "Pin", "Forbid", "UseImpl", "Constraint", "parse_constraints"]

@@ -88,6 +88,8 @@ class ShardingProblem:
     first_bucket_bytes: int | None = None  # the first gradient all_reduce bucket per group (None: bucket_bytes)
     # every process holds each user input ("input" role) whole: any layout of one is a local slice, no collective
     whole_inputs: bool = False
+    # op id -> why no registered distributed implementation serves it, for the ops of keys one serves elsewhere
+    impl_refusals: dict[str, str] = field(default_factory=dict)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
