@@ -38,8 +38,8 @@ def _setting(default: Any, help: str, *, shown: str | None = None) -> Any:
     return field(default=default, metadata=meta)
 
 
-PRESETS: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "tp+dp", "ep")
-ALIASES = {"fsdp": "zero3"}
+PRESETS: tuple[str, ...] = ("ddp", "zero1", "zero2", "zero3", "fsdp", "tp", "tp+dp", "ep", "cp", "zero3+cp", "fsdp+cp")
+ALIASES = {"fsdp": "zero3", "fsdp+cp": "zero3+cp"}
 STRATEGIES: tuple[str, ...] = ("auto",) + PRESETS
 
 
@@ -176,7 +176,8 @@ class Settings:
     strategy: str = _setting(
         "auto",
         "`auto` (the solver plans freely) or a preset: ddp, zero1, zero2, zero3, fsdp (= zero3), tp, "
-        "tp+dp, ep (experts split over mesh axis 0) -- constraints on the same plan search.",
+        "tp+dp, ep (experts split over mesh axis 0), cp and fsdp+cp (= zero3+cp: the sequence split over the last "
+        "mesh axis inside causal attention) -- constraints on the same plan search.",
     )
     grad_compression: str | None = _setting(
         None, "Send the collectives on gradients compressed: `bf16` or `fp16`.", shown="none (uncompressed)"

@@ -82,6 +82,12 @@ def _pointwise(op: Any) -> bool:
         return False
 
 
+def _dist_impls() -> tuple:
+    from .ops.distimpls import torch_impls
+
+    return torch_impls()
+
+
 TRAITS = FrontendTraits(
     op_prefixes=OP_PREFIXES,
     runner_module="metadist_torch.ops.oprunner",
@@ -95,6 +101,7 @@ TRAITS = FrontendTraits(
     can_fork_discovery=_can_fork_discovery,
     batch_leaves=_batch_leaves,
     compiled_fuses=_pointwise,
+    dist_impls=_dist_impls,
 )
 
 

@@ -152,7 +152,9 @@ def _add_plan(sub: Any) -> None:
     s.add_argument("--cache-dir", default=None, help="the rule cache (default: the cache_dir setting)")
     s.add_argument("--out", default=None, help="where to save the plan JSON (default: NAME.plan.json here)")
     s.add_argument(
-        "--strategy", default=None, help="auto (default) or a preset: ddp, zero1, zero2, zero3, fsdp, tp, tp+dp, ep"
+        "--strategy",
+        default=None,
+        help="auto (default) or a preset: ddp, zero1, zero2, zero3, fsdp, tp, tp+dp, ep, cp, zero3+cp, fsdp+cp",
     )
     s.add_argument("--compare", action="store_true", help="price every strategy preset beside the plan")
     s.set_defaults(func=cmd_plan)

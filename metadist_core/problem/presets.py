@@ -31,6 +31,12 @@ a preset's price and its numbers come from the same machinery.
   replicated, the batch split on dim 0 over every axis and their gradients
   all-reduced, as ddp. The solver places the tokens: grouped by expert where
   the experts live, which the lowering moves by all_to_all.
+- ``cp``: context parallelism on the last mesh axis. Every batch input is split on its sequence dim (1)
+  over the last axis and on dim 0 over the others, and every causal attention runs its distributed
+  implementation on the last axis (:class:`~metadist_core.problem.elements.UseImpl`: K/V all-gathered inside
+  the op, partial results merged by log-sum-exp); the solver places everything else.
+- ``zero3+cp`` (alias ``fsdp+cp``): cp, with parameters and optimizer state split on dim 0 over every axis
+  as zero3 splits them.
 
 Optimizer state follows the parameter it belongs to where a preset does not
 say otherwise. A dim that does not divide evenly stays replicated, and a pin
@@ -40,6 +46,7 @@ no rule allows is left out; both are listed in ``PresetConstraints.notes``.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -52,6 +59,7 @@ from metadist_core.problem.constraints import (
     pins_by_name,
     var_name,
 )
+from metadist_core.problem.elements import UseImpl
 from metadist_core.ir.placement import Partial, Placement, Replicate, Shard, Sharding
 from metadist_core.problem.presetgraph import GraphView, Pins, PresetConstraints, op_name, split_on
 from metadist_core.problem.tensor_parallel import tensor_parallel
@@ -59,6 +67,8 @@ from metadist_core.config import ALIASES, check_strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     from metadist_core.problem.problem import ShardingProblem
+
+log = logging.getLogger("metadist.presets")
 
 
 def gathers_parameters(strategy: str) -> bool:
@@ -68,7 +78,7 @@ def gathers_parameters(strategy: str) -> bool:
     preset's objective would be far over what its plan takes, and it would choose all-reduces and
     all_to_alls over FSDP's reduce-scatters."""
     key = str(strategy).strip().lower()
-    return ALIASES.get(key, key) == "zero3"
+    return ALIASES.get(key, key) in ("zero3", "zero3+cp")
 
 
 def _forbid_readers(g: GraphView, pins: Pins, var: str, placements: list[Placement]) -> None:
@@ -121,6 +131,42 @@ def _expert_pins(g: GraphView, pins: Pins) -> None:
         pins.pin(p, split_on(g.shape(p), 0, [0], shape), f"its {n} experts do not divide by mesh axis 0 ({shape[0]})")
 
 
+SEQ_DIM = 1  # the sequence dim of a batch input (batch first)
+CP_IMPLS = "cp_attention"  # the prefix of the distributed implementations context parallelism runs
+
+
+def _context_parallel(g: GraphView, pins: Pins, axis: int) -> None:
+    """The cp presets' pins: each batch input split on its sequence dim over ``axis`` and on dim 0 over the
+    other axes (a dim that does not divide stays whole there), and causal attention split on ``axis``."""
+    shape = g.prob.mesh.shape
+    for v in g.batch:
+        s = g.shape(v) or ()
+        places: list[Placement] = []
+        for a, n in enumerate(shape):
+            d = SEQ_DIM if a == axis else 0
+            places.append(Shard(d) if n > 1 and len(s) > d and s[d] % n == 0 else Replicate())
+        pins.pin(v, Sharding(tuple(places)))
+        if len(s) <= SEQ_DIM or s[SEQ_DIM] % shape[axis]:
+            pins.out.notes.append(
+                f"batch input {var_name(g.prob, v)} of shape {tuple(s)}: no sequence dim {SEQ_DIM} that divides by "
+                f"mesh axis {axis} ({shape[axis]}); it stays whole on that axis"
+            )
+    pins.out.pins.append(UseImpl(CP_IMPLS, axis))
+    by_reason: dict[str, list[str]] = {}
+    for op_id, why in sorted(g.prob.impl_refusals.items()):
+        pins.out.notes.append(f"{op_id} keeps its sequence whole on mesh axis {axis}: {why}")
+        by_reason.setdefault(why, []).append(op_id)
+    for why, ops in by_reason.items():
+        log.warning(
+            "metadist: %s: %d op(s) (%s%s) keep their sequence whole: %s",
+            pins.out.name,
+            len(ops),
+            ", ".join(ops[:3]),
+            " ..." if len(ops) > 3 else "",
+            why,
+        )
+
+
 def preset_constraints(
     prob: "ShardingProblem", name: str, user: Mapping[str, Sharding] | None = None
 ) -> PresetConstraints:
@@ -132,12 +178,18 @@ def preset_constraints(
     g = GraphView(prob)
     nd, shape = prob.mesh.ndim, prob.mesh.shape
     every = list(range(nd))
+    pins = Pins(prob, name)
+    cp = key in ("cp", "zero3+cp")
+    if cp:
+        _context_parallel(g, pins, nd - 1)
+        if key == "cp":
+            return pins.out
+        key = "zero3"
     tp_axes = every if key == "tp" else ([nd - 1] if key == "tp+dp" else [])
     dp_axes = [a for a in every if a not in tp_axes]
-    pins = Pins(prob, name)
     if tp_axes:
         tensor_parallel(g, pins, tp_axes, user)
-    for v in g.batch:
+    for v in [] if cp else g.batch:
         pins.pin(
             v,
             split_on(g.shape(v), 0, dp_axes, shape) if dp_axes else None,
@@ -219,7 +271,9 @@ def steer(
         extra += pins_by_name(prob, named)
     if strategy and strategy != "auto":
         user = {c.var: c.sharding for c in extra if isinstance(c, Pin)}  # annotations and names give pins only
-        extra += [c for c in preset_constraints(prob, strategy, user).pins if c.var not in user]
+        extra += [
+            c for c in preset_constraints(prob, strategy, user).pins if getattr(c, "prefix", None) or c.var not in user
+        ]
     return constrain(prob, extra)
 
 

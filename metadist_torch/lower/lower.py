@@ -46,6 +46,7 @@ from metadist_core.ir.placement import Sharding, group_extents, shard_shape
 
 from ..trace.calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
+from .implcall import impl_node
 from .reinplace import reinplace_updates
 from .schedule import issue_early, md_wait, prefetch_gathers
 from ..runtime.stats import CommStats
@@ -212,6 +213,22 @@ def op_node(
     return outs
 
 
+def impl_op_node(
+    g: fx.Graph, graph: MetaIR, op: MetaOp, ins: Sequence[fx.Node], placed: tuple[int, str], comm: AxisComm, name: str
+) -> list[fx.Node]:
+    """The fx node(s) of an op a distributed implementation runs on mesh axis ``placed[0]``: one per op output."""
+    from ..ops.distimpls import torch_impls
+
+    def item(x: fx.Node) -> fx.Node:
+        return g.call_function(torch.ops.aten._local_scalar_dense.default, (x,))
+
+    _, outs = impl_node(g, graph, op, ins, placed[1], comm, torch_impls()[0], name, md_select, item)
+    for o, v in zip(outs, op.outputs):
+        o.meta[DTYPE_META] = graph.vars[v].dtype
+        o.meta[VAR_META] = v
+    return outs
+
+
 @dataclass
 class RankGraph:
     """This rank's program: ``gm(*local inputs in graph.inputs order, *input_pieces' slices)`` returns the whole
@@ -274,7 +291,11 @@ def lower_plan(
     colls = TorchCollectives(g, mesh, coords, groups, stats, wire)
 
     def run_op(op: MetaOp, ins: list, out_sh: list[Sharding]) -> list[fx.Node]:
-        return op_node(g, graph, op, ins, out_sh, mesh, coords, _safe(op.id))
+        strategy = plan.strategies.get(op.id)
+        placed = strategy.impl_axis() if strategy is not None else None
+        if placed is None:
+            return op_node(g, graph, op, ins, out_sh, mesh, coords, _safe(op.id))
+        return impl_op_node(g, graph, op, ins, placed, colls.comms[placed[0]], _safe(op.id))
 
     pieces: list[tuple[str, Sharding]] = []
     last_ph = [list(inputs.values())[-1] if inputs else None]

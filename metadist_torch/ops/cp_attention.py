@@ -252,6 +252,66 @@ def lower_backward(
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
+def lower_forward_call(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    comm: Any,
+    layout: SeqLayout,
+) -> tuple[Tensor, Tensor]:
+    """The rank program's call of the split forward: called as the CPU flash op is, with ``comm`` added (the
+    mesh axis's :class:`~metadist_torch.lower.collectives.AxisComm`: its group, and the stats its gathers
+    count in, each its gathered output as every all_gather counts)."""
+    _only_causal(attn_mask, dropout_p, is_causal)
+    out = lower_forward(query, key, value, group=comm.group, layout=layout, scale=scale)
+    comm.stats.add("all_gather", comm.n * (_nbytes(key) + _nbytes(value)), calls=2)
+    return out
+
+
+def lower_backward_call(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: Tensor | None = None,
+    scale: float | None = None,
+    comm: Any,
+    layout: SeqLayout,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The rank program's call of the split backward: called as the CPU flash backward op is, with ``comm``
+    (K/V gathered again, counted as gathers; dK/dV reduce-scattered, counted at their unscattered input)."""
+    _only_causal(attn_mask, dropout_p, is_causal)
+    grads = lower_backward(grad_out, query, key, value, out, logsumexp, group=comm.group, layout=layout, scale=scale)
+    comm.stats.add("all_gather", comm.n * (_nbytes(key) + _nbytes(value)), calls=2)
+    acc = torch.empty((), dtype=_acc(key.dtype)).element_size()  # dK/dV are summed and scattered at this size
+    comm.stats.add("reduce_scatter", comm.n * (key.numel() + value.numel()) * acc, calls=2)
+    return grads
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _only_causal(attn_mask: Tensor | None, dropout_p: float, is_causal: bool) -> None:
+    """What the planner checked (:func:`metadist_core.discovery.cp_attention.refusal`), checked again where it
+    runs: a call with a mask, dropout or without the causal flag is never run as plain causal attention."""
+    if attn_mask is not None or dropout_p or not is_causal:
+        raise UnsupportedAttention(
+            f"context-parallel attention runs plain causal attention only; this call has attn_mask="
+            f"{'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}, is_causal={is_causal}"
+        )
+
+
 # -- refusals and registration ------------------------------------------------------
 
 
@@ -266,7 +326,8 @@ def check_call(
     dropout_p: float = 0.0,
     is_causal: bool = False,
 ) -> None:
-    """Raise :class:`UnsupportedAttention` naming what this call has that context parallelism does not do."""
+    """Raise :class:`UnsupportedAttention` naming what this call has that context parallelism does not do
+    (the sequence lengths are those of the whole tensors: ``q.shape[2] * n`` on a rank's pieces)."""
     attrs = {
         "args": [{"$in": 0}, {"$in": 1}, {"$in": 2}, dropout_p, is_causal],
         "kwargs": {"attn_mask": None if attn_mask is None else {"$in": 3}},
@@ -297,11 +358,12 @@ def simulate_attention(
 
 
 def register_torch(registry: DistImplRegistry) -> None:
-    """Register the core's context-parallel attention records in ``registry`` and attach torch's hooks:
-    ``simulate`` and ``lower`` for the forward and the backward, in both layouts."""
+    """Register the core's context-parallel attention records in ``registry`` and attach torch's hooks for the
+    forward and the backward, in both layouts: ``simulate`` (every rank's pieces in one process) and ``lower``
+    (one rank, called as the aten op is called, with the mesh axis's ``AxisComm`` as ``comm``)."""
     for impl in core.register_attention(registry):
         bwd = impl.name.endswith(".backward")
-        sim, low = (simulate_backward, lower_backward) if bwd else (simulate_forward, lower_forward)
+        sim, low = (simulate_backward, lower_backward_call) if bwd else (simulate_forward, lower_forward_call)
         for hook, fn in (("simulate", sim), ("lower", low)):
             key = (impl.name, FRONTEND, hook)
             if key not in registry.hooks:
@@ -315,7 +377,9 @@ __all__ = [
     "UnsupportedAttention",
     "check_call",
     "lower_backward",
+    "lower_backward_call",
     "lower_forward",
+    "lower_forward_call",
     "rank_backward",
     "rank_forward",
     "register_torch",

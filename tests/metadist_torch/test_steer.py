@@ -37,28 +37,10 @@ def _load_gpt():
 
 def _same(name, gpt, cfg, step_fn, compiled_fn, errors):
     """Run the single-device step and the compiled one side by side; compare loss, parameters, state."""
-    import torch
+    from _compare import compare_steps
 
-    model_ref, opt_ref = gpt.build(cfg)
-    model, opt = gpt.build(cfg)
     batches = [gpt.batch(cfg, s) for s in range(STEPS)]
-    ref = [float(step_fn(model_ref, opt_ref, *b)) for b in batches]
-    got = [float(compiled_fn(model, opt, *b)) for b in batches]
-    for i, (a, b) in enumerate(zip(ref, got)):
-        if abs(a - b) > RTOL * max(1.0, abs(a)):
-            errors.append(f"{name}: loss of step {i}: {b} vs single-device {a}")
-    full = lambda t: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().double()  # noqa: E731
-    for (k, v), w in zip(model_ref.state_dict().items(), model.state_dict().values()):
-        if not torch.allclose(full(w), v.double(), rtol=RTOL, atol=RTOL * max(1e-3, v.abs().max().item())):
-            errors.append(f"{name}: {k} differs by {(full(w) - v.double()).abs().max().item():.3g}")
-    for pr, p in zip(
-        [p for g in opt_ref.param_groups for p in g["params"]], [p for g in opt.param_groups for p in g["params"]]
-    ):
-        for k, a in opt_ref.state[pr].items():
-            if isinstance(a, torch.Tensor) and not torch.allclose(
-                full(opt.state[p][k]), a.double(), rtol=RTOL, atol=RTOL * max(1e-3, a.abs().max().item())
-            ):
-                errors.append(f"{name}: optimizer state {k} differs")
+    compare_steps(name, lambda: gpt.build(cfg), batches, step_fn, compiled_fn, errors, RTOL)
 
 
 def _layout(name, step, errors, report):
