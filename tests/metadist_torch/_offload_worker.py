@@ -7,13 +7,12 @@ the transfers and run ops on the host. Rank 0 writes {"errors": [...], "report":
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 
 STEPS = 4
 RTOL = 1e-4
@@ -98,11 +97,9 @@ def main() -> int:
     report: list[dict] = []
     check("auto", None, errors, report)
     check("zero1", "zero1", errors, report)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, errors)
-    if dist.get_rank() == 0:
-        out = {"errors": [e for errs in gathered for e in errs], "report": report}
-        Path(os.environ["MD_TEST_OUT"]).write_text(json.dumps(out, indent=1, default=str))
+    from _torchrun import write_results
+
+    write_results(errors, report)
     return 0
 
 

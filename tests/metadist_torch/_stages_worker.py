@@ -7,12 +7,12 @@ Every rank runs the eager step itself and compares; rank 0 writes the errors of 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: _torchrun
 STEPS = 3
 
 
@@ -56,7 +56,6 @@ def _check(name, build, batches, step_fn, errors, report, compare=None, **kw):
 
 def worker() -> int:
     import torch
-    import torch.distributed as dist
     from _pipeline_worker import _load
 
     torch.set_num_threads(1)
@@ -116,11 +115,9 @@ def worker() -> int:
     except ValueError as e:
         if "pipeline_stages=3" not in str(e) or "4 devices" not in str(e):
             errors.append(f"the stage-count error does not quote both numbers: {e}")
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, errors)
-    if dist.get_rank() == 0:
-        out = {"errors": [e for errs in gathered for e in errs], "report": report}
-        Path(os.environ["MD_TEST_OUT"]).write_text(json.dumps(out, indent=1, default=str))
+    from _torchrun import write_results
+
+    write_results(errors, report)
     return 0
 
 
