@@ -1,7 +1,7 @@
 """Planning at real model sizes: trace (load) / discover / build / solve seconds, cold and warm, peak RSS.
 
     python -m benchmarks.plan_scale [--quick]
-    python -m benchmarks.plan_scale --real [--real-cases 8b 8b-80g 70b]
+    python -m benchmarks.plan_scale --real [--real-cases 8b 8b-80g 70b 8b-131k 8b-131k-nocp]
 
 ``--real``: LLaMA at the shapes people train (transformers' LlamaConfig on the meta device, AdamW, batch
 64 x 4,096), the whole step traced and planned by ``plan_graph`` on the A100 preset, cold (a fresh rule
@@ -112,6 +112,16 @@ REAL = {
     "8b": ("llama-8b", (8, 8), 64, 4096, None),
     "8b-80g": ("llama-8b", (8, 8), 64, 4096, 80 * GiB),
     "70b": ("llama-70b", (8, 8, 8), 64, 4096, None),
+    "8b-131k": ("llama-8b", (8, 8), 1, 131072, 80 * GiB),
+    "8b-131k-nocp": ("llama-8b", (8, 8), 1, 131072, 80 * GiB),
+}
+# the long-sequence cases: built with transformers' default use_cache (SDPA called with is_causal=True; with
+# use_cache=False it materialises the causal mask, which context parallelism refuses), and planned with the
+# distributed implementations torch lowers offered to the solver (context-parallel attention), or without
+# them ("impls": False) for the same budget
+REAL_OPTS: dict[str, dict] = {
+    "8b-131k": {"use_cache": True, "impls": True},
+    "8b-131k-nocp": {"use_cache": True, "impls": False},
 }
 # 70B is planned only where the 8B cases stayed under this (MB; the 70B under an 80 GiB budget once passed 24 GB)
 REAL_GATE_MB = 10_000
@@ -119,12 +129,13 @@ REAL_GATE_MB = 10_000
 REAL_HAND = ("fsdp", "tp+dp")
 
 
-def build_llama(model: str, batch: int, seq: int):
+def build_llama(model: str, batch: int, seq: int, use_cache: bool = False):
     """LLaMA-3-like ``model`` (vocabulary 128,256, 8 key-value heads, head 128) on the meta device and a
     batch of ``batch`` x ``seq`` token ids."""
     return llama_on_meta(
         batch,
         seq,
+        use_cache=use_cache,
         vocab_size=128256,
         num_key_value_heads=8,
         head_dim=128,
@@ -215,8 +226,10 @@ def run_real(case: str, cache: str, warm: bool, hand: bool, time_limit: float) -
     from metadist_core.driver.compile import plan_graph
     from metadist_core.plugins import PluginManager
     from metadist_core.cost.profile import load_profile
+    from metadist_core.plan.explain import impl_lines
 
     model, mesh_shape, batch, seq, budget = REAL[case]
+    opts = REAL_OPTS.get(case, {})
     rec = {
         "case": case,
         "model": model,
@@ -225,7 +238,7 @@ def run_real(case: str, cache: str, warm: bool, hand: bool, time_limit: float) -
         "system": "MetaDist (ilp)",
     }
     t0 = time.perf_counter()
-    built = build_llama(model, batch, seq)
+    built = build_llama(model, batch, seq, use_cache=opts.get("use_cache", False))
     rec["build_model_s"] = time.perf_counter() - t0
     rec["params_b"] = sum(p.numel() for p in built[0].parameters()) / 1e9
     rec["yardstick_s"], rec["yardstick_nodes"] = yardstick(*built)
@@ -239,7 +252,19 @@ def run_real(case: str, cache: str, warm: bool, hand: bool, time_limit: float) -
     pm = PluginManager()
     mesh = load_profile().mesh(mesh_shape)
     settings = load_settings(cache_dir=cache, progress=False, time_limit=time_limit, memory_budget=budget)
-    res = plan_graph(graph, mesh, plugins=pm, settings=settings, device=DEVICE_PRESETS["a100"])
+    traits = None
+    if "impls" in opts:  # the same traits as the other cases, with or without torch's distributed implementations
+        from dataclasses import replace
+
+        from metadist_core.driver.frontend import FrontendTraits
+        from metadist_torch.plugin import TRAITS
+
+        traits = replace(FrontendTraits(), dist_impls=TRAITS.dist_impls if opts["impls"] else None)
+    try:
+        res = plan_graph(graph, mesh, plugins=pm, settings=settings, device=DEVICE_PRESETS["a100"], traits=traits)
+    except ValueError as e:  # no plan fits: the record says so, with the smallest memory the solver found
+        rec["note"] = f"no plan: {str(e)[:300]}"
+        return rec
     t = res.timings
     b = res.plan.stats.budget or {}
     rec.update(
@@ -257,6 +282,8 @@ def run_real(case: str, cache: str, warm: bool, hand: bool, time_limit: float) -
     rec["ratio"] = rec["total_s"] / rec["yardstick_s"]
     rec.update(_plan_figures(res))
     rec["replicated_ops"], rec["replicated_keys"] = replicated_ops(res.graph, res.rulebook, mesh_shape)
+    rec["cp_ops"] = sum(1 for st in res.plan.strategies.values() if st.impls)
+    rec["seq_split"] = "; ".join(line.strip() for line in impl_lines(res.plan)[2:]) or None
     rec["replicated_warnings"] = sum(rep.keys.values())
     rec["patterns"] = len(res.rulebook.entries)
     rec["peak_rss_mb"] = _peak_rss_mb()
@@ -382,6 +409,7 @@ REAL_COLS = [
     "step_s",
     "gap",
     "replicated_ops",
+    "cp_ops",
     "graph_ops",
     "yardstick_nodes",
     "hand_fsdp_step_s",
@@ -402,7 +430,7 @@ def main_real(args) -> None:
         if REAL[case][0] == "llama-70b" and not args.force:
             path = RESULTS / f"{NAME}_real.json"
             kept = json.loads(path.read_text()) if path.exists() else []
-            eights = {r["case"]: r for r in kept + records if r.get("model") == "llama-8b"}.values()  # newest wins
+            eights = {r["case"]: r for r in kept + records if r.get("case") in ("8b", "8b-80g")}.values()  # newest wins
             worst = max((max(r.get("peak_rss_mb") or 0, r.get("watched_rss_mb") or 0) for r in eights), default=None)
             if (
                 len(eights) < 2
@@ -436,7 +464,11 @@ def main_real(args) -> None:
         "it and its children sampled each second. hand_*: MetaDist's fsdp and tp+dp presets pinned on the "
         "same (final) problem and solved by the ILP; `hand_*_gib` with the collectives' buffers, `hand_*_fits` "
         "against the same budget (a family no plan of which fits is priced without the budget where that "
-        "is solved); `vs_fsdp`: the plan's step over the fsdp hand plan's."
+        "is solved); `vs_fsdp`: the plan's step over the fsdp hand plan's. The 8b-131k cases: one sequence of "
+        "131,072 tokens under an 80 GiB budget, the model built with transformers' default use_cache (SDPA with "
+        "is_causal=True), planned with torch's distributed implementations offered to the solver (8b-131k) or "
+        "without them (8b-131k-nocp); `cp_ops`: the ops the plan runs through one (context-parallel attention), "
+        "`seq_split`: where (explain's lines)."
     )
     write_results(f"{NAME}_real", records, REAL_COLS, "Planning LLaMA at real shapes, against torch's trace", notes)
     print(f"wrote {RESULTS / (NAME + '_real.md')}")
@@ -546,12 +578,12 @@ def trace_lm(model, ids):
     return PluginManager().frontend("torch").trace(lm_step, (model, adamw(model, 1e-4), ids), {}).graph
 
 
-def llama_on_meta(batch: int, seq: int, **sizes):
+def llama_on_meta(batch: int, seq: int, use_cache: bool = False, **sizes):
     """transformers' LlamaForCausalLM of the ``LlamaConfig`` ``sizes``, built on the meta device (nothing
     allocated), and a batch of token ids ``batch`` x ``seq`` on meta."""
     import torch
 
-    model = llama(seed=None, device="meta", pad_token_id=None, use_cache=False, **sizes)
+    model = llama(seed=None, device="meta", pad_token_id=None, use_cache=use_cache, **sizes)
     return model, torch.randint(0, model.config.vocab_size, (batch, seq), device="meta")
 
 
