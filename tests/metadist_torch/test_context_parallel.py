@@ -5,7 +5,8 @@ Without ranks: the cp presets pin causal attention to its distributed implementa
 never given that strategy. On 4 gloo ranks (one launch; this file is also the worker): the GPT example with
 ``strategy="cp"`` on (4,) in float32 and float64 and ``"fsdp+cp"`` on (2, 2) in float64, and a LLaMA with
 grouped-query attention with ``"cp"`` on (4,), each step equal to the single-device step (loss, parameters,
-optimizer state over 3 steps; float64 to 1e-9) with the attention split on the sequence.
+optimizer state over 3 steps; float64 to 1e-9) with the attention split on the sequence, and transformers'
+GPT-2 with ``"cp"`` on (2, 2) (batch on axis 0, sequence on axis 1).
 """
 
 from __future__ import annotations
@@ -216,6 +217,23 @@ def worker() -> int:
         import traceback
 
         errors.append(f"llama: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+    try:  # transformers' GPT-2: learned positions, its own attention module calling SDPA with is_causal=True
+        from benchmarks._models import gpt2
+
+        def build_gpt2():
+            torch.manual_seed(0)
+            m = gpt2(n_positions=16, n_layer=2, n_embd=32, n_head=4, vocab_size=64)
+            return m, adamw(m, 1e-3)
+
+        g = torch.Generator().manual_seed(2)
+        batches = [(torch.randint(0, 64, (2, 16), generator=g),) for _ in range(STEPS)]
+        step = metadist_compile(mesh=(2, 2), strategy="cp")(lm_step)
+        compare_steps("gpt2-cp@2x2", build_gpt2, batches, lm_step, step, errors, RTOL, F32_STATE_RTOL)
+        _split_attention("gpt2-cp@2x2", step, errors, report)
+    except Exception as e:  # pragma: no cover - reported by the test
+        import traceback
+
+        errors.append(f"gpt2: {type(e).__name__}: {e}\n{traceback.format_exc()}")
     from _torchrun import write_results
 
     write_results(errors, report)
@@ -232,7 +250,8 @@ def test_context_parallel_steps_equal_one_device_on_4_gloo_ranks(tmp_path):
     res = launch(__file__, 4, ["--worker"], out=tmp_path / "out.json", METADIST_CACHE_DIR=str(tmp_path / "rules"))
     assert not res["errors"], "\n".join(res["errors"])
     names = {r["name"] for r in res["report"]}
-    assert names == {"gpt-cp@4", "gpt-float64-cp@4", "gpt-float64-fsdp+cp@2x2", "llama-gqa-cp@4"}, res["report"]
+    want = {"gpt-cp@4", "gpt-float64-cp@4", "gpt-float64-fsdp+cp@2x2", "llama-gqa-cp@4", "gpt2-cp@2x2"}
+    assert names == want, res["report"]
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
