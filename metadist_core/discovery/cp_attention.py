@@ -91,6 +91,18 @@ def backward_price(shapes: Sequence[Sequence[int]], itemsize: int, n: int, layou
     return ImplPrice(2 * fwd.comm_bytes, BACKWARD_FLOPS_RATIO * fwd.flops, calls=4)
 
 
+def forward_workspace(shapes: Sequence[Sequence[int]], itemsize: int, n: int) -> float:
+    """K and V gathered whole along the sequence (``shapes`` are the pieces before the split: whole there)."""
+    k, v = shapes[1], shapes[2]
+    return float(k[0] * k[1] * k[2] * (k[3] + v[3]) * itemsize)
+
+
+def backward_workspace(shapes: Sequence[Sequence[int]], itemsize: int, n: int) -> float:
+    """K and V gathered again, and their gradients summed over the whole sequence (at least float32)."""
+    gathered = forward_workspace(shapes[1:4], itemsize, n)
+    return gathered * (1 + max(itemsize, 4) / itemsize)
+
+
 def impl_name(layout: SeqLayout, backward: bool = False) -> str:
     return f"cp_attention.allgather.{layout.kind}" + (".backward" if backward else "")
 
@@ -109,6 +121,7 @@ def attention_impls(layout: SeqLayout) -> tuple[DistImpl, DistImpl]:
         grad_outputs=(0,),
         backward=impl_name(layout, True),
         description="causal attention split on the sequence: K/V all-gathered, partial results merged by lse",
+        workspace=forward_workspace,
     )
     bwd = DistImpl(
         name=impl_name(layout, True),
@@ -119,6 +132,7 @@ def attention_impls(layout: SeqLayout) -> tuple[DistImpl, DistImpl]:
         refusal=lambda attrs, shapes, n: refusal(CPU_BACKWARD, attrs, shapes, n, layout),
         layout=layout,
         description="its backward: K/V all-gathered, dK/dV reduce-scattered",
+        workspace=backward_workspace,
     )
     return fwd, bwd
 
@@ -143,9 +157,11 @@ __all__ = [
     "CPU_FORWARD",
     "attention_impls",
     "backward_price",
+    "backward_workspace",
     "balance",
     "call_arg",
     "forward_price",
+    "forward_workspace",
     "impl_name",
     "refusal",
     "register_attention",

@@ -92,6 +92,9 @@ class ImplPrice:
 
 #: shapes of the op's tensor inputs (global), the element size in bytes, the axis size -> the price
 PriceFn = Callable[[Sequence[Sequence[int]], int, int], ImplPrice]
+#: shapes of the op's tensor inputs (one device's, before the implementation's own split), the element size, the
+#: axis size -> the bytes the implementation holds inside the op beside its inputs and outputs (what it gathers)
+WorkspaceFn = Callable[[Sequence[Sequence[int]], int, int], float]
 #: attributes of the op (the frontend's call encoding), shapes of its tensor inputs, the axis size -> why the
 #: implementation does not apply (a sentence naming what is unsupported), or None when it does
 RefusalFn = Callable[[Mapping[str, Any], Sequence[Sequence[int]], int], "str | None"]
@@ -116,6 +119,7 @@ class DistImpl:
     grad_outputs: tuple[int, ...] = ()
     backward: str | None = None
     description: str = ""
+    workspace: WorkspaceFn | None = None  # bytes held inside the op (None: none beyond its inputs and outputs)
 
     def __post_init__(self) -> None:
         for p in self.inputs + self.outputs:

@@ -19,7 +19,7 @@ import numpy as np
 from metadist_core.ir.aliasing import alias_liveness, inplace_state_liveness
 from metadist_core.problem.constraints import Constraint, apply_constraints, parse_constraints
 from metadist_core.cost.model import DeviceSpec, DEVICE_PRESETS, compute_cost, compute_dtype, itemsize, strategy_split
-from metadist_core.problem.distimpls import impl_rules, impl_seconds
+from metadist_core.problem.distimpls import impl_rules, impl_seconds, impl_workspace
 from metadist_core.ir.ir import MetaIR
 from metadist_core.cost.phases import reader_phases
 from metadist_core.ir.mesh import Mesh
@@ -169,7 +169,7 @@ def build_problem(
         opts = input_options(mv.shape, mesh)
         nodes.append(Node(v, "input", mv.role, [], [v], opts))
         compute.append(np.zeros(len(opts)))
-    for op in graph.ops:
+    for pos, op in enumerate(graph.ops):
         t_in = [v for v in op.inputs if graph.vars[v].is_tensor]
         in_shapes = [graph.vars[v].shape for v in t_in]
         out_shapes = [graph.vars[v].shape for v in op.outputs]
@@ -206,11 +206,13 @@ def build_problem(
         if local_timer is not None:
             timed.append((len(compute) - 1, op, opts, splits, flops, nbytes, dt))
         if dist_impls is not None and any(o.impls for o in opts):
-            by_impl.append((len(compute) - 1, opts, splits, in_shapes, nbytes, dt, slow))
+            by_impl.append((len(compute) - 1, pos, opts, splits, in_shapes, nbytes, dt, slow))
         nodes.append(Node(op.id, "op", op.key, t_in, list(op.outputs), list(opts)))
     if timed and local_timer is not None:  # timed holds ops only where there is a local_timer
         apply(local_timer, graph, mesh, device, timed, compute)
-    for i, opts, splits, shapes, nbytes, dt, slow in by_impl:  # after the timer: it times the op, not its collectives
+    workspace: dict[int, tuple[int, np.ndarray]] = {}
+    for i, pos, opts, splits, shapes, nbytes, dt, slow in by_impl:  # after the timer: it times the op alone
+        held = np.zeros(len(opts))
         for j, o in enumerate(opts):
             placed = o.impl_axis()
             if placed is not None and dist_impls is not None:
@@ -219,6 +221,9 @@ def build_problem(
                 compute[i][j] = impl_seconds(
                     impl, o, placed[0], shapes, size, nbytes, splits[j], mesh, device, dt, *slow
                 )
+                held[j] = impl_workspace(impl, o, placed[0], shapes, size, mesh)
+        if held.any():
+            workspace[i] = (pos, held)
     allowed = [np.ones(len(n.options), dtype=bool) for n in nodes]
     cons = parse_constraints(constraints or [])
     prob = ShardingProblem(
@@ -242,6 +247,7 @@ def build_problem(
         first_bucket_bytes=int(first_bucket_bytes) if bucket_bytes and first_bucket_bytes else None,
         whole_inputs=whole_inputs,
         impl_refusals=refusals,
+        workspace=workspace,
     )
     apply_constraints(prob)
     prob.edges = _build_edges(prob)

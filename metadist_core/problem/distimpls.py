@@ -99,4 +99,14 @@ def impl_seconds(
     return work + price.calls * (n - 1) * alpha + price.comm_bytes * beta
 
 
-__all__ = ["impl_rules", "impl_seconds", "local_shapes", "lowerable"]
+def impl_workspace(
+    impl: DistImpl, strategy: Strategy, axis: int, shapes: Sequence[Sequence[int]], itemsize: int, mesh: Mesh
+) -> float:
+    """Bytes per device ``impl`` holds inside the op under ``strategy`` (what it gathers along its axis), at the
+    local shapes of the other axes; 0 where it declares none."""
+    if impl.workspace is None:
+        return 0.0
+    return float(impl.workspace(local_shapes(strategy, shapes, mesh, axis), itemsize, mesh.shape[axis]))
+
+
+__all__ = ["impl_rules", "impl_seconds", "impl_workspace", "local_shapes", "lowerable"]

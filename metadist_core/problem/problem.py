@@ -90,6 +90,8 @@ class ShardingProblem:
     whole_inputs: bool = False
     # op id -> why no registered distributed implementation serves it, for the ops of keys one serves elsewhere
     impl_refusals: dict[str, str] = field(default_factory=dict)
+    # node -> (its op's position, bytes per option held inside the op: a distributed implementation's gathers)
+    workspace: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict)
 
     # -- structure ----------------------------------------------------------
     def __post_init__(self) -> None:
@@ -223,6 +225,8 @@ class ShardingProblem:
                 if info["shape"] is None or info.get("view") or info.get("host"):  # host: metadist_core.levers.offload
                     continue
                 mem.append(MemTerm(i, self.output_bytes(i, s), info["live"][0], info["live"][1]))
+        for i, (pos, nbytes) in sorted(self.workspace.items()):  # alive while its op runs, beside its values
+            mem.append(MemTerm(i, nbytes, pos, pos))
         return Terms(
             unary,
             edges,
@@ -314,6 +318,12 @@ class ShardingProblem:
             **({"bucket_copies": self.bucket_copies} if self.bucket_copies else {}),
             **({"shard_bucket_bytes": self.shard_bucket_bytes} if self.shard_bucket_bytes else {}),
             **({"first_bucket_bytes": self.first_bucket_bytes} if self.first_bucket_bytes else {}),
+            **({"impl_refusals": self.impl_refusals} if self.impl_refusals else {}),
+            **(
+                {"workspace": {str(i): [pos, b.tolist()] for i, (pos, b) in self.workspace.items()}}
+                if self.workspace
+                else {}
+            ),
         }
 
     @classmethod
@@ -342,6 +352,10 @@ class ShardingProblem:
             int(d.get("bucket_copies", 0)),
             d.get("shard_bucket_bytes"),
             first_bucket_bytes=d.get("first_bucket_bytes"),
+            impl_refusals=dict(d.get("impl_refusals", {})),
+            workspace={
+                int(i): (int(pos), np.asarray(b, dtype=float)) for i, (pos, b) in d.get("workspace", {}).items()
+            },
         )
 
     def dumps(self) -> str:

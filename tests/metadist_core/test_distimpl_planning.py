@@ -10,7 +10,7 @@ from metadist_core.discovery.distimpl import DistImplRegistry, SeqLayout
 from metadist_core.discovery.rules import ShardingRule, Strategy, expand_rules
 from metadist_core.ir.mesh import Mesh
 from metadist_core.ir.placement import Replicate, Shard, Sharding
-from metadist_core.problem.distimpls import impl_rules, impl_seconds, local_shapes
+from metadist_core.problem.distimpls import impl_rules, impl_seconds, impl_workspace, local_shapes
 from metadist_core.problem.elements import UseImpl, parse_constraints
 from metadist_core.cost.model import DEVICE_PRESETS
 
@@ -94,3 +94,17 @@ def test_use_impl_parses_and_strategies_round_trip_through_json():
     assert len(plain.to_json()) == 2 and Strategy.from_json(plain.to_json()) == plain
     with pytest.raises(ValueError, match="UseImpl"):
         parse_constraints([{"nothing": 1}])
+
+
+def test_the_workspace_is_what_the_implementation_gathers_at_the_other_axes_pieces():
+    reg = _registry()
+    fwd = reg.get(cpa.impl_name(SeqLayout("contiguous")))
+    bwd = reg.get(cpa.impl_name(SeqLayout("contiguous"), True))
+    s = Strategy((Sharding((Shard(1), Shard(2))),) * 3, (Sharding((Shard(1), Shard(2))),) * 2, impls=("", fwd.name))
+    mesh = Mesh((2, 4))
+    # K and V of 1 head each (2 split over axis 0), the whole sequence of 16, head dim 8, float32
+    assert impl_workspace(fwd, s, 1, [Q, KV, KV], 4, mesh) == 2 * 1 * 16 * (8 + 8) * 4
+    sb = Strategy((Sharding((Shard(1), Shard(2))),) * 6, (Sharding((Shard(1), Shard(2))),) * 3, impls=("", bwd.name))
+    shapes6 = [Q, Q, KV, KV, Q, Q[:3]]
+    assert impl_workspace(bwd, sb, 1, shapes6, 4, mesh) == 2 * (2 * 1 * 16 * 16 * 4)  # gathered, and their grads
+    assert impl_workspace(bwd, sb, 1, shapes6, 2, mesh) == 2 * 1 * 16 * 16 * (2 + 4)  # grads summed in float32

@@ -76,6 +76,16 @@ def test_the_cp_preset_runs_every_causal_attention_split_on_the_last_axis():
             plain = [j for j, o in enumerate(n.options) if not o.impls]
             # an implementation's option pays its collectives: dearer than the plain op split by heads
             assert min(auto.compute[i][j] for j in with_impl) > min(auto.compute[i][j] for j in plain)
+            # and holds the K/V it gathers while the op runs, in the memory terms; the plain options nothing
+            pos, held = auto.workspace[i]
+            assert all(held[j] > 0 for j in with_impl) and not any(held[j] for j in plain)
+            assert g.ops[pos].id == n.id
+    from metadist_core.problem.problem import ShardingProblem
+
+    again = ShardingProblem.from_json(auto.to_json())
+    assert again.workspace.keys() == auto.workspace.keys()
+    terms = again.terms()
+    assert len(terms.mem) == len(auto.terms().mem)
 
 
 def test_fsdp_cp_splits_the_parameters_too_and_plan_json_keeps_the_implementation():
