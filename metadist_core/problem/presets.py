@@ -272,7 +272,7 @@ def steer(
     if strategy and strategy != "auto":
         user = {c.var: c.sharding for c in extra if isinstance(c, Pin)}  # annotations and names give pins only
         extra += [
-            c for c in preset_constraints(prob, strategy, user).pins if getattr(c, "prefix", None) or c.var not in user
+            c for c in preset_constraints(prob, strategy, user).pins if isinstance(c, UseImpl) or c.var not in user
         ]
     return constrain(prob, extra)
 

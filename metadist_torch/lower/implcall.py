@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from metadist_core.discovery.distimpl import DistImplRegistry
-from metadist_core.ir.ir import MetaIR, MetaOp
+from metadist_core.ir.ir import MetaOp
 
 from ..trace.calls import rebuild
 from .collectives import AxisComm
@@ -32,7 +32,6 @@ def _called(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def impl_node(
     g: fx.Graph,
-    graph: MetaIR,
     op: MetaOp,
     ins: Sequence[fx.Node],
     impl: str,

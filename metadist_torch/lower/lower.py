@@ -47,6 +47,7 @@ from metadist_core.ir.placement import Sharding, group_extents, shard_shape
 from ..trace.calls import STRIDE_FREE, rebuild, resolve_target
 from .collectives import AxisComm, md_done
 from .implcall import impl_node
+from ..ops.distimpls import torch_impls
 from .reinplace import reinplace_updates
 from .schedule import issue_early, md_wait, prefetch_gathers
 from ..runtime.stats import CommStats
@@ -217,12 +218,11 @@ def impl_op_node(
     g: fx.Graph, graph: MetaIR, op: MetaOp, ins: Sequence[fx.Node], placed: tuple[int, str], comm: AxisComm, name: str
 ) -> list[fx.Node]:
     """The fx node(s) of an op a distributed implementation runs on mesh axis ``placed[0]``: one per op output."""
-    from ..ops.distimpls import torch_impls
 
     def item(x: fx.Node) -> fx.Node:
         return g.call_function(torch.ops.aten._local_scalar_dense.default, (x,))
 
-    _, outs = impl_node(g, graph, op, ins, placed[1], comm, torch_impls()[0], name, md_select, item)
+    _, outs = impl_node(g, op, ins, placed[1], comm, torch_impls()[0], name, md_select, item)
     for o, v in zip(outs, op.outputs):
         o.meta[DTYPE_META] = graph.vars[v].dtype
         o.meta[VAR_META] = v
