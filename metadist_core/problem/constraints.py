@@ -75,23 +75,23 @@ def _narrow(prob: ShardingProblem, i: int, mask: np.ndarray, c: Constraint) -> N
 
 
 def _is_json_constraint(c: Any) -> bool:
-    return isinstance(c, Mapping) and ("pin" in c or "forbid" in c)
+    return isinstance(c, Mapping) and ("pin" in c or "forbid" in c or ("impl" in c and "axis" in c))
 
 
 def as_constraint_list(constraints: Any) -> list:
-    """The user's ``constraints=`` as a list: Pin/Forbid objects or their JSON, and name mappings
+    """The user's ``constraints=`` as a list: Pin/Forbid/UseImpl objects or their JSON, and name mappings
     (``{"lm_head.weight": Replicate()}``) kept whole as one item each."""
     if constraints is None:
         return []
     if isinstance(constraints, Mapping):
         return [dict(constraints)]
-    if isinstance(constraints, (Pin, Forbid)):
+    if isinstance(constraints, (Pin, Forbid, UseImpl)):
         return [constraints]
     return list(constraints)
 
 
 def split_constraints(constraints: Any) -> tuple[list[Constraint], dict[str, Any]]:
-    """Plain constraints (Pin/Forbid, parsed) and the named ones ``{name or glob: placements}``, merged."""
+    """Plain constraints (Pin/Forbid/UseImpl, parsed) and the named ones ``{name or glob: placements}``, merged."""
     plain: list = []
     named: dict[str, Any] = {}
     for c in as_constraint_list(constraints):

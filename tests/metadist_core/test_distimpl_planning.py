@@ -108,3 +108,12 @@ def test_the_workspace_is_what_the_implementation_gathers_at_the_other_axes_piec
     shapes6 = [Q, Q, KV, KV, Q, Q[:3]]
     assert impl_workspace(bwd, sb, 1, shapes6, 4, mesh) == 2 * (2 * 1 * 16 * 16 * 4)  # gathered, and their grads
     assert impl_workspace(bwd, sb, 1, shapes6, 2, mesh) == 2 * 1 * 16 * 16 * (2 + 4)  # grads summed in float32
+
+
+def test_a_user_passes_use_impl_as_an_object_or_json_beside_names():
+    from metadist_core.problem.constraints import split_constraints
+
+    plain, named = split_constraints([UseImpl("cp_attention", 0), {"impl": "cp_attention", "axis": 1}, {"w": "R"}])
+    assert plain == [UseImpl("cp_attention", 0), UseImpl("cp_attention", 1)] and named == {"w": "R"}
+    assert split_constraints(UseImpl("cp_attention", 0))[0] == [UseImpl("cp_attention", 0)]
+    assert split_constraints({"impl": "R"})[1] == {"impl": "R"}  # a parameter named impl stays a name
