@@ -145,6 +145,9 @@ def ilp_terms(t: Terms, options: dict) -> tuple[np.ndarray, float | None, dict]:
             ch, _ = multi_sweep(t, 8, 3)
             stats["status"] = f"no ILP incumbent within time_limit={time_limit:g} s; beam plan returned"
         else:
+            bound = t.least_peak_bound()  # no plan in time: a budget under what every plan holds is the reason
+            if bound > budget:
+                raise InfeasibleBudgetError(budget, bound, t.mesh_name, how="needs at least")
             raise RuntimeError(
                 f"the ILP found no plan within time_limit={time_limit:g} s ({res.message}); "
                 f"raise time_limit or use solver='beam'"

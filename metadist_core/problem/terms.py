@@ -170,6 +170,26 @@ class Terms:
             prof[m.end + 2] -= b
         return np.cumsum(prof)[:-1]
 
+    def least_peak_bound(self) -> int:
+        """A lower bound on the peak of every allowed plan: at each position, each live value at the least
+        bytes any allowed option of its node gives it. Values of a node some toggle may drop (a recomputed
+        segment's) are left out, so the bound holds with any toggles on."""
+        if not self.mem:
+            return 0
+        droppable = {m.node for t in self.toggles for m in t.mem_drop}
+        prof = np.zeros(self.n_steps + 3)
+        for m in self.mem:
+            if m.node in droppable:
+                continue
+            if m.node < 0:
+                b = float(m.nbytes[0])
+            else:
+                ok = self.allowed[m.node]
+                b = float(m.nbytes[ok].min() if ok.any() else m.nbytes.min())
+            prof[m.start + 1] += b
+            prof[m.end + 2] -= b
+        return int(np.cumsum(prof)[:-1].max())
+
     def peak_memory(self, choice: np.ndarray, on: np.ndarray | None = None) -> int:
         if not self.mem:
             return 0

@@ -199,3 +199,30 @@ def test_presolve_on_constrained_problems_keeps_the_brute_force_optimum(pm, make
         assert auto.stats.extra["presolve"] is True and off.stats.extra["presolve"] is False
         best = brute_force(p)[0]
         assert auto.objective == pytest.approx(best, rel=1e-6) and off.objective == pytest.approx(best, rel=1e-6)
+
+
+@pytest.mark.parametrize("name,make,mesh", CASES, ids=[c[0] for c in CASES])
+def test_the_least_peak_bound_is_never_above_the_leanest_plan(name, make, mesh):
+    g = make()
+    p = build_problem(g, rulebook(g), Mesh(mesh, alpha=1e-7, beta=1e-9))
+    _, least = brute_force(p)
+    bound = p.terms().least_peak_bound()
+    assert 0 < bound <= least, (bound, least)
+
+
+def test_an_ilp_out_of_time_under_an_impossible_budget_says_what_every_plan_needs(pm, monkeypatch):
+    """No incumbent in time under a budget below what every plan holds: the error is the budget's, with the
+    bound, not a time-out (which would send the user after time_limit)."""
+    from types import SimpleNamespace
+
+    from metadist_solvers import ilp
+
+    g = linear_step()
+    p = build_problem(g, rulebook(g), Mesh((2,), alpha=1e-7, beta=1e-9))
+    bound = p.terms().least_peak_bound()
+    stopped = SimpleNamespace(status=1, message="time limit reached", x=None)
+    monkeypatch.setattr(ilp, "_lazy", lambda model, steps, b, deadline, gap, peak_var=False: (stopped, None, steps, 1))
+    with pytest.raises(InfeasibleBudgetError, match=f"needs at least {bound:,} bytes"):
+        pm.solve("ilp", p.with_budget(bound - 1), {"least_peak": False})
+    with pytest.raises(RuntimeError, match="no plan within time_limit"):  # a budget the bound allows: time it was
+        pm.solve("ilp", p.with_budget(bound), {"least_peak": False})
