@@ -55,11 +55,8 @@ def run_torchrun(
 
     A rank that exits abnormally fails the launch, at exit included, with one exception: a rank that died
     of heap corruption or a signal in native code *before the job ended* (``out`` not written) is launched
-    once more, with a warning that carries the crash and every thread's Python stack. Such a crash
-    ("double free or corruption (out)" in a gloo rank of the distributed-compile test) has happened once
-    in a full CI run under load and never in 20 launches of the same worker alone, with the allocator's
-    checks on; the warning keeps it visible until it is found. A crash after the job wrote its results
-    (the exit path) is never relaunched."""
+    once more, with a warning that carries the crash and every thread's Python stack (docs/HISTORY.md says
+    which crash this is for). A crash after the job wrote its results (the exit path) is never relaunched."""
     from metadist_torch.demo import torchrun_cmd
 
     env = dict(env) if env is not None else torchrun_env()
