@@ -43,8 +43,9 @@ def call_arg(attrs: Mapping[str, Any], op_key: str, name: str, default: Any = No
     return kwargs.get(name, default)
 
 
-def refusal(op_key: str, attrs: Mapping[str, Any], shapes: Sequence[Sequence[int]], n: int, layout: SeqLayout):
-    """Why causal context-parallel attention does not serve this call on an axis of ``n``; None when it does."""
+def call_refusal(op_key: str, attrs: Mapping[str, Any]) -> str | None:
+    """Why the arguments of this call (mask, causal flag, dropout) rule context-parallel attention out; None
+    when they do not. The shapes are :func:`refusal`'s to judge."""
     mask = call_arg(attrs, op_key, "attn_mask")
     if mask is not None:
         return (
@@ -59,6 +60,14 @@ def refusal(op_key: str, attrs: Mapping[str, Any], shapes: Sequence[Sequence[int
     p = call_arg(attrs, op_key, "dropout_p", 0.0)
     if p not in (0, 0.0):
         return f"dropout_p={p}: attention dropout is not supported by context-parallel attention; set it to 0"
+    return None
+
+
+def refusal(op_key: str, attrs: Mapping[str, Any], shapes: Sequence[Sequence[int]], n: int, layout: SeqLayout):
+    """Why causal context-parallel attention does not serve this call on an axis of ``n``; None when it does."""
+    reason = call_refusal(op_key, attrs)
+    if reason is not None:
+        return reason
     iq, ik, iv = QKV[op_key]
     q, k, v = (tuple(shapes[i]) for i in (iq, ik, iv))
     if not len(q) == len(k) == len(v) == 4:
@@ -160,6 +169,7 @@ __all__ = [
     "backward_workspace",
     "balance",
     "call_arg",
+    "call_refusal",
     "forward_price",
     "forward_workspace",
     "impl_name",

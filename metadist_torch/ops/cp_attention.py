@@ -302,14 +302,20 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _call_attrs(attn_mask: Tensor | None, dropout_p: float, is_causal: bool) -> dict:
+    """A forward call's arguments in the trace's encoding (``{"$in": i}`` for a tensor), as the core reads them."""
+    return {
+        "args": [{"$in": 0}, {"$in": 1}, {"$in": 2}, dropout_p, is_causal],
+        "kwargs": {"attn_mask": None if attn_mask is None else {"$in": 3}},
+    }
+
+
 def _only_causal(attn_mask: Tensor | None, dropout_p: float, is_causal: bool) -> None:
-    """What the planner checked (:func:`metadist_core.discovery.cp_attention.refusal`), checked again where it
-    runs: a call with a mask, dropout or without the causal flag is never run as plain causal attention."""
-    if attn_mask is not None or dropout_p or not is_causal:
-        raise UnsupportedAttention(
-            f"context-parallel attention runs plain causal attention only; this call has attn_mask="
-            f"{'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}, is_causal={is_causal}"
-        )
+    """What the planner checked (:func:`metadist_core.discovery.cp_attention.call_refusal`), checked again where
+    it runs: a call with a mask, dropout or without the causal flag is never run as plain causal attention."""
+    reason = core.call_refusal(core.CPU_FORWARD, _call_attrs(attn_mask, dropout_p, is_causal))
+    if reason is not None:
+        raise UnsupportedAttention(f"context-parallel attention refused where it runs: {reason}")
 
 
 # -- refusals and registration ------------------------------------------------------
@@ -328,12 +334,8 @@ def check_call(
 ) -> None:
     """Raise :class:`UnsupportedAttention` naming what this call has that context parallelism does not do
     (the sequence lengths are those of the whole tensors: ``q.shape[2] * n`` on a rank's pieces)."""
-    attrs = {
-        "args": [{"$in": 0}, {"$in": 1}, {"$in": 2}, dropout_p, is_causal],
-        "kwargs": {"attn_mask": None if attn_mask is None else {"$in": 3}},
-    }
     shapes = [tuple(t.shape) for t in (q, k, v)]
-    reason = core.refusal(core.CPU_FORWARD, attrs, shapes, n, layout)
+    reason = core.refusal(core.CPU_FORWARD, _call_attrs(attn_mask, dropout_p, is_causal), shapes, n, layout)
     if reason is not None:
         raise UnsupportedAttention(f"context-parallel attention over {n} ranks ({layout.kind}) refused: {reason}")
 
