@@ -53,6 +53,7 @@ def predicted_gather_bytes(plan, graph) -> dict[str, float]:
     implementation's own collectives (context-parallel attention: K and V gathered whole along its axis,
     and in the backward their gradients reduce-scattered) at the local shapes of the other axes."""
     from metadist_core.cost.model import itemsize
+    from metadist_core.discovery.cp_attention import backward_workspace, forward_workspace
     from metadist_core.ir.mesh import Mesh
     from metadist_core.problem.distimpls import local_shapes
 
@@ -69,21 +70,16 @@ def predicted_gather_bytes(plan, graph) -> dict[str, float]:
         axis, name = placed
         tensors = [v for v in op.inputs if graph.vars[v].is_tensor]
         local = local_shapes(st, [graph.vars[v].shape for v in tensors], mesh, axis)
-        ik = 2 if name.endswith(".backward") else 1  # the backward's inputs start with the output's gradient
-        k, v = local[ik], local[ik + 1]
-        size = itemsize(graph.vars[tensors[ik]].dtype)
-        whole = (_prod(k) + _prod(v)) * size  # gathered: the whole sequence of this rank's heads
-        out["all_gather"] = out.get("all_gather", 0.0) + whole
+        size = itemsize(graph.vars[tensors[0]].dtype)
+        n = plan.mesh_shape[axis]
+        # K and V gathered whole are the forward's workspace; the backward's holds them and their gradients,
+        # which it reduce-scatters at the size it sums them in
+        qkv = local[1:4] if name.endswith(".backward") else local[:3]
+        gathered = forward_workspace(qkv, size, n)
+        out["all_gather"] = out.get("all_gather", 0.0) + gathered
         if name.endswith(".backward"):
-            out["reduce_scatter"] = out.get("reduce_scatter", 0.0) + (_prod(k) + _prod(v)) * max(size, 4)
+            out["reduce_scatter"] = out.get("reduce_scatter", 0.0) + backward_workspace(local, size, n) - gathered
     return out
-
-
-def _prod(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def _cp(seq: int, cache: str) -> tuple[dict, object]:
