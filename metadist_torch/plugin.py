@@ -33,7 +33,11 @@ if TYPE_CHECKING:  # pragma: no cover - types only
     from metadist_core.cost.profile import MeshProfile
     from metadist_core.plan.plan import ShardingPlan
 
-OP_PREFIXES = ("aten.", "metadist.experts_ffn")  # aten, and MetaDist's own runnable ops (calls.OWN_OPS)
+OP_PREFIXES = (
+    "aten.",
+    "metadist.experts_ffn",
+    "metadist.moe_dropless",
+)  # aten, and MetaDist's own runnable ops (calls.OWN_OPS)
 
 
 def _discovering() -> Any:

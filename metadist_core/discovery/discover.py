@@ -31,6 +31,7 @@ from metadist_core.discovery.shardcombine import DRAWS, DiscoveryStats, OpSpec, 
 from metadist_core.discovery.verify import scalars_of
 from metadist_core.discovery.forkpool import discover_forked
 from metadist_core.discovery.algebra import algebra_rules
+from metadist_core.discovery.moe_dispatch import declared_rules
 import multiprocessing
 import os
 
@@ -223,6 +224,9 @@ def discover_pattern(
     when the op had to be discovered at its real shapes). ``seed``: input placements to try first
     (:func:`seed_combos`)."""
     n = pattern.axis_size
+    declared = declared_rules(op, graph, n)  # an op that declares its rules (a dropless experts layer)
+    if declared is not None:
+        return OpRules(op.key, declared, n, "ok", "", 0.0), op_pattern(op, graph, n, proxies=False).key
     why = pattern.reason  # why its pattern keeps no proxy (empty: the frontend takes none, or one was tried)
     if pattern.proxied:
         variants = [pattern] if pattern.multiples else [pattern, op_pattern(op, graph, n, multiples=True)]

@@ -105,7 +105,7 @@ class DistImpl:
     """One distributed implementation of an op on one mesh axis.
 
     ``inputs``/``outputs``: one Placement per tensor input/output (Shard or Replicate); a Shard's pieces
-    lie in ``layout`` order. ``grad_outputs``: the outputs whose gradient the backward takes (others, such as
+    lie in ``layout`` order (``shared`` ones in any order). ``grad_outputs``: the outputs whose gradient the backward takes (others, such as
     a log-sum-exp, carry none); ``backward``: the name of the implementation of the op's backward op.
     """
 
@@ -120,6 +120,9 @@ class DistImpl:
     backward: str | None = None
     description: str = ""
     workspace: WorkspaceFn | None = None  # bytes held inside the op (None: none beyond its inputs and outputs)
+    #: positions among ``inputs + outputs`` whose split dim other mesh axes may split too (values the
+    #: implementation handles element by element, such as a layer's tokens); any other split dim is its alone
+    shared: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for p in self.inputs + self.outputs:

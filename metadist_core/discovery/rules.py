@@ -50,6 +50,8 @@ class ShardingRule:
     #: the distributed implementation that runs the op so (:mod:`metadist_core.discovery.distimpl`): its
     #: collectives are inside the op; "" for a rule the op meets run as it is on each device's pieces
     impl: str = ""
+    #: with ``impl``: positions among ``inputs + outputs`` whose split dim other axes may split too
+    shared: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -173,7 +175,8 @@ def _tensor_ok(
 def _impl_alone(combo: Sequence[ShardingRule]) -> bool:
     """May these per-axis rules combine, one of them a distributed implementation? Only one axis may run an
     implementation (its collectives span that axis alone), and no other axis may split a dim it splits: the
-    implementation's pieces are then whole on its own axis, in the order it lays them out."""
+    implementation's pieces are then whole on its own axis, in the order it lays them out. Positions it
+    names ``shared`` (values it handles element by element) may be split by other axes too."""
     with_impl = [r for r in combo if r.impl]
     if len(with_impl) != 1:
         return False
@@ -181,8 +184,8 @@ def _impl_alone(combo: Sequence[ShardingRule]) -> bool:
     for r in combo:
         if r is mine:
             continue
-        for p, q in zip(r.inputs + r.outputs, mine.inputs + mine.outputs):
-            if isinstance(p, Shard) and p == q:
+        for i, (p, q) in enumerate(zip(r.inputs + r.outputs, mine.inputs + mine.outputs)):
+            if isinstance(p, Shard) and p == q and i not in mine.shared:
                 return False
     return True
 

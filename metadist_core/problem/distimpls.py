@@ -52,10 +52,15 @@ def impl_rules(
         if impl.layout.kind != "contiguous":  # the values around the op hold contiguous chunks (torch.chunk's)
             continue
         select = attrs.get("select")
-        outs = impl.outputs if select is None else tuple(impl.outputs[i] for i in select if i < len(impl.outputs))
-        if len(outs) != n_outputs:
+        kept = list(range(len(impl.outputs))) if select is None else [i for i in select if i < len(impl.outputs)]
+        if len(kept) != n_outputs:
             continue
-        out.append(ShardingRule(impl.inputs, outs, impl=impl.name))
+        outs = tuple(impl.outputs[i] for i in kept)
+        n_in = len(impl.inputs)  # a shared output's position follows the outputs the trace kept
+        shared = tuple(p for p in impl.shared if p < n_in) + tuple(
+            n_in + kept.index(p - n_in) for p in impl.shared if p >= n_in and p - n_in in kept
+        )
+        out.append(ShardingRule(impl.inputs, outs, impl=impl.name, shared=shared))
     return out
 
 

@@ -29,7 +29,10 @@ a preset's price and its numbers come from the same machinery.
   the frontend marks with its number of experts) is split on its expert dim
   over mesh axis 0 and replicated on the others; the other parameters are
   replicated, the batch split on dim 0 over every axis and their gradients
-  all-reduced, as ddp. The solver places the tokens: grouped by expert where
+  all-reduced, as ddp. A dropless experts layer runs its expert-parallel
+  implementation on axis 0 (its tokens sent to their experts by uneven
+  all_to_all inside the op, :mod:`metadist_core.discovery.moe_dispatch`); a
+  capacity-padded one leaves the tokens to the solver, grouped by expert where
   the experts live, which the lowering moves by all_to_all.
 - ``cp``: context parallelism on the last mesh axis. Every batch input is split on its sequence dim (1)
   over the last axis and on dim 0 over the others, and every causal attention runs its distributed
@@ -59,6 +62,7 @@ from metadist_core.problem.constraints import (
     pins_by_name,
     var_name,
 )
+from metadist_core.discovery import cp_attention, moe_dispatch
 from metadist_core.problem.elements import UseImpl
 from metadist_core.ir.placement import Partial, Placement, Replicate, Shard, Sharding
 from metadist_core.problem.presetgraph import GraphView, Pins, PresetConstraints, op_name, split_on
@@ -129,10 +133,20 @@ def _expert_pins(g: GraphView, pins: Pins) -> None:
     for p in experts:
         n = g.prob.vars[p]["experts"]
         pins.pin(p, split_on(g.shape(p), 0, [0], shape), f"its {n} experts do not divide by mesh axis 0 ({shape[0]})")
+    pins.out.pins.append(UseImpl(moe_dispatch.EP, 0))  # the tokens travel to the experts inside the layer's op
+    for op_id, why in sorted(_refusals(g, moe_dispatch.OP_KEYS).items()):
+        pins.out.notes.append(f"{op_id} runs without expert parallelism on mesh axis 0: {why}")
+
+
+def _refusals(g: GraphView, keys: frozenset[str]) -> dict[str, str]:
+    """Why no distributed implementation serves each op of these keys that has one registered."""
+    key = {n.id: n.key for n in g.prob.nodes}
+    return {op_id: why for op_id, why in g.prob.impl_refusals.items() if key.get(op_id) in keys}
 
 
 SEQ_DIM = 1  # the sequence dim of a batch input (batch first)
 CP_IMPLS = "cp_attention"  # the prefix of the distributed implementations context parallelism runs
+CP_KEYS = frozenset({cp_attention.CPU_FORWARD, cp_attention.CPU_BACKWARD})
 
 
 def _context_parallel(g: GraphView, pins: Pins, axis: int) -> None:
@@ -153,7 +167,7 @@ def _context_parallel(g: GraphView, pins: Pins, axis: int) -> None:
             )
     pins.out.pins.append(UseImpl(CP_IMPLS, axis))
     by_reason: dict[str, list[str]] = {}
-    for op_id, why in sorted(g.prob.impl_refusals.items()):
+    for op_id, why in sorted(_refusals(g, CP_KEYS).items()):
         pins.out.notes.append(f"{op_id} keeps its sequence whole on mesh axis {axis}: {why}")
         by_reason.setdefault(why, []).append(op_id)
     for why, ops in by_reason.items():

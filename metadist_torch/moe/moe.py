@@ -41,6 +41,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
+from . import dropless  # noqa: F401  (registers metadist::moe_dropless)
 from .experts_ffn import plain_gated
 
 
@@ -142,6 +143,11 @@ def capacity_experts_forward(
             f"{type(self).__name__} is set up for transformers' own expert parallelism; "
             "metadist plans expert parallelism itself: load the model without a tp_plan/ep_plan"
         )
+    act = plain_gated(self)
+    if capacity_factor is None and act is not None:  # dropless: one op, sorted by expert (moe/dropless.py)
+        return torch.ops.metadist.moe_dropless(
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act
+        )
     tokens, hidden = hidden_states.shape
     k = top_k_index.shape[-1]
     e = self.num_experts
@@ -159,7 +165,6 @@ def capacity_experts_forward(
     weights = top_k_weights.reshape(*g, tg, k)
     combine = torch.einsum("...ktec,...tk->...tec", placed.to(weights.dtype), weights)
     x = torch.einsum("...tec,...th->...ech", dispatch, hidden_states.reshape(*g, tg, hidden))  # [*G, E, C, H]
-    act = plain_gated(self)
     if act is not None:  # the filled slots only (metadist_torch.moe.experts_ffn)
         counts = placed.any(dim=-4).sum(dim=(-3, -1))  # [*G, E]: slots fill in order, from the first
         fill = min(1.0, k * tg / (e * c))

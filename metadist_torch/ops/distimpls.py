@@ -6,6 +6,7 @@ import functools
 
 from metadist_core.discovery.distimpl import DistImplRegistry
 
+from . import ep_dispatch
 from .cp_attention import FRONTEND, register_torch
 
 
@@ -14,6 +15,7 @@ def torch_impls() -> tuple[DistImplRegistry, str]:
     """The registry of the implementations torch runs (hooks ``simulate`` and ``lower``), and torch's name there."""
     registry = DistImplRegistry()
     register_torch(registry)
+    ep_dispatch.register_torch(registry)
     return registry, FRONTEND
 
 

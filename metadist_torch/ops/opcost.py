@@ -12,6 +12,7 @@ from metadist_core.ir.ir import MetaIR, MetaOp
 from metadist_core.discovery.shardcombine import Unrunnable
 
 from ..trace.calls import TORCH_DTYPES, rebuild, resolve_overload
+from ..moe.dropless import dropless_flops
 from ..moe.experts_ffn import ffn_flops
 
 
@@ -57,6 +58,10 @@ def _counted_flops(
         fill = args[-1] if args and isinstance(args[-1], (int, float)) else 1.0
         x, gate_up = (shapes[1], shapes[3]) if backward else (shapes[0], shapes[2])  # (grad,) x, counts, gate_up
         return ffn_flops(x, gate_up, float(fill), backward)
+    if name in ("moe_dropless", "moe_dropless_backward"):  # the routed rows through the experts (moe/dropless.py)
+        backward = name == "moe_dropless_backward"
+        x, idx, gate_up = (shapes[1], shapes[2], shapes[4]) if backward else (shapes[0], shapes[1], shapes[3])
+        return dropless_flops(x, idx, gate_up) * (3 if backward else 1)
     formula = flop_registry.get(overload.overloadpacket)
     if formula is None:
         return None

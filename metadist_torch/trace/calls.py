@@ -33,7 +33,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 
 
 # MetaDist's own ops that run in isolation for discovery like aten's (metadist_torch.moe.experts_ffn)
-OWN_OPS = frozenset({"experts_ffn", "experts_ffn_backward"})
+OWN_OPS = frozenset({"experts_ffn", "experts_ffn_backward", "moe_dropless", "moe_dropless_backward"})
 
 
 def resolve_overload(key: str) -> torch._ops.OpOverload:
@@ -41,7 +41,7 @@ def resolve_overload(key: str) -> torch._ops.OpOverload:
     anything else."""
     parts = key.split(".")
     if len(parts) == 3 and parts[0] == "metadist" and parts[1] in OWN_OPS:
-        from ..moe import experts_ffn  # noqa: F401  (registers them)
+        from ..moe import dropless, experts_ffn  # noqa: F401  (registers them)
 
         return getattr(getattr(torch.ops.metadist, parts[1]), parts[2])
     if len(parts) not in (2, 3) or parts[0] != "aten":

@@ -73,3 +73,25 @@ def optimizer(model: torch.nn.Module, kind: str = "adamw") -> torch.optim.Optimi
     if kind == "sgd":  # bf16 tests: Adam turns a near-zero gradient's rounding into a whole step of lr
         return torch.optim.SGD(params, lr=0.05, momentum=0.9)
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+def qwen3_moe(hidden: int = 64, experts: int = 32, top_k: int = 8, layers: int = 2) -> torch.nn.Module:
+    """Qwen3-MoE as it is trained: many small experts, top-8 (at 32 experts here), routing weights renormalised."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3 // 2,
+        moe_intermediate_size=hidden // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+    )
+    return Qwen3MoeForCausalLM(cfg)

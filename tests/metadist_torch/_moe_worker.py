@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _moe_models import autocast_step, batch, lm_step, mixtral, one_expert, optimizer, qwen_moe  # noqa: E402
+from _moe_models import autocast_step, batch, lm_step, mixtral, one_expert, optimizer, qwen3_moe, qwen_moe  # noqa: E402
 
 STEPS = 3
 SIZE = dict(hidden=128)  # 16 x 32 tokens: enough that moving tokens to their experts beats replicating the layer
@@ -26,7 +26,14 @@ CASES = {
     "one_expert_ep": (lambda: one_expert(mixtral(top_k=1, **SIZE)), (4,), "ep", lm_step, "adamw", 1e-4),
     # bf16: the experts' sums round in another order than the library's loop (8 bits of mantissa)
     "bf16_ep": (lambda: qwen_moe(**SIZE), (4,), "ep", autocast_step, "sgd", 2e-2),
+    # many small experts, top-8: expert parallelism on axis 0, data parallelism on axis 1; SGD, whose update is
+    # the gradient itself (Adam's would hide an expert gradient off by a constant factor)
+    "qwen3_ep_2x2": (lambda: qwen3_moe(**SIZE), (2, 2), "ep", lm_step, "sgd", 1e-4),
+    "qwen3_auto": (lambda: qwen3_moe(**SIZE), (4,), "auto", lm_step, "adamw", 1e-4),
+    # GShard's capacity-padded dispatch, where a capacity factor is set (tokens past it dropped, as on one device)
+    "mixtral_capacity_ep": (lambda: mixtral(**SIZE), (4,), "ep", lm_step, "adamw", 1e-4),
 }
+OPTIONS = {"mixtral_capacity_ep": {"moe_capacity_factor": 2.0}}
 
 
 def _far(got: torch.Tensor, want: torch.Tensor, rtol: float) -> int:
@@ -41,7 +48,17 @@ def run(name: str) -> dict:
     build, mesh, strategy, step_fn, opt_kind, rtol = CASES[name]
     ref, model = build(), build()
     o_ref, opt = optimizer(ref, opt_kind), optimizer(model, opt_kind)
-    step = metadist_compile(mesh=mesh, strategy=strategy, measure_links=False)(step_fn)
+    options = OPTIONS.get(name, {})
+    step = metadist_compile(mesh=mesh, strategy=strategy, measure_links=False, **options)(step_fn)
+    if options.get("moe_capacity_factor"):  # the reference drops what the dispatch drops
+        from metadist_torch.moe.moe import capacity_dispatch, experts_modules
+
+        plain = step_fn
+
+        def step_fn(m, o, ids, _f=options["moe_capacity_factor"], _mesh=mesh):
+            with capacity_dispatch([e for _, e in experts_modules([m])], _mesh, _f):
+                return plain(m, o, ids)
+
     errors: list[str] = []
     losses, want = [], []
     for s in range(STEPS):
@@ -60,6 +77,8 @@ def run(name: str) -> dict:
 
     plan = step.plan  # each reshard once, as the lowering runs it (the plan's edges list one per reader)
     a2a = sum(c.nbytes for _, c in priced_collectives(plan) if c.kind == "all_to_all") if plan.problem else -1
+    a2a += _dispatch_bytes(step)
+    impls = sorted({i for s in plan.strategies.values() for i in s.impls if i})
     stats = step.comm_stats
     text = plan.explain(presets=False)
     experts = text.split("\nexperts\n", 1)[1].split("\n\n", 1)[0].splitlines() if "\nexperts\n" in text else []
@@ -72,7 +91,27 @@ def run(name: str) -> dict:
         "a2a_counted": int(stats.bytes.get("all_to_all", 0) // STEPS),
         "a2a_calls": int(stats.calls.get("all_to_all", 0) // STEPS),
         "experts": experts,
+        "impls": impls,
     }
+
+
+def _dispatch_bytes(step) -> int:
+    """What the expert-parallel ops put into their all_to_alls on this rank, from their shapes in the plan."""
+    from metadist_core.discovery import moe_dispatch
+    from metadist_core.ir.mesh import Mesh
+    from metadist_core.problem.distimpls import local_shapes
+
+    graph, plan, total = step.graph, step.plan, 0
+    for op in graph.ops:
+        placed = plan.strategies[op.id].impl_axis() if op.id in plan.strategies else None
+        if placed is None or not placed[1].startswith(moe_dispatch.EP):
+            continue
+        shapes = [graph.vars[v].shape for v in op.inputs]
+        local = local_shapes(plan.strategies[op.id], shapes, Mesh(tuple(plan.mesh_shape)), -1)
+        rows = op.inputs[:2] + op.inputs[3:4] if op.key == moe_dispatch.BACKWARD else op.inputs[:1]  # (grad,) x, w
+        item = max(torch.empty((), dtype=getattr(torch, str(graph.vars[v].dtype))).element_size() for v in rows)
+        total += moe_dispatch.dispatch_bytes(op.key, local, item, plan.mesh_shape[placed[0]])
+    return total
 
 
 if __name__ == "__main__":

@@ -334,29 +334,51 @@ def test_bf16_autocast_moe_step_at_world_size_1(tmp_path):
     assert "bfloat16" in {v.dtype for v in step.graph.vars.values()}
 
 
-def test_ep_preset_splits_experts_over_axis_0_and_moves_tokens_by_all_to_all():
+def _ep_plan(capacity_factor=None):
     model = mixtral(hidden=128, experts=4)
     fe = TorchFrontend()
     fe.mesh_shape = (4,)
+    fe.moe_capacity_factor = capacity_factor
     ids = torch.randint(0, 128, (16, 32))
-    tr = fe.trace(lm_step, (model, optimizer(model), ids), {})
-    g = tr.graph
+    g = fe.trace(lm_step, (model, optimizer(model), ids), {}).graph
     mesh = Mesh((4,), alpha=[2e-5], beta=[1e-10])
-    res = plan_graph(g, mesh, settings=load_settings(progress=False, strategy="ep"))
+    settings = load_settings(progress=False, strategy="ep")
+    res = plan_graph(g, mesh, settings=settings, constraints=fe.constraints(g, mesh), traits=fe.traits)
     by = {g.vars[v].label: res.plan.input_shardings[v] for v in g.inputs if g.vars[v].role == "parameter"}
     for i in range(2):
         for w in ("gate_up_proj", "down_proj"):
             assert tuple(by[f"model.layers.{i}.mlp.experts.{w}"]) == (Shard(0),)
         assert tuple(by[f"model.layers.{i}.self_attn.q_proj.weight"]) == (Replicate(),)
-    a2a = [c for _, c in res.plan.collectives() if c.kind == "all_to_all"]
-    assert a2a, res.plan.summary()
-    # the dispatch's all_to_all moves one device's tokens grouped by expert: [1 group, 4 experts, 128 slots, 128]
-    assert 1 * 4 * 128 * 128 * 4 in {c.nbytes for c in a2a}, {c.nbytes for c in a2a}
     text = explain_plan(res.plan, presets=False, problem=res.problem)
     assert (
         "model.layers.0.mlp.experts.gate_up_proj (4 experts, [S(0)]): expert 0 on rank 0; expert 1 on rank 1; "
         "expert 2 on rank 2; expert 3 on rank 3"
     ) in text, text
+    return g, res
+
+
+def test_ep_preset_runs_every_dropless_layer_expert_parallel_on_axis_0():
+    """The tokens travel inside the layer's op (moe.ep, forward and backward), so the plan itself moves none by
+    all_to_all, and no tensor of tokens x experts exists anywhere in the step."""
+    g, res = _ep_plan()
+    layers = [o for o in g.ops if o.key.startswith("metadist.moe_dropless")]
+    assert len(layers) == 4, [o.key for o in layers]  # 2 layers, forward and backward
+    for op in layers:
+        assert res.plan.strategies[op.id].impl_axis()[0] == 0, (op.id, res.plan.strategies[op.id].impls)
+        assert res.plan.strategies[op.id].impl_axis()[1].startswith("moe.ep")
+    assert not [c for _, c in res.plan.collectives() if c.kind == "all_to_all"], res.plan.summary()
+    tokens, experts = 16 * 32, 4
+    assert max(v.numel for v in g.vars.values() if v.shape is not None) < tokens * experts * 128
+
+
+def test_a_capacity_factor_keeps_the_padded_dispatch_whose_tokens_the_plan_moves_by_all_to_all():
+    g, res = _ep_plan(capacity_factor=2.0)
+    assert not any(o.key.startswith("metadist.moe_dropless") for o in g.ops)
+    a2a = [c for _, c in res.plan.collectives() if c.kind == "all_to_all"]
+    assert a2a, res.plan.summary()
+    # the dispatch's all_to_all moves one device's slots grouped by expert: [1 group, 4 experts, C, 128] with
+    # C = ceil(2.0 * top-2 * 128 tokens / 4 experts) = 128
+    assert 1 * 4 * 128 * 128 * 4 in {c.nbytes for c in a2a}, {c.nbytes for c in a2a}
 
 
 def test_plan_the_mixtral_example_for_a_mesh_this_machine_has_not(tmp_path, capsys):
@@ -371,7 +393,8 @@ def test_plan_the_mixtral_example_for_a_mesh_this_machine_has_not(tmp_path, caps
     plan = ShardingPlan.from_json(__import__("json").loads(out.read_text()))
     experts = [v for v, name in plan.labels.items() if ".mlp.experts." in name]
     assert experts and all(tuple(plan.input_shardings[v]) == (Shard(0),) for v in experts)
-    assert any(c.kind == "all_to_all" for _, c in plan.collectives()), "the tokens must reach their experts"
+    ep = [s.impls for s in plan.strategies.values() if any(i.startswith("moe.ep") for i in s.impls)]
+    assert len(ep) == 4, "the tokens must reach their experts: every layer's op, forward and backward, runs moe.ep"
     assert "planned on mesh 4" in capsys.readouterr().out
 
 
@@ -403,18 +426,26 @@ def _check(res):
 
 @pytest.mark.slow
 @pytest.mark.ci
-def test_expert_parallel_mixtral_on_4_ranks_has_one_devices_numbers(tmp_path):
-    """ep on (4,): every expert on its own rank, tokens there and back by all_to_all; the counted bytes are
-    the predicted ones."""
-    res = _launch(tmp_path, ["mixtral_ep"])
+def test_dropless_expert_parallelism_on_4_ranks_has_one_devices_numbers(tmp_path):
+    """ep with the dropless layer: Mixtral on (4,), every expert on its own rank; every token to one expert
+    (the other ranks' experts get none, and every rank still issues the same collectives); a toy Qwen3-MoE
+    (32 experts, top-8) under expert x data parallelism on (2, 2) with SGD, so the experts' gradients are
+    checked as they are. The all_to_all bytes counted are those the plan's shapes give."""
+    res = _launch(tmp_path, ["mixtral_ep", "one_expert_ep", "qwen3_ep_2x2"])
     _check(res)
-    r = res["mixtral_ep"]
-    assert r["a2a_counted"] == r["a2a_predicted"] > 0, r
+    for name, r in res.items():
+        assert r["a2a_counted"] == r["a2a_predicted"] > 0, (name, r)
+        assert r["impls"] == ["moe.ep", "moe.ep.backward"], (name, r["impls"])
+        assert r["a2a_calls"] == 2 * 2 * 3, (name, r["a2a_calls"])  # 2 layers, forward and backward, 3 each
 
 
 @pytest.mark.slow
 def test_moe_models_on_4_ranks_have_one_devices_numbers(tmp_path):
-    """The planner's own choice for Mixtral on (2, 2) and Qwen2-MoE on (4,), Qwen2-MoE under ep on (2, 2),
-    every token to one expert, and bf16 autocast, each over 3 steps against the single-device step."""
-    res = _launch(tmp_path, ["mixtral_auto_2x2", "qwen_auto", "qwen_ep_2x2", "one_expert_ep", "bf16_ep"])
+    """The planner's own choice for Mixtral on (2, 2), Qwen2-MoE and Qwen3-MoE on (4,), Qwen2-MoE under ep on
+    (2, 2), bf16 autocast, and the capacity-padded dispatch (a capacity factor set), each over 3 steps against
+    the single-device step."""
+    cases = ["mixtral_auto_2x2", "qwen_auto", "qwen3_auto", "qwen_ep_2x2", "bf16_ep", "mixtral_capacity_ep"]
+    res = _launch(tmp_path, cases)
     _check(res)
+    r = res["mixtral_capacity_ep"]
+    assert r["impls"] == [] and r["a2a_counted"] == r["a2a_predicted"] > 0, r
