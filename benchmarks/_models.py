@@ -126,3 +126,22 @@ __all__ = [
     "lm_step",
     "lm_step_labels",
 ]
+
+
+def qwen3_moe(seed: int | None = 0, device: str | None = None, **config) -> "torch.nn.Module":
+    """transformers' ``Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))`` (every layer a mixture of experts)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    _quiet_transformers()
+    _seeded(seed)
+    return _build(Qwen3MoeForCausalLM, Qwen3MoeConfig(**{**LLAMA_DEFAULTS, **config}), device)
+
+
+def deepseek_v3(seed: int | None = 0, device: str | None = None, **config) -> "torch.nn.Module":
+    """transformers' ``DeepseekV3ForCausalLM(DeepseekV3Config(**config))``: latent attention, routed experts
+    beside a shared expert, the first ``first_k_dense_replace`` layers dense."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    _quiet_transformers()
+    _seeded(seed)
+    return _build(DeepseekV3ForCausalLM, DeepseekV3Config(**{**LLAMA_DEFAULTS, **config}), device)

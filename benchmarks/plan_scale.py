@@ -32,6 +32,7 @@ table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -114,6 +115,46 @@ REAL = {
     "70b": ("llama-70b", (8, 8, 8), 64, 4096, None),
     "8b-131k": ("llama-8b", (8, 8), 1, 131072, 80 * GiB),
     "8b-131k-nocp": ("llama-8b", (8, 8), 1, 131072, 80 * GiB),
+    "qwen3-moe": ("qwen3-moe-30b", (8, 8), 8, 4096, 80 * GiB),
+    "dsv3-like": ("deepseek-v3-like", (8, 8), 8, 4096, 80 * GiB),
+}
+# mixtures of experts at the shapes they train: Qwen3-30B-A3B (48 layers, 128 experts of width 768, top-8), and
+# DeepSeek-V3's layer (latent attention, 256 routed experts beside a shared one, top-8 of 8 groups, the first
+# layer dense) at width 2,048 and 27 layers; built on the meta device
+MOE_SIZES = {
+    "qwen3-moe-30b": dict(
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        vocab_size=151936,
+    ),
+    "deepseek-v3-like": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        moe_intermediate_size=512,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=1,
+        q_lora_rank=768,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        vocab_size=129280,
+    ),
 }
 # the long-sequence cases: built with transformers' default use_cache (SDPA called with is_causal=True; with
 # use_cache=False it materialises the causal mask, which context parallelism refuses), and planned with the
@@ -122,6 +163,8 @@ REAL = {
 REAL_OPTS: dict[str, dict] = {
     "8b-131k": {"use_cache": True, "impls": True},
     "8b-131k-nocp": {"use_cache": True, "impls": False},
+    "qwen3-moe": {"impls": True},
+    "dsv3-like": {"impls": True},
 }
 # 70B is planned only where the 8B cases stayed under this (MB; the 70B under an 80 GiB budget once passed 24 GB)
 REAL_GATE_MB = 10_000
@@ -144,10 +187,51 @@ def build_llama(model: str, batch: int, seq: int, use_cache: bool = False):
     )
 
 
+def build_real(model: str, batch: int, seq: int, use_cache: bool = False):
+    """A --real case's model on the meta device and its batch: LLaMA (:func:`build_llama`) or a mixture of
+    experts of :data:`MOE_SIZES`."""
+    if model not in MOE_SIZES:
+        return build_llama(model, batch, seq, use_cache=use_cache)
+    import torch
+
+    from benchmarks._models import deepseek_v3, qwen3_moe
+
+    build = qwen3_moe if model.startswith("qwen3") else deepseek_v3
+    built = build(seed=None, device="meta", use_cache=use_cache, max_position_embeddings=seq, **MOE_SIZES[model])
+    return built, torch.randint(0, built.config.vocab_size, (batch, seq), device="meta")
+
+
+@contextlib.contextmanager
+def dense_experts(model):
+    """While inside, each experts module of ``model`` runs as one dense MLP (its first expert's weights on every
+    token, scaled by the token's routing weights so that the router stays in the step): what ``make_fx`` can
+    trace of a mixture of experts, whose routed sizes are data."""
+    from metadist_torch.moe.experts_ffn import _expert, plain_gated
+    from metadist_torch.moe.moe import experts_modules
+
+    mods = [m for _, m in experts_modules([model])]
+    for m in mods:
+        act = plain_gated(m) or "silu"
+        m.forward = lambda h, i, w, _m=m, _a=act: (
+            _expert(h, _m.gate_up_proj[0], _m.down_proj[0], _a) * w.sum(-1, keepdim=True)
+        )
+    try:
+        yield len(mods)
+    finally:
+        for m in mods:
+            del m.forward
+
+
 def yardstick(model, ids) -> tuple[float, int]:
     """Seconds and nodes of torch's own ``make_fx`` of ``model``'s forward and backward on fake tensors
     (``functional_call`` + ``torch.autograd.grad``; ``_allow_non_fake_inputs`` for the meta buffers): what
-    tracing the same step costs torch alone, without the optimizer."""
+    tracing the same step costs torch alone, without the optimizer. A mixture of experts is traced with each
+    experts module as one dense MLP (:func:`dense_experts`)."""
+    with dense_experts(model):
+        return _make_fx_seconds(model, ids)
+
+
+def _make_fx_seconds(model, ids) -> tuple[float, int]:
     import torch
     from torch.func import functional_call
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -238,7 +322,7 @@ def run_real(case: str, cache: str, warm: bool, hand: bool, time_limit: float) -
         "system": "MetaDist (ilp)",
     }
     t0 = time.perf_counter()
-    built = build_llama(model, batch, seq, use_cache=opts.get("use_cache", False))
+    built = build_real(model, batch, seq, use_cache=opts.get("use_cache", False))
     rec["build_model_s"] = time.perf_counter() - t0
     rec["params_b"] = sum(p.numel() for p in built[0].parameters()) / 1e9
     rec["yardstick_s"], rec["yardstick_nodes"] = yardstick(*built)
@@ -282,7 +366,9 @@ def run_real(case: str, cache: str, warm: bool, hand: bool, time_limit: float) -
     rec["ratio"] = rec["total_s"] / rec["yardstick_s"]
     rec.update(_plan_figures(res))
     rec["replicated_ops"], rec["replicated_keys"] = replicated_ops(res.graph, res.rulebook, mesh_shape)
-    rec["cp_ops"] = sum(1 for st in res.plan.strategies.values() if st.impls)
+    impls = [i for st in res.plan.strategies.values() for i in st.impls if i]
+    rec["cp_ops"] = sum(1 for i in impls if i.startswith("cp_attention"))
+    rec["ep_ops"] = sum(1 for i in impls if i.startswith("moe.ep"))
     rec["seq_split"] = "; ".join(line.strip() for line in impl_lines(res.plan)[2:]) or None
     rec["replicated_warnings"] = sum(rep.keys.values())
     rec["patterns"] = len(res.rulebook.entries)
@@ -301,7 +387,7 @@ def run_real(case: str, cache: str, warm: bool, hand: bool, time_limit: float) -
         from metadist_core.plan import memprofile
         from metadist_core.problem.presets import steer
 
-        for name in REAL_HAND:
+        for name in REAL_HAND + (("ep",) if model in MOE_SIZES else ()):
             t0 = time.perf_counter()
             pinned = steer(res.problem, name)
             try:
@@ -410,6 +496,7 @@ REAL_COLS = [
     "gap",
     "replicated_ops",
     "cp_ops",
+    "ep_ops",
     "graph_ops",
     "yardstick_nodes",
     "hand_fsdp_step_s",
@@ -419,6 +506,8 @@ REAL_COLS = [
     "hand_tp+dp_step_s",
     "hand_tp+dp_gib",
     "hand_tp+dp_fits",
+    "hand_ep_step_s",
+    "hand_ep_gib",
     "note",
 ]
 
@@ -468,7 +557,11 @@ def main_real(args) -> None:
         "131,072 tokens under an 80 GiB budget, the model built with transformers' default use_cache (SDPA with "
         "is_causal=True), planned with torch's distributed implementations offered to the solver (8b-131k) or "
         "without them (8b-131k-nocp); `cp_ops`: the ops the plan runs through one (context-parallel attention), "
-        "`seq_split`: where (explain's lines)."
+        "`seq_split`: where (explain's lines). The MoE cases (qwen3-moe: Qwen3-30B-A3B's config; dsv3-like: "
+        "DeepSeek-V3's layer at width 2,048 and 27 layers) at 8 x 4,096 tokens, planned with the distributed "
+        "implementations offered (dropless expert parallelism); their yardstick traces each experts module as "
+        "one dense MLP (make_fx cannot trace routed sizes); `ep_ops`: the ops the plan runs expert-parallel; "
+        "hand_ep: the ep preset on the same problem."
     )
     write_results(f"{NAME}_real", records, REAL_COLS, "Planning LLaMA at real shapes, against torch's trace", notes)
     print(f"wrote {RESULTS / (NAME + '_real.md')}")

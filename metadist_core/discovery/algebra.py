@@ -1,4 +1,5 @@
-"""Rules that follow from an op's dims alone: a reshape by its dim algebra, a copy by its input's placement.
+"""Rules that follow from an op's dims alone: a reshape by its dim algebra, a copy by its input's placement, a
+slice, split, concatenation or slice-scatter by the dims it leaves alone, a new empty tensor by its own size.
 
 A reshape keeps the row-major order of the elements, so which splits pass it, and where they land, is
 :func:`metadist_core.discovery.reshape.reshape_output_placement`'s arithmetic on the two shapes; a copy
@@ -36,16 +37,85 @@ COPIES = frozenset(
     }
 )
 FLOAT_PREFIXES = ("float", "bfloat", "complex")
+#: ops that select, split, join or overwrite along one dim and copy every other dim through: each op's
+#: position of that dim among its arguments. Their tensors split alike on any other dim, and a reduction
+#: pending on every input is pending on the outputs (each output element is one input element)
+ALONG_DIM = {
+    "aten.slice.Tensor": 1,
+    "aten.split_with_sizes.default": 2,
+    "aten.split.Tensor": 2,
+    "aten.cat.default": 1,
+    "aten.slice_scatter.default": 2,
+}
+#: a new tensor of static size and strides whose values are never read before written: any split of it is
+#: its own, whatever its input (which gives only dtype and device) holds
+NEW_EMPTY = frozenset({"aten.new_empty_strided.default"})
 
 
 def has_algebra(op: MetaOp) -> bool:
     """Do ``op``'s rules follow from its shapes alone (:func:`algebra_rules`)?"""
-    return op.key in RESHAPES or op.key in COPIES
+    return op.key in RESHAPES or op.key in COPIES or op.key in ALONG_DIM or op.key in NEW_EMPTY
+
+
+def _arg(op: MetaOp, pos: int, name: str, default: object) -> object:
+    args, kwargs = list(op.attrs.get("args", ())), dict(op.attrs.get("kwargs", {}))
+    return args[pos] if len(args) > pos else kwargs.get(name, default)
+
+
+def _contiguous(shape: tuple[int, ...]) -> list[int]:
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(int(size), 1)
+    return out[::-1]
+
+
+def _along_dim_rules(op: MetaOp, graph: MetaIR, n: int) -> list[ShardingRule] | None:
+    """The rules of an :data:`ALONG_DIM` op at its own shapes; None where its tensors' ranks differ or its dim
+    is not a plain integer."""
+    shapes = [graph.vars[v].shape for v in op.inputs + op.outputs]
+    if not op.outputs or any(s is None for s in shapes) or len({len(s) for s in shapes if s is not None}) != 1:
+        return None
+    ndim = len(shapes[0] or ())
+    dim = _arg(op, ALONG_DIM[op.key], "dim", 0)
+    if not isinstance(dim, int) or ndim == 0:
+        return None
+    dim %= ndim
+    n_in, n_out = len(op.inputs), len(op.outputs)
+    rules = [ShardingRule.replicated(n_in, n_out)]
+    if all(str(graph.vars[v].dtype).startswith(FLOAT_PREFIXES) for v in op.inputs + op.outputs):
+        rules += [ShardingRule((Partial(r),) * n_in, (Partial(r),) * n_out) for r in REDUCE_OPS]
+    for d in range(ndim):
+        if d != dim and all(splits_nonempty(int(s[d]), n) for s in shapes if s is not None):
+            rules.append(ShardingRule((Shard(d),) * n_in, (Shard(d),) * n_out))
+    return rules
+
+
+def _new_empty_rules(op: MetaOp, graph: MetaIR, n: int) -> list[ShardingRule] | None:
+    """The rules of a :data:`NEW_EMPTY` op of contiguous strides: its input as it is (placements of its own),
+    its output whole or split on any dim (the lowering makes the local size)."""
+    if len(op.inputs) != 1 or len(op.outputs) != 1:
+        return None
+    x, y = graph.vars[op.inputs[0]], graph.vars[op.outputs[0]]
+    if x.shape is None or y.shape is None or _arg(op, 2, "stride", None) != _contiguous(tuple(y.shape)):
+        return None
+    rules = [ShardingRule((Replicate(),), (Replicate(),))]
+    rules += [ShardingRule((Replicate(),), (Shard(d),)) for d, s in enumerate(y.shape) if splits_nonempty(int(s), n)]
+    rules += [
+        ShardingRule((Shard(d),), (Shard(d),))
+        for d in range(min(len(x.shape), len(y.shape)))
+        if splits_nonempty(int(x.shape[d]), n) and splits_nonempty(int(y.shape[d]), n)
+    ]
+    return rules
 
 
 def algebra_rules(op: MetaOp, graph: MetaIR, axis_size: int) -> list[ShardingRule] | None:
     """The rules of a reshape or a copy at its own shapes on an axis of ``axis_size`` devices; None when
     ``op`` is neither (or not one tensor in, one tensor out, of known shapes and equal element counts)."""
+    if op.key in ALONG_DIM:
+        return _along_dim_rules(op, graph, axis_size)
+    if op.key in NEW_EMPTY:
+        return _new_empty_rules(op, graph, axis_size)
     if not has_algebra(op) or len(op.inputs) != 1 or len(op.outputs) != 1:
         return None
     x, y = graph.vars[op.inputs[0]], graph.vars[op.outputs[0]]
@@ -67,4 +137,4 @@ def algebra_rules(op: MetaOp, graph: MetaIR, axis_size: int) -> list[ShardingRul
     return rules
 
 
-__all__ = ["RESHAPES", "COPIES", "has_algebra", "algebra_rules"]
+__all__ = ["ALONG_DIM", "COPIES", "NEW_EMPTY", "RESHAPES", "algebra_rules", "has_algebra"]

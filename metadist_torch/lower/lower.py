@@ -66,6 +66,7 @@ SHAPE_ARG_OPS = frozenset(
         "_reshape_alias",
         "slice_backward",
         "select_backward",
+        "new_empty_strided",
     }
 )
 ASYNC_KINDS = frozenset(
@@ -200,6 +201,8 @@ def op_node(
         and len(op.outputs) == 1
     ):
         args[1] = list(shard_shape(graph.vars[op.outputs[0]].shape, out_sh[0], mesh, coords))
+        if op.key.split(".")[1] == "new_empty_strided" and len(args) >= 3:  # contiguous (its rules ask it)
+            args[2] = [int(s) for s in torch.empty(args[1], device="meta").stride()]
     target = STRIDE_FREE.get(op.key) or resolve_target(op.key)
     node = g.create_node("call_function", target, tuple(args), kwargs, name=name)
     select = op.attrs.get("select")
