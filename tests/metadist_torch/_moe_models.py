@@ -95,3 +95,33 @@ def qwen3_moe(hidden: int = 64, experts: int = 32, top_k: int = 8, layers: int =
         max_position_embeddings=64,
     )
     return Qwen3MoeForCausalLM(cfg)
+
+
+def deepseek_v3(hidden: int = 64, experts: int = 8, top_k: int = 2, layers: int = 2) -> torch.nn.Module:
+    """DeepSeek-V3's architecture small: latent attention (a head of a 16-wide part and an 8-wide rotary part),
+    routed experts in groups beside a shared expert, the first layer dense."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        num_experts_per_tok=top_k,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=64,
+    )
+    return DeepseekV3ForCausalLM(cfg)

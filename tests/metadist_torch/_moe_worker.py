@@ -12,7 +12,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _moe_models import autocast_step, batch, lm_step, mixtral, one_expert, optimizer, qwen3_moe, qwen_moe  # noqa: E402
+from _moe_models import (  # noqa: E402
+    autocast_step,
+    batch,
+    deepseek_v3,
+    lm_step,
+    mixtral,
+    one_expert,
+    optimizer,
+    qwen3_moe,
+    qwen_moe,
+)
 
 STEPS = 3
 SIZE = dict(hidden=128)  # 16 x 32 tokens: enough that moving tokens to their experts beats replicating the layer
@@ -30,6 +40,8 @@ CASES = {
     # the gradient itself (Adam's would hide an expert gradient off by a constant factor)
     "qwen3_ep_2x2": (lambda: qwen3_moe(**SIZE), (2, 2), "ep", lm_step, "sgd", 1e-4),
     "qwen3_auto": (lambda: qwen3_moe(**SIZE), (4,), "auto", lm_step, "adamw", 1e-4),
+    # latent attention and grouped routing beside a shared expert; one dense layer, one of experts
+    "dsv3_ep": (lambda: deepseek_v3(**SIZE), (4,), "ep", lm_step, "adamw", 1e-4),
     # GShard's capacity-padded dispatch, where a capacity factor is set (tokens past it dropped, as on one device)
     "mixtral_capacity_ep": (lambda: mixtral(**SIZE), (4,), "ep", lm_step, "adamw", 1e-4),
 }

@@ -442,9 +442,9 @@ def test_dropless_expert_parallelism_on_4_ranks_has_one_devices_numbers(tmp_path
 @pytest.mark.slow
 def test_moe_models_on_4_ranks_have_one_devices_numbers(tmp_path):
     """The planner's own choice for Mixtral on (2, 2), Qwen2-MoE and Qwen3-MoE on (4,), Qwen2-MoE under ep on
-    (2, 2), bf16 autocast, and the capacity-padded dispatch (a capacity factor set), each over 3 steps against
-    the single-device step."""
-    cases = ["mixtral_auto_2x2", "qwen_auto", "qwen3_auto", "qwen_ep_2x2", "bf16_ep", "mixtral_capacity_ep"]
+    (2, 2), a small DeepSeek-V3 (latent attention, grouped routing, a shared expert) under ep, bf16 autocast,
+    and the capacity-padded dispatch (a capacity factor set), each over 3 steps against the single-device step."""
+    cases = ["mixtral_auto_2x2", "qwen_auto", "qwen3_auto", "qwen_ep_2x2", "dsv3_ep", "bf16_ep", "mixtral_capacity_ep"]
     res = _launch(tmp_path, cases)
     _check(res)
     r = res["mixtral_capacity_ep"]
