@@ -250,9 +250,10 @@ class Settings:
     )
     moe_capacity_factor: float | None = _setting(
         None,
-        "Slots per expert in a mixture-of-experts layer, as a multiple of its even share of the routed tokens; "
-        "a token past its expert's slots is dropped. none: every token fits, none is dropped.",
-        shown="none (no token dropped)",
+        "Set: a mixture-of-experts layer runs GShard's capacity-padded dispatch with this many slots per "
+        "expert, as a multiple of its even share of the routed tokens; a token past its expert's slots is "
+        "dropped. none: the dropless layer (tokens sorted by expert, none dropped, nothing padded).",
+        shown="none (dropless)",
     )
     compile_options: dict | None = _setting(
         None,

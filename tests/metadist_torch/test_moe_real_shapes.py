@@ -31,7 +31,7 @@ def _graph(model: str, layers: int):
         MOE_SIZES[model] = sizes
 
 
-@pytest.mark.parametrize("model", ["qwen3-moe-30b", "deepseek-v3-like"])
+@pytest.mark.parametrize("model", [pytest.param("qwen3-moe-30b", marks=pytest.mark.slow), "deepseek-v3-like"])
 def test_the_layers_ops_without_a_proxy_keep_their_rules_at_8_x_4096(model):
     """The lean variant: the experts layer's op gets its declared rules; every slice, split, concatenation,
     slice-scatter and new empty tensor (latent attention's 192-wide heads cut into 128 + 64, which no proxy
