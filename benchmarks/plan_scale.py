@@ -563,7 +563,13 @@ def main_real(args) -> None:
         "one dense MLP (make_fx cannot trace routed sizes); `ep_ops`: the ops the plan runs expert-parallel; "
         "hand_ep: the ep preset on the same problem."
     )
-    write_results(f"{NAME}_real", records, REAL_COLS, "Planning LLaMA and mixtures of experts at real shapes, against torch's trace", notes)
+    write_results(
+        f"{NAME}_real",
+        records,
+        REAL_COLS,
+        "Planning LLaMA and mixtures of experts at real shapes, against torch's trace",
+        notes,
+    )
     print(f"wrote {RESULTS / (NAME + '_real.md')}")
 
 

@@ -85,11 +85,12 @@ def run(name: str) -> dict:
     # Adam turns a near-zero gradient summed in another order into a whole step of lr: a few in 1e5 may flip
     if far > 1e-4 * total:
         errors.append(f"{far} of {total} parameter elements differ by more than rtol {rtol}")
+    from metadist_core.plan.implbytes import moe_dispatch_bytes
     from metadist_core.plan.overlap import priced_collectives
 
     plan = step.plan  # each reshard once, as the lowering runs it (the plan's edges list one per reader)
     a2a = sum(c.nbytes for _, c in priced_collectives(plan) if c.kind == "all_to_all") if plan.problem else -1
-    a2a += _dispatch_bytes(step)
+    a2a += moe_dispatch_bytes(step.graph, plan)[0]  # inside the expert-parallel ops
     impls = sorted({i for s in plan.strategies.values() for i in s.impls if i})
     stats = step.comm_stats
     text = plan.explain(presets=False)
@@ -105,25 +106,6 @@ def run(name: str) -> dict:
         "experts": experts,
         "impls": impls,
     }
-
-
-def _dispatch_bytes(step) -> int:
-    """What the expert-parallel ops put into their all_to_alls on this rank, from their shapes in the plan."""
-    from metadist_core.discovery import moe_dispatch
-    from metadist_core.ir.mesh import Mesh
-    from metadist_core.problem.distimpls import local_shapes
-
-    graph, plan, total = step.graph, step.plan, 0
-    for op in graph.ops:
-        placed = plan.strategies[op.id].impl_axis() if op.id in plan.strategies else None
-        if placed is None or not placed[1].startswith(moe_dispatch.EP):
-            continue
-        shapes = [graph.vars[v].shape for v in op.inputs]
-        local = local_shapes(plan.strategies[op.id], shapes, Mesh(tuple(plan.mesh_shape)), -1)
-        rows = op.inputs[:2] + op.inputs[3:4] if op.key == moe_dispatch.BACKWARD else op.inputs[:1]  # (grad,) x, w
-        item = max(torch.empty((), dtype=getattr(torch, str(graph.vars[v].dtype))).element_size() for v in rows)
-        total += moe_dispatch.dispatch_bytes(op.key, local, item, plan.mesh_shape[placed[0]])
-    return total
 
 
 if __name__ == "__main__":
