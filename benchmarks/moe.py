@@ -31,7 +31,7 @@ Systems on 4 gloo ranks (one launch per model, one thread each):
   replicated over axis 1, the tokens split over both (data parallelism on axis 1);
 - ``metadist_padded_ep``: ep on 4 with ``moe_capacity_factor`` = experts / top_k: the capacity-padded one-hot
   dispatch (:func:`metadist_torch.moe.moe.capacity_experts_forward`) with a capacity of every token of a
-  group, so none is dropped (the layer MetaDist traced by default before the dropless op);
+  group, so none is dropped;
 - ``metadist_ep_cf1``: ep on 4 with ``moe_capacity_factor=1.0``: the padded dispatch at an expert's even
   share, tokens past it dropped.
 

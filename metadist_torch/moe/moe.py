@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers traced as a capacity-padded dispatch: static shapes, ops ShardCombine can run.
+"""Mixture-of-experts layers traced with static shapes: one dropless op, or a capacity-padded dispatch.
 
 transformers (5.x) computes a layer's experts with a data-dependent program: an
 eager loop over the experts hit (``nonzero``, ``torch.where``, ``index_add_``),
@@ -6,30 +6,31 @@ or ``torch._grouped_mm`` on tokens sorted by expert, whose group sizes are
 data. Neither has a shape a fake-tensor trace can know. While a step is traced,
 every experts module that transformers' ``use_experts_implementation`` made
 (``num_experts``, 3-D ``gate_up_proj``/``up_proj`` and ``down_proj``) runs
-:func:`capacity_experts_forward` instead, GShard's formulation:
+:func:`capacity_experts_forward` instead:
 
-- the tokens are cut into groups, one per device (the mesh's shape, where its
-  size divides the token count), and each expert takes up to ``C`` tokens of
-  each group;
-- a one-hot dispatch ``[*G, T/G, E, C]`` built from the router's
-  ``top_k_index`` (compare, cumsum) moves the tokens into ``[*G, E, C, H]`` by
-  an einsum; the experts run on their filled slots (``metadist::experts_ffn``,
-  :mod:`metadist_torch.moe.experts_ffn`, for a gated feed-forward without biases) or
-  as batched matmuls over every slot (any other experts module), and a combine
-  tensor carrying the routing weights brings them back to ``[T, H]``.
+- a gated feed-forward without biases, with no capacity factor set, is one op,
+  ``metadist::moe_dropless`` (:mod:`metadist_torch.moe.dropless`): every token
+  through its experts, none dropped, the routed sizes inside the op;
+- any other experts module, or any with ``moe_capacity_factor`` set, runs GShard's
+  formulation: the tokens are cut into groups, one per device (the mesh's shape,
+  where its size divides the token count), and each expert takes up to ``C``
+  tokens of each group; a one-hot dispatch ``[*G, T/G, E, C]`` built from the
+  router's ``top_k_index`` (compare, cumsum) moves the tokens into
+  ``[*G, E, C, H]`` by an einsum; the experts run on their filled slots
+  (``metadist::experts_ffn``, :mod:`metadist_torch.moe.experts_ffn`, for a gated
+  feed-forward without biases) or as batched matmuls over every slot, and a
+  combine tensor carrying the routing weights brings them back to ``[T, H]``.
 
-Every shape is static, so ShardCombine discovers the rules of each op as of any
-other (expert weights split on the expert dim, tokens grouped by expert), and
-the planner's Shard(G) -> Shard(E) reshard is an all_to_all. A group dim per
-mesh axis lets the tokens leave their group on one axis (to the experts
-split over it) while they stay split on the others. By default
-``C = T/G``: no token is ever dropped and the numbers are those of the user's
-own layer (summed in another order). ``moe_capacity_factor`` sets
-``C = ceil(factor * top_k * T/G / E)``: tokens past an expert's capacity in
-their group are dropped, first choices before second choices, as in GShard.
-The cost of no dropping: the dispatch, the combine and the all_to_all work on
-``E / top_k`` times the routed tokens, and the dispatch mask holds
-``top_k * T * E * C`` elements.
+In the padded dispatch every shape is static, so ShardCombine discovers the
+rules of each op as of any other (expert weights split on the expert dim,
+tokens grouped by expert), and the planner's Shard(G) -> Shard(E) reshard is an
+all_to_all. A group dim per mesh axis lets the tokens leave their group on one
+axis (to the experts split over it) while they stay split on the others.
+``moe_capacity_factor`` sets ``C = ceil(factor * top_k * T/G / E)`` (at most
+``T/G``): tokens past an expert's capacity in their group are dropped, first
+choices before second choices, as in GShard. Without dropping (``C = T/G``) the
+dispatch, the combine and the all_to_all work on ``E / top_k`` times the routed
+tokens, and the dispatch mask holds ``top_k * T * E * C`` elements.
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ def capacity_experts_forward(
     capacity_factor: float | None = None,
 ) -> torch.Tensor:
     """transformers' experts forward ``(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` as
-    a capacity-padded dispatch (the module docstring)."""
+    the dropless op or a capacity-padded dispatch (the module docstring)."""
     if getattr(self, "_is_expert_parallel", False):
         raise ValueError(
             f"{type(self).__name__} is set up for transformers' own expert parallelism; "
