@@ -145,7 +145,11 @@ def test_plugin_is_found_and_owns_aten_and_metadists_own_runnable_ops(tiny):
     pm = PluginManager()
     assert "torch" in pm.names("frontend")
     fe = pm.frontend("torch")
-    assert fe.name == "torch" and tuple(fe.traits.op_prefixes) == ("aten.", "metadist.experts_ffn")
+    assert fe.name == "torch" and tuple(fe.traits.op_prefixes) == (
+        "aten.",
+        "metadist.experts_ffn",
+        "metadist.moe_dropless",
+    )
     op = tiny.op("mm")
     assert fe.traits.owns(op) and pm.owner(op) is fe
     spec = pm.op_spec(op, tiny)
@@ -156,6 +160,7 @@ def test_plugin_is_found_and_owns_aten_and_metadists_own_runnable_ops(tiny):
     assert not fe.traits.owns(other)
     assert not fe.traits.owns(type(op)("y", "mylib.op.default", op.inputs, op.outputs, {}))  # a user's custom op
     assert fe.traits.owns(type(op)("z", "metadist.experts_ffn_backward.default", op.inputs, op.outputs, {}))
+    assert fe.traits.owns(type(op)("w", "metadist.moe_dropless_backward.default", op.inputs, op.outputs, {}))
     assert pm.op_cost(op, tiny) == op_cost(op, tiny)
 
 
