@@ -13,6 +13,7 @@ nodes), which is all coarsening needs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -163,12 +164,8 @@ class Terms:
     def memory_profile(self, choice: np.ndarray, on: np.ndarray | None = None) -> np.ndarray:
         """Bytes per device live at each position -1 .. n_steps (index 0 is position -1), with the toggles
         ``on`` (None: all off)."""
-        prof = np.zeros(self.n_steps + 3)
-        for m, sg in [(m, 1) for m in self.mem] + _toggle_terms(on, self.toggles):
-            b = sg * m.nbytes[0 if m.node < 0 else choice[m.node]]
-            prof[m.start + 1] += b
-            prof[m.end + 2] -= b
-        return np.cumsum(prof)[:-1]
+        terms = [(m, 1) for m in self.mem] + _toggle_terms(on, self.toggles)
+        return _live_bytes(self.n_steps, [(m, sg * m.nbytes[0 if m.node < 0 else choice[m.node]]) for m, sg in terms])
 
     def least_peak_bound(self) -> int:
         """A lower bound on the peak of every allowed plan: at each position, each live value at the least
@@ -177,18 +174,14 @@ class Terms:
         if not self.mem:
             return 0
         droppable = {m.node for t in self.toggles for m in t.mem_drop}
-        prof = np.zeros(self.n_steps + 3)
-        for m in self.mem:
-            if m.node in droppable:
-                continue
+
+        def least(m: Any) -> float:
             if m.node < 0:
-                b = float(m.nbytes[0])
-            else:
-                ok = self.allowed[m.node]
-                b = float(m.nbytes[ok].min() if ok.any() else m.nbytes.min())
-            prof[m.start + 1] += b
-            prof[m.end + 2] -= b
-        return int(np.cumsum(prof)[:-1].max())
+                return float(m.nbytes[0])
+            ok = self.allowed[m.node]
+            return float(m.nbytes[ok].min() if ok.any() else m.nbytes.min())
+
+        return int(_live_bytes(self.n_steps, [(m, least(m)) for m in self.mem if m.node not in droppable]).max())
 
     def peak_memory(self, choice: np.ndarray, on: np.ndarray | None = None) -> int:
         if not self.mem:
@@ -205,6 +198,16 @@ class Terms:
             adj[e.src].append((j, True))
             adj[e.dst].append((j, False))
         return adj
+
+
+def _live_bytes(n_steps: int, held: Sequence[tuple[Any, float]]) -> np.ndarray:
+    """Bytes live at each position -1 .. n_steps (index 0 is position -1), each memory term ``m`` holding its
+    bytes from ``m.start`` to ``m.end``."""
+    prof = np.zeros(n_steps + 3)
+    for m, b in held:
+        prof[m.start + 1] += b
+        prof[m.end + 2] -= b
+    return np.cumsum(prof)[:-1]
 
 
 def _fold_per_reader(g: SharedTerm, unary: list[np.ndarray], edges: list[EdgeTerm]) -> float:
