@@ -12,6 +12,7 @@ batch of 64), so such ops are never left to run replicated for want of a run.
 
 from __future__ import annotations
 
+from metadist_core.discovery.canonical import encoded_arg
 from metadist_core.discovery.reshape import reshape_output_placement
 from metadist_core.discovery.rules import ShardingRule
 from metadist_core.ir.ir import MetaIR, MetaOp
@@ -57,11 +58,6 @@ def has_algebra(op: MetaOp) -> bool:
     return op.key in RESHAPES or op.key in COPIES or op.key in ALONG_DIM or op.key in NEW_EMPTY
 
 
-def _arg(op: MetaOp, pos: int, name: str, default: object) -> object:
-    args, kwargs = list(op.attrs.get("args", ())), dict(op.attrs.get("kwargs", {}))
-    return args[pos] if len(args) > pos else kwargs.get(name, default)
-
-
 def _contiguous(shape: tuple[int, ...]) -> list[int]:
     out, step = [], 1
     for size in reversed(shape):
@@ -77,7 +73,7 @@ def _along_dim_rules(op: MetaOp, graph: MetaIR, n: int) -> list[ShardingRule] | 
     if not op.outputs or any(s is None for s in shapes) or len({len(s) for s in shapes if s is not None}) != 1:
         return None
     ndim = len(shapes[0] or ())
-    dim = _arg(op, ALONG_DIM[op.key], "dim", 0)
+    dim = encoded_arg(op.attrs, ALONG_DIM[op.key], "dim", 0)
     if not isinstance(dim, int) or ndim == 0:
         return None
     dim %= ndim
@@ -97,7 +93,7 @@ def _new_empty_rules(op: MetaOp, graph: MetaIR, n: int) -> list[ShardingRule] | 
     if len(op.inputs) != 1 or len(op.outputs) != 1:
         return None
     x, y = graph.vars[op.inputs[0]], graph.vars[op.outputs[0]]
-    if x.shape is None or y.shape is None or _arg(op, 2, "stride", None) != _contiguous(tuple(y.shape)):
+    if x.shape is None or y.shape is None or encoded_arg(op.attrs, 2, "stride") != _contiguous(tuple(y.shape)):
         return None
     rules = [ShardingRule((Replicate(),), (Replicate(),))]
     rules += [ShardingRule((Replicate(),), (Shard(d),)) for d, s in enumerate(y.shape) if splits_nonempty(int(s), n)]

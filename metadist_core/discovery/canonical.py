@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping, Sequence
 Shapes = Sequence[Sequence[int] | None]
 
 
-def _arg(attrs: Mapping[str, Any] | None, pos: int, name: str, default: Any = None) -> Any:
+def encoded_arg(attrs: Mapping[str, Any] | None, pos: int, name: str, default: Any = None) -> Any:
     """Argument ``name`` (positional ``pos`` of the call) from a frontend's attrs."""
     attrs = attrs or {}
     args = attrs.get("args")
@@ -62,15 +62,15 @@ def _dot_general(attrs: Mapping[str, Any] | None, shapes: Shapes) -> str | None:
 
 def _te_matmul(attrs: Mapping[str, Any] | None, shapes: Shapes) -> str | None:
     # tvm.topi.nn.matmul(a, b, bias=None, out_dtype=None, transpose_a=False, transpose_b=False)
-    if not _tensors_are(shapes, 2, 2) or _arg(attrs, 2, "bias") is not None:
+    if not _tensors_are(shapes, 2, 2) or encoded_arg(attrs, 2, "bias") is not None:
         return None
-    ta, tb = bool(_arg(attrs, 4, "transpose_a", False)), bool(_arg(attrs, 5, "transpose_b", False))
+    ta, tb = bool(encoded_arg(attrs, 4, "transpose_a", False)), bool(encoded_arg(attrs, 5, "transpose_b", False))
     return {(False, False): "matmul", (False, True): "matmul_nt"}.get((ta, tb))
 
 
 def _te_dense(attrs: Mapping[str, Any] | None, shapes: Shapes) -> str | None:
     # tvm.topi.nn.dense(data, weight, bias=None): data @ weight.T
-    if not _tensors_are(shapes, 2, 2) or _arg(attrs, 2, "bias") is not None:
+    if not _tensors_are(shapes, 2, 2) or encoded_arg(attrs, 2, "bias") is not None:
         return None
     return "matmul_nt"
 
@@ -101,7 +101,7 @@ def _binary(name: str) -> Callable[[Any, Shapes], str | None]:
 
 
 def _aten_add(attrs: Mapping[str, Any] | None, shapes: Shapes) -> str | None:
-    alpha = _arg(attrs, 2, "alpha", 1)
+    alpha = encoded_arg(attrs, 2, "alpha", 1)
     return _binary("add")(attrs, shapes) if alpha in (1, 1.0, None) else None
 
 
@@ -109,10 +109,10 @@ def _softmax_last(axis_pos: int, axis_name: str) -> Callable[[Any, Shapes], str 
     def rule(attrs: Any, shapes: Shapes) -> str | None:
         if len(shapes) != 1 or shapes[0] is None:
             return None
-        axis = _arg(attrs, axis_pos, axis_name, -1)
+        axis = encoded_arg(attrs, axis_pos, axis_name, -1)
         nd = len(shapes[0])
         if isinstance(axis, int) and nd and axis % nd == nd - 1:
-            if axis_name == "dim" and _arg(attrs, 2, "half_to_float", False):
+            if axis_name == "dim" and encoded_arg(attrs, 2, "half_to_float", False):
                 return None
             return "softmax"
         return None
