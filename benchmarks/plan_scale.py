@@ -206,14 +206,14 @@ def dense_experts(model):
     """While inside, each experts module of ``model`` runs as one dense MLP (its first expert's weights on every
     token, scaled by the token's routing weights so that the router stays in the step): what ``make_fx`` can
     trace of a mixture of experts, whose routed sizes are data."""
-    from metadist_torch.moe.experts_ffn import _expert, plain_gated
+    from metadist_torch.moe.experts_ffn import expert_forward, plain_gated
     from metadist_torch.moe.moe import experts_modules
 
     mods = [m for _, m in experts_modules([model])]
     for m in mods:
         act = plain_gated(m) or "silu"
         m.forward = lambda h, i, w, _m=m, _a=act: (
-            _expert(h, _m.gate_up_proj[0], _m.down_proj[0], _a) * w.sum(-1, keepdim=True)
+            expert_forward(h, _m.gate_up_proj[0], _m.down_proj[0], _a) * w.sum(-1, keepdim=True)
         )
     try:
         yield len(mods)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .experts_ffn import _expert, _expert_backward
+from .experts_ffn import expert_backward, expert_forward
 
 Tensor = torch.Tensor
 
@@ -43,11 +43,15 @@ class Dispatched:
 def dispatch(rows_of_tokens: Tensor, idx: Tensor, num_experts: int) -> Dispatched:
     """Sort a rank's (token, expert) pairs by expert. ``rows_of_tokens [T, D]``: what each pair carries of its
     token (the token's row; in the backward, with its output gradient and weight beside it)."""
-    flat = idx.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    order, counts = _sorted_pairs(idx, num_experts)
     k = idx.shape[-1] if idx.dim() > 1 else 1
     return Dispatched(order, rows_of_tokens[order // k], counts)
+
+
+def _sorted_pairs(idx: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """The pairs (``token * k + choice``) in expert order, and how many each expert has."""
+    flat = idx.reshape(-1).to(torch.int64)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
 
 
 def group_permutation(recv_counts: Tensor) -> list[int]:
@@ -69,27 +73,33 @@ def group_permutation(recv_counts: Tensor) -> list[int]:
     return perm
 
 
-def _expert_ranges(recv_counts: Tensor) -> list[tuple[int, int]]:
-    per_expert = [int(c) for c in recv_counts.sum(0).tolist()]
-    out, lo = [], 0
-    for c in per_expert:
-        out.append((lo, lo + c))
+def _by_expert(recv: Tensor, recv_counts: Tensor) -> tuple[Tensor, Tensor, list[tuple[int, int, int]]]:
+    """The received rows grouped by local expert: the permutation, the grouped rows, and (expert, first row,
+    end row) of each expert that has rows."""
+    perm = torch.tensor(group_permutation(recv_counts), dtype=torch.int64, device=recv.device)
+    ranges, lo = [], 0
+    for e, c in enumerate(int(c) for c in recv_counts.sum(0).tolist()):
+        if c:
+            ranges.append((e, lo, lo + c))
         lo += c
+    return perm, recv[perm], ranges
+
+
+def _received_order(perm: Tensor, grouped: Tensor) -> Tensor:
+    """Rows grouped by expert put back in the order they were received."""
+    out = torch.empty_like(grouped)
+    out[perm] = grouped
     return out
 
 
 def run_experts(recv: Tensor, recv_counts: Tensor, gate_up: Tensor, down: Tensor, act: str) -> Tensor:
     """The local experts (``gate_up``/``down`` hold ``E_local`` of them) on the rows a rank received: each
     expert once, on its rows from every rank; the results in the rows' received order."""
-    perm = torch.tensor(group_permutation(recv_counts), dtype=torch.int64, device=recv.device)
-    grouped = recv[perm]
-    out = recv.new_empty((recv.shape[0], down.shape[1]))
-    y = torch.empty_like(out)
-    for e, (lo, hi) in enumerate(_expert_ranges(recv_counts)):
-        if hi > lo:
-            y[lo:hi] = _expert(grouped[lo:hi], gate_up[e], down[e], act)
-    out[perm] = y
-    return out
+    perm, grouped, ranges = _by_expert(recv, recv_counts)
+    y = recv.new_empty((recv.shape[0], down.shape[1]))
+    for e, lo, hi in ranges:
+        y[lo:hi] = expert_forward(grouped[lo:hi], gate_up[e], down[e], act)
+    return _received_order(perm, y)
 
 
 def run_experts_backward(
@@ -99,21 +109,16 @@ def run_experts_backward(
     its routing weight. Returns rows ``[rows, H + 1]`` (the token row's gradient and the weight's), in the
     received order, and the local experts' weight gradients."""
     h = down.shape[1]
-    perm = torch.tensor(group_permutation(recv_counts), dtype=torch.int64, device=recv.device)
-    grouped = recv[perm]
-    back = recv.new_zeros((recv.shape[0], h + 1))
-    res = torch.empty_like(back)
+    perm, grouped, ranges = _by_expert(recv, recv_counts)
+    res = recv.new_empty((recv.shape[0], h + 1))
     g_gate_up, g_down = torch.zeros_like(gate_up), torch.zeros_like(down)
-    for e, (lo, hi) in enumerate(_expert_ranges(recv_counts)):
-        if hi == lo:
-            continue
+    for e, lo, hi in ranges:
         xe, ge, we = grouped[lo:hi, :h], grouped[lo:hi, h : 2 * h], grouped[lo:hi, 2 * h :]
-        y = _expert(xe, gate_up[e], down[e], act)
-        dx, g_gate_up[e], g_down[e] = _expert_backward(ge * we, xe, gate_up[e], down[e], act)
+        y = expert_forward(xe, gate_up[e], down[e], act)
+        dx, g_gate_up[e], g_down[e] = expert_backward(ge * we, xe, gate_up[e], down[e], act)
         res[lo:hi, :h] = dx
         res[lo:hi, h:] = (ge * y).sum(-1, keepdim=True)
-    back[perm] = res
-    return back, g_gate_up, g_down
+    return _received_order(perm, res), g_gate_up, g_down
 
 
 def combine(returned: Tensor, order: Tensor, tokens: int, k: int) -> Tensor:
@@ -140,9 +145,8 @@ def backward_rows(grad: Tensor, x: Tensor, w: Tensor) -> Tensor:
 
 def dispatch_pairs(pair_rows: Tensor, idx: Tensor, num_experts: int) -> Dispatched:
     """:func:`dispatch` for rows already one per pair (``[T * k, D]`` in pair order)."""
-    flat = idx.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
-    return Dispatched(order, pair_rows[order], torch.bincount(flat, minlength=num_experts))
+    order, counts = _sorted_pairs(idx, num_experts)
+    return Dispatched(order, pair_rows[order], counts)
 
 
 def backward_results(back: Tensor, order: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:

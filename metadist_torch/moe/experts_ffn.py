@@ -48,7 +48,8 @@ def _filled(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, list[l
     return x.reshape(-1, e, c, h), n
 
 
-def _expert(xe: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+def expert_forward(xe: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
+    """One expert's gated feed-forward ``down(act(gate(xe)) * up(xe))`` on its rows ``xe``."""
     gate, up = F.linear(xe, gate_up.to(xe.dtype)).chunk(2, dim=-1)
     return F.linear(ACTIVATIONS[act](gate) * up, down.to(xe.dtype))
 
@@ -64,7 +65,7 @@ def experts_ffn(
         rows = [(g, n[g][e]) for g in range(xf.shape[0]) if n[g][e] > 0]
         if not rows:
             continue
-        ye = _expert(torch.cat([xf[g, e, :k] for g, k in rows]), gate_up[e], down[e], act)
+        ye = expert_forward(torch.cat([xf[g, e, :k] for g, k in rows]), gate_up[e], down[e], act)
         start = 0
         for g, k in rows:
             out[g, e, :k] = ye[start : start + k]
@@ -77,7 +78,7 @@ def _experts_ffn_fake(x, counts, gate_up, down, act, fill):
     return x.new_empty(x.shape[:-1] + (down.shape[1],))
 
 
-def _expert_backward(
+def expert_backward(
     dy: torch.Tensor, xe: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One expert's gradients for its rows ``xe``, its ``gate_up`` and ``down``, from ``dy``."""
@@ -110,7 +111,7 @@ def experts_ffn_backward(
         if not rows:
             continue
         xe = torch.cat([xf[g, e, :k] for g, k in rows])
-        dx, g_gate_up[e], g_down[e] = _expert_backward(
+        dx, g_gate_up[e], g_down[e] = expert_backward(
             torch.cat([gf[g, e, :k] for g, k in rows]), xe, gate_up[e], down[e], act
         )
         start = 0
@@ -168,4 +169,12 @@ def plain_gated(module: torch.nn.Module) -> str | None:
     return None
 
 
-__all__ = ["ACTIVATIONS", "experts_ffn", "experts_ffn_backward", "ffn_flops", "plain_gated"]
+__all__ = [
+    "ACTIVATIONS",
+    "expert_backward",
+    "expert_forward",
+    "experts_ffn",
+    "experts_ffn_backward",
+    "ffn_flops",
+    "plain_gated",
+]
