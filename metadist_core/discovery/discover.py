@@ -6,9 +6,11 @@ more than a narrow one: each pattern runs once, at small proxy sizes, twice
 (two proxy instances; a rule must hold at both), on every axis size of the
 mesh, the smallest axis first: on a larger axis the first proxy instance tries
 the input placements of the rules the smaller one verified (:func:`seed_combos`).
-An op the frontend cannot run at proxy sizes (or whose pattern a proxy
-cannot keep) is discovered at its real shapes; a reshape or a copy takes its
-rules from its dim algebra there, without a run (:mod:`metadist_core.discovery.algebra`). Patterns already in the RuleBook
+Views, reshapes, copies, transposes and expands take their rules from their dim
+algebra at their own sizes, without a run (:mod:`metadist_core.discovery.algebra`). An
+op the frontend cannot run at proxy sizes (or whose pattern a proxy cannot keep)
+is discovered at its real shapes; a slice, split or concatenation takes its
+rules from its dim algebra there. Patterns already in the RuleBook
 (the on-disk cache) are not run again. An op whose frontend cannot run it in
 isolation, or for which no rule verifies, is recorded as running replicated,
 with one warning naming the op.
@@ -30,7 +32,7 @@ from metadist_core.discovery.rules import OpRules, RuleBook, ShardingRule
 from metadist_core.discovery.shardcombine import DRAWS, DiscoveryStats, OpSpec, RandomOp, Unrunnable, discover_rules
 from metadist_core.discovery.verify import scalars_of
 from metadist_core.discovery.forkpool import discover_forked
-from metadist_core.discovery.algebra import algebra_rules
+from metadist_core.discovery.algebra import FIRST as ALGEBRA_FIRST, algebra_rules
 from metadist_core.discovery.moe_dispatch import declared_rules
 import multiprocessing
 import os
@@ -83,8 +85,9 @@ def discover(
             proxies = _proxies_ok(ops, op)
             mk = (op.signature(graph), n, proxies)
             pat = memo.get(mk)
-            if pat is None:
-                pat = memo[mk] = op_pattern(op, graph, n, proxies)
+            if pat is None:  # a view or a copy: its rules from its dims at its own sizes, no proxy run
+                exact = op.key in ALGEBRA_FIRST and algebra_rules(op, graph, n) is not None
+                pat = memo[mk] = op_pattern(op, graph, n, proxies and not exact)
             if pat.key in seen:
                 continue
             seen.add(pat.key)
