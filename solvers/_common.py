@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Callable
 
 import numpy as np
 
-from metadist_core.problem.coarsen import coarsen
+from metadist_core.problem.coarsen import Coarsening, coarsen
 from metadist_core.plan.plan import ShardingPlan
 from metadist_core.problem.problem import InfeasibleBudgetError, ShardingProblem
 from metadist_core.problem.terms import Terms
@@ -28,11 +29,7 @@ def over_budget(peak: float, budget: float | None) -> bool:
 def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsSolver) -> ShardingPlan:
     """Coarsen (unless ``options['coarsen']`` is False), run ``fn`` on the Terms, and build the plan."""
     t0 = time.perf_counter()
-    co_opts = options.get("coarsen", True)
-    if co_opts is False:
-        co = coarsen(problem, followers=False, fixed=True, tie_layers=False)
-    else:
-        co = coarsen(problem, tie_layers=bool(options.get("tie_layers", True)))
+    co = coarsened(problem, options)
     t1 = time.perf_counter()
     if problem.mesh.ndim > 1:  # what the axis descent needs to slice options by mesh axis (solvers/_axes.py)
         from ._axes import axis_codes
@@ -70,6 +67,30 @@ def solve_problem(problem: ShardingProblem, options: dict, name: str, fn: TermsS
             f"budget of {problem.memory_budget:,}; this is a solver bug"
         )
     return plan
+
+
+def coarsened(problem: ShardingProblem, options: dict) -> Coarsening:
+    """``problem`` coarsened as ``options`` say (``coarsen``: False keeps every node but the fixed ones;
+    ``tie_layers``), kept with the problem's terms: the same problem solved again under another budget
+    (:meth:`ShardingProblem.with_budget`, which shares its terms) is not coarsened again."""
+    plain = options.get("coarsen", True) is False
+    tie = False if plain else bool(options.get("tie_layers", True))
+    problem.terms()  # builds the shared terms once
+    kept = problem.__dict__["_terms_cache"].__dict__.setdefault("_coarsenings", {})
+    key = (plain, tie, tuple(id(t) for t in problem.toggles), id(problem.step_map))
+    hit = kept.get(key)
+    if hit is None:
+        co = (
+            coarsen(problem, followers=False, fixed=True, tie_layers=False)
+            if plain
+            else coarsen(problem, tie_layers=tie)
+        )
+        kept[key] = (co, list(problem.toggles), problem.step_map)  # the toggles kept alive: their ids stay theirs
+        return co
+    co = copy.copy(hit[0])
+    co.terms = copy.copy(co.terms)
+    co.terms.budget = problem.memory_budget
+    return co
 
 
 class MemIndex:

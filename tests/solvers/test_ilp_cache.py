@@ -177,3 +177,26 @@ def test_the_ilp_solver_keeps_its_answers_within_cache_mb(pm, tmp_path):
         for p in _entries(tmp_path):  # distinct times: the one just written is the newest
             os.utime(p, (1000 + k, 1000 + k))
         assert len(_entries(tmp_path)) == 1  # the limit of 0 keeps only the newest answer
+
+
+def test_a_problem_solved_again_under_another_budget_is_coarsened_once(pm, monkeypatch):
+    """The same problem under a tighter budget (what fitting the collectives' buffers does) shares its
+    coarsening; each solve still holds its own budget, and an edited copy of the problem is coarsened anew."""
+    from metadist_solvers import _common
+
+    calls = []
+    real = _common.coarsen
+    monkeypatch.setattr(_common, "coarsen", lambda p, **k: calls.append(1) or real(p, **k))
+    loose = _problem(make=linear_step)
+    free = pm.solve("ilp", loose, {})
+    with pytest.raises(InfeasibleBudgetError) as e:
+        pm.solve("ilp", loose.with_budget(1), {})
+    lean = int(e.value.needed)
+    assert lean < free.memory_per_device, "the test needs a budget that binds"
+    budget = (free.memory_per_device + lean) // 2
+    tight = pm.solve("ilp", loose.with_budget(budget), {})
+    assert len(calls) == 1
+    assert tight.memory_per_device <= budget < free.memory_per_device
+    assert tight.objective >= free.objective
+    fresh = pm.solve("ilp", _problem(make=linear_step, budget=budget), {})  # its own terms: coarsened again
+    assert len(calls) == 2 and fresh.objective == pytest.approx(tight.objective, rel=1e-9)
