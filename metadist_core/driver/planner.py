@@ -346,13 +346,15 @@ class GraphPlanner:
         self.timings["build_problem"] += t1 - t0
         with Ticker(f"solve ({s.solver}, {len(problem.nodes)} decisions)", enabled=s.progress):
             try:  # finally: a graph with no plan under the budget took solver time too
-                try:
-                    plan = self._solve(problem)
+                try:  # under the budget less its headroom, which the plan must leave free with its buffers
+                    plan = self._solve(_less_headroom(problem))
                 except InfeasibleBudgetError as e:  # the solver's figure lacks the buffers: priced when asked
+                    if e.budget != problem.memory_budget:  # the error names the budget as set
+                        e = InfeasibleBudgetError(problem.memory_budget, e.needed, problem.mesh)
                     e.need_with_buffers = functools.partial(
                         memprofile.leanest_with_buffers, problem, e.needed, self._solve
                     )
-                    raise
+                    raise e
                 if s.memory_budget is not None:  # the budget holds with the collectives' buffers (memprofile)
                     plan = memprofile.fit_with_buffers(problem, plan, self._solve)
             finally:
@@ -413,6 +415,14 @@ class GraphPlanner:
         return recompute.choose(
             self.graph, s.memory_budget, self.solve, flops, enabled=s.recompute, propose=self.propose
         )
+
+
+def _less_headroom(problem: Any) -> Any:
+    """``problem`` under its memory budget less :data:`memprofile.HEADROOM` (the same where it has none): a plan
+    solved under the whole budget fills it and leaves no room for the headroom, and would be solved again."""
+    if problem.memory_budget is None:
+        return problem
+    return problem.with_budget(int(problem.memory_budget * (1.0 - memprofile.HEADROOM)))
 
 
 def replicated_plan(graph: MetaIR, mesh: Mesh, costs: Mapping[str, tuple] | None = None) -> tuple[Any, Any]:

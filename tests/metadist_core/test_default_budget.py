@@ -107,3 +107,22 @@ def test_the_reserve_comes_off_the_device_and_presets_but_not_a_cpu():
     measured = dataclasses.replace(DEVICE_PRESETS["a100"], name="measured-cuda")  # its memory_bytes is a default
     assert plan_budget(s, measured).bytes is None
     assert plan_budget(load_settings(memory_budget=123, progress=False), DEVICE_PRESETS["h100"], 2**40).bytes == 123
+
+
+def test_a_budget_is_solved_under_its_headroom_first(cache, monkeypatch):
+    """The solver is asked for the budget less the headroom the plan must leave free (a plan filling the whole
+    budget would be solved again); a plan without buffers at its peak is then solved once, and an error still
+    names the budget as set."""
+    from metadist_core.driver import planner
+    from metadist_core.plan.memprofile import HEADROOM
+
+    asked = []
+    real = planner.GraphPlanner._solve
+    monkeypatch.setattr(planner.GraphPlanner, "_solve", lambda self, p: asked.append(p.memory_budget) or real(self, p))
+    budget = 355_000
+    res = _compile(cache, None, memory_budget=budget)
+    assert asked == [int(budget * (1 - HEADROOM))]
+    assert res.plan.stats.peak_with_buffers <= budget * (1 - HEADROOM)
+    with pytest.raises(InfeasibleBudgetError) as err:
+        _compile(cache, None, memory_budget=200_000)
+    assert "200,000" in str(err.value) and str(int(200_000 * (1 - HEADROOM))) not in str(err.value).replace(",", "")
