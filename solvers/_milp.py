@@ -348,10 +348,10 @@ class _Model:
                 self.cache_hits += 1
                 return hit
         res = run(self.presolve)
-        if res.status == 4 and not self.presolve:
-            # HiGHS "Solve error" (seen in transformNewIntegerFeasibleSolution with presolve off, on a
-            # small problem with toggles): the same model with presolve on
-            res = run(True)
+        if res.status == 4:
+            # HiGHS "Solve error" (seen in transformNewIntegerFeasibleSolution, with presolve off and with it
+            # on, on small problems with toggles): the same model with presolve the other way
+            res = run(not self.presolve)
         if key is not None:
             _cache.store(self.cache_dir, key, res, self.cache_mb)
         return res

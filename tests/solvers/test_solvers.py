@@ -226,3 +226,16 @@ def test_an_ilp_out_of_time_under_an_impossible_budget_says_what_every_plan_need
         pm.solve("ilp", p.with_budget(bound - 1), {"least_peak": False})
     with pytest.raises(RuntimeError, match="no plan within time_limit"):  # a budget the bound allows: time it was
         pm.solve("ilp", p.with_budget(bound), {"least_peak": False})
+
+
+def test_under_a_budget_the_ilp_presolves(pm):
+    """HiGHS presolve is on under a memory budget (and where constraints leave options out), off on a free
+    problem (test_memory_budget_is_honoured_or_refused holds the budgeted optimum to brute force's)."""
+    from metadist_solvers.ilp import wants_presolve
+
+    p, free_plan, least, budget = _binding_budget(pm)
+    assert not wants_presolve(p.terms()) and free_plan.stats.extra.get("presolve") is False
+    tight = p.with_budget(budget)
+    assert wants_presolve(tight.terms())
+    plan = pm.solve("ilp", tight, {})
+    assert plan.stats.extra.get("presolve") is True and plan.memory_per_device <= budget
