@@ -121,6 +121,60 @@ REAL = {
 # mixtures of experts at the shapes they train: Qwen3-30B-A3B (48 layers, 128 experts of width 768, top-8), and
 # DeepSeek-V3's layer (latent attention, 256 routed experts beside a shared one, top-8 of 8 groups, the first
 # layer dense) at width 2,048 and 27 layers; built on the meta device
+# dense models beside LLaMA whose every op must get its rules at 64 x 4,096 (transformers' config class, sizes)
+DENSE_SIZES = {
+    "qwen2-7b": (
+        "Qwen2",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            num_hidden_layers=28,
+            vocab_size=152064,
+        ),
+    ),
+    "qwen3-8b": (
+        "Qwen3",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=36,
+            vocab_size=151936,
+        ),
+    ),
+    "mistral-7b": (
+        "Mistral",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            num_hidden_layers=32,
+            vocab_size=32000,
+            sliding_window=4096,
+        ),
+    ),
+}
+
+
+def dense_on_meta(name: str, batch: int, seq: int, layers: int | None = None, use_cache: bool = False):
+    """transformers' causal LM of :data:`DENSE_SIZES` ``name`` (``layers``: instead of its own depth) on the
+    meta device, and a batch of ``batch`` x ``seq`` token ids."""
+    import torch
+    import transformers
+
+    family, sizes = DENSE_SIZES[name]
+    sizes = {**sizes, **({} if layers is None else {"num_hidden_layers": layers})}
+    config = getattr(transformers, f"{family}Config")(max_position_embeddings=seq, use_cache=use_cache, **sizes)
+    with torch.device("meta"):
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    return model, torch.randint(0, config.vocab_size, (batch, seq), device="meta")
+
+
 MOE_SIZES = {
     "qwen3-moe-30b": dict(
         hidden_size=2048,

@@ -34,7 +34,7 @@ from metadist_core.discovery.canonical import canonical_name
 SMALL = 4  # sizes up to this stay exactly as they are (1, pairs, kernels of 3, RGB...)
 MAX_MULTIPLE = 4  # a large size that is k x another (k <= this) keeps that relation (a fused qkv is 3 x width)
 SENTINEL = 2**31  # integers this large in attributes mean "to the end" (slice ends), not sizes
-PROXY_BUDGET = 2**21  # elements over all of a proxy op's tensors; a larger proxy stands for nothing useful
+PROXY_BUDGET = 2**22  # elements over all of a proxy op's tensors; a larger proxy stands for nothing useful
 
 
 class NoProxy(Exception):

@@ -7,7 +7,9 @@
 - the forward is cut into two segments a layer (attention and MLP halves), not one segment for all layers but
   the last (the rotary tables, read by every layer, no longer thicken the layers' cuts), and recomputing every
   segment never predicts more peak memory than recomputing none;
-- on CUDA the device's memory (a substituted query here) reaches the planner as the default budget.
+- on CUDA the device's memory (a substituted query here) reaches the planner as the default budget;
+- the same for Qwen2, Qwen3 and Mistral at their 7-8B widths: Qwen2's attention backward (28 heads beside 4
+  key-value heads and a whole causal mask) keeps a proxy.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from benchmarks.plan_scale import llama_on_meta, trace_lm  # noqa: E402
+from benchmarks.plan_scale import DENSE_SIZES, dense_on_meta, llama_on_meta, trace_lm  # noqa: E402
 from metadist_core.discovery.discover import discover, discover_pattern  # noqa: E402
 from metadist_core.discovery.patterns import op_numel, op_pattern  # noqa: E402
 from metadist_core.discovery.rules import RuleBook  # noqa: E402
@@ -82,6 +84,31 @@ def test_no_op_of_llama_runs_replicated_at_64_x_4096(width, tmp_path, caplog):
     assert not replicated, replicated
     assert not [r for r in caplog.records if "runs replicated" in r.getMessage()]
     assert time.perf_counter() - t < 900
+
+
+def test_qwen2s_attention_backward_keeps_a_proxy():
+    """The lean variant for Qwen2-7B (28 heads, 4 key-value heads, the causal mask made whole): its attention
+    backward, 10 tensors over 4 independent sizes, has a proxy of 3 million elements; it gets its rules there
+    (the batch split; 28 heads do not split over 8 devices) instead of running replicated."""
+    g = trace_lm(*dense_on_meta("qwen2-7b", 64, 4096, layers=1))
+    pm = PluginManager()
+    ops = [op for op in g.ops if op.key == "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"]
+    assert ops
+    rules, _ = discover_pattern(ops[0], g, pm, op_pattern(ops[0], g, 8), set())
+    assert rules.status == "ok", rules.note
+    assert any(r.inputs[0] == Shard(0) for r in rules.rules)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(DENSE_SIZES))
+def test_no_op_of_qwen_and_mistral_runs_replicated_at_64_x_4096(name, caplog):
+    """Qwen2-7B, Qwen3-8B and Mistral-7B (sliding window), 2 layers each, on an axis of 8: 15-20 s each."""
+    g = trace_lm(*dense_on_meta(name, 64, 4096, layers=2))
+    with caplog.at_level(logging.WARNING, logger="metadist"):
+        book = discover(g, PluginManager(), RuleBook(), axis_sizes=(8,), progress=False)
+    replicated = {k: e.note for k, e in book.entries.items() if e.status != "ok"}
+    assert not replicated, replicated
+    assert not [r for r in caplog.records if "runs replicated" in r.getMessage()]
 
 
 def _small_llama(layers: int, seq: int = 256):
