@@ -75,8 +75,7 @@ def coarsened(problem: ShardingProblem, options: dict) -> Coarsening:
     (:meth:`ShardingProblem.with_budget`, which shares its terms) is not coarsened again."""
     plain = options.get("coarsen", True) is False
     tie = False if plain else bool(options.get("tie_layers", True))
-    problem.terms()  # builds the shared terms once
-    kept = problem.__dict__["_terms_cache"].__dict__.setdefault("_coarsenings", {})
+    kept = problem.terms_memo()
     key = (plain, tie, tuple(id(t) for t in problem.toggles), id(problem.step_map))
     hit = kept.get(key)
     if hit is None:

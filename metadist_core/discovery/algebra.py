@@ -147,10 +147,11 @@ def dim_map(op: MetaOp, src: tuple[int, ...], dst: tuple[int, ...]) -> dict[int,
             return None
         return {i: i + (i >= new[0]) for i in range(len(src))}
     if key.startswith("aten.squeeze."):
-        gone = set(range(len(src))) if key == "aten.squeeze.default" else _dims(encoded_arg(a, 1, "dim"), len(src))
-        if gone is None:
+        named = list(range(len(src))) if key == "aten.squeeze.default" else _dims(encoded_arg(a, 1, "dim"), len(src))
+        if named is None:
             return None
-        kept = [i for i in range(len(src)) if not (i in set(gone) and src[i] == 1)]
+        gone = set(named)
+        kept = [i for i in range(len(src)) if not (i in gone and src[i] == 1)]
         return {i: j for j, i in enumerate(kept)}
     if key == "aten.expand.default":  # right-aligned; a dim expanded from 1 is new
         lead = len(dst) - len(src)

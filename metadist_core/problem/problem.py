@@ -184,6 +184,13 @@ class ShardingProblem:
     def forget_terms(self) -> None:
         """Drop the cached terms (a copy whose allowed options or costs change builds its own)."""
         self.__dict__.pop("_terms_cache", None)
+        self.__dict__.pop("_terms_memo", None)
+
+    def terms_memo(self) -> dict:
+        """A dict kept with the cached terms, for what a solver derives from them alone (a coarsening): shared
+        by the copies that share the terms (:meth:`with_budget`), dropped with them (:meth:`forget_terms`)."""
+        self.terms()
+        return self.__dict__.setdefault("_terms_memo", {})
 
     def terms(self) -> Terms:
         """The numeric problem, uncoarsened; output reshards are folded into unary costs (cached)."""
