@@ -200,3 +200,9 @@ def test_a_problem_solved_again_under_another_budget_is_coarsened_once(pm, monke
     assert tight.objective >= free.objective
     fresh = pm.solve("ilp", _problem(make=linear_step, budget=budget), {})  # its own terms: coarsened again
     assert len(calls) == 2 and fresh.objective == pytest.approx(tight.objective, rel=1e-9)
+    edited = loose.with_budget(budget)
+    edited.forget_terms()  # what a preset does to a copy whose options it changes
+    pm.solve("ilp", edited, {})
+    assert len(calls) == 3
+    pm.solve("ilp", loose, {})  # the original keeps its own
+    assert len(calls) == 3
