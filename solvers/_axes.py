@@ -92,6 +92,7 @@ def descend(
     history = [obj]
     rounds = solves = 0
     biggest = 0
+    out_of_time = False
     while time.perf_counter() < deadline and rounds < max_rounds:
         rounds += 1
         improved = False
@@ -112,7 +113,13 @@ def descend(
                 maps.append(ok)
             sub = contract(t, list(range(t.n_nodes)), maps, [len(m) for m in maps], t.names)
             biggest = max(biggest, sub.size()["edge_cells"] + sum(sub.n_options))
-            ch = solve(sub, max(0.1, deadline - time.perf_counter()))
+            try:
+                ch = solve(sub, max(0.1, deadline - time.perf_counter()))
+            except RuntimeError:  # no plan of the block in the time left: the plan so far stands
+                if time.perf_counter() < deadline:
+                    raise
+                out_of_time = True
+                break
             solves += 1
             new = np.array([m[k] for m, k in zip(maps, ch)], dtype=np.int64)
             o = t.objective(new)
@@ -129,4 +136,5 @@ def descend(
         "descent_solves": solves,
         "descent_history_ms": [h * 1e3 for h in history],
         "descent_largest_subproblem": int(biggest),
+        "descent_out_of_time": out_of_time,
     }

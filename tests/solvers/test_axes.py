@@ -120,3 +120,35 @@ def test_the_descent_keeps_a_memory_budget_that_binds():
     axes = pm.solve("ilp", q, {"method": "axes"})
     assert axes.memory_per_device <= budget
     assert axes.objective >= exact.objective * (1 - 1e-9)
+
+
+def test_a_block_out_of_time_leaves_the_plan_so_far():
+    """A block's ILP that finds no plan in the time left (the deadline reached) ends the descent with the best
+    plan found so far; the same failure before the deadline is an error."""
+    import time
+
+    p = _problem(CASES[1][1])
+    co = coarsen(p)
+    t = co.terms
+    groups = axis_codes(p, co)
+    start = np.array([int(np.flatnonzero(a)[0]) for a in t.allowed])
+    calls = []
+
+    def late(sub, seconds):  # the first block improves; the second runs out of time at the deadline
+        calls.append(seconds)
+        if len(calls) == 1:
+            return ilp_terms(sub, {"time_limit": 60.0, "method": "whole"})[0]
+        while time.perf_counter() < deadline:
+            time.sleep(0.01)
+        raise RuntimeError("the ILP found no plan within time_limit")
+
+    deadline = time.perf_counter() + 2.0
+    ch, stats = descend(t, groups, start, late, deadline=deadline)
+    assert stats["descent_out_of_time"] and stats["descent_solves"] == 1
+    assert t.objective(ch) < t.objective(start)
+
+    def broken(sub, seconds):
+        raise RuntimeError("the ILP found no plan within time_limit")
+
+    with pytest.raises(RuntimeError):
+        descend(t, groups, start, broken, deadline=time.perf_counter() + 60.0)
