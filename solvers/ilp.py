@@ -73,9 +73,9 @@ def _lazy(model: _Model, start_steps: list[int], budget: float, deadline: float,
 def wants_presolve(t: Terms) -> bool:
     """HiGHS presolve pays where constraints (a strategy preset, pins, forbids) leave options out: the
     transportation polytopes of their edges keep pair variables that only presolve removes, and the solve
-    is many times faster with it. It pays under a memory budget too (the same optimum in a half to a third
-    of the time on GPT-2 and LLaMA steps whose budget binds). On an unconstrained problem without a budget it
-    buys nothing (the same time or slower), so there it stays off."""
+    is many times faster with it. It pays under a memory budget too, where the memory rows join the
+    polytopes (docs/HISTORY.md has the measurements). On an unconstrained problem without a budget it buys
+    nothing (the same time or slower), so there it stays off."""
     return t.budget is not None or any(not a.all() for a in t.allowed)
 
 
