@@ -154,7 +154,7 @@ def plan_graph(
         else:  # the device's memory: the plan without a budget where it fits, else one solved under it
             res = plan_under(s)
             peak = res.plan.stats.peak_with_buffers
-            if peak is not None and peak > budget.bytes * (1.0 - memprofile.HEADROOM):
+            if peak is not None and peak > memprofile.headroom_target(budget.bytes):
                 log.info(
                     "the plan without a budget needs %s bytes per device; planning under %s (%s)",
                     f"{peak:,}",
@@ -383,7 +383,7 @@ class GraphPlanner:
             try:  # under the headroom, less what an earlier proposal overshot with its buffers
                 plan = self.pm.solve(
                     s.solver,
-                    problem.with_budget(int(s.memory_budget * (1.0 - memprofile.HEADROOM)) - cut),
+                    problem.with_budget(memprofile.headroom_target(s.memory_budget) - cut),
                     {**self.options, "least_peak": False, "time_limit": limit},
                 )
             except (InfeasibleBudgetError, RuntimeError) as e:
@@ -422,7 +422,7 @@ def _less_headroom(problem: Any) -> Any:
     solved under the whole budget fills it and leaves no room for the headroom, and would be solved again."""
     if problem.memory_budget is None:
         return problem
-    return problem.with_budget(int(problem.memory_budget * (1.0 - memprofile.HEADROOM)))
+    return problem.with_budget(memprofile.headroom_target(problem.memory_budget))
 
 
 def replicated_plan(graph: MetaIR, mesh: Mesh, costs: Mapping[str, tuple] | None = None) -> tuple[Any, Any]:

@@ -216,6 +216,11 @@ def peak_with_buffers(problem: Any, plan: Any) -> int:
     return int(profile_with_buffers(problem, np.asarray(plan.choices)).max())
 
 
+def headroom_target(budget: int) -> int:
+    """The bytes a plan may hold under ``budget``, collectives' buffers included: the budget less :data:`HEADROOM`."""
+    return int(budget * (1.0 - HEADROOM))
+
+
 def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rounds: int = FIT_ROUNDS) -> Any:
     """A plan whose peak *with* collective buffers meets ``problem.memory_budget`` less :data:`HEADROOM`.
 
@@ -230,7 +235,7 @@ def fit_with_buffers(problem: Any, plan: Any, resolve: Callable[[Any], Any], rou
     budget = problem.memory_budget
     if budget is None:
         return plan
-    target = int(budget * (1.0 - HEADROOM))
+    target = headroom_target(budget)
     peak = peak_with_buffers(problem, plan)
     log.debug(
         "fit_with_buffers: the plan under %s peaks at %s with buffers (target %s)",
@@ -300,6 +305,7 @@ __all__ = [
     "peak_with_buffers",
     "fit_with_buffers",
     "budget_for",
+    "headroom_target",
     "leanest_with_buffers",
     "HEADROOM",
 ]
