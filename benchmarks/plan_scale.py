@@ -118,9 +118,6 @@ REAL = {
     "qwen3-moe": ("qwen3-moe-30b", (8, 8), 8, 4096, 80 * GiB),
     "dsv3-like": ("deepseek-v3-like", (8, 8), 8, 4096, 80 * GiB),
 }
-# mixtures of experts at the shapes they train: Qwen3-30B-A3B (48 layers, 128 experts of width 768, top-8), and
-# DeepSeek-V3's layer (latent attention, 256 routed experts beside a shared one, top-8 of 8 groups, the first
-# layer dense) at width 2,048 and 27 layers; built on the meta device
 # dense models beside LLaMA whose every op must get its rules at 64 x 4,096 (transformers' config class, sizes)
 DENSE_SIZES = {
     "qwen2-7b": (
@@ -167,14 +164,19 @@ def dense_on_meta(name: str, batch: int, seq: int, layers: int | None = None, us
     import torch
     import transformers
 
+    from ._models import _build, _quiet_transformers
+
+    _quiet_transformers()
     family, sizes = DENSE_SIZES[name]
     sizes = {**sizes, **({} if layers is None else {"num_hidden_layers": layers})}
     config = getattr(transformers, f"{family}Config")(max_position_embeddings=seq, use_cache=use_cache, **sizes)
-    with torch.device("meta"):
-        model = getattr(transformers, f"{family}ForCausalLM")(config)
+    model = _build(getattr(transformers, f"{family}ForCausalLM"), config, "meta")
     return model, torch.randint(0, config.vocab_size, (batch, seq), device="meta")
 
 
+# mixtures of experts at the shapes they train: Qwen3-30B-A3B (48 layers, 128 experts of width 768, top-8), and
+# DeepSeek-V3's layer (latent attention, 256 routed experts beside a shared one, top-8 of 8 groups, the first
+# layer dense) at width 2,048 and 27 layers; built on the meta device
 MOE_SIZES = {
     "qwen3-moe-30b": dict(
         hidden_size=2048,
