@@ -79,7 +79,7 @@ FIRST = RESHAPES | COPIES | DIM_MAPS
 
 def has_algebra(op: MetaOp) -> bool:
     """Do ``op``'s rules follow from its shapes alone (:func:`algebra_rules`)?"""
-    return op.key in RESHAPES or op.key in COPIES or op.key in ALONG_DIM or op.key in NEW_EMPTY or op.key in DIM_MAPS
+    return op.key in FIRST or op.key in ALONG_DIM or op.key in NEW_EMPTY
 
 
 def _contiguous(shape: tuple[int, ...]) -> list[int]:
